@@ -1,0 +1,84 @@
+"""Agent configuration: ``/etc/forewarn/agent.toml``, ``FOREWARN_AGENT_*``, then flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+from pathlib import Path
+
+from forewarn.config import ConfigError
+
+__all__ = ["DEFAULT_CONFIG_PATH", "AgentConfig"]
+
+DEFAULT_CONFIG_PATH = Path("/etc/forewarn/agent.toml")
+
+SOURCES = ("auto", "nvml", "dcgm", "sim", "replay")
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    """Everything the agent can be told. Field names are the TOML keys."""
+
+    node: str = dataclasses.field(default_factory=socket.gethostname)
+    """Name of this node in metrics and at the collector."""
+    source: str = "auto"
+    """GPU source: nvml, dcgm, sim, replay; auto = nvml."""
+    interval_s: float = 1.0
+    """Poll interval of the GPU source and the checks."""
+    listen: str = "127.0.0.1:9403"
+    """host:port of the Prometheus /metrics endpoint."""
+    # sim source
+    scenario: Path | None = None
+    """Scenario file for --source sim; none = the embedded default scenario."""
+    sim_gpus: int = 8
+    """Number of simulated GPUs when the scenario does not say."""
+    sim_speed: float = 1.0
+    """Simulated seconds per real second."""
+    # replay source
+    replay_path: Path | None = None
+    replay_speed: float = 1.0
+    # dcgm source
+    dcgm_url: str = "http://127.0.0.1:9400/metrics"
+    dcgm_timeout_s: float = 2.0
+    # kernel log
+    kmsg: bool = True
+    """Read NVRM Xid lines from the kernel log."""
+    kmsg_path: Path = Path("/dev/kmsg")
+    # training ranks
+    socket_path: Path = Path("/run/forewarn/agent.sock")
+    """Unix datagram socket the training hooks report to."""
+    hang_action: str = "shadow"
+    """On a confirmed rank hang: shadow (report only) or terminate (SIGTERM, then SIGKILL)."""
+    hang_grace_s: float = 30.0
+    """Seconds between SIGTERM and SIGKILL when hang_action = terminate."""
+    hang_floor_s: float = 2.0
+    """A rank is never called hung sooner than this."""
+    # collector uplink
+    collector_url: str = ""
+    """Base URL of the collector; empty = run standalone."""
+    token: str = ""
+    token_file: Path | None = None
+    spool_dir: Path = Path("/var/lib/forewarn/spool")
+    spool_max_bytes: int = 256 * 1024 * 1024
+    push_interval_s: float = 5.0
+    # systemd
+    watchdog: bool = True
+    """Send READY and WATCHDOG pings when started by systemd (NOTIFY_SOCKET set)."""
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ConfigError(f"source: must be one of {', '.join(SOURCES)}, got {self.source!r}")
+        if not 0.05 <= self.interval_s <= 3600:
+            raise ConfigError(f"interval_s: must be within 0.05..3600, got {self.interval_s}")
+        if self.hang_action not in ("shadow", "terminate"):
+            raise ConfigError(f"hang_action: must be shadow or terminate, got {self.hang_action!r}")
+        if self.sim_gpus < 1 or self.sim_gpus > 64:
+            raise ConfigError(f"sim_gpus: must be within 1..64, got {self.sim_gpus}")
+        for key in ("sim_speed", "replay_speed", "push_interval_s", "dcgm_timeout_s", "hang_grace_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{key}: must be positive, got {getattr(self, key)}")
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ConfigError(f"listen: expected host:port, got {self.listen!r}")
+        if not self.node:
+            raise ConfigError("node: must not be empty")

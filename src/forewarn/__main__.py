@@ -1,0 +1,5 @@
+import sys
+
+from forewarn.cli import main
+
+sys.exit(main())

@@ -1,0 +1,44 @@
+"""The ``forewarn`` command. Each subcommand lives with its part and registers itself
+here through an explicit list, so ``forewarn --help`` lists all of them."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from forewarn import __version__
+
+# (subcommand, module exposing ``register(subparsers)``). Modules keep heavy imports
+# inside their command functions so ``--help`` stays fast.
+SUBCOMMANDS: tuple[tuple[str, str], ...] = (
+    ("agent", "forewarn.agent.cli"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="forewarn",
+        description=(
+            "forewarn watches GPU nodes and the training jobs on them, sees failures "
+            "coming, and makes the job checkpoint before it dies."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"forewarn {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for _name, module in SUBCOMMANDS:
+        importlib.import_module(module).register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``forewarn`` command; returns the process exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,400 @@
+"""Records that cross a process boundary, defined once.
+
+Every record is a :class:`msgspec.Struct` carrying the wire version ``v``.  Decoding
+validates types and ranges and raises :class:`WireError` whose message names the field
+(``Expected `int`, got `str` - at `$.step```).  Nothing else is shared between the
+parts of forewarn.
+
+Encodings:
+
+* hook <-> agent datagrams: msgpack (:func:`encode` / :func:`decode_hook_message`,
+  :func:`decode_order`); msgpack keeps NaN and Inf, which a NaN-loss detector needs.
+* agent -> collector batches: msgpack over HTTP (``application/msgpack``).
+* collector API and webhooks: JSON (non-finite floats become ``null``).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated, Any, Final, TypeVar
+
+import msgspec
+from msgspec import Meta, Struct, field
+
+__all__ = [
+    "WIRE_VERSION",
+    "AgentBatch",
+    "Beat",
+    "CheckpointOrder",
+    "CheckpointReport",
+    "Command",
+    "CommandAck",
+    "Finding",
+    "GpuSample",
+    "GpuState",
+    "Health",
+    "HookMessage",
+    "NvlinkCounters",
+    "RankSummary",
+    "StepRecord",
+    "Subject",
+    "SuggestedAction",
+    "WireError",
+    "XidEvent",
+    "decode",
+    "decode_hook_message",
+    "decode_json",
+    "decode_order",
+    "encode",
+    "encode_json",
+]
+
+WIRE_VERSION: Final = 1
+"""Current wire version. Decoders accept versions 1..WIRE_VERSION."""
+
+Version = Annotated[int, Meta(ge=1, le=WIRE_VERSION)]
+NonNegInt = Annotated[int, Meta(ge=0)]
+Rank = Annotated[int, Meta(ge=0, le=1_000_000)]
+Name = Annotated[str, Meta(min_length=1, max_length=256)]
+Text = Annotated[str, Meta(max_length=4096)]
+Seconds = Annotated[float, Meta(ge=0.0)]
+UnixTime = Annotated[float, Meta(ge=0.0)]
+
+
+class WireError(ValueError):
+    """A record failed to decode; the message names the offending field."""
+
+
+class Health(enum.StrEnum):
+    """Health of a subject, from best to worst (unknown: could not tell)."""
+
+    HEALTHY = "healthy"
+    DEGRADED = "degraded"
+    UNHEALTHY = "unhealthy"
+    UNKNOWN = "unknown"
+
+
+class SuggestedAction(enum.StrEnum):
+    """What a person or the policy should do about a finding."""
+
+    NONE = "none"
+    WATCH = "watch"
+    CHECKPOINT = "checkpoint"
+    RESTART_JOB = "restart_job"
+    RESET_GPU = "reset_gpu"
+    REBOOT = "reboot"
+    DRAIN = "drain"
+    INSPECT_HARDWARE = "inspect_hardware"
+
+
+class GpuState(enum.StrEnum):
+    """Whether the GPU answered this poll (NVML_ERROR_GPU_IS_LOST etc. map here)."""
+
+    OK = "ok"
+    LOST = "lost"
+    RESET_REQUIRED = "reset_required"
+
+
+class NvlinkCounters(Struct, frozen=True, kw_only=True):
+    """Cumulative NVLink error counters of one link (NVML_NVLINK_ERROR_DL_*)."""
+
+    link: NonNegInt
+    crc_flit: NonNegInt | None = None
+    crc_data: NonNegInt | None = None
+    replay: NonNegInt | None = None
+    recovery: NonNegInt | None = None
+
+
+class GpuSample(Struct, frozen=True, kw_only=True):
+    """One poll of one GPU. ``None`` means not read: see ``unsupported`` for why.
+
+    Counters (``*_total`` style fields) are cumulative as NVML reports them. This is also
+    the replay schema: one row per GPU per sample time, columns named as these fields.
+    """
+
+    v: Version = WIRE_VERSION
+    node: Name
+    gpu: NonNegInt
+    uuid: Annotated[str, Meta(max_length=128)] = ""
+    pci_bus_id: Annotated[str, Meta(max_length=64)] = ""
+    name: Annotated[str, Meta(max_length=128)] = ""
+    time: UnixTime
+    source: Annotated[str, Meta(max_length=32)]
+    simulated: bool = False
+    state: GpuState = GpuState.OK
+    temperature_c: float | None = None
+    memory_temperature_c: float | None = None
+    slowdown_margin_c: float | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    sm_clock_mhz: float | None = None
+    mem_clock_mhz: float | None = None
+    gpu_util_pct: float | None = None
+    mem_util_pct: float | None = None
+    memory_used_bytes: NonNegInt | None = None
+    memory_total_bytes: NonNegInt | None = None
+    throttle_reasons: NonNegInt | None = None
+    ecc_corrected_volatile: NonNegInt | None = None
+    ecc_uncorrected_volatile: NonNegInt | None = None
+    ecc_corrected_aggregate: NonNegInt | None = None
+    ecc_uncorrected_aggregate: NonNegInt | None = None
+    retired_pages_sbe: NonNegInt | None = None
+    retired_pages_dbe: NonNegInt | None = None
+    retired_pages_pending: bool | None = None
+    remapped_rows_correctable: NonNegInt | None = None
+    remapped_rows_uncorrectable: NonNegInt | None = None
+    remap_pending: bool | None = None
+    remap_failure: bool | None = None
+    pcie_replay_total: NonNegInt | None = None
+    pcie_link_gen: NonNegInt | None = None
+    pcie_link_gen_max: NonNegInt | None = None
+    pcie_link_width: NonNegInt | None = None
+    pcie_link_width_max: NonNegInt | None = None
+    nvlink: tuple[NvlinkCounters, ...] = ()
+    pstate: NonNegInt | None = None
+    unsupported: tuple[str, ...] = ()
+    """Fields this GPU does not support (NVML_ERROR_NOT_SUPPORTED): not errors."""
+    errors: tuple[str, ...] = ()
+    """``field: reason`` for fields that failed for another reason this poll."""
+
+
+class XidEvent(Struct, frozen=True, kw_only=True):
+    """An NVIDIA XID error: from an NVML event set, the kernel log or a replay."""
+
+    v: Version = WIRE_VERSION
+    node: Name
+    gpu: NonNegInt | None = None
+    pci_bus_id: Annotated[str, Meta(max_length=64)] = ""
+    code: Annotated[int, Meta(ge=0, le=100_000)]
+    text: Text = ""
+    time: UnixTime
+    source: Annotated[str, Meta(max_length=32)]
+    simulated: bool = False
+
+
+class Subject(Struct, frozen=True, kw_only=True):
+    """What a finding is about: a GPU, a node, a rank of a job, or a whole job."""
+
+    kind: Annotated[str, Meta(pattern="^(gpu|node|rank|job)$")]
+    node: Annotated[str, Meta(max_length=256)] = ""
+    gpu: NonNegInt | None = None
+    job: Annotated[str, Meta(max_length=256)] = ""
+    rank: NonNegInt | None = None
+
+    def key(self) -> str:
+        """A stable string for dedup and cooldown: ``gpu:node7/3``, ``rank:job42/5``."""
+        if self.kind == "gpu":
+            return f"gpu:{self.node}/{self.gpu}"
+        if self.kind == "node":
+            return f"node:{self.node}"
+        if self.kind == "rank":
+            return f"rank:{self.job}/{self.rank}"
+        return f"job:{self.job}"
+
+
+Evidence = dict[Annotated[str, Meta(max_length=64)], float | int | str | bool | None]
+
+
+class Finding(Struct, frozen=True, kw_only=True):
+    """The result of a check or detector about one subject.
+
+    ``probability`` is set by predictors: P(failure of the subject within ``horizon_s``).
+    """
+
+    v: Version = WIRE_VERSION
+    check: Name
+    health: Health
+    subject: Subject
+    reason: Text
+    action: SuggestedAction = SuggestedAction.NONE
+    evidence: Evidence = field(default_factory=dict)
+    time: UnixTime
+    probability: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    horizon_s: Seconds | None = None
+    simulated: bool = False
+
+
+class StepRecord(Struct, frozen=True, kw_only=True, tag="step"):
+    """hook -> agent: one training step of one rank. ``loss`` may be NaN or Inf."""
+
+    v: Version = WIRE_VERSION
+    job: Name
+    rank: Rank
+    local_rank: Rank = 0
+    world_size: Annotated[int, Meta(ge=1, le=1_000_000)] = 1
+    pid: Annotated[int, Meta(ge=1)]
+    host: Name
+    step: NonNegInt
+    time: UnixTime
+    step_seconds: Seconds | None = None
+    loss: float | None = None
+    grad_norm: float | None = None
+    extras: dict[Annotated[str, Meta(max_length=64)], float] = field(default_factory=dict)
+
+
+class Beat(Struct, frozen=True, kw_only=True, tag="beat"):
+    """hook -> agent: liveness from the rank's background thread, sent even when stuck."""
+
+    v: Version = WIRE_VERSION
+    job: Name
+    rank: Rank
+    local_rank: Rank = 0
+    world_size: Annotated[int, Meta(ge=1, le=1_000_000)] = 1
+    pid: Annotated[int, Meta(ge=1)]
+    host: Name
+    time: UnixTime
+    last_step: NonNegInt | None = None
+    dropped: NonNegInt = 0
+    reply_to: Annotated[str, Meta(max_length=256)] = ""
+    """Path of the rank's own datagram socket, where the agent sends orders."""
+
+
+class CheckpointReport(Struct, frozen=True, kw_only=True, tag="checkpoint"):
+    """hook -> agent -> collector: a rank's checkpoint progress for one order.
+
+    ``phase``: ``started``, ``done``, ``failed``, or ``missed`` (the ordered step had
+    already passed when the order arrived; ``step`` then holds the rank's current step).
+    """
+
+    v: Version = WIRE_VERSION
+    job: Name
+    rank: Rank
+    host: Annotated[str, Meta(max_length=256)] = ""
+    request_id: Annotated[str, Meta(max_length=128)] = ""
+    step: NonNegInt
+    phase: Annotated[str, Meta(pattern="^(started|done|failed|missed)$")]
+    seconds: Seconds | None = None
+    bytes: NonNegInt | None = None
+    time: UnixTime
+    path: Annotated[str, Meta(max_length=4096)] = ""
+
+
+HookMessage = StepRecord | Beat | CheckpointReport
+"""Everything a rank sends to its agent."""
+
+
+class CheckpointOrder(Struct, frozen=True, kw_only=True):
+    """agent -> hook, collector -> agent: every rank of ``job`` saves at ``step``."""
+
+    v: Version = WIRE_VERSION
+    request_id: Annotated[str, Meta(min_length=1, max_length=128)]
+    job: Name
+    step: NonNegInt
+    reason: Text = ""
+    issued: UnixTime
+
+
+class RankSummary(Struct, frozen=True, kw_only=True):
+    """agent -> collector: what the agent knows of one rank on its node."""
+
+    v: Version = WIRE_VERSION
+    job: Name
+    rank: Rank
+    local_rank: Rank = 0
+    world_size: Annotated[int, Meta(ge=1, le=1_000_000)] = 1
+    node: Name
+    gpu: NonNegInt | None = None
+    pid: Annotated[int, Meta(ge=1)]
+    last_step: NonNegInt | None = None
+    last_step_time: UnixTime | None = None
+    last_beat: UnixTime | None = None
+    step_seconds_p50: Seconds | None = None
+    step_seconds_p99: Seconds | None = None
+    loss: float | None = None
+    grad_norm: float | None = None
+    alive: bool = True
+    last_checkpoint_step: NonNegInt | None = None
+    last_checkpoint_time: UnixTime | None = None
+    checkpoint_seconds: Seconds | None = None
+
+
+class AgentBatch(Struct, frozen=True, kw_only=True):
+    """agent -> collector: everything since the last batch. ``seq`` is per agent and
+    strictly increasing, so the collector stores each batch exactly once."""
+
+    v: Version = WIRE_VERSION
+    node: Name
+    agent_id: Name
+    seq: NonNegInt
+    created: UnixTime
+    urgent: bool = False
+    samples: list[GpuSample] = field(default_factory=list)
+    xids: list[XidEvent] = field(default_factory=list)
+    findings: list[Finding] = field(default_factory=list)
+    ranks: list[RankSummary] = field(default_factory=list)
+    checkpoints: list[CheckpointReport] = field(default_factory=list)
+
+
+class Command(Struct, frozen=True, kw_only=True):
+    """collector -> agent over the long poll. ``kind``: ``checkpoint`` or ``probe``."""
+
+    v: Version = WIRE_VERSION
+    id: Annotated[str, Meta(min_length=1, max_length=128)]
+    kind: Annotated[str, Meta(pattern="^(checkpoint|probe)$")]
+    order: CheckpointOrder | None = None
+    issued: UnixTime
+
+
+class CommandAck(Struct, frozen=True, kw_only=True):
+    """agent -> collector: the agent received (and passed on) a command."""
+
+    v: Version = WIRE_VERSION
+    id: Annotated[str, Meta(min_length=1, max_length=128)]
+    node: Name
+    ok: bool = True
+    detail: Text = ""
+    time: UnixTime
+
+
+T = TypeVar("T")
+
+_msgpack_encoder = msgspec.msgpack.Encoder()
+_json_encoder = msgspec.json.Encoder()
+_hook_decoder = msgspec.msgpack.Decoder(HookMessage)  # type: ignore[arg-type]
+_order_decoder = msgspec.msgpack.Decoder(CheckpointOrder)
+
+
+def encode(record: Any) -> bytes:
+    """Encode a record (or list of records) as msgpack."""
+    return _msgpack_encoder.encode(record)
+
+
+def encode_json(record: Any) -> bytes:
+    """Encode a record as JSON; NaN and Inf become ``null``."""
+    return _json_encoder.encode(record)
+
+
+def _wrap(exc: Exception, what: str) -> WireError:
+    return WireError(f"invalid {what}: {exc}")
+
+
+def decode(data: bytes, type: type[T]) -> T:
+    """Decode msgpack ``data`` as ``type``; :class:`WireError` names the bad field."""
+    try:
+        return msgspec.msgpack.decode(data, type=type)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise _wrap(exc, type.__name__) from None
+
+
+def decode_json(data: bytes | str, type: type[T]) -> T:
+    """Decode JSON ``data`` as ``type``; :class:`WireError` names the bad field."""
+    try:
+        return msgspec.json.decode(data, type=type)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise _wrap(exc, type.__name__) from None
+
+
+def decode_hook_message(data: bytes) -> StepRecord | Beat | CheckpointReport:
+    """Decode one hook datagram."""
+    try:
+        return _hook_decoder.decode(data)  # type: ignore[no-any-return]
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise _wrap(exc, "hook message") from None
+
+
+def decode_order(data: bytes) -> CheckpointOrder:
+    """Decode one checkpoint order datagram (agent -> hook)."""
+    try:
+        return _order_decoder.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise _wrap(exc, "checkpoint order") from None
