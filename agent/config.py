@@ -74,10 +74,13 @@ class AgentConfig:
             raise ConfigError(f"hang_action: must be shadow or terminate, got {self.hang_action!r}")
         if self.sim_gpus < 1 or self.sim_gpus > 64:
             raise ConfigError(f"sim_gpus: must be within 1..64, got {self.sim_gpus}")
-        for key in ("sim_speed", "replay_speed", "push_interval_s", "dcgm_timeout_s", "hang_grace_s"):
+        positive = (
+            "sim_speed", "replay_speed", "push_interval_s", "dcgm_timeout_s", "hang_grace_s"
+        )
+        for key in positive:
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be positive, got {getattr(self, key)}")
-        host, sep, port = self.listen.rpartition(":")
+        _host, sep, port = self.listen.rpartition(":")
         if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
             raise ConfigError(f"listen: expected host:port, got {self.listen!r}")
         if not self.node:

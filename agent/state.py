@@ -10,6 +10,7 @@ import collections
 import dataclasses
 
 from forewarn.agent.backend import GpuInfo
+
 from forewarn.wire import GpuSample, XidEvent
 
 __all__ = ["AgentState", "GpuHistory"]

@@ -30,9 +30,9 @@ def _convert(key: str, origin: str, value: Any, hint: Any) -> Any:
     """Coerce ``value`` to the field's type ``hint``; strings (from env/flags) are parsed."""
     args = typing.get_args(hint)
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("", "none")):
-            if type(None) in args:
-                return None
+        is_none = value is None or (isinstance(value, str) and value.lower() in ("", "none"))
+        if is_none and type(None) in args:
+            return None
         errors = []
         for arg in args:
             if arg is type(None):
@@ -54,14 +54,18 @@ def _convert(key: str, origin: str, value: Any, hint: Any) -> Any:
         if isinstance(value, bool):
             raise ConfigError(f"{origin}: {key}: expected an integer, got {value!r}")
         try:
-            return int(value) if isinstance(value, str | int) else _bad(key, origin, value, "an integer")
+            if isinstance(value, str | int):
+                return int(value)
+            return _bad(key, origin, value, "an integer")
         except ValueError:
             return _bad(key, origin, value, "an integer")
     if hint is float:
         if isinstance(value, bool):
             return _bad(key, origin, value, "a number")
         try:
-            return float(value) if isinstance(value, str | int | float) else _bad(key, origin, value, "a number")
+            if isinstance(value, str | int | float):
+                return float(value)
+            return _bad(key, origin, value, "a number")
         except ValueError:
             return _bad(key, origin, value, "a number")
     if hint is str:

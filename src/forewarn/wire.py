@@ -350,7 +350,9 @@ T = TypeVar("T")
 
 _msgpack_encoder = msgspec.msgpack.Encoder()
 _json_encoder = msgspec.json.Encoder()
-_hook_decoder = msgspec.msgpack.Decoder(HookMessage)  # type: ignore[arg-type]
+_hook_decoder: msgspec.msgpack.Decoder[StepRecord | Beat | CheckpointReport] = (
+    msgspec.msgpack.Decoder(HookMessage)
+)
 _order_decoder = msgspec.msgpack.Decoder(CheckpointOrder)
 
 
@@ -387,7 +389,7 @@ def decode_json(data: bytes | str, type: type[T]) -> T:
 def decode_hook_message(data: bytes) -> StepRecord | Beat | CheckpointReport:
     """Decode one hook datagram."""
     try:
-        return _hook_decoder.decode(data)  # type: ignore[no-any-return]
+        return _hook_decoder.decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise _wrap(exc, "hook message") from None
 
