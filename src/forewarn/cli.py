@@ -14,6 +14,7 @@ from forewarn import __version__
 # inside their command functions so ``--help`` stays fast.
 SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("agent", "forewarn.agent.cli"),
+    ("simulate", "forewarn.simulate"),
 )
 
 

@@ -1,0 +1,315 @@
+"""``forewarn simulate``: what forewarn saves on long training runs, by discrete-event simulation.
+
+A job of ``gpus`` GPUs trains for ``days`` of wall time. Failures arrive as a Poisson process
+at a per-node rate (8 GPUs a node). Three ways to run it are compared on the same failures:
+
+(a) ``baseline``: periodic checkpoints at the Young/Daly optimum ``T = sqrt(2·C·M)``; a failure
+    is noticed only when NCCL's watchdog fires (10 min, PyTorch's default collective timeout).
+(b) ``fast_detection``: the same, but the agent notices the stuck ranks within
+    ``detect_s`` (forewarn's measured hang-detection latency) and the launcher restarts.
+(c) ``proactive``: (b) plus prediction-driven checkpoints: a failure that has a precursor is
+    predicted with probability ``recall`` ``lead`` seconds ahead, and a checkpoint is ordered
+    then; false alarms (``false_alarms_per_1k_gpu_days``) each cost one checkpoint.
+
+Lost time is broken down as the goodput accounting does: checkpoint overhead, work redone
+after failures, detection delay, restart downtime.
+
+Published figures this must reproduce first (tests/test_simulate.py):
+- Young's first-order waste at the optimum, ``sqrt(2C/M)`` (checkpoint overhead + rework only).
+- Meta's projected job mean time to failure by size (Kokolis et al., HPCA 2025): 1.8 h at
+  16,384 GPUs from 6.5 failures per 1,000 node-days (REFERENCE.md). Their *measured* 7.9 h at
+  1,024 GPUs is shorter than this node-rate model gives (28.8 h): it counts failures this
+  projection leaves out, which is why the default rate is the projection's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import random
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "Breakdown",
+    "RunParams",
+    "mttf_hours",
+    "register",
+    "simulate",
+    "young_interval",
+]
+
+GPUS_PER_NODE = 8
+META_FAILURES_PER_1K_NODE_DAYS = 6.5
+"""Upper end of Meta's 2.3-6.5 failures per 1,000 node-days (HPCA 2025), which yields their
+projected 1.8 h MTTF at 16,384 GPUs."""
+NCCL_TIMEOUT_S = 600.0
+"""PyTorch's default NCCL collective timeout: how long a hang goes unnoticed without forewarn."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunParams:
+    """One simulated configuration. Times in seconds."""
+
+    gpus: int = 4096
+    days: float = 30.0
+    failures_per_1k_node_days: float = META_FAILURES_PER_1K_NODE_DAYS
+    checkpoint_s: float = 60.0
+    """C: wall time the job stalls to take one checkpoint."""
+    restart_s: float = 600.0
+    """R: rescheduling, process start and checkpoint load after a failure."""
+    nccl_timeout_s: float = NCCL_TIMEOUT_S
+    detect_s: float = 3.0
+    """forewarn's hang detection latency (bench/RESULTS.md)."""
+    predictable_share: float = 0.6
+    """Share of failures with a precursor a model can see (an assumption; see docs/models.md)."""
+    recall: float = 0.9
+    precision: float = 0.9
+    lead_median_s: float = 1800.0
+    false_alarms_per_1k_gpu_days: float = 1.0
+    interval_s: float | None = None
+    """Periodic interval; None = Young's optimum for this C and M."""
+
+    @property
+    def mtbf_s(self) -> float:
+        """M: the job's mean time between failures."""
+        nodes = max(1, math.ceil(self.gpus / GPUS_PER_NODE))
+        per_node_s = 86400.0 * 1000.0 / self.failures_per_1k_node_days
+        return per_node_s / nodes
+
+
+@dataclasses.dataclass
+class Breakdown:
+    """Where one run's wall time went (seconds)."""
+
+    wall_s: float = 0.0
+    useful_s: float = 0.0
+    checkpoint_s: float = 0.0
+    rework_s: float = 0.0
+    detection_s: float = 0.0
+    restart_s: float = 0.0
+    failures: int = 0
+    proactive_checkpoints: int = 0
+
+    @property
+    def goodput(self) -> float:
+        """Effective training time ratio."""
+        return self.useful_s / self.wall_s if self.wall_s else 0.0
+
+    def waste(self, *parts: str) -> float:
+        return sum(getattr(self, p) for p in parts) / self.wall_s if self.wall_s else 0.0
+
+
+def young_interval(checkpoint_s: float, mtbf_s: float) -> float:
+    """Young's optimal checkpoint interval sqrt(2·C·M)."""
+    return math.sqrt(2.0 * checkpoint_s * mtbf_s)
+
+
+def mttf_hours(gpus: int, failures_per_1k_node_days: float = META_FAILURES_PER_1K_NODE_DAYS,
+               days: float = 365.0, seed: int = 0) -> float:
+    """A job's mean time to failure measured in simulation (hours)."""
+    p = RunParams(gpus=gpus, failures_per_1k_node_days=failures_per_1k_node_days)
+    rng = random.Random(seed)
+    horizon = days * 86400.0
+    t, n = 0.0, 0
+    while True:
+        t += rng.expovariate(1.0 / p.mtbf_s)
+        if t > horizon:
+            break
+        n += 1
+    return (horizon / max(n, 1)) / 3600.0
+
+
+def simulate(p: RunParams, mode: str, seed: int = 0) -> Breakdown:
+    """Simulate one run in ``mode`` (baseline, fast_detection, proactive)."""
+    if mode not in ("baseline", "fast_detection", "proactive"):
+        raise ValueError(f"unknown mode {mode!r}")
+    rng = random.Random(seed)
+    horizon = p.days * 86400.0
+    mtbf = p.mtbf_s
+    interval = p.interval_s or young_interval(p.checkpoint_s, mtbf)
+    # Once a failure is predicted the risk is "within about the lead time": the cost-aware
+    # policy checkpoints at once and then at Young's interval for that shorter M.
+    risk_interval = min(interval, young_interval(p.checkpoint_s, p.lead_median_s))
+    detect = p.nccl_timeout_s if mode == "baseline" else p.detect_s
+    b = Breakdown(wall_s=horizon)
+    # Failures strike on the wall clock, drawn once per seed: every mode sees the same ones.
+    failures = []
+    f = rng.expovariate(1.0 / mtbf)
+    while f < horizon:
+        has_precursor = rng.random() < p.predictable_share
+        predicted = has_precursor and rng.random() < p.recall
+        lead = rng.lognormvariate(math.log(p.lead_median_s), 0.75)
+        failures.append((f, predicted, lead))
+        f += rng.expovariate(1.0 / mtbf)
+    fa_rng = random.Random(seed + 1_000_003)
+    fa_rate = p.false_alarms_per_1k_gpu_days * p.gpus / 1000.0 / 86400.0
+    use_fa = mode == "proactive" and fa_rate > 0
+    next_fa = fa_rng.expovariate(fa_rate) if use_fa else math.inf
+    t = 0.0
+    since_ckpt = 0.0  # useful work not yet protected by a checkpoint
+    for fail_at, predicted, lead in failures:
+        if fail_at < t:
+            continue  # struck while the job was already down: absorbed by that restart
+        # A prediction whose lead reaches back past now fires at once.
+        proactive_at = max(t, fail_at - lead) if mode == "proactive" and predicted else math.inf
+        predicted_fired = False
+        # Train, checkpointing every `interval` of useful work, until the failure.
+        while t < fail_at:
+            next_ckpt = t + ((risk_interval if predicted_fired else interval) - since_ckpt)
+            event = min(next_ckpt, fail_at, proactive_at, next_fa)
+            work = event - t
+            b.useful_s += work
+            since_ckpt += work
+            t = event
+            if event == fail_at:
+                break
+            # A checkpoint: periodic, proactive (prediction) or a false alarm's.
+            if event == proactive_at:
+                proactive_at = math.inf
+                predicted_fired = True
+                b.proactive_checkpoints += 1
+            elif event == next_fa:
+                next_fa = t + fa_rng.expovariate(fa_rate)
+                b.proactive_checkpoints += 1
+            if t + p.checkpoint_s > fail_at:  # the failure lands during the checkpoint
+                b.checkpoint_s += fail_at - t
+                t = fail_at
+                break
+            b.checkpoint_s += p.checkpoint_s
+            t += p.checkpoint_s
+            since_ckpt = 0.0
+            proactive_at = max(proactive_at, t)
+            if next_fa < t:
+                next_fa = t + fa_rng.expovariate(fa_rate)
+        # The failure: the unprotected work is redone, the hang waits to be noticed, restart.
+        b.failures += 1
+        b.useful_s -= since_ckpt
+        b.rework_s += since_ckpt
+        since_ckpt = 0.0
+        b.detection_s += detect
+        b.restart_s += p.restart_s
+        t += detect + p.restart_s
+        if next_fa < t:
+            next_fa = t + fa_rng.expovariate(fa_rate)
+    # Train to the horizon after the last failure (periodic checkpoints only).
+    while t < horizon:
+        work = min(interval - since_ckpt, horizon - t)
+        b.useful_s += work
+        t += work
+        since_ckpt = 0.0
+        stall = min(p.checkpoint_s, horizon - t)
+        b.checkpoint_s += stall
+        t += stall
+    # Downtime running past the horizon does not count.
+    over = t - horizon
+    for part in ("restart_s", "detection_s", "checkpoint_s"):
+        cut = min(over, getattr(b, part))
+        setattr(b, part, getattr(b, part) - cut)
+        over -= cut
+    return b
+
+
+def compare(p: RunParams, runs: int = 20) -> dict[str, Breakdown]:
+    """Average ``runs`` seeds of each mode (same seeds across modes)."""
+    out = {}
+    for mode in ("baseline", "fast_detection", "proactive"):
+        total = Breakdown()
+        for seed in range(runs):
+            r = simulate(p, mode, seed)
+            for f in dataclasses.fields(Breakdown):
+                setattr(total, f.name, getattr(total, f.name) + getattr(r, f.name))
+        out[mode] = total
+    return out
+
+
+def _table(rows: list[tuple[int, dict[str, Breakdown]]]) -> str:
+    head = (
+        f"{'GPUs':>7} {'MTBF h':>7} {'mode':<15} {'goodput':>8} {'ckpt':>6} {'redo':>6} "
+        f"{'detect':>6} {'restart':>7} {'GPU-h saved/day':>16}"
+    )
+    lines = [head, "-" * len(head)]
+    for gpus, res in rows:
+        base = res["baseline"]
+        mtbf_h = RunParams(gpus=gpus).mtbf_s / 3600.0
+        for mode, b in res.items():
+            saved = (b.goodput - base.goodput) * gpus * 24.0
+            lines.append(
+                f"{gpus:>7} {mtbf_h:>7.2f} {mode:<15} {b.goodput:>8.4f} "
+                f"{b.waste('checkpoint_s'):>6.2%} {b.waste('rework_s'):>6.2%} "
+                f"{b.waste('detection_s'):>6.2%} {b.waste('restart_s'):>7.2%} {saved:>16.1f}"
+            )
+    return "\n".join(lines)
+
+
+def _plot(rows: list[tuple[int, dict[str, Breakdown]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    sizes = [g for g, _ in rows]
+    labels = {
+        "baseline": "(a) periodic, NCCL-timeout detection",
+        "fast_detection": "(b) + fast hang detection",
+        "proactive": "(c) + predicted failures checkpointed",
+    }
+    for mode, label in labels.items():
+        ax.plot(sizes, [r[mode].goodput * 100 for _, r in rows], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("GPUs in the job")
+    ax.set_ylabel("effective training time (%)")
+    ax.set_title("Goodput by job size (simulated, Young-optimal interval)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def register(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "simulate",
+        help="simulate long training runs: what fast detection and prediction save",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+    )
+    d = RunParams()
+    p.add_argument("--gpus", type=int, nargs="+", default=[1024, 4096, 16384],
+                   help="job sizes to simulate (default: 1024 4096 16384)")
+    p.add_argument("--days", type=float, default=d.days, help="wall time of each run")
+    p.add_argument("--runs", type=int, default=10, help="seeds averaged per configuration")
+    p.add_argument("--checkpoint-s", type=float, default=d.checkpoint_s, help="checkpoint cost C")
+    p.add_argument("--restart-s", type=float, default=d.restart_s, help="restart cost R")
+    p.add_argument("--failures-per-1k-node-days", type=float,
+                   default=d.failures_per_1k_node_days, help="node failure rate (Meta: 2.3-6.5)")
+    p.add_argument("--detect-s", type=float, default=d.detect_s,
+                   help="forewarn's hang detection latency")
+    p.add_argument("--recall", type=float, default=d.recall, help="predictor recall")
+    p.add_argument("--lead-median-s", type=float, default=d.lead_median_s,
+                   help="median prediction lead time")
+    p.add_argument("--predictable-share", type=float, default=d.predictable_share,
+                   help="share of failures with a visible precursor (assumption)")
+    p.add_argument("--false-alarms", type=float, default=d.false_alarms_per_1k_gpu_days,
+                   help="false alarms per 1,000 GPU-days (each costs one checkpoint)")
+    p.add_argument("--plot", type=Path, default=None, help="write a PNG plot here")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    rows = []
+    for gpus in args.gpus:
+        params = RunParams(
+            gpus=gpus, days=args.days, checkpoint_s=args.checkpoint_s, restart_s=args.restart_s,
+            failures_per_1k_node_days=args.failures_per_1k_node_days, detect_s=args.detect_s,
+            recall=args.recall, lead_median_s=args.lead_median_s,
+            predictable_share=args.predictable_share,
+            false_alarms_per_1k_gpu_days=args.false_alarms,
+        )
+        rows.append((gpus, compare(params, runs=args.runs)))
+    print(_table(rows))
+    if args.plot:
+        _plot(rows, args.plot)
+        print(f"plot: {args.plot}")
+    return 0

@@ -1,0 +1,52 @@
+"""The goodput simulator reproduces published figures before it claims anything."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from forewarn.simulate import RunParams, compare, mttf_hours, simulate, young_interval
+
+
+@pytest.mark.parametrize(("gpus", "published_h"), [(16384, 1.8)])
+def test_meta_projected_mttf_by_job_size(gpus: int, published_h: float) -> None:
+    # Kokolis et al. (HPCA 2025): 1.8 h projected at 16,384 GPUs. Tolerance: 5 %.
+    assert mttf_hours(gpus, days=2000) == pytest.approx(published_h, rel=0.05)
+
+
+def test_mttf_scales_inversely_with_nodes() -> None:
+    small, large = mttf_hours(1024, days=20000), mttf_hours(4096, days=5000)
+    assert small / large == pytest.approx(4.0, rel=0.08)
+
+
+@pytest.mark.parametrize(("c", "m"), [(60.0, 6 * 3600.0), (30.0, 2 * 3600.0)])
+def test_young_waste_at_optimum(c: float, m: float) -> None:
+    # Young: waste at T = sqrt(2CM) is sqrt(2C/M) to first order (checkpoint + rework).
+    # Tolerance: 10 % relative (second-order terms are about sqrt(C/M) smaller).
+    gpus = 8 * round(86400.0 * 1000.0 / 6.5 / m)
+    p = RunParams(gpus=gpus, days=60.0, checkpoint_s=c, restart_s=0.0, nccl_timeout_s=0.0)
+    assert p.mtbf_s == pytest.approx(m, rel=0.01)
+    runs = [simulate(p, "baseline", seed) for seed in range(30)]
+    waste = sum(r.waste("checkpoint_s", "rework_s") for r in runs) / len(runs)
+    assert waste == pytest.approx(math.sqrt(2 * c / p.mtbf_s), rel=0.10)
+    assert young_interval(c, m) == pytest.approx(math.sqrt(2 * c * m))
+
+
+def test_fast_detection_and_prediction_save_work() -> None:
+    res = compare(RunParams(gpus=4096, days=10.0), runs=6)
+    base, fast, pro = res["baseline"], res["fast_detection"], res["proactive"]
+    assert fast.failures >= base.failures > 0
+    assert fast.detection_s < base.detection_s / 50
+    assert fast.goodput > base.goodput
+    assert pro.rework_s < fast.rework_s
+    assert pro.goodput > fast.goodput
+    for b in res.values():
+        parts = b.useful_s + b.checkpoint_s + b.rework_s + b.detection_s + b.restart_s
+        assert parts == pytest.approx(b.wall_s, rel=1e-9)
+
+
+def test_useless_predictor_costs_goodput() -> None:
+    p = RunParams(gpus=1024, days=10.0, recall=0.0, false_alarms_per_1k_gpu_days=200.0)
+    res = compare(p, runs=4)
+    assert res["proactive"].goodput < res["fast_detection"].goodput
