@@ -1,0 +1,159 @@
+"""Goodput accounting per job, and checkpoint interval advice.
+
+Effective training time is wall time spent on steps that move the job past the furthest step
+it ever reached. The rest is lost, and broken down:
+
+* ``checkpoint``: time the ranks stalled saving (CheckpointReport durations; per order, the
+  slowest rank, since the others wait for it at the next collective);
+* ``rework``: steps computed again after a restart rolled the job back to a checkpoint;
+* ``detection``: from the job's last progress before a failure until something noticed it
+  (a forewarn hang/gone finding, or the restart itself when nothing did — NCCL's timeout);
+* ``restart``: from detection until the job made progress again.
+
+Interval advice follows Young: ``T = sqrt(2·C·M)`` with the job's measured checkpoint cost C
+and M the fleet's observed per-GPU failure rate scaled to the job's GPU count, shortened while
+the job is at risk (REFERENCE.md, "Checkpointing").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+__all__ = ["GoodputTracker", "JobGoodput", "advise_interval"]
+
+DEFAULT_GPU_MTBF_H = 24.0 * 1000.0 / 6.5 * 8
+"""Per-GPU mean time between failures before the fleet has history: 6.5 failures per 1,000
+node-days of 8 GPUs (Meta, HPCA 2025), i.e. about 29,500 GPU-hours."""
+
+
+@dataclasses.dataclass
+class JobGoodput:
+    """Running totals of one job, in seconds."""
+
+    job: str
+    first_seen: float
+    last_seen: float
+    useful_s: float = 0.0
+    checkpoint_s: float = 0.0
+    rework_s: float = 0.0
+    detection_s: float = 0.0
+    restart_s: float = 0.0
+    restarts: int = 0
+    high_water_step: int = -1
+    last_step: int = -1
+    last_progress: float = 0.0
+    failure_noticed: float | None = None
+    _checkpoints: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def wall_s(self) -> float:
+        return max(0.0, self.last_seen - self.first_seen)
+
+    @property
+    def goodput(self) -> float:
+        """Effective training time ratio in [0, 1] (1.0 before there is any wall time)."""
+        wall = self.wall_s
+        return min(1.0, self.useful_s / wall) if wall > 0 else 1.0
+
+    def lost(self) -> dict[str, float]:
+        return {
+            "checkpoint": self.checkpoint_s,
+            "rework": self.rework_s,
+            "detection": self.detection_s,
+            "restart": self.restart_s,
+        }
+
+
+class GoodputTracker:
+    """Feeds on the job's step progress, checkpoint reports and failure findings.
+
+    Steps may arrive from many ranks; only the job's furthest step counts, so calls with the
+    same step from several ranks are harmless.
+    """
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, JobGoodput] = {}
+
+    def _job(self, job: str, now: float) -> JobGoodput:
+        g = self.jobs.get(job)
+        if g is None:
+            g = self.jobs[job] = JobGoodput(job=job, first_seen=now, last_seen=now,
+                                            last_progress=now)
+        g.last_seen = max(g.last_seen, now)
+        return g
+
+    def observe_step(self, job: str, step: int, time: float, step_seconds: float | None) -> None:
+        """A rank of ``job`` finished ``step`` at ``time``, the step taking ``step_seconds``."""
+        g = self._job(job, time)
+        if g.last_step < 0:  # first sight: what ran before we watched is not ours to judge
+            g.last_step = g.high_water_step = step
+            g.last_progress = time
+            return
+        secs = step_seconds if step_seconds is not None and math.isfinite(step_seconds) else 0.0
+        began = max(g.last_progress, time - secs)
+        if step < g.last_step:  # rolled back: restarted from a checkpoint before ``step``
+            self._close_outage(g, began)
+            g.last_step = step - 1
+        if step <= g.last_step:
+            return  # another rank of the same step
+        if g.failure_noticed is not None:
+            self._close_outage(g, began)
+        done = step - g.last_step
+        new = max(0, step - g.high_water_step)
+        g.useful_s += min(new, done) * secs
+        g.rework_s += (done - min(new, done)) * secs
+        g.high_water_step = max(g.high_water_step, step)
+        g.last_step = step
+        g.last_progress = time
+
+    def _close_outage(self, g: JobGoodput, now: float) -> None:
+        noticed = g.failure_noticed if g.failure_noticed is not None else now
+        noticed = min(max(noticed, g.last_progress), now)
+        g.detection_s += noticed - g.last_progress
+        g.restart_s += now - noticed
+        g.restarts += 1
+        g.failure_noticed = None
+        g.last_progress = now
+
+    def observe_failure(self, job: str, noticed: float) -> None:
+        """Something noticed the job failing (hang, dead rank, fatal GPU error)."""
+        g = self._job(job, noticed)
+        if g.failure_noticed is None:
+            g.failure_noticed = noticed
+
+    def observe_checkpoint(self, job: str, request_id: str, seconds: float, now: float) -> None:
+        """A rank reported a finished checkpoint; the slowest rank of an order counts."""
+        g = self._job(job, now)
+        key = request_id or f"t{now:.0f}"
+        prev = g._checkpoints.get(key, 0.0)
+        if seconds > prev:
+            g.checkpoint_s += seconds - prev
+            g._checkpoints[key] = seconds
+            # The stall is wall time the step clock also saw: take it out of useful time.
+            g.useful_s = max(0.0, g.useful_s - (seconds - prev))
+
+    def touch(self, job: str, now: float) -> None:
+        """Advance the job's wall clock (a report without progress)."""
+        self._job(job, now)
+
+
+def advise_interval(
+    checkpoint_s: float,
+    gpus: int,
+    gpu_mtbf_h: float = DEFAULT_GPU_MTBF_H,
+    risk: float = 0.0,
+    horizon_s: float = 3600.0,
+) -> float:
+    """Seconds between checkpoints for a job of ``gpus`` GPUs (Young's optimum).
+
+    ``risk`` is the current P(failure within ``horizon_s``) from the predictor; it raises the
+    hazard to ``max(base, -ln(1-risk)/horizon)`` and so shortens the interval.
+    """
+    if checkpoint_s <= 0 or gpus <= 0:
+        raise ValueError("checkpoint_s and gpus must be positive")
+    base_rate = gpus / (gpu_mtbf_h * 3600.0)
+    risk = min(max(risk, 0.0), 0.999999)
+    risk_rate = -math.log1p(-risk) / horizon_s if risk > 0 else 0.0
+    mtbf_s = 1.0 / max(base_rate, risk_rate)
+    return math.sqrt(2.0 * checkpoint_s * mtbf_s)
