@@ -1,1 +1,21 @@
-"""Checks: one module each, all of them listed in :data:`ALL_CHECKS` (no import magic)."""
+"""Checks: one module each, all of them listed in :data:`ALL_CHECKS` (no import magic).
+
+Each entry is a check class whose constructor takes only keyword thresholds with
+documented defaults; :func:`default_checks` builds one of each with those defaults.
+"""
+
+from __future__ import annotations
+
+from forewarn.agent.checks.base import Check
+from forewarn.agent.checks.xid import XidCheck
+
+__all__ = ["ALL_CHECKS", "default_checks"]
+
+ALL_CHECKS: tuple[type[Check], ...] = (
+    XidCheck,
+)
+
+
+def default_checks() -> list[Check]:
+    """One instance of every check in :data:`ALL_CHECKS`, with default thresholds."""
+    return [cls() for cls in ALL_CHECKS]

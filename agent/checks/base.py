@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from forewarn.agent.state import AgentState
@@ -43,11 +43,20 @@ class CheckRun:
     findings: tuple[Finding, ...]
 
 
-def run_checks(checks: Sequence[Check], state: AgentState, now: float) -> list[CheckRun]:
-    """Run every applicable check; a check that raises yields an ``unknown`` finding."""
+def run_checks(
+    checks: Sequence[Check],
+    state: AgentState,
+    now: float,
+    *,
+    timer: Callable[[], float] = time.perf_counter,
+) -> list[CheckRun]:
+    """Run every applicable check; a check that raises yields an ``unknown`` finding.
+
+    ``timer`` measures each check's duration (injectable so exposition tests are exact).
+    """
     runs = []
     for check in checks:
-        start = time.perf_counter()
+        start = timer()
         try:
             if not check.applies(state):
                 continue
@@ -66,5 +75,5 @@ def run_checks(checks: Sequence[Check], state: AgentState, now: float) -> list[C
                 ),
             )
             ok = False
-        runs.append(CheckRun(check.name, ok, time.perf_counter() - start, findings))
+        runs.append(CheckRun(check.name, ok, timer() - start, findings))
     return runs
