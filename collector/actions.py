@@ -1,0 +1,208 @@
+"""Carries out what the policy decided: checkpoint orders, webhooks, drains.
+
+:class:`ActionPipeline` is the seam the collector service calls:
+
+* :meth:`ActionPipeline.handle_findings` with new findings (from agents' batches, the
+  collector's detectors, alert webhooks) -> policy decisions -> actions;
+* :meth:`ActionPipeline.on_report` with every :class:`CheckpointReport` (measured checkpoint
+  cost, order progress, reissue on a miss);
+* :meth:`ActionPipeline.on_ack` with every :class:`CommandAck`.
+
+Every action, done or shadowed, is recorded through ``record_action`` (the store's
+``actions`` table); every decision through the policy's ``record`` callback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from forewarn.wire import CheckpointReport, CommandAck, Finding
+
+from .drain import DrainError, DrainRunner
+from .orders import JobOrder, OrderBook
+from .policy import ActionKind, Decision, Outcome, PlannedAction, Policy
+from .webhooks import WebhookSender
+
+__all__ = ["ActionLog", "ActionPipeline", "event_for", "store_decisions"]
+
+log = logging.getLogger(__name__)
+
+
+class ActionLog(Protocol):
+    """Where actions are recorded (the service's :class:`~forewarn.collector.store.Store`)."""
+
+    def record_action(
+        self,
+        *,
+        time: float,
+        kind: str,
+        subject: str = "",
+        job: str = "",
+        node: str = "",
+        status: str,
+        shadow: bool = False,
+        detail: dict[str, Any] | None = None,
+    ) -> int: ...
+
+
+def event_for(decision: Decision, finding: Finding, orders: Sequence[JobOrder]) -> dict[str, Any]:
+    """The generic webhook event for a decision (its Slack form is derived from it)."""
+    return {
+        "type": "forewarn.decision",
+        "id": decision.id,
+        "time": decision.time,
+        "title": f"{finding.health.value}: {finding.check} on {finding.subject.key()}",
+        "reason": finding.reason,
+        "subject": finding.subject.key(),
+        "node": finding.subject.node,
+        "job": decision.job or ", ".join(sorted({o.job for o in orders})),
+        "action": decision.action,
+        "outcome": decision.outcome,
+        "decision_reason": decision.reason,
+        "check": finding.check,
+        "health": finding.health.value,
+        "probability": finding.probability,
+        "source": decision.source,
+        "orders": [
+            {"job": o.job, "request_id": o.request_id, "step": o.step, "nodes": list(o.nodes)}
+            for o in orders
+        ],
+    }
+
+
+class ActionPipeline:
+    """Policy plus actuators (see the module docstring). Call from the event loop."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        orders: OrderBook,
+        *,
+        webhooks: WebhookSender | None = None,
+        drain: DrainRunner | None = None,
+        actions: ActionLog | None = None,
+    ) -> None:
+        self.policy = policy
+        self.orders = orders
+        self.webhooks = webhooks
+        self.drain = drain
+        self.actions = actions
+
+    async def handle_findings(
+        self, findings: Sequence[Finding], source: str = "agent", *, force_checkpoint: bool = False
+    ) -> list[Decision]:
+        """Run each finding through the policy and carry out its actions; returns the
+        decisions that led to an action or a shadow record."""
+        out: list[Decision] = []
+        for finding in findings:
+            planned = self.policy.evaluate(
+                finding, source=source, force_checkpoint=force_checkpoint
+            )
+            # checkpoint orders first, so the webhook can name them
+            planned.sort(key=lambda p: (p.kind != ActionKind.CHECKPOINT, p.kind.value))
+            issued: list[JobOrder] = []
+            for action in planned:
+                out.append(action.decision)
+                try:
+                    order = await self._carry_out(action, issued)
+                except Exception as exc:  # one failed action must not stop the others
+                    log.exception("action %s failed", action.kind)
+                    self._record(action, "error", {"error": f"{type(exc).__name__}: {exc}"})
+                    continue
+                if order is not None:
+                    issued.append(order)
+        return out
+
+    async def _carry_out(self, action: PlannedAction, issued: list[JobOrder]) -> JobOrder | None:
+        d = action.decision
+        shadow = d.outcome == Outcome.SHADOW
+        if action.kind == ActionKind.CHECKPOINT:
+            if shadow or action.job is None:
+                self._record(action, "shadow", {"inputs": d.inputs})
+                return None
+            order = self.orders.issue(action.job, action.finding.reason, decision_id=d.id)
+            self._record(
+                action, "ordered",
+                {"request_id": order.request_id, "step": order.step, "nodes": list(order.nodes),
+                 "choose_step": order.inputs},
+            )
+            return order
+        if action.kind == ActionKind.WEBHOOK:
+            if shadow or self.webhooks is None:
+                why = "shadow" if shadow else "no webhook configured"
+                self._record(action, "shadow" if shadow else "skipped", {"why": why})
+                return None
+            queued = self.webhooks.send(event_for(d, action.finding, issued))
+            self._record(action, "queued", {"endpoints": queued})
+            return None
+        if self.drain is None:
+            self._record(action, "skipped", {"why": "no drain command configured"})
+            return None
+        try:
+            if shadow:
+                argv = self.drain.template.render(action.node, action.finding.reason)
+                self._record(action, "shadow", {"argv": argv})
+                return None
+            result = await asyncio.to_thread(self.drain.run, action.node, action.finding.reason)
+        except DrainError as exc:
+            self._record(action, "rejected", {"error": str(exc)})
+            return None
+        status = "shadow" if result.shadow else ("done" if result.returncode == 0 else "failed")
+        self._record(
+            action, status,
+            {"argv": list(result.argv), "returncode": result.returncode,
+             "output": result.output, "error": result.error},
+        )
+        return None
+
+    def _record(self, action: PlannedAction, status: str, detail: dict[str, Any]) -> None:
+        if self.actions is None:
+            return
+        d = action.decision
+        try:
+            self.actions.record_action(
+                time=d.time, kind=d.action, subject=d.subject, job=d.job, node=d.node,
+                status=status, shadow=d.outcome == Outcome.SHADOW,
+                detail={"decision": d.id, **detail},
+            )
+        except Exception:
+            log.exception("recording action %s failed", d.id)
+
+    def on_report(self, report: CheckpointReport) -> JobOrder | None:
+        """A rank's checkpoint report: cost measurement, order progress, reissue on miss."""
+        self.policy.tracker.observe(report)
+        new = self.orders.on_report(report, self.policy.jobs.job(report.job))
+        if new is not None and self.actions is not None:
+            try:
+                self.actions.record_action(
+                    time=new.issued, kind="checkpoint", subject=f"job:{new.job}", job=new.job,
+                    status="reissued",
+                    detail={"request_id": new.request_id, "step": new.step,
+                            "missed_by_rank": report.rank, "rank_step": report.step},
+                )
+            except Exception:
+                log.exception("recording reissue failed")
+        return new
+
+    def on_ack(self, ack: CommandAck) -> None:
+        """An agent acknowledged a command."""
+        self.orders.on_ack(ack)
+
+
+def store_decisions(store: Any) -> Callable[[Decision], None]:
+    """A ``record`` callback for :class:`Policy` writing to the service store's
+    ``decisions`` table (``decision`` = ``<action>:<outcome>``; inputs keep the whole
+    decision)."""
+
+    def record(d: Decision) -> None:
+        store.record_decision(
+            time=d.time, job=d.job, subject=d.subject, decision=f"{d.action}:{d.outcome}",
+            reason=d.reason,
+            inputs={"id": d.id, "target": d.target, "check": d.check, "health": d.health,
+                    "source": d.source, "node": d.node, **d.inputs},
+        )
+
+    return record

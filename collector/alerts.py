@@ -1,0 +1,225 @@
+"""Inbound alert webhooks: Alertmanager (payload version 4) and Grafana alerting.
+
+Both post ``{"alerts": [{"status": "firing", "labels": {...}, "annotations": {...}}, ...]}``
+(Grafana's contact-point webhook keeps Alertmanager's shape and adds ``orgId``, ``title``,
+``state``). Each firing alert names what it is about in its labels; the first of these
+that is present decides the subject:
+
+* ``job`` or ``forewarn_job`` -> that training job (only when the job map knows it: the
+  Prometheus ``job`` label usually names a scrape job, not a training job);
+* ``UUID`` / ``uuid`` / ``gpu_uuid`` -> the GPU with that UUID (DCGM exporter);
+* ``node`` / ``Hostname`` / ``hostname`` / ``instance`` (port removed) with ``gpu`` /
+  ``gpu_index`` -> that GPU, else that node.
+
+Each becomes a :class:`~forewarn.wire.Finding` (``check="alert:<alertname>"``, health
+``unhealthy`` when the ``severity`` label is ``critical``/``page``, else ``degraded``,
+suggested action ``checkpoint``) that goes through the one policy with the cost model
+bypassed: an operator's alert rule asked for a checkpoint; dedup, cooldown, rate limits,
+the circuit breaker and shadow mode still apply.
+
+Routes ``POST /api/v1/alerts/alertmanager`` and ``POST /api/v1/alerts/grafana`` require
+``Authorization: Bearer <alert_token>`` (Alertmanager: ``http_config.authorization``;
+Grafana: the webhook contact point's authorization header). With no token configured the
+routes refuse every request (403): security by default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from forewarn.wire import Finding, Health, Subject, SuggestedAction
+
+from .jobview import JobView, node_of_instance
+
+__all__ = [
+    "MAX_ALERT_BODY",
+    "AlertPayload",
+    "AlertTarget",
+    "alert_findings",
+    "alert_routes",
+    "parse_alerts",
+]
+
+log = logging.getLogger(__name__)
+
+MAX_ALERT_BODY = 1024 * 1024
+"""Largest accepted alert webhook body (Alertmanager batches alerts per group)."""
+
+_NODE_LABELS = ("node", "Hostname", "hostname", "instance")
+_GPU_LABELS = ("gpu", "gpu_index")
+_UUID_LABELS = ("UUID", "uuid", "gpu_uuid")
+_JOB_LABELS = ("forewarn_job", "job")
+_CRITICAL = frozenset({"critical", "page", "error"})
+
+Labels = dict[str, str]
+
+
+class Alert(msgspec.Struct, kw_only=True):
+    """One alert of an Alertmanager/Grafana webhook (fields forewarn reads)."""
+
+    status: str = "firing"
+    labels: Labels = msgspec.field(default_factory=dict)
+    annotations: Labels = msgspec.field(default_factory=dict)
+    startsAt: str = ""
+    fingerprint: str = ""
+
+
+class AlertPayload(msgspec.Struct, kw_only=True):
+    """An Alertmanager (``version: "4"``) or Grafana alerting webhook body."""
+
+    version: str = ""
+    status: str = ""
+    receiver: str = ""
+    alerts: list[Alert] = msgspec.field(default_factory=list)
+    groupLabels: Labels = msgspec.field(default_factory=dict)
+    commonLabels: Labels = msgspec.field(default_factory=dict)
+    title: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class AlertTarget:
+    """What one firing alert is about, resolved against the job map."""
+
+    alertname: str
+    subject: Subject
+    severity: str
+    summary: str
+
+
+def parse_alerts(body: bytes) -> AlertPayload:
+    """Decode a webhook body; ``ValueError`` names the problem."""
+    try:
+        payload = msgspec.json.decode(body, type=AlertPayload)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise ValueError(f"invalid alert webhook body: {exc}") from None
+    if len(payload.alerts) > 10_000:
+        raise ValueError(f"too many alerts in one request: {len(payload.alerts)}")
+    return payload
+
+
+def _first(labels: Labels, names: tuple[str, ...]) -> str:
+    for name in names:
+        value = labels.get(name, "").strip()
+        if value:
+            return value
+    return ""
+
+
+def _subject(labels: Labels, jobs: JobView) -> Subject | None:
+    job = _first(labels, _JOB_LABELS)
+    if job and jobs.job(job) is not None:
+        return Subject(kind="job", job=job[:256])
+    uuid = _first(labels, _UUID_LABELS)
+    if uuid:
+        found = jobs.resolve_uuid(uuid)
+        if found is not None:
+            return Subject(kind="gpu", node=found[0], gpu=found[1])
+    raw_node = _first(labels, _NODE_LABELS)
+    if not raw_node:
+        return None
+    node = node_of_instance(raw_node)[:256]
+    gpu = _first(labels, _GPU_LABELS)
+    if gpu.isdigit() and len(gpu) < 7:
+        return Subject(kind="gpu", node=node, gpu=int(gpu))
+    return Subject(kind="node", node=node)
+
+
+def alert_findings(
+    payload: AlertPayload, jobs: JobView, source: str, now: float
+) -> tuple[list[Finding], list[str]]:
+    """Findings for the firing alerts of ``payload``, and why others were skipped."""
+    findings: list[Finding] = []
+    skipped: list[str] = []
+    for i, alert in enumerate(payload.alerts):
+        labels = {**payload.commonLabels, **alert.labels}
+        name = labels.get("alertname", "") or payload.title or "alert"
+        if alert.status != "firing":
+            skipped.append(f"alerts[{i}] {name}: status {alert.status!r}, not firing")
+            continue
+        subject = _subject(labels, jobs)
+        if subject is None:
+            skipped.append(f"alerts[{i}] {name}: no node, GPU or known job in the labels")
+            continue
+        severity = labels.get("severity", "").lower()
+        summary = alert.annotations.get("summary") or alert.annotations.get("description") or ""
+        reason = f"{source} alert {name}: {summary}".strip().rstrip(":")
+        evidence: dict[str, float | int | str | bool | None] = {
+            k[:64]: v[:256] for k, v in list(labels.items())[:32]
+        }
+        findings.append(
+            Finding(
+                check=f"alert:{name}"[:256],
+                health=Health.UNHEALTHY if severity in _CRITICAL else Health.DEGRADED,
+                subject=subject,
+                reason=reason[:4096],
+                action=SuggestedAction.CHECKPOINT,
+                evidence=evidence,
+                time=now,
+            )
+        )
+    return findings, skipped
+
+
+AlertSink = Callable[[list[Finding], str], Awaitable[list[dict[str, Any]]]]
+"""Receives the findings of one request and the source name; returns the decisions made
+(JSON-ready) for the response."""
+
+
+def _authorized(request: Request, token: str) -> bool:
+    given = request.headers.get("authorization", "")
+    scheme, _, value = given.partition(" ")
+    return bool(token) and scheme.lower() == "bearer" and hmac.compare_digest(
+        value.strip().encode(), token.encode()
+    )
+
+
+def alert_routes(
+    sink: AlertSink, jobs: JobView, token: str, clock: Callable[[], float]
+) -> list[Route]:
+    """The two alert webhook routes, authenticated with ``token``."""
+
+    def endpoint(source: str) -> Callable[[Request], Awaitable[JSONResponse]]:
+        async def handle(request: Request) -> JSONResponse:
+            if not token:
+                return JSONResponse(
+                    {"error": "alert webhooks are disabled: set alert_token"}, status_code=403
+                )
+            if not _authorized(request, token):
+                return JSONResponse(
+                    {"error": "missing or wrong bearer token"},
+                    status_code=401,
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
+            length = request.headers.get("content-length", "")
+            if length.isdigit() and int(length) > MAX_ALERT_BODY:
+                return JSONResponse({"error": "body too large"}, status_code=413)
+            body = b""
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > MAX_ALERT_BODY:
+                    return JSONResponse({"error": "body too large"}, status_code=413)
+            try:
+                payload = parse_alerts(body)
+            except ValueError as exc:
+                return JSONResponse({"error": str(exc)}, status_code=400)
+            findings, skipped = alert_findings(payload, jobs, source, clock())
+            decisions = await sink(findings, source)
+            return JSONResponse(
+                {"findings": len(findings), "skipped": skipped, "decisions": decisions}
+            )
+
+        return handle
+
+    return [
+        Route("/api/v1/alerts/alertmanager", endpoint("alertmanager"), methods=["POST"]),
+        Route("/api/v1/alerts/grafana", endpoint("grafana"), methods=["POST"]),
+    ]

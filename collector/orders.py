@@ -1,0 +1,235 @@
+"""Job-wide checkpoint orders: one step S for every rank of a multi-node job.
+
+The collector chooses S ahead of the fastest rank (DESIGN.md "agent -> hook" contract):
+
+    S = estimated current step of the furthest rank + margin
+    margin = ceil((delivery latency + safety) / p50 step time of the fastest rank) + 1
+
+clamped to ``[min_margin_steps, max_margin_steps]``. The furthest rank's step is its last
+reported step advanced by its own p50 pace since the report (agents report every few
+seconds, so the raw number is stale). Delivery over the long poll is near zero; ``safety``
+covers agent -> hook hand-off and clock skew. No collective and no device sync is added
+to the step: every rank saves when it reaches S.
+
+The order goes to every node of the job as ``Command(kind="checkpoint")``. The book tracks
+acknowledgements per node and :class:`CheckpointReport`\\ s per rank: an order is ``done``
+when every rank reported ``done``; if any rank reports ``missed`` (S had passed when the
+order arrived), the order is reissued once with a new S computed from the missed report's
+step, up to ``max_reissues`` times; ``failed`` when a rank failed or reissues ran out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry, Counter
+
+from forewarn.wire import CheckpointOrder, CheckpointReport, CommandAck
+
+from .jobview import JobInfo
+
+__all__ = ["CommandSink", "JobOrder", "OrderBook", "OrderSettings", "choose_step"]
+
+
+class CommandSink(Protocol):
+    """Where orders go: the service's per-node command queues.
+
+    Contract: ``order_checkpoint`` queues one ``Command(kind="checkpoint", order=order)``
+    per node (id ``<request_id>@<node>``), is idempotent per id, and returns what it queued.
+    """
+
+    def order_checkpoint(self, nodes: Iterable[str], order: CheckpointOrder) -> Sequence[Any]:
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class OrderSettings:
+    """How far ahead S is placed and how misses are handled (``order_*`` config keys)."""
+
+    delivery_latency_s: float = 0.5
+    """Expected collector -> agent -> hook delivery time (long poll: near zero)."""
+    safety_s: float = 2.0
+    """Extra lead for hand-off, clock skew and stale reports."""
+    min_margin_steps: int = 2
+    max_margin_steps: int = 1000
+    unknown_step_s: float = 1.0
+    """Step time assumed when no rank reported one."""
+    max_reissues: int = 3
+    keep: int = 1000
+    """Orders remembered (oldest forgotten first)."""
+
+
+def choose_step(
+    job: JobInfo, now: float, settings: OrderSettings, floor: int | None = None
+) -> tuple[int, dict[str, Any]]:
+    """S for ``job`` and the inputs it came from. ``floor``: a step S must exceed
+    (the step a rank reported when it missed the previous order)."""
+    current = job.estimated_step(now)
+    p50 = job.step_seconds_p50 or settings.unknown_step_s
+    raw = math.ceil((settings.delivery_latency_s + settings.safety_s) / p50) + 1
+    margin = min(settings.max_margin_steps, max(settings.min_margin_steps, raw))
+    base = max(current or 0, floor or 0)
+    step = base + margin
+    return step, {
+        "estimated_step": current,
+        "floor": floor,
+        "step_seconds_p50": p50,
+        "p50_source": "ranks" if job.step_seconds_p50 else "default",
+        "delivery_latency_s": settings.delivery_latency_s,
+        "safety_s": settings.safety_s,
+        "margin_steps": margin,
+        "step": step,
+    }
+
+
+@dataclasses.dataclass
+class JobOrder:
+    """One checkpoint order for one job, and what came back for it."""
+
+    request_id: str
+    job: str
+    step: int
+    reason: str
+    issued: float
+    nodes: tuple[str, ...]
+    world_size: int
+    inputs: dict[str, Any]
+    attempt: int = 0
+    decision_id: str = ""
+    acks: dict[str, bool] = dataclasses.field(default_factory=dict)
+    """node -> ok, from :class:`CommandAck`."""
+    ranks: dict[int, str] = dataclasses.field(default_factory=dict)
+    """rank -> last phase reported (started, done, failed, missed)."""
+    rank_steps: dict[int, int] = dataclasses.field(default_factory=dict)
+    """rank -> the step it reported (the saved step, or its current step when missed)."""
+    status: str = "issued"
+    """issued, done, reissued (superseded by ``next_id``), failed."""
+    next_id: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready view for the API."""
+        return dataclasses.asdict(self)
+
+
+def _new_request_id() -> str:
+    return "ord-" + uuid.uuid4().hex[:16]
+
+
+class OrderBook:
+    """Issues job-wide orders and follows them to done (see the module docstring).
+
+    Not thread-safe: call from the collector's event loop.
+    """
+
+    def __init__(
+        self,
+        sink: CommandSink,
+        settings: OrderSettings | None = None,
+        *,
+        clock: Callable[[], float] = time.time,
+        registry: CollectorRegistry | None = None,
+        new_id: Callable[[], str] = _new_request_id,
+    ) -> None:
+        self.sink = sink
+        self.settings = settings or OrderSettings()
+        self._clock = clock
+        self._new_id = new_id
+        self._orders: dict[str, JobOrder] = {}
+        self._jobs: dict[str, JobInfo] = {}
+        registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self._m_orders = Counter(
+            "forewarn_collector_checkpoint_orders",
+            "Job-wide checkpoint orders by event (issued, reissued, done, failed).",
+            ["event"],
+            registry=registry,
+        )
+
+    def issue(
+        self, job: JobInfo, reason: str, *, decision_id: str = "", floor: int | None = None,
+        attempt: int = 0,
+    ) -> JobOrder:
+        """Choose S for ``job`` and queue the order for each of its nodes."""
+        now = self._clock()
+        step, inputs = choose_step(job, now, self.settings, floor)
+        order = CheckpointOrder(
+            request_id=self._new_id(), job=job.job, step=step, reason=reason[:4096], issued=now
+        )
+        record = JobOrder(
+            request_id=order.request_id, job=job.job, step=step, reason=order.reason,
+            issued=now, nodes=job.nodes, world_size=job.world_size, inputs=inputs,
+            attempt=attempt, decision_id=decision_id,
+        )
+        self._orders[order.request_id] = record
+        self._jobs[order.request_id] = job
+        while len(self._orders) > self.settings.keep:
+            oldest = next(iter(self._orders))
+            self._orders.pop(oldest)
+            self._jobs.pop(oldest, None)
+        self.sink.order_checkpoint(job.nodes, order)
+        self._m_orders.labels("issued" if attempt == 0 else "reissued").inc()
+        return record
+
+    def get(self, request_id: str) -> JobOrder | None:
+        """The order with this request id."""
+        return self._orders.get(request_id)
+
+    def orders(self, job: str | None = None) -> list[JobOrder]:
+        """Remembered orders, oldest first (of ``job`` when given)."""
+        return [o for o in self._orders.values() if job is None or o.job == job]
+
+    def on_ack(self, ack: CommandAck) -> JobOrder | None:
+        """Note a node's acknowledgement of ``<request_id>@<node>``."""
+        request_id = ack.id.rsplit("@", 1)[0]
+        order = self._orders.get(request_id)
+        if order is None:
+            return None
+        order.acks[ack.node] = ack.ok
+        return order
+
+    def on_report(self, report: CheckpointReport, job: JobInfo | None = None) -> JobOrder | None:
+        """Take a rank's report; returns the new order when a miss caused a reissue.
+
+        ``job`` is the job's current snapshot for the new S (else the one issued with).
+        """
+        order = self._orders.get(report.request_id)
+        if order is None or order.status not in ("issued",):
+            return None
+        order.ranks[report.rank] = report.phase
+        order.rank_steps[report.rank] = report.step
+        if report.phase == "missed":
+            return self._reissue(order, report, job)
+        if report.phase == "failed":
+            order.status = "failed"
+            self._m_orders.labels("failed").inc()
+        elif sum(1 for p in order.ranks.values() if p == "done") >= order.world_size:
+            order.status = "done"
+            self._m_orders.labels("done").inc()
+        return None
+
+    def _reissue(
+        self, order: JobOrder, report: CheckpointReport, job: JobInfo | None
+    ) -> JobOrder | None:
+        if order.attempt >= self.settings.max_reissues:
+            order.status = "failed"
+            self._m_orders.labels("failed").inc()
+            return None
+        snapshot = job or self._jobs.get(order.request_id)
+        if snapshot is None:
+            return None
+        floor = max([report.step, *order.rank_steps.values()])
+        new = self.issue(
+            snapshot,
+            f"reissue of {order.request_id}: rank {report.rank} was at step {report.step} "
+            f"past S={order.step}; {order.reason}",
+            decision_id=order.decision_id,
+            floor=floor,
+            attempt=order.attempt + 1,
+        )
+        order.status = "reissued"
+        order.next_id = new.request_id
+        return new

@@ -1,0 +1,360 @@
+"""Outbound webhooks: signed generic JSON and a Slack-compatible form, delivered by a
+background worker with retries and exponential backoff.
+
+Signature (generic JSON endpoints with a secret)::
+
+    X-Forewarn-Timestamp: <unix seconds>
+    X-Forewarn-Signature: sha256=<hex HMAC-SHA256(secret, "<timestamp>.<raw body>")>
+
+The timestamp is inside the signed text, so it cannot be changed without breaking the
+signature. A receiver calls :func:`verify_signature` (or keeps a :class:`WebhookVerifier`,
+which also refuses a request it has already seen): requests whose timestamp is more than
+``tolerance_s`` (default 300 s) away from the receiver's clock are rejected, so a captured
+request cannot be replayed later; within the window, the verifier's memory of signatures
+rejects an exact replay.
+
+Delivery: :class:`WebhookSender` keeps a bounded queue; each event goes to every endpoint;
+connection errors, 429 and 5xx are retried after ``backoff_s * 2**attempt`` (capped) up to
+``max_attempts``; other 4xx fail at once. Each attempt's result is handed to the
+``on_delivery`` callback (the store) and counted in
+``forewarn_collector_webhook_deliveries_total{status}`` with status ``delivered``,
+``retry``, ``failed`` or ``dropped`` (queue full).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import hashlib
+import hmac
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import httpx
+import msgspec
+from prometheus_client import CollectorRegistry, Counter
+
+__all__ = [
+    "SIGNATURE_HEADER",
+    "TIMESTAMP_HEADER",
+    "Delivery",
+    "SignatureError",
+    "WebhookEndpoint",
+    "WebhookSender",
+    "WebhookVerifier",
+    "sign",
+    "signed_headers",
+    "slack_payload",
+    "verify_signature",
+]
+
+log = logging.getLogger(__name__)
+
+TIMESTAMP_HEADER = "X-Forewarn-Timestamp"
+SIGNATURE_HEADER = "X-Forewarn-Signature"
+DEFAULT_TOLERANCE_S = 300.0
+
+
+class SignatureError(ValueError):
+    """A webhook request failed verification; the message says why."""
+
+
+def sign(secret: bytes, timestamp: int, body: bytes) -> str:
+    """``sha256=<hex>`` of HMAC-SHA256 over ``b"<timestamp>." + body``."""
+    mac = hmac.new(secret, str(timestamp).encode() + b"." + body, hashlib.sha256)
+    return "sha256=" + mac.hexdigest()
+
+
+def signed_headers(secret: bytes, body: bytes, now: float) -> dict[str, str]:
+    """The two signature headers for ``body`` sent at ``now``."""
+    ts = int(now)
+    return {TIMESTAMP_HEADER: str(ts), SIGNATURE_HEADER: sign(secret, ts, body)}
+
+
+def _header(headers: Mapping[str, str], name: str) -> str:
+    for key, value in headers.items():
+        if key.lower() == name.lower():
+            return value
+    raise SignatureError(f"missing header {name}")
+
+
+def verify_signature(
+    secret: bytes,
+    body: bytes,
+    headers: Mapping[str, str],
+    *,
+    now: float | None = None,
+    tolerance_s: float = DEFAULT_TOLERANCE_S,
+) -> int:
+    """Check a received webhook; return its timestamp or raise :class:`SignatureError`.
+
+    ``body`` must be the raw bytes as received. Rejects: missing headers, a timestamp that
+    is not an integer or is more than ``tolerance_s`` from ``now`` (old requests replayed
+    later, or clocks far apart), and a signature that does not match (compared in constant
+    time).
+    """
+    raw_ts = _header(headers, TIMESTAMP_HEADER).strip()
+    given = _header(headers, SIGNATURE_HEADER).strip()
+    if not raw_ts.isdigit() or len(raw_ts) > 12:
+        raise SignatureError(f"bad {TIMESTAMP_HEADER}: {raw_ts[:32]!r}")
+    ts = int(raw_ts)
+    current = time.time() if now is None else now
+    if abs(current - ts) > tolerance_s:
+        raise SignatureError(
+            f"timestamp {ts} is {current - ts:+.0f} s from now (tolerance {tolerance_s:.0f} s):"
+            " stale or replayed request"
+        )
+    if not given.startswith("sha256="):
+        raise SignatureError(f"bad {SIGNATURE_HEADER}: expected sha256=<hex>")
+    if not hmac.compare_digest(given.encode(), sign(secret, ts, body).encode()):
+        raise SignatureError("signature does not match")
+    return ts
+
+
+class WebhookVerifier:
+    """:func:`verify_signature` plus a memory of accepted signatures within the tolerance
+    window, so an exact replay inside the window is rejected too."""
+
+    def __init__(
+        self,
+        secret: bytes,
+        *,
+        tolerance_s: float = DEFAULT_TOLERANCE_S,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.secret = secret
+        self.tolerance_s = tolerance_s
+        self._clock = clock
+        self._seen: collections.OrderedDict[str, int] = collections.OrderedDict()
+
+    def verify(self, body: bytes, headers: Mapping[str, str]) -> int:
+        """Verify one request; raise :class:`SignatureError` if bad or already seen."""
+        now = self._clock()
+        ts = verify_signature(self.secret, body, headers, now=now, tolerance_s=self.tolerance_s)
+        while self._seen and next(iter(self._seen.values())) < now - self.tolerance_s:
+            self._seen.popitem(last=False)
+        sig = _header(headers, SIGNATURE_HEADER).strip()
+        if sig in self._seen:
+            raise SignatureError("replayed request: this signature was already accepted")
+        self._seen[sig] = ts
+        return ts
+
+
+@dataclasses.dataclass(frozen=True)
+class WebhookEndpoint:
+    """One receiver: ``format`` is ``json`` (generic, signed when ``secret``) or ``slack``."""
+
+    url: str
+    format: str = "json"
+    secret: bytes = b""
+
+    def __post_init__(self) -> None:
+        if self.format not in ("json", "slack"):
+            raise ValueError(f"webhook format must be json or slack, got {self.format!r}")
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"webhook url must be http(s), got {self.url[:64]!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Delivery:
+    """The result of one delivery attempt (what the store and the API show)."""
+
+    event_id: str
+    url: str
+    attempt: int
+    status: str
+    """delivered, retry, failed, dropped."""
+    http_status: int | None
+    detail: str
+    time: float
+
+
+def slack_payload(event: Mapping[str, Any]) -> dict[str, Any]:
+    """Slack incoming-webhook form (``text`` fallback plus ``blocks``) of an event."""
+    title = str(event.get("title") or event.get("type") or "forewarn")
+    lines = [f"*{title}*"]
+    for key in ("reason", "subject", "job", "node", "action", "outcome"):
+        value = event.get(key)
+        if value:
+            lines.append(f"*{key}*: {value}")
+    text = "\n".join(lines)
+    return {
+        "text": f"forewarn: {title}",
+        "blocks": [{"type": "section", "text": {"type": "mrkdwn", "text": text[:2900]}}],
+    }
+
+
+@dataclasses.dataclass
+class _Job:
+    event_id: str
+    endpoint: WebhookEndpoint
+    body: bytes
+    attempt: int = 0
+
+
+class WebhookSender:
+    """Background delivery of events to endpoints (see the module docstring).
+
+    ``client`` is the HTTP client (inject ``httpx.AsyncClient(transport=...)`` in tests);
+    ``clock`` stamps signatures. Start with :meth:`start` inside the event loop and stop
+    with :meth:`stop`; :meth:`send` never blocks and never raises.
+    """
+
+    def __init__(
+        self,
+        endpoints: list[WebhookEndpoint],
+        *,
+        client: httpx.AsyncClient | None = None,
+        max_attempts: int = 5,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 60.0,
+        timeout_s: float = 5.0,
+        queue_size: int = 1000,
+        on_delivery: Callable[[Delivery], None] | None = None,
+        clock: Callable[[], float] = time.time,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
+        self.endpoints = endpoints
+        self._client = client
+        self._own_client = client is None
+        self.max_attempts = max(1, max_attempts)
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.timeout_s = timeout_s
+        self._queue_size = queue_size
+        self._queue: asyncio.Queue[_Job] | None = None
+        self._on_delivery = on_delivery
+        self._clock = clock
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._worker: asyncio.Task[None] | None = None
+        self._pending = 0
+        self._idle = asyncio.Event()
+        self.deliveries: collections.deque[Delivery] = collections.deque(maxlen=500)
+        """The latest delivery attempts, newest last."""
+        registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self._m = Counter(
+            "forewarn_collector_webhook_deliveries",
+            "Webhook delivery attempts by status (delivered, retry, failed, dropped).",
+            ["status"],
+            registry=registry,
+        )
+
+    async def start(self) -> None:
+        """Start the worker on the running loop."""
+        if self._worker is not None:
+            return
+        self._queue = asyncio.Queue(self._queue_size)
+        if self._client is None:
+            self._client = httpx.AsyncClient(timeout=self.timeout_s)
+        self._worker = asyncio.create_task(self._run(), name="webhook-sender")
+
+    async def stop(self) -> None:
+        """Stop the worker and pending retries (undelivered events are dropped)."""
+        tasks = [t for t in (self._worker, *self._tasks) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._worker = None
+        if self._own_client and self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    def send(self, event: Mapping[str, Any]) -> int:
+        """Queue ``event`` for every endpoint; returns how many deliveries were queued."""
+        if self._queue is None:
+            log.warning("webhook sender not started; event %s dropped", event.get("id"))
+            return 0
+        event_id = str(event.get("id", ""))
+        generic = msgspec.json.encode(event)
+        slack = msgspec.json.encode(slack_payload(event))
+        queued = 0
+        for ep in self.endpoints:
+            job = _Job(event_id, ep, slack if ep.format == "slack" else generic)
+            try:
+                self._queue.put_nowait(job)
+                queued += 1
+                self._pending += 1
+                self._idle.clear()
+            except asyncio.QueueFull:
+                self._result(job, "dropped", None, "queue full")
+        return queued
+
+    async def drain(self, timeout_s: float = 10.0) -> bool:
+        """Wait until every queued event reached a final status (delivered, failed);
+        returns False on timeout (tests, shutdown)."""
+        if self._pending == 0:
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def _run(self) -> None:
+        assert self._queue is not None
+        while True:
+            job = await self._queue.get()
+            try:
+                await self._attempt(job)
+            except Exception:  # the worker must survive anything
+                log.exception("webhook delivery to %s crashed", job.endpoint.url)
+            finally:
+                self._queue.task_done()
+
+    async def _attempt(self, job: _Job) -> None:
+        assert self._client is not None
+        job.attempt += 1
+        headers = {"Content-Type": "application/json", "User-Agent": "forewarn-collector"}
+        if job.endpoint.format == "json" and job.endpoint.secret:
+            headers.update(signed_headers(job.endpoint.secret, job.body, self._clock()))
+        status: int | None = None
+        try:
+            resp = await self._client.post(
+                job.endpoint.url, content=job.body, headers=headers, timeout=self.timeout_s
+            )
+            status = resp.status_code
+            if 200 <= status < 300:
+                self._result(job, "delivered", status, "")
+                return
+            retry = status == 429 or status >= 500
+            detail = f"HTTP {status}"
+        except httpx.HTTPError as exc:
+            retry, detail = True, f"{type(exc).__name__}: {exc}"[:500]
+        if not retry or job.attempt >= self.max_attempts:
+            self._result(job, "failed", status, detail)
+            return
+        self._result(job, "retry", status, detail)
+        delay = min(self.max_backoff_s, self.backoff_s * 2 ** (job.attempt - 1))
+        task = asyncio.create_task(self._later(job, delay))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _later(self, job: _Job, delay: float) -> None:
+        await asyncio.sleep(delay)
+        try:
+            await self._attempt(job)
+        except Exception:
+            log.exception("webhook retry to %s crashed", job.endpoint.url)
+
+    def _result(self, job: _Job, status: str, http_status: int | None, detail: str) -> None:
+        d = Delivery(
+            event_id=job.event_id, url=job.endpoint.url, attempt=job.attempt, status=status,
+            http_status=http_status, detail=detail, time=self._clock(),
+        )
+        self.deliveries.append(d)
+        self._m.labels(status).inc()
+        if status in ("delivered", "failed") and self._pending > 0:
+            self._pending -= 1
+            if self._pending == 0:
+                self._idle.set()
+        if self._on_delivery is not None:
+            try:
+                self._on_delivery(d)
+            except Exception:
+                log.exception("storing webhook delivery failed")
