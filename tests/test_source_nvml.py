@@ -42,7 +42,10 @@ Script = Callable[[str], None]
 
 
 @pytest.fixture(scope="session")
-def fake_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def fake_lib(
+    tmp_path_factory: pytest.TempPathFactory, require_binary: Callable[[str], str]
+) -> Path:
+    require_binary("gcc")
     lib: Path = builder.build_fake_nvml(tmp_path_factory.mktemp("fake_nvml"))
     return lib
 

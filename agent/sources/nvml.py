@@ -43,6 +43,7 @@ import collections
 import ctypes
 import dataclasses
 import logging
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -166,6 +167,35 @@ def _field_value(fv: Any) -> int | float:
     if t == pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT:
         return int(v.usVal)
     return int(v.ullVal)
+
+
+# nvmlFieldValue_t laid out as in nvml.h: fieldId, scopeId, timestamp, latencyUsec,
+# valueType, nvmlReturn, value (an 8-byte union). Decoding the returned array with one
+# struct.iter_unpack costs a fraction of pynvml's per-attribute Structure access, which
+# dominated the poll (bench/agent_poll.py). Used only when the sizes agree.
+_FV_LAYOUT: Final = struct.Struct("@IIqqII8s")
+_FV_FAST: Final = _FV_LAYOUT.size == ctypes.sizeof(pynvml.c_nvmlFieldValue_t)
+_VALUE_FORMATS: Final[dict[int, struct.Struct]] = {
+    pynvml.NVML_VALUE_TYPE_DOUBLE: struct.Struct("@d"),
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_INT: struct.Struct("@I"),
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG: struct.Struct("@L"),
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: struct.Struct("@Q"),
+    pynvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: struct.Struct("@q"),
+    pynvml.NVML_VALUE_TYPE_SIGNED_INT: struct.Struct("@i"),
+    pynvml.NVML_VALUE_TYPE_UNSIGNED_SHORT: struct.Struct("@H"),
+}
+_ULL: Final = _VALUE_FORMATS[pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG]
+
+
+def _decode_fields(results: Any) -> list[tuple[int, int | float]]:
+    """(nvmlReturn, value) per entry of an nvmlDeviceGetFieldValues result."""
+    if not _FV_FAST:
+        return [(int(fv.nvmlReturn), _field_value(fv)) for fv in results]
+    out: list[tuple[int, int | float]] = []
+    for _, _, _, _, vtype, ret, raw in _FV_LAYOUT.iter_unpack(bytes(results)):
+        value = _VALUE_FORMATS.get(vtype, _ULL).unpack_from(raw)[0] if ret == 0 else 0
+        out.append((ret, value))
+    return out
 
 
 def _address(handle: Any) -> int:
@@ -481,11 +511,10 @@ class NvmlBackend:
             self._classify(gpu, "field_values", ("field_values",), exc, errors)
             return
         dropped: list[int] = []
-        for i, fv in enumerate(results):
-            name, link = gpu.targets[i]
-            ret = fv.nvmlReturn
+        targets = gpu.targets
+        for i, (ret, value) in enumerate(_decode_fields(results)):
+            name, link = targets[i]
             if ret == pynvml.NVML_SUCCESS:
-                value = _field_value(fv)
                 if link >= 0:
                     links.setdefault(link, {})[name] = int(value)
                 elif name in _BOOL_FIELDS:
