@@ -14,7 +14,9 @@ from forewarn import __version__
 # inside their command functions so ``--help`` stays fast.
 SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("agent", "forewarn.agent.cli"),
+    ("collector", "forewarn.collector.cli"),
     ("simulate", "forewarn.simulate"),
+    ("dashboards", "forewarn.dashboards.cli"),
 )
 
 

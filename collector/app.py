@@ -1,0 +1,621 @@
+"""The collector's ASGI app (Starlette), built by :func:`create_app`.
+
+Routes
+------
+``POST /api/v1/ingest``
+    Body: msgpack :class:`~forewarn.wire.AgentBatch`, ``Content-Type: application/msgpack``,
+    ``Authorization: Bearer <the node's token>``. Answers ``200 {"result": "stored" |
+    "duplicate", "seq": n}`` only once the batch is durable; 401 bad token, 403 another
+    node's batch, 400 bad record, 413 too large, 415 wrong content type: ``{"error": msg}``
+    naming the problem, nothing stored.
+``GET /api/v1/commands?node=N&wait=25``
+    Long poll (agent token of node N): JSON list of :class:`~forewarn.wire.Command`.
+``POST /api/v1/commands/{id}/ack``
+    JSON (or msgpack) :class:`~forewarn.wire.CommandAck` from the agent.
+``GET /api/v1/...``: ``nodes``, ``gpus``, ``jobs``, ``jobs/{job}``, ``findings``, ``xids``,
+    ``actions``, ``decisions``, ``checkpoints``, ``commands/log``.
+    Read API (JSON; ``api_token`` when configured). ``GET /openapi.json``, ``/metrics``,
+    ``/healthz``.
+
+The seam for the policy and actions (``policy=``)
+-------------------------------------------------
+``create_app(config, store, outbound=None, *, policy=None, ...)`` takes any object with
+
+``on_findings(findings, store, now) -> Sequence[NodeCommand] | None``
+    (``findings: Sequence[Finding]``, ``store: Store``, ``now: float`` Unix time.)
+    Called with every newly stored finding (from agents' batches, urgent ones first, and
+    from :meth:`CollectorContext.submit_findings`). Returned
+    :class:`~forewarn.collector.commands.NodeCommand`\\ s are queued for their agents; the
+    policy may also queue itself through ``ctx.commands`` (a ``CommandSink``:
+    ``order_checkpoint(nodes, order)``).
+
+and optionally any of (looked up with ``getattr``):
+
+``start(ctx: CollectorContext) -> None`` / ``stop() -> None``
+    At app start-up / shutdown. ``ctx`` holds ``config``, ``store``, ``commands``,
+    ``jobs`` (a :class:`~forewarn.collector.jobs.StoreJobView`, the ``JobView`` protocol),
+    ``metrics`` (``metrics.registry`` for the policy's own metrics), ``outbound`` (the
+    injected ``httpx.AsyncClient`` or ``None``), ``clock`` and ``loop``.
+``on_batches(batches: Sequence[AgentBatch], now: float) -> None``
+    Every newly stored batch (rank summaries, checkpoint reports for the order book).
+``on_ack(ack: CommandAck, node: str) -> None``
+    Every acknowledgement an agent sends.
+``routes() -> Sequence[starlette.routing.BaseRoute]``
+    Extra routes mounted on the app (inbound Alertmanager/Grafana webhooks); handlers
+    reach the context as ``request.app.state.ctx``.
+
+All hook calls run one at a time on a single dedicated thread ("forewarn-policy"), in the
+order events arrived, so a policy need not be thread-safe and never blocks ingest; a hook
+that raises is logged and counted (``forewarn_collector_policy_errors_total``), never
+fatal. Routes added by the policy should pass findings through
+``await ctx.submit_findings(findings, origin=...)`` (stores them, then runs the hook on
+the same thread) or run their own calls with ``await ctx.run_policy(fn, *args)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from forewarn.collector.auth import TokenRegistry, parse_bearer
+from forewarn.collector.commands import CommandQueue, NodeCommand
+from forewarn.collector.config import CollectorConfig
+from forewarn.collector.ingest import (
+    IngestError,
+    IngestWriter,
+    check_batch,
+    finding_rows_json,
+    store_findings,
+)
+from forewarn.collector.jobs import StoreJobView, job_detail, list_jobs
+from forewarn.collector.metrics import CollectorMetrics
+from forewarn.collector.store import Store
+from forewarn.collector.telemetry import TelemetryWriter
+from forewarn.wire import (
+    AgentBatch,
+    Command,
+    CommandAck,
+    Finding,
+    WireError,
+    decode,
+    decode_json,
+)
+
+if TYPE_CHECKING:
+    import httpx
+
+__all__ = ["CollectorContext", "FindingsPolicy", "create_app", "openapi_schema"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
+
+
+class FindingsPolicy(Protocol):
+    """What :func:`create_app` needs of a policy (see the module docstring)."""
+
+    def on_findings(
+        self, findings: Sequence[Finding], store: Store, now: float
+    ) -> Sequence[NodeCommand] | None: ...
+
+
+@dataclasses.dataclass
+class CollectorContext:
+    """Everything a route or the policy needs; ``request.app.state.ctx``."""
+
+    config: CollectorConfig
+    store: Store
+    metrics: CollectorMetrics
+    commands: CommandQueue
+    jobs: StoreJobView
+    telemetry: TelemetryWriter
+    writer: IngestWriter
+    tokens: TokenRegistry
+    outbound: httpx.AsyncClient | None
+    policy: FindingsPolicy | None
+    clock: Callable[[], float]
+    loop: asyncio.AbstractEventLoop | None = None
+    _policy_pool: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
+        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="forewarn-policy"))
+    _flush_wanted: asyncio.Event | None = None
+    _staged: int = 0
+
+    async def run_policy(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` on the policy thread (serialised with every hook call)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._policy_pool, fn, *args)
+
+    async def submit_findings(self, findings: Sequence[Finding], *, origin: str = "collector",
+                              node: str = "") -> None:
+        """Store findings produced inside the collector (detectors, alert webhooks) and
+        pass them to the policy."""
+        if not findings:
+            return
+        now = self.clock()
+
+        def write() -> None:
+            with self.store.write() as conn:
+                store_findings(conn, findings, node=node, origin=origin, received=now)
+
+        await asyncio.to_thread(write)
+        for f in findings:
+            self.metrics.findings.labels(f.health.value, origin.split(":")[0]).inc()
+        await self.run_policy(self._policy_findings, list(findings))
+
+    # -- runs on the policy thread ----------------------------------------------------
+
+    def _policy_findings(self, findings: list[Finding]) -> None:
+        if self.policy is None or not findings:
+            return
+        try:
+            out = self.policy.on_findings(findings, self.store, self.clock())
+        except Exception:
+            self.metrics.policy_errors.inc()
+            log.exception("policy.on_findings failed on %d findings", len(findings))
+            return
+        for item in out or ():
+            if isinstance(item, NodeCommand):
+                self.commands.enqueue(item.node, item.command)
+
+    def _policy_batches(self, batches: list[AgentBatch]) -> None:
+        hook = getattr(self.policy, "on_batches", None)
+        if hook is not None:
+            try:
+                hook(batches, self.clock())
+            except Exception:
+                self.metrics.policy_errors.inc()
+                log.exception("policy.on_batches failed")
+        self._policy_findings([f for b in batches for f in b.findings])
+
+    def _policy_ack(self, ack: CommandAck, node: str) -> None:
+        hook = getattr(self.policy, "on_ack", None)
+        if hook is not None:
+            try:
+                hook(ack, node)
+            except Exception:
+                self.metrics.policy_errors.inc()
+                log.exception("policy.on_ack failed")
+
+    def _on_stored(self, batches: list[AgentBatch]) -> None:
+        """Writer thread: hand stored batches to the policy thread; maybe wake the flush."""
+        if self.policy is not None:
+            self._policy_pool.submit(self._policy_batches, batches)
+        loop, event = self.loop, self._flush_wanted
+        if loop is not None and event is not None and not loop.is_closed():
+            self._staged += sum(len(b.samples) for b in batches)
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._maybe_flush)
+
+    def _maybe_flush(self) -> None:
+        if self._flush_wanted is not None and self._staged >= self.config.flush_samples:
+            self._flush_wanted.set()
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def _json(data: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(data), status_code=status,
+                    media_type="application/json")
+
+
+async def _read_limited(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise IngestError(400, "decode", "Content-Length: not a number")
+        if int(declared) > limit:
+            raise IngestError(413, "too_large",
+                              f"body of {declared} bytes exceeds the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise IngestError(413, "too_large", f"body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _ctx(request: Request) -> CollectorContext:
+    ctx: CollectorContext = request.app.state.ctx
+    return ctx
+
+
+def _agent_node(ctx: CollectorContext, request: Request) -> str:
+    node = ctx.tokens.authenticate(request.headers.get("authorization"))
+    if node is None:
+        missing = "authorization" not in request.headers
+        raise IngestError(401, "auth", "missing bearer token" if missing
+                          else "token not recognised")
+    return node
+
+
+def _check_reader(ctx: CollectorContext, request: Request) -> None:
+    if not ctx.config.api_token:
+        return
+    token = parse_bearer(request.headers.get("authorization")) or ""
+    if not hmac.compare_digest(token.encode(), ctx.config.api_token.encode()):
+        raise IngestError(401, "auth", "read API: missing or wrong bearer token")
+
+
+def _int_param(request: Request, name: str, default: int, lo: int, hi: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise IngestError(400, "decode", f"query parameter {name}: not an integer") from None
+    if not lo <= value <= hi:
+        raise IngestError(400, "decode", f"query parameter {name}: must be within {lo}..{hi}")
+    return value
+
+
+def _float_param(request: Request, name: str) -> float | None:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        raise IngestError(400, "decode", f"query parameter {name}: not a number") from None
+
+
+def _handled(fn: Callable[[Request], Any]) -> Callable[[Request], Any]:
+    """Turn :class:`IngestError` into a JSON 4xx/5xx and count it."""
+
+    async def wrapper(request: Request) -> Response:
+        try:
+            response: Response = await fn(request)
+            return response
+        except IngestError as exc:
+            _ctx(request).metrics.rejected.labels(exc.reason).inc()
+            if request.url.path == "/api/v1/ingest":
+                _ctx(request).metrics.batches.labels("rejected").inc()
+            return _error(exc.status, str(exc))
+
+    wrapper.__name__ = fn.__name__
+    wrapper.__doc__ = fn.__doc__
+    return wrapper
+
+
+# -- agent endpoints -------------------------------------------------------------------
+
+
+@_handled
+async def ingest(request: Request) -> Response:
+    ctx = _ctx(request)
+    node = _agent_node(ctx, request)
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype not in MSGPACK_TYPES:
+        raise IngestError(415, "content_type",
+                          f"Content-Type must be application/msgpack, got {ctype or 'none'!r}")
+    body = await _read_limited(request, ctx.config.max_body_bytes)
+    batch = check_batch(body, node=node, max_items=ctx.config.max_batch_items)
+    address = request.client.host if request.client else ""
+    result = await asyncio.wrap_future(ctx.writer.submit(batch, body, address=address))
+    return _json({"result": result.value, "seq": batch.seq})
+
+
+@_handled
+async def poll_commands(request: Request) -> Response:
+    ctx = _ctx(request)
+    node = _agent_node(ctx, request)
+    wanted = request.query_params.get("node", node)
+    if wanted != node:
+        raise IngestError(403, "node_mismatch",
+                          f"node: token is for node {node!r}, asked for {wanted!r}")
+    wait = _float_param(request, "wait") or 0.0
+    wait = min(max(0.0, wait), ctx.config.long_poll_max_s)
+    commands = await ctx.commands.poll(node, wait)
+    return _json(commands)
+
+
+@_handled
+async def ack_command(request: Request) -> Response:
+    ctx = _ctx(request)
+    node = _agent_node(ctx, request)
+    body = await _read_limited(request, 64 * 1024)
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    try:
+        ack = decode(body, CommandAck) if ctype in MSGPACK_TYPES else decode_json(body,
+                                                                                  CommandAck)
+    except WireError as exc:
+        raise IngestError(400, "decode", str(exc)) from None
+    if ack.id != request.path_params["id"]:
+        raise IngestError(400, "decode", f"$.id: {ack.id!r} does not match the URL")
+    if ack.node != node:
+        raise IngestError(403, "node_mismatch",
+                          f"$.node: token is for node {node!r}, ack says {ack.node!r}")
+    state = await asyncio.to_thread(ctx.commands.ack, ack, node)
+    if state == "unknown":
+        return _error(404, f"no command {ack.id!r} for node {node!r}")
+    if ctx.policy is not None:
+        ctx._policy_pool.submit(ctx._policy_ack, ack, node)
+    return _json({"result": state})
+
+
+# -- read API --------------------------------------------------------------------------
+
+
+def _reader(sql_fn: Callable[[CollectorContext, Request], Any]) -> Callable[[Request], Any]:
+    async def endpoint(request: Request) -> Response:
+        ctx = _ctx(request)
+        _check_reader(ctx, request)
+        data = await asyncio.to_thread(sql_fn, ctx, request)
+        if data is None:
+            return _error(404, f"not found: {request.url.path}")
+        return _json(data)
+
+    endpoint.__name__ = sql_fn.__name__
+    endpoint.__doc__ = sql_fn.__doc__
+    return _handled(endpoint)
+
+
+def _filtered(table: str, order: str, filters: Sequence[str], time_col: str | None = "time"
+              ) -> Callable[[CollectorContext, Request], Any]:
+    def fn(ctx: CollectorContext, request: Request) -> Any:
+        where: list[str] = []
+        params: list[Any] = []
+        for name in filters:
+            value = request.query_params.get(name)
+            if value is not None:
+                where.append(f"{name} = ?")
+                params.append(value)
+        if time_col is not None:
+            since = _float_param(request, "since")
+            if since is not None:
+                where.append(f"{time_col} >= ?")
+                params.append(since)
+        limit = _int_param(request, "limit", 500, 1, 10_000)
+        sql = f"SELECT * FROM {table}"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += f" ORDER BY {order} LIMIT ?"
+        rows = ctx.store.query(sql, [*params, limit])
+        return finding_rows_json(rows) if table == "findings" else rows
+
+    fn.__name__ = table
+    return fn
+
+
+def _nodes(ctx: CollectorContext, request: Request) -> Any:
+    """Nodes that have sent batches, with their last batch."""
+    return ctx.store.query("SELECT * FROM nodes ORDER BY node")
+
+
+def _jobs(ctx: CollectorContext, request: Request) -> Any:
+    """Jobs in the job map."""
+    return list_jobs(ctx.store)
+
+
+def _job(ctx: CollectorContext, request: Request) -> Any:
+    """One job with its ranks (node, GPU) and checkpoints."""
+    return job_detail(ctx.store, request.path_params["job"])
+
+
+def _command_log(ctx: CollectorContext, request: Request) -> Any:
+    """Commands with delivery and acknowledgement state."""
+    return ctx.commands.list(node=request.query_params.get("node"),
+                             limit=_int_param(request, "limit", 500, 1, 10_000))
+
+
+async def metrics_endpoint(request: Request) -> Response:
+    ctx = _ctx(request)
+    ctx.metrics.staged.set(await asyncio.to_thread(ctx.telemetry.staged_samples))
+    return Response(ctx.metrics.exposition(),
+                    media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def healthz(request: Request) -> Response:
+    ctx = _ctx(request)
+    try:
+        await asyncio.to_thread(ctx.store.scalar, "SELECT 1")
+    except Exception as exc:  # the database is gone: say so, do not die
+        return _error(503, f"store: {exc}")
+    return _json({"ok": True, "schema": ctx.store.schema_version})
+
+
+def openapi_schema() -> dict[str, Any]:
+    """The OpenAPI 3.1 document (record schemas generated from :mod:`forewarn.wire`)."""
+    (batch, command, ack, finding), components = msgspec.json.schema_components(
+        [AgentBatch, Command, CommandAck, Finding], ref_template="#/components/schemas/{name}")
+    err = {"description": "refused; the message names the problem",
+           "content": {"application/json": {"schema": {
+               "type": "object", "properties": {"error": {"type": "string"}}}}}}
+    rows = {"description": "rows", "content": {"application/json": {"schema": {
+        "type": "array", "items": {"type": "object"}}}}}
+    listing = {"limit": "int, default 500", "since": "Unix time"}
+
+    def read(summary: str, params: Sequence[str] = ()) -> dict[str, Any]:
+        return {"get": {"summary": summary, "parameters": [
+            {"name": p, "in": "query", "required": False, "schema": {"type": "string"},
+             "description": listing.get(p, "")} for p in params],
+            "responses": {"200": rows, "401": err}}}
+
+    paths: dict[str, Any] = {
+        "/api/v1/ingest": {"post": {
+            "summary": "Agent batch (msgpack), exactly once per (agent_id, seq)",
+            "security": [{"agentToken": []}],
+            "requestBody": {"required": True,
+                            "content": {"application/msgpack": {"schema": batch}}},
+            "responses": {"200": {"description": "stored or duplicate"}, "400": err,
+                          "401": err, "403": err, "413": err, "415": err}}},
+        "/api/v1/commands": {"get": {
+            "summary": "Long poll for this node's commands",
+            "security": [{"agentToken": []}],
+            "parameters": [{"name": "node", "in": "query", "schema": {"type": "string"}},
+                           {"name": "wait", "in": "query", "schema": {"type": "number"}}],
+            "responses": {"200": {"description": "commands", "content": {
+                "application/json": {"schema": {"type": "array", "items": command}}}},
+                "401": err, "403": err}}},
+        "/api/v1/commands/{id}/ack": {"post": {
+            "summary": "Acknowledge a command", "security": [{"agentToken": []}],
+            "parameters": [{"name": "id", "in": "path", "required": True,
+                            "schema": {"type": "string"}}],
+            "requestBody": {"content": {"application/json": {"schema": ack}}},
+            "responses": {"200": {"description": "acked or already"}, "404": err}}},
+        "/api/v1/nodes": read("Nodes"),
+        "/api/v1/gpus": read("GPUs with their latest sample and health", ["node"]),
+        "/api/v1/jobs": read("Jobs"),
+        "/api/v1/jobs/{job}": read("One job: ranks on nodes/GPUs, checkpoints"),
+        "/api/v1/findings": read("Findings",
+                                 ["node", "job", "health", "check_name", "since", "limit"]),
+        "/api/v1/xids": read("XID events", ["node", "code", "since", "limit"]),
+        "/api/v1/actions": read("Actions", ["kind", "job", "node", "since", "limit"]),
+        "/api/v1/decisions": read("Policy decisions with inputs", ["job", "since", "limit"]),
+        "/api/v1/checkpoints": read("Checkpoint reports", ["job", "node", "since", "limit"]),
+        "/api/v1/commands/log": read("Commands and their acknowledgements", ["node", "limit"]),
+        "/metrics": {"get": {"summary": "Prometheus metrics",
+                             "responses": {"200": {"description": "text exposition"}}}},
+        "/healthz": {"get": {"summary": "Liveness", "responses": {"200": {"description": "ok"}}}},
+    }
+    components["Finding"] = components.get("Finding", finding)
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "forewarn collector", "version": "1"},
+        "paths": paths,
+        "components": {"schemas": components, "securitySchemes": {
+            "agentToken": {"type": "http", "scheme": "bearer"}}},
+    }
+
+
+async def openapi(request: Request) -> Response:
+    return _json(openapi_schema())
+
+
+# -- the factory -----------------------------------------------------------------------
+
+
+async def _periodic_flush(ctx: CollectorContext) -> None:
+    assert ctx._flush_wanted is not None
+    event = ctx._flush_wanted
+    last_prune = 0.0
+    while True:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(event.wait(), ctx.config.flush_interval_s)
+        event.clear()
+        try:
+            ctx._staged = 0
+            await asyncio.to_thread(ctx.telemetry.flush, max_rows=10**9)
+            if time.monotonic() - last_prune > 3600:
+                last_prune = time.monotonic()
+                cutoff = ctx.clock() - ctx.config.retention_days * 86400.0
+                await asyncio.to_thread(ctx.telemetry.prune)
+                await asyncio.to_thread(ctx.store.prune, cutoff)
+        except Exception:
+            log.exception("telemetry flush failed; staged samples are kept and retried")
+
+
+def create_app(
+    config: CollectorConfig,
+    store: Store,
+    outbound: httpx.AsyncClient | None = None,
+    *,
+    policy: FindingsPolicy | None = None,
+    tokens: TokenRegistry | None = None,
+    metrics: CollectorMetrics | None = None,
+    clock: Callable[[], float] = time.time,
+    extra_routes: Sequence[BaseRoute] = (),
+) -> Starlette:
+    """Build the collector app. ``store`` is the caller's to close after the app stops;
+    ``tokens`` defaults to ``config.tokens_file``; ``policy``: see the module docstring."""
+    metrics = metrics or CollectorMetrics()
+    tokens = tokens or TokenRegistry(config.tokens_file)
+    commands = CommandQueue(store, metrics, redeliver_s=config.command_redeliver_s,
+                            ttl_s=config.command_ttl_s, clock=clock)
+    telemetry = TelemetryWriter(store, config.telemetry_dir, metrics,
+                                retention_days=config.retention_days, clock=clock)
+    ctx = CollectorContext(
+        config=config, store=store, metrics=metrics, commands=commands,
+        jobs=StoreJobView(store), telemetry=telemetry,
+        writer=IngestWriter(store, metrics, group_max=config.group_commit_max, clock=clock),
+        tokens=tokens, outbound=outbound, policy=policy, clock=clock,
+    )
+    ctx.writer.on_stored = ctx._on_stored
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        ctx.loop = asyncio.get_running_loop()
+        ctx._flush_wanted = asyncio.Event()
+        commands.bind_loop(ctx.loop)
+        removed = await asyncio.to_thread(telemetry.recover)
+        if removed:
+            log.warning("removed %d unrecorded telemetry files left by a crash", len(removed))
+        metrics.staged.set(await asyncio.to_thread(telemetry.staged_samples))
+        ctx.writer.start()
+        start = getattr(policy, "start", None)
+        if start is not None:
+            await ctx.run_policy(start, ctx)
+        flusher = asyncio.create_task(_periodic_flush(ctx))
+        try:
+            yield
+        finally:
+            flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await flusher
+            await asyncio.to_thread(ctx.writer.stop)
+            stop = getattr(policy, "stop", None)
+            if stop is not None:
+                with contextlib.suppress(Exception):
+                    await ctx.run_policy(stop)
+            ctx._policy_pool.shutdown(wait=True)
+            try:
+                await asyncio.to_thread(telemetry.flush, max_rows=10**9)
+            except Exception:
+                log.exception("final telemetry flush failed; samples stay staged")
+            commands.bind_loop(None)
+
+    routes: list[BaseRoute] = [
+        Route("/api/v1/ingest", ingest, methods=["POST"]),
+        Route("/api/v1/commands", poll_commands, methods=["GET"]),
+        Route("/api/v1/commands/log", _reader(_command_log), methods=["GET"]),
+        Route("/api/v1/commands/{id}/ack", ack_command, methods=["POST"]),
+        Route("/api/v1/nodes", _reader(_nodes), methods=["GET"]),
+        Route("/api/v1/gpus", _reader(_filtered("gpus", "node, gpu", ["node"], None)),
+              methods=["GET"]),
+        Route("/api/v1/jobs", _reader(_jobs), methods=["GET"]),
+        Route("/api/v1/jobs/{job}", _reader(_job), methods=["GET"]),
+        Route("/api/v1/findings", _reader(_filtered(
+            "findings", "time DESC, id DESC", ["node", "job", "health", "check_name"])),
+            methods=["GET"]),
+        Route("/api/v1/xids", _reader(_filtered("xids", "time DESC, id DESC",
+                                                ["node", "code"])), methods=["GET"]),
+        Route("/api/v1/actions", _reader(_filtered("actions", "time DESC, id DESC",
+                                                   ["kind", "job", "node"])), methods=["GET"]),
+        Route("/api/v1/decisions", _reader(_filtered("decisions", "time DESC, id DESC",
+                                                     ["job"])), methods=["GET"]),
+        Route("/api/v1/checkpoints", _reader(_filtered("checkpoints", "time DESC, id DESC",
+                                                       ["job", "node"])), methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+        *extra_routes,
+    ]
+    policy_routes = getattr(policy, "routes", None)
+    if policy_routes is not None:
+        routes.extend(policy_routes())
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.ctx = ctx
+    return app
+

@@ -1,0 +1,143 @@
+"""Per-agent tokens: each node's agent authenticates with its own bearer token.
+
+The tokens file (``tokens_file`` in the collector config, mode 0600) is TOML mapping a
+node name to the SHA-256 of its token, never the token itself::
+
+    "gpu-node-07" = "sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+
+``forewarn collector token add NODE`` enrols a node: it writes a fresh random token's hash
+and prints the token once. The file is re-read when it changes, so enrolment needs no
+restart. A token authenticates exactly one node; an agent may only post, poll and ack for
+that node. Comparison is constant-time (:func:`hmac.compare_digest`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import threading
+import tomllib
+from pathlib import Path
+
+__all__ = ["AuthError", "TokenRegistry", "add_token", "hash_token", "parse_bearer"]
+
+PREFIX = "sha256:"
+
+
+class AuthError(ValueError):
+    """The tokens file is unreadable or malformed; the message names the entry."""
+
+
+def hash_token(token: str) -> str:
+    """``sha256:<hex>`` of ``token``: what the tokens file stores."""
+    return PREFIX + hashlib.sha256(token.encode()).hexdigest()
+
+
+def parse_bearer(header: str | None) -> str | None:
+    """The token in an ``Authorization: Bearer <token>`` header, or ``None``."""
+    if not header:
+        return None
+    scheme, _, token = header.partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token or len(token) > 512:
+        return None
+    return token
+
+
+def _read(path: Path) -> dict[str, str]:
+    """node -> ``sha256:<hex>`` from the tokens file (missing file: no tokens)."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise AuthError(f"{path}: cannot read tokens file: {exc}") from None
+    out: dict[str, str] = {}
+    for node, value in data.items():
+        if not isinstance(value, str) or not value.startswith(PREFIX) or len(value) != 71:
+            raise AuthError(f"{path}: {node!r}: expected \"sha256:<64 hex digits>\"")
+        try:
+            bytes.fromhex(value[len(PREFIX):])
+        except ValueError:
+            raise AuthError(f"{path}: {node!r}: not a hex digest") from None
+        out[node] = value.lower()
+    return out
+
+
+class TokenRegistry:
+    """Which node a bearer token belongs to; reloads the file when it changes."""
+
+    def __init__(self, path: Path | None = None, *, tokens: dict[str, str] | None = None) -> None:
+        """Read ``path``, or take ``tokens`` (node -> plain token) directly (tests, demo)."""
+        self.path = path
+        self._lock = threading.Lock()
+        self._mtime: float | None = None
+        self._static = {node: hash_token(tok) for node, tok in (tokens or {}).items()}
+        self._by_hash: dict[str, str] = {}
+        self._by_node: dict[str, str] = {}
+        self._reload(force=True)
+
+    def _reload(self, *, force: bool = False) -> None:
+        entries = dict(self._static)
+        if self.path is not None:
+            try:
+                mtime = self.path.stat().st_mtime
+            except FileNotFoundError:
+                mtime = None
+            if not force and mtime == self._mtime:
+                return
+            self._mtime = mtime
+            entries.update(_read(self.path))
+        self._by_hash = {digest: node for node, digest in entries.items()}
+        self._by_node = entries
+
+    def nodes(self) -> list[str]:
+        """Enrolled node names."""
+        with self._lock:
+            return sorted(set(self._by_hash.values()))
+
+    def authenticate(self, authorization: str | None) -> str | None:
+        """The node the ``Authorization`` header's token belongs to, or ``None``."""
+        token = parse_bearer(authorization)
+        if token is None:
+            return None
+        digest = hash_token(token)
+        with self._lock:
+            # A broken file keeps the last good tokens; the operator sees it on restart.
+            with contextlib.suppress(AuthError):
+                self._reload()
+            node = self._by_hash.get(digest)
+            if node is None:
+                return None
+            expected = self._by_node[node]
+        # The dict lookup is keyed by a hash of a 256-bit secret, which leaks nothing
+        # useful; the final comparison is constant-time all the same.
+        return node if hmac.compare_digest(expected, digest) else None
+
+
+def add_token(path: Path, node: str) -> str:
+    """Enrol ``node``: store the hash of a new random token in ``path`` (replacing any
+    earlier token of that node) and return the token. The file is written atomically
+    with mode 0600."""
+    if not node or len(node) > 256 or any(c in node for c in "\n\r\0"):
+        raise AuthError(f"bad node name {node!r}")
+    entries = _read(path)
+    token = secrets.token_urlsafe(32)
+    entries[node] = hash_token(token)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    # JSON strings are valid TOML basic strings for the names we accept.
+    text = "".join(f"{json.dumps(n)} = {json.dumps(d)}\n" for n, d in sorted(entries.items()))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, text.encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+    return token

@@ -1,0 +1,223 @@
+"""``forewarn collector``: run the collector service; ``forewarn collector token add NODE``.
+
+``forewarn collector [run] [--config PATH] [--listen HOST:PORT] [--data-dir DIR] ...``
+serves the API under uvicorn (TLS when ``certfile``/``keyfile`` are set).
+``forewarn collector token add NODE`` enrols a node's agent: it stores the SHA-256 of a
+new random token in ``tokens_file`` and prints the token once (put it in the agent's
+``token_file``).
+
+:class:`ServerThread` runs the same app in a background thread (tests, ``forewarn demo``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import uvicorn
+    from starlette.applications import Starlette
+
+    from forewarn.collector.config import CollectorConfig
+
+__all__ = ["ServerThread", "main", "register", "uvicorn_config"]
+
+log = logging.getLogger(__name__)
+
+
+def register(sub: Any) -> None:
+    """Add ``collector`` to the ``forewarn`` command."""
+    p: argparse.ArgumentParser = sub.add_parser(
+        "collector",
+        help="run the central collector (ingest, job map, policy, commands, API)",
+        description="Run the central collector service, or manage agent tokens.",
+    )
+    p.add_argument("--config", type=Path, default=None,
+                   help="config file (default /etc/forewarn/collector.toml)")
+    p.add_argument("--listen", default=None, help="host:port to serve on (default 127.0.0.1:9404)")
+    p.add_argument("--data-dir", type=Path, default=None, help="SQLite and Parquet directory")
+    p.add_argument("--tokens-file", type=Path, default=None, help="per-agent tokens file")
+    p.add_argument("--log-level", default=None, help="critical, error, warning, info, debug")
+    p.set_defaults(func=_run, collector_cmd="run")
+    csub = p.add_subparsers(dest="collector_cmd", metavar="ACTION")
+    run = csub.add_parser("run", help="run the collector service (the default)")
+    run.set_defaults(func=_run)
+    tok = csub.add_parser("token", help="manage per-agent tokens")
+    toksub = tok.add_subparsers(dest="token_cmd", metavar="ACTION", required=True)
+    add = toksub.add_parser("add", help="enrol NODE: store a new token's hash, print the token")
+    add.add_argument("node", help="node name, as the agent reports it")
+    add.set_defaults(func=_token_add)
+    ls = toksub.add_parser("list", help="list enrolled nodes")
+    ls.set_defaults(func=_token_list)
+
+
+def _load(args: argparse.Namespace) -> CollectorConfig:
+    from forewarn.collector.config import DEFAULT_CONFIG_PATH, CollectorConfig
+    from forewarn.config import load_config
+
+    return load_config(
+        CollectorConfig,
+        service="collector",
+        path=args.config or DEFAULT_CONFIG_PATH,
+        required=args.config is not None,
+        overrides={"listen": args.listen, "data_dir": args.data_dir,
+                   "tokens_file": args.tokens_file, "log_level": args.log_level},
+    )
+
+
+def _token_add(args: argparse.Namespace) -> int:
+    from forewarn.collector.auth import AuthError, add_token
+    from forewarn.config import ConfigError
+
+    try:
+        config = _load(args)
+        token = add_token(config.tokens_file, args.node)
+    except (ConfigError, AuthError, OSError) as exc:
+        print(f"forewarn collector token add: {exc}", file=sys.stderr)
+        return 2
+    print(token)
+    print(f"enrolled {args.node!r} in {config.tokens_file}; give the agent this token "
+          "(it is not stored anywhere)", file=sys.stderr)
+    return 0
+
+
+def _token_list(args: argparse.Namespace) -> int:
+    from forewarn.collector.auth import AuthError, TokenRegistry
+    from forewarn.config import ConfigError
+
+    try:
+        config = _load(args)
+        nodes = TokenRegistry(config.tokens_file).nodes()
+    except (ConfigError, AuthError, OSError) as exc:
+        print(f"forewarn collector token list: {exc}", file=sys.stderr)
+        return 2
+    for node in nodes:
+        print(node)
+    return 0
+
+
+def uvicorn_config(app: Starlette, config: CollectorConfig, **kw: Any) -> uvicorn.Config:
+    """uvicorn settings for ``app``: listen address, TLS, no access log (ingest is hot)."""
+    import uvicorn
+
+    tls: dict[str, Any] = {}
+    if config.certfile is not None and config.keyfile is not None:
+        tls = {"ssl_certfile": str(config.certfile), "ssl_keyfile": str(config.keyfile)}
+    return uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                          access_log=False, lifespan="on", timeout_keep_alive=75,
+                          **tls, **kw)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from forewarn.collector.app import create_app
+    from forewarn.collector.auth import AuthError
+    from forewarn.collector.store import Store, StoreError
+    from forewarn.config import ConfigError
+
+    try:
+        config = _load(args)
+        logging.basicConfig(level=config.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        store = Store(config.db_path, synchronous=config.sqlite_synchronous)
+    except (ConfigError, StoreError, OSError) as exc:
+        print(f"forewarn collector: {exc}", file=sys.stderr)
+        return 2
+    try:
+        app = create_app(config, store, policy=_default_policy(config))
+    except AuthError as exc:
+        print(f"forewarn collector: {exc}", file=sys.stderr)
+        store.close()
+        return 2
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn_config(app, config))
+    try:
+        server.run()
+    finally:
+        store.close()
+    return 0
+
+
+def _default_policy(config: CollectorConfig) -> Any:
+    """The policy engine, when the policy package provides a factory for it."""
+    try:
+        from forewarn.collector import policy as policy_module
+    except ImportError:
+        return None
+    factory: Callable[[CollectorConfig], Any] | None = getattr(
+        policy_module, "service_policy", None)
+    return factory(config) if factory is not None else None
+
+
+class ServerThread:
+    """Serve ``app`` with uvicorn on a background thread; a context manager.
+
+    ``port=0`` in the config picks a free port; :attr:`url` says which after start.
+    """
+
+    def __init__(self, app: Starlette, config: CollectorConfig) -> None:
+        import uvicorn
+
+        self.config = config
+        self.server = uvicorn.Server(uvicorn_config(app, config))
+        self._thread = threading.Thread(target=self._serve, name="forewarn-collector",
+                                        daemon=True)
+        self._error: BaseException | None = None
+
+    def _serve(self) -> None:
+        try:
+            asyncio.run(self.server.serve())
+        except BaseException as exc:  # reported by start()
+            self._error = exc
+
+    @property
+    def url(self) -> str:
+        scheme = "https" if self.config.certfile else "http"
+        servers = getattr(self.server, "servers", [])
+        port = self.config.port
+        if servers and servers[0].sockets:
+            port = servers[0].sockets[0].getsockname()[1]
+        return f"{scheme}://{self.config.host}:{port}"
+
+    def start(self, timeout: float = 30.0) -> ServerThread:
+        self._thread.start()
+        deadline = threading.Event()
+        for _ in range(int(timeout / 0.02)):
+            if self.server.started or self._error is not None or not self._thread.is_alive():
+                break
+            deadline.wait(0.02)
+        if not self.server.started:
+            raise RuntimeError(f"collector did not start: {self._error!r}")
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, et: type[BaseException] | None, ev: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m forewarn.collector.cli``: the same as ``forewarn collector``."""
+    parser = argparse.ArgumentParser(prog="forewarn")
+    sub = parser.add_subparsers(dest="command", required=True)
+    register(sub)
+    args = parser.parse_args(["collector", *(sys.argv[1:] if argv is None else argv)])
+    result: int = args.func(args)
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,181 @@
+"""Per-node command queues: persisted in SQLite, delivered over a long poll, acknowledged.
+
+Agents hold ``GET /api/v1/commands?node=N&wait=25`` open (no inbound port on nodes). A
+command stays pending until the agent acknowledges it; one delivered but not acknowledged
+within ``redeliver_s`` is delivered again (at-least-once: agents deduplicate by id), and
+one older than ``ttl_s`` is no longer delivered. Because the queue lives in the database,
+a collector restart keeps every pending order.
+
+:meth:`CommandQueue.enqueue` is thread-safe and may be called from the policy's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import msgspec
+
+from forewarn.collector.metrics import CollectorMetrics
+from forewarn.collector.store import Store
+from forewarn.wire import CheckpointOrder, Command, CommandAck, decode, encode
+
+__all__ = ["CommandQueue", "NodeCommand"]
+
+
+class NodeCommand(msgspec.Struct, frozen=True, kw_only=True):
+    """A command addressed to one node's agent (what the policy hands back)."""
+
+    node: str
+    command: Command
+
+
+class CommandQueue:
+    """Pending commands per node, with long-poll wake-ups. See the module docstring."""
+
+    def __init__(
+        self,
+        store: Store,
+        metrics: CollectorMetrics,
+        *,
+        redeliver_s: float = 30.0,
+        ttl_s: float = 3600.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.redeliver_s = redeliver_s
+        self.ttl_s = ttl_s
+        self.clock = clock
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._events: dict[str, asyncio.Event] = {}
+        self._refresh_pending()
+
+    def bind_loop(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Tell the queue which event loop runs the long polls (set at app start-up)."""
+        self._loop = loop
+
+    # -- producing ------------------------------------------------------------------------
+
+    def enqueue(self, node: str, command: Command) -> bool:
+        """Queue ``command`` for ``node``; False when a command with that id already exists."""
+        now = self.clock()
+        with self.store.write() as conn:
+            cur = conn.execute(
+                "INSERT OR IGNORE INTO commands (id, node, kind, body, created, expires)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (command.id, node, command.kind, encode(command), now, now + self.ttl_s),
+            )
+            added = cur.rowcount == 1
+        if added:
+            self.metrics.commands.labels(command.kind, "queued").inc()
+            self._refresh_pending()
+            self._wake(node)
+        return added
+
+    def enqueue_many(self, items: Iterable[NodeCommand]) -> int:
+        """Queue several commands; returns how many were new."""
+        return sum(self.enqueue(item.node, item.command) for item in items)
+
+    def order_checkpoint(self, nodes: Iterable[str], order: CheckpointOrder) -> list[NodeCommand]:
+        """Send ``order`` to every node in ``nodes`` (one command each, id
+        ``<request_id>@<node>``); returns the commands queued."""
+        out = []
+        for node in sorted(set(nodes)):
+            cmd = Command(id=f"{order.request_id}@{node}"[:128], kind="checkpoint", order=order,
+                          issued=order.issued)
+            if self.enqueue(node, cmd):
+                out.append(NodeCommand(node=node, command=cmd))
+        return out
+
+    def _wake(self, node: str) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # loop shutting down
+            loop.call_soon_threadsafe(self._set_event, node)
+
+    def _set_event(self, node: str) -> None:
+        event = self._events.get(node)
+        if event is not None:
+            event.set()
+
+    # -- consuming ------------------------------------------------------------------------
+
+    def take(self, node: str) -> list[Command]:
+        """Commands due for delivery to ``node`` now; marks them delivered."""
+        now = self.clock()
+        with self.store.write() as conn:
+            rows = conn.execute(
+                "SELECT id, body FROM commands WHERE node = ? AND acked_at IS NULL"
+                " AND expires > ? AND (delivered_at IS NULL OR delivered_at < ?)"
+                " ORDER BY created, id",
+                (node, now, now - self.redeliver_s),
+            ).fetchall()
+            if rows:
+                conn.executemany(
+                    "UPDATE commands SET delivered_at = ?, deliveries = deliveries + 1"
+                    " WHERE id = ?", [(now, r["id"]) for r in rows])
+        commands = [decode(bytes(r["body"]), Command) for r in rows]
+        for c in commands:
+            self.metrics.commands.labels(c.kind, "delivered").inc()
+        return commands
+
+    async def poll(self, node: str, wait_s: float) -> list[Command]:
+        """Long poll: return as soon as ``node`` has commands, or ``[]`` after ``wait_s``."""
+        deadline = time.monotonic() + max(0.0, wait_s)
+        event = self._events.setdefault(node, asyncio.Event())
+        self.metrics.long_polls.inc()
+        try:
+            while True:
+                event.clear()
+                commands = await asyncio.to_thread(self.take, node)
+                if commands:
+                    return commands
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return []
+                # Wake on enqueue, or in time for a redelivery that falls due meanwhile.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), min(remaining, self.redeliver_s))
+        finally:
+            self.metrics.long_polls.dec()
+
+    def ack(self, ack: CommandAck, node: str) -> str:
+        """Record ``ack`` from ``node``'s agent. Returns ``acked``, ``already`` or
+        ``unknown`` (no such command for that node)."""
+        with self.store.write() as conn:
+            row = conn.execute("SELECT kind, acked_at FROM commands WHERE id = ? AND node = ?",
+                               (ack.id, node)).fetchone()
+            if row is None:
+                return "unknown"
+            if row["acked_at"] is not None:
+                return "already"
+            conn.execute("UPDATE commands SET acked_at = ?, ok = ?, detail = ? WHERE id = ?",
+                         (self.clock(), int(ack.ok), ack.detail, ack.id))
+        self.metrics.commands.labels(row["kind"], "acked" if ack.ok else "failed").inc()
+        self._refresh_pending()
+        return "acked"
+
+    def list(self, *, node: str | None = None, limit: int = 500) -> list[dict[str, Any]]:
+        """Commands, newest first, with their delivery and acknowledgement state."""
+        sql = ("SELECT id, node, kind, body, created, expires, delivered_at, deliveries,"
+               " acked_at, ok, detail FROM commands")
+        params: list[Any] = []
+        if node is not None:
+            sql += " WHERE node = ?"
+            params.append(node)
+        sql += " ORDER BY created DESC LIMIT ?"
+        params.append(limit)
+        rows = self.store.query(sql, params)
+        for row in rows:
+            row["command"] = msgspec.to_builtins(decode(bytes(row.pop("body")), Command))
+        return rows
+
+    def _refresh_pending(self) -> None:
+        n = self.store.scalar("SELECT COUNT(*) FROM commands WHERE acked_at IS NULL AND"
+                              " expires > ?", (self.clock(),))
+        self.metrics.commands_pending.set(int(n or 0))

@@ -1,0 +1,101 @@
+"""Collector configuration: ``/etc/forewarn/collector.toml``, ``FOREWARN_COLLECTOR_*``, flags.
+
+Loaded with :func:`forewarn.config.load_config` (``service="collector"``); field names are
+the TOML keys. Unknown keys and bad values raise :class:`~forewarn.config.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from forewarn.config import ConfigError
+
+__all__ = ["DEFAULT_CONFIG_PATH", "CollectorConfig"]
+
+DEFAULT_CONFIG_PATH = Path("/etc/forewarn/collector.toml")
+
+SYNCHRONOUS = ("FULL", "NORMAL")
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectorConfig:
+    """Everything the collector service can be told. Field names are the TOML keys."""
+
+    listen: str = "127.0.0.1:9404"
+    """host:port of the HTTP API (ingest, commands, read API, /metrics)."""
+    data_dir: Path = Path("/var/lib/forewarn/collector")
+    """SQLite database (``collector.db``) and Parquet telemetry (``telemetry/``)."""
+    tokens_file: Path = Path("/etc/forewarn/collector-tokens.toml")
+    """Per-agent tokens: TOML ``node = "sha256:<hex of token>"``; see ``token add``."""
+    certfile: Path | None = None
+    """TLS certificate (PEM); with ``keyfile`` the API is served over HTTPS only."""
+    keyfile: Path | None = None
+    api_token: str = ""
+    """Bearer token required on the read API (empty = read API open; keep it on loopback)."""
+    max_body_bytes: int = 8 * 1024 * 1024
+    """Largest accepted ingest body (bytes, after any transfer decoding)."""
+    max_batch_items: int = 20_000
+    """Largest accepted length of each list (samples, xids, findings, ranks, checkpoints)."""
+    long_poll_max_s: float = 60.0
+    """Upper bound of ``wait`` on ``GET /api/v1/commands``."""
+    command_redeliver_s: float = 30.0
+    """A delivered but unacknowledged command is delivered again after this many seconds."""
+    command_ttl_s: float = 3600.0
+    """A command never acknowledged expires (is no longer delivered) after this many seconds."""
+    retention_days: int = 30
+    """Days of telemetry (Parquet partitions), findings and seen-batch records kept."""
+    flush_interval_s: float = 10.0
+    """Staged telemetry is compacted to Parquet at least this often ..."""
+    flush_samples: int = 200_000
+    """... or when this many samples are staged, and at shutdown."""
+    sqlite_synchronous: str = "FULL"
+    """SQLite ``synchronous``: FULL survives power loss, NORMAL survives a process crash."""
+    group_commit_max: int = 256
+    """Most ingest batches committed in one SQLite transaction (group commit)."""
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ConfigError(f"listen: expected host:port, got {self.listen!r}")
+        if (self.certfile is None) != (self.keyfile is None):
+            raise ConfigError("certfile, keyfile: set both for TLS, or neither")
+        if not 1024 <= self.max_body_bytes <= 1024**3:
+            raise ConfigError(
+                f"max_body_bytes: must be within 1024..2**30, got {self.max_body_bytes}")
+        if not 1 <= self.max_batch_items <= 10_000_000:
+            raise ConfigError(
+                f"max_batch_items: must be within 1..10^7, got {self.max_batch_items}")
+        for key in ("long_poll_max_s", "command_redeliver_s", "command_ttl_s", "flush_interval_s"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{key}: must be positive, got {getattr(self, key)}")
+        if self.retention_days < 1:
+            raise ConfigError(f"retention_days: must be at least 1, got {self.retention_days}")
+        if self.flush_samples < 1:
+            raise ConfigError(f"flush_samples: must be at least 1, got {self.flush_samples}")
+        if self.group_commit_max < 1:
+            raise ConfigError(f"group_commit_max: must be at least 1, got {self.group_commit_max}")
+        if self.sqlite_synchronous.upper() not in SYNCHRONOUS:
+            raise ConfigError(
+                f"sqlite_synchronous: must be one of {', '.join(SYNCHRONOUS)}, "
+                f"got {self.sqlite_synchronous!r}"
+            )
+        if self.log_level not in ("critical", "error", "warning", "info", "debug"):
+            raise ConfigError(f"log_level: unknown level {self.log_level!r}")
+
+    @property
+    def host(self) -> str:
+        return self.listen.rpartition(":")[0]
+
+    @property
+    def port(self) -> int:
+        return int(self.listen.rpartition(":")[2])
+
+    @property
+    def db_path(self) -> Path:
+        return self.data_dir / "collector.db"
+
+    @property
+    def telemetry_dir(self) -> Path:
+        return self.data_dir / "telemetry"

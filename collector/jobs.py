@@ -1,0 +1,200 @@
+"""The job map: which ranks of which job run on which node and GPU.
+
+Built from the agents' :class:`~forewarn.wire.RankSummary` reports, so a finding about
+GPU 3 of node 7 becomes a decision about every job using it (:func:`jobs_on`).
+The ``apply_*`` functions run inside the ingest transaction; the queries read.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Sequence
+from typing import Any
+
+from forewarn.collector.jobview import JobInfo
+from forewarn.collector.store import Store
+from forewarn.wire import CheckpointReport, RankSummary
+
+__all__ = [
+    "StoreJobView",
+    "apply_checkpoints",
+    "apply_ranks",
+    "job_detail",
+    "job_nodes",
+    "jobs_on",
+    "list_jobs",
+]
+
+_RANK_UPSERT = """
+INSERT INTO ranks (job, rank, node, gpu, local_rank, world_size, pid, last_step,
+    last_step_time, last_beat, step_seconds_p50, step_seconds_p99, loss, grad_norm, alive,
+    last_checkpoint_step, last_checkpoint_time, checkpoint_seconds, updated)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (job, rank) DO UPDATE SET node=excluded.node, gpu=excluded.gpu,
+    local_rank=excluded.local_rank, world_size=excluded.world_size, pid=excluded.pid,
+    last_step=excluded.last_step, last_step_time=excluded.last_step_time,
+    last_beat=excluded.last_beat, step_seconds_p50=excluded.step_seconds_p50,
+    step_seconds_p99=excluded.step_seconds_p99, loss=excluded.loss,
+    grad_norm=excluded.grad_norm, alive=excluded.alive,
+    last_checkpoint_step=COALESCE(excluded.last_checkpoint_step, ranks.last_checkpoint_step),
+    last_checkpoint_time=COALESCE(excluded.last_checkpoint_time, ranks.last_checkpoint_time),
+    checkpoint_seconds=COALESCE(excluded.checkpoint_seconds, ranks.checkpoint_seconds),
+    updated=excluded.updated
+"""
+
+_JOB_UPSERT = """
+INSERT INTO jobs (job, world_size, first_seen, last_seen, last_step, last_checkpoint_step,
+    last_checkpoint_time, checkpoint_seconds)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?)
+ON CONFLICT (job) DO UPDATE SET world_size=MAX(jobs.world_size, excluded.world_size),
+    last_seen=MAX(jobs.last_seen, excluded.last_seen),
+    last_step=MAX(COALESCE(jobs.last_step, 0), COALESCE(excluded.last_step, 0)),
+    last_checkpoint_step=COALESCE(excluded.last_checkpoint_step, jobs.last_checkpoint_step),
+    last_checkpoint_time=COALESCE(excluded.last_checkpoint_time, jobs.last_checkpoint_time),
+    checkpoint_seconds=COALESCE(excluded.checkpoint_seconds, jobs.checkpoint_seconds)
+"""
+
+
+def _finite(x: float | None) -> float | None:
+    # SQLite stores NaN as NULL anyway; keep Inf out of JSON answers too.
+    if x is None or x != x or x in (float("inf"), float("-inf")):
+        return None
+    return x
+
+
+def apply_ranks(conn: sqlite3.Connection, ranks: Sequence[RankSummary], now: float) -> None:
+    """Upsert rank rows and their jobs (inside the caller's transaction)."""
+    if not ranks:
+        return
+    conn.executemany(_RANK_UPSERT, [
+        (r.job, r.rank, r.node, r.gpu, r.local_rank, r.world_size, r.pid, r.last_step,
+         r.last_step_time, r.last_beat, r.step_seconds_p50, r.step_seconds_p99,
+         _finite(r.loss), _finite(r.grad_norm), int(r.alive), r.last_checkpoint_step,
+         r.last_checkpoint_time, r.checkpoint_seconds, now)
+        for r in ranks
+    ])
+    jobs: dict[str, RankSummary] = {}
+    for r in ranks:
+        seen = jobs.get(r.job)
+        if seen is None or (r.last_step or 0) > (seen.last_step or 0):
+            jobs[r.job] = r
+    conn.executemany(_JOB_UPSERT, [
+        (r.job, r.world_size, now, now, r.last_step, r.last_checkpoint_step,
+         r.last_checkpoint_time, r.checkpoint_seconds)
+        for r in jobs.values()
+    ])
+
+
+def apply_checkpoints(conn: sqlite3.Connection, node: str,
+                      reports: Sequence[CheckpointReport]) -> None:
+    """Store checkpoint reports; a ``done`` report advances the job's last checkpoint."""
+    if not reports:
+        return
+    conn.executemany(
+        "INSERT INTO checkpoints (job, rank, node, request_id, step, phase, seconds, bytes,"
+        " time, path) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        [(c.job, c.rank, node, c.request_id, c.step, c.phase, c.seconds, c.bytes, c.time,
+          c.path) for c in reports],
+    )
+    for c in reports:
+        if c.phase != "done":
+            continue
+        conn.execute(
+            "INSERT INTO jobs (job, world_size, first_seen, last_seen, last_checkpoint_step,"
+            " last_checkpoint_time, checkpoint_seconds) VALUES (?, 1, ?, ?, ?, ?, ?)"
+            " ON CONFLICT (job) DO UPDATE SET"
+            " last_checkpoint_step = MAX(COALESCE(jobs.last_checkpoint_step, 0),"
+            "                            excluded.last_checkpoint_step),"
+            " last_checkpoint_time = MAX(COALESCE(jobs.last_checkpoint_time, 0),"
+            "                            excluded.last_checkpoint_time),"
+            " checkpoint_seconds = COALESCE(excluded.checkpoint_seconds, jobs.checkpoint_seconds)",
+            (c.job, c.time, c.time, c.step, c.time, c.seconds),
+        )
+        conn.execute(
+            "UPDATE ranks SET last_checkpoint_step = ?, last_checkpoint_time = ?,"
+            " checkpoint_seconds = COALESCE(?, checkpoint_seconds) WHERE job = ? AND rank = ?",
+            (c.step, c.time, c.seconds, c.job, c.rank),
+        )
+
+
+def jobs_on(store: Store, node: str, gpu: int | None = None) -> list[str]:
+    """Jobs with a rank on ``node`` (on GPU ``gpu`` when given; a rank whose GPU is
+    unknown counts as on every GPU of its node)."""
+    if gpu is None:
+        rows = store.query("SELECT DISTINCT job FROM ranks WHERE node = ? ORDER BY job", (node,))
+    else:
+        rows = store.query(
+            "SELECT DISTINCT job FROM ranks WHERE node = ? AND (gpu = ? OR gpu IS NULL)"
+            " ORDER BY job", (node, gpu))
+    return [str(r["job"]) for r in rows]
+
+
+def job_nodes(store: Store, job: str) -> list[str]:
+    """Nodes that run at least one rank of ``job``: where its checkpoint order must go."""
+    rows = store.query("SELECT DISTINCT node FROM ranks WHERE job = ? ORDER BY node", (job,))
+    return [str(r["node"]) for r in rows]
+
+
+def list_jobs(store: Store) -> list[dict[str, Any]]:
+    """Every job with its rank and node counts."""
+    return store.query(
+        "SELECT j.*, (SELECT COUNT(*) FROM ranks r WHERE r.job = j.job) AS ranks,"
+        " (SELECT COUNT(DISTINCT node) FROM ranks r WHERE r.job = j.job) AS nodes"
+        " FROM jobs j ORDER BY j.job")
+
+
+def job_detail(store: Store, job: str) -> dict[str, Any] | None:
+    """One job, its ranks (node, GPU, progress) and its latest checkpoint reports."""
+    rows = store.query("SELECT * FROM jobs WHERE job = ?", (job,))
+    if not rows:
+        return None
+    out = rows[0]
+    out["ranks"] = store.query("SELECT * FROM ranks WHERE job = ? ORDER BY rank", (job,))
+    out["nodes"] = job_nodes(store, job)
+    out["checkpoints"] = store.query(
+        "SELECT * FROM checkpoints WHERE job = ? ORDER BY time DESC, id DESC LIMIT 200", (job,))
+    return out
+
+
+_RANK_FIELDS = ("job", "rank", "local_rank", "world_size", "node", "gpu", "pid", "last_step",
+                "last_step_time", "last_beat", "step_seconds_p50", "step_seconds_p99", "loss",
+                "grad_norm", "last_checkpoint_step", "last_checkpoint_time",
+                "checkpoint_seconds")
+
+
+def _summary(row: dict[str, Any]) -> RankSummary:
+    values = {k: row[k] for k in _RANK_FIELDS}
+    return RankSummary(alive=bool(row["alive"]), **values)
+
+
+class StoreJobView:
+    """The job map in SQLite as a :class:`forewarn.collector.jobview.JobView` (what the
+    policy and the order book read). Snapshots; safe from any thread."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def jobs_on(self, node: str, gpu: int | None = None) -> list[str]:
+        return jobs_on(self.store, node, gpu)
+
+    def job(self, job: str) -> JobInfo | None:
+        head = self.store.query("SELECT first_seen FROM jobs WHERE job = ?", (job,))
+        rows = self.store.query("SELECT * FROM ranks WHERE job = ? ORDER BY rank", (job,))
+        if not rows:
+            return None
+        first_seen = float(head[0]["first_seen"]) if head else float(rows[0]["updated"])
+        return JobInfo(job=job, ranks=tuple(_summary(r) for r in rows), first_seen=first_seen)
+
+    def node_count(self) -> int:
+        return int(self.store.scalar(
+            "SELECT COUNT(*) FROM (SELECT node FROM nodes UNION SELECT node FROM ranks)") or 0)
+
+    def job_count(self) -> int:
+        return int(self.store.scalar("SELECT COUNT(DISTINCT job) FROM ranks") or 0)
+
+    def resolve_uuid(self, uuid: str) -> tuple[str, int] | None:
+        if not uuid:
+            return None
+        rows = self.store.query("SELECT node, gpu FROM gpus WHERE uuid = ? ORDER BY last_seen"
+                                " DESC LIMIT 1", (uuid,))
+        return (str(rows[0]["node"]), int(rows[0]["gpu"])) if rows else None

@@ -1,0 +1,77 @@
+"""The collector's own Prometheus metrics, on an explicit registry (nothing at import time).
+
+Names (all prefixed ``forewarn_collector_``):
+
+* ``ingest_batches_total{result}``: batches by outcome: ``stored``, ``duplicate``, ``rejected``.
+* ``ingest_rejected_total{reason}``: rejected requests by reason (``auth``, ``too_large``,
+  ``decode``, ``limits``, ``node_mismatch``, ``content_type``, ``store``).
+* ``ingest_samples_total``, ``ingest_bytes_total``, ``ingest_xids_total``.
+* ``ingest_lag_seconds``: histogram of receive time minus the batch's ``created`` time
+  (a replayed spool shows up here as large lag).
+* ``ingest_commit_seconds`` / ``ingest_group_size``: the group commit.
+* ``findings_total{health,origin}``, ``commands_total{kind,event}`` (``queued``,
+  ``delivered``, ``acked``, ``failed``), ``commands_pending``, ``long_polls``.
+* ``telemetry_staged_samples``, ``telemetry_rows_total``, ``telemetry_flush_seconds``,
+  ``telemetry_flush_errors_total``.
+* ``policy_errors_total``: exceptions raised by the policy hook (counted, never fatal).
+
+The policy and actions modules add their own metrics to :attr:`CollectorMetrics.registry`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import generate_latest
+
+__all__ = ["CollectorMetrics"]
+
+P = "forewarn_collector_"
+
+
+class CollectorMetrics:
+    """Every metric the collector service itself exports."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.batches = Counter(P + "ingest_batches", "Agent batches by result.", ["result"],
+                               registry=r)
+        self.rejected = Counter(P + "ingest_rejected", "Rejected ingest requests by reason.",
+                                ["reason"], registry=r)
+        self.samples = Counter(P + "ingest_samples", "GPU samples accepted.", registry=r)
+        self.bytes = Counter(P + "ingest_bytes", "Bytes of accepted batch bodies.", registry=r)
+        self.xids = Counter(P + "ingest_xids", "XID events accepted.", registry=r)
+        self.lag = Histogram(
+            P + "ingest_lag_seconds", "Receive time minus batch creation time.",
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600, 86400),
+            registry=r,
+        )
+        self.commit_seconds = Histogram(
+            P + "ingest_commit_seconds", "Duration of one group commit.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
+            registry=r,
+        )
+        self.group_size = Histogram(
+            P + "ingest_group_size", "Batches per group commit.",
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r,
+        )
+        self.findings = Counter(P + "findings", "Findings stored.", ["health", "origin"],
+                                registry=r)
+        self.commands = Counter(P + "commands", "Command events.", ["kind", "event"], registry=r)
+        self.commands_pending = Gauge(P + "commands_pending", "Commands not yet acknowledged.",
+                                      registry=r)
+        self.long_polls = Gauge(P + "long_polls", "Command long polls held open.", registry=r)
+        self.staged = Gauge(P + "telemetry_staged_samples",
+                            "Samples stored in SQLite staging, not yet in Parquet.", registry=r)
+        self.telemetry_rows = Counter(P + "telemetry_rows", "Rows written to Parquet.",
+                                      registry=r)
+        self.flush_seconds = Histogram(P + "telemetry_flush_seconds",
+                                       "Duration of one staging-to-Parquet flush.", registry=r)
+        self.flush_errors = Counter(P + "telemetry_flush_errors", "Failed Parquet flushes.",
+                                    registry=r)
+        self.policy_errors = Counter(P + "policy_errors", "Exceptions raised by the policy.",
+                                     registry=r)
+
+    def exposition(self) -> bytes:
+        """The registry in the Prometheus text format."""
+        return generate_latest(self.registry)

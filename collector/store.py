@@ -1,0 +1,279 @@
+"""The collector's embedded store: SQLite in WAL mode, schema by numbered migrations.
+
+Tables: ``nodes``, ``gpus``, ``jobs``, ``ranks`` (the job map), ``findings``, ``xids``,
+``actions``, ``decisions``, ``checkpoints``, ``commands``, ``batches`` (every accepted
+agent batch by ``(agent_id, seq)``: the exactly-once record), ``staged_samples`` (raw
+ingest bodies whose GPU samples are not yet in Parquet) and ``telemetry_files`` (the
+Parquet files that hold compacted samples; see :mod:`forewarn.collector.telemetry`).
+
+Concurrency: one write connection behind a lock (every write is one transaction, see
+:meth:`Store.write`), and one read connection per thread (WAL lets reads run beside the
+writer). Schema changes are appended to :data:`MIGRATIONS`; ``PRAGMA user_version`` says
+how many have run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sqlite3
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MIGRATIONS", "Store", "StoreError"]
+
+
+class StoreError(RuntimeError):
+    """The database could not be opened or migrated; the message says why."""
+
+
+MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    # 1: the first schema.
+    (
+        """CREATE TABLE nodes (
+            node TEXT PRIMARY KEY, agent_id TEXT NOT NULL, first_seen REAL NOT NULL,
+            last_seen REAL NOT NULL, last_seq INTEGER NOT NULL, batches INTEGER NOT NULL,
+            samples INTEGER NOT NULL, address TEXT NOT NULL DEFAULT '')""",
+        """CREATE TABLE gpus (
+            node TEXT NOT NULL, gpu INTEGER NOT NULL, uuid TEXT NOT NULL, name TEXT NOT NULL,
+            pci_bus_id TEXT NOT NULL, state TEXT NOT NULL, source TEXT NOT NULL,
+            simulated INTEGER NOT NULL, last_seen REAL NOT NULL, temperature_c REAL,
+            power_w REAL, gpu_util_pct REAL, health TEXT NOT NULL DEFAULT 'unknown',
+            health_reason TEXT NOT NULL DEFAULT '', health_time REAL,
+            PRIMARY KEY (node, gpu)) WITHOUT ROWID""",
+        """CREATE TABLE batches (
+            agent_id TEXT NOT NULL, seq INTEGER NOT NULL, node TEXT NOT NULL,
+            created REAL NOT NULL, received REAL NOT NULL, urgent INTEGER NOT NULL,
+            samples INTEGER NOT NULL, xids INTEGER NOT NULL, findings INTEGER NOT NULL,
+            ranks INTEGER NOT NULL, checkpoints INTEGER NOT NULL,
+            PRIMARY KEY (agent_id, seq)) WITHOUT ROWID""",
+        "CREATE INDEX batches_received ON batches (received)",
+        """CREATE TABLE staged_samples (
+            id INTEGER PRIMARY KEY AUTOINCREMENT, agent_id TEXT NOT NULL,
+            seq INTEGER NOT NULL, samples INTEGER NOT NULL, body BLOB NOT NULL)""",
+        """CREATE TABLE telemetry_files (
+            name TEXT PRIMARY KEY, day TEXT NOT NULL, first_id INTEGER NOT NULL,
+            last_id INTEGER NOT NULL, rows INTEGER NOT NULL, created REAL NOT NULL)""",
+        """CREATE TABLE xids (
+            id INTEGER PRIMARY KEY, node TEXT NOT NULL, gpu INTEGER, pci_bus_id TEXT NOT NULL,
+            code INTEGER NOT NULL, text TEXT NOT NULL, time REAL NOT NULL,
+            source TEXT NOT NULL, simulated INTEGER NOT NULL)""",
+        "CREATE INDEX xids_time ON xids (time)",
+        """CREATE TABLE findings (
+            id INTEGER PRIMARY KEY, time REAL NOT NULL, received REAL NOT NULL,
+            node TEXT NOT NULL, origin TEXT NOT NULL, check_name TEXT NOT NULL,
+            health TEXT NOT NULL, subject_kind TEXT NOT NULL, subject_key TEXT NOT NULL,
+            subject_node TEXT NOT NULL, gpu INTEGER, job TEXT NOT NULL, rank INTEGER,
+            reason TEXT NOT NULL, action TEXT NOT NULL, probability REAL, horizon_s REAL,
+            simulated INTEGER NOT NULL, body TEXT NOT NULL)""",
+        "CREATE INDEX findings_time ON findings (time)",
+        "CREATE INDEX findings_subject ON findings (subject_key, time)",
+        """CREATE TABLE jobs (
+            job TEXT PRIMARY KEY, world_size INTEGER NOT NULL, first_seen REAL NOT NULL,
+            last_seen REAL NOT NULL, last_step INTEGER, last_checkpoint_step INTEGER,
+            last_checkpoint_time REAL, checkpoint_seconds REAL)""",
+        """CREATE TABLE ranks (
+            job TEXT NOT NULL, rank INTEGER NOT NULL, node TEXT NOT NULL, gpu INTEGER,
+            local_rank INTEGER NOT NULL, world_size INTEGER NOT NULL, pid INTEGER NOT NULL,
+            last_step INTEGER, last_step_time REAL, last_beat REAL, step_seconds_p50 REAL,
+            step_seconds_p99 REAL, loss REAL, grad_norm REAL, alive INTEGER NOT NULL,
+            last_checkpoint_step INTEGER, last_checkpoint_time REAL,
+            checkpoint_seconds REAL, updated REAL NOT NULL,
+            PRIMARY KEY (job, rank)) WITHOUT ROWID""",
+        "CREATE INDEX ranks_gpu ON ranks (node, gpu)",
+        """CREATE TABLE checkpoints (
+            id INTEGER PRIMARY KEY, job TEXT NOT NULL, rank INTEGER NOT NULL,
+            node TEXT NOT NULL, request_id TEXT NOT NULL, step INTEGER NOT NULL,
+            phase TEXT NOT NULL, seconds REAL, bytes INTEGER, time REAL NOT NULL,
+            path TEXT NOT NULL)""",
+        "CREATE INDEX checkpoints_job ON checkpoints (job, time)",
+        """CREATE TABLE commands (
+            id TEXT PRIMARY KEY, node TEXT NOT NULL, kind TEXT NOT NULL, body BLOB NOT NULL,
+            created REAL NOT NULL, expires REAL NOT NULL, delivered_at REAL,
+            deliveries INTEGER NOT NULL DEFAULT 0, acked_at REAL, ok INTEGER,
+            detail TEXT NOT NULL DEFAULT '')""",
+        "CREATE INDEX commands_pending ON commands (node, acked_at)",
+        """CREATE TABLE actions (
+            id INTEGER PRIMARY KEY, time REAL NOT NULL, kind TEXT NOT NULL,
+            subject TEXT NOT NULL, job TEXT NOT NULL, node TEXT NOT NULL,
+            status TEXT NOT NULL, shadow INTEGER NOT NULL, detail TEXT NOT NULL)""",
+        "CREATE INDEX actions_time ON actions (time)",
+        """CREATE TABLE decisions (
+            id INTEGER PRIMARY KEY, time REAL NOT NULL, job TEXT NOT NULL,
+            subject TEXT NOT NULL, decision TEXT NOT NULL, reason TEXT NOT NULL,
+            inputs TEXT NOT NULL)""",
+        "CREATE INDEX decisions_time ON decisions (time)",
+    ),
+)
+"""Schema migrations in order; never edit a released entry, append a new one."""
+
+
+class Store:
+    """SQLite (WAL) database of the collector. Thread-safe; see the module docstring."""
+
+    def __init__(self, path: Path, *, synchronous: str = "FULL") -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._synchronous = synchronous.upper()
+        self._lock = threading.RLock()
+        self._local = threading.local()
+        self._closed = False
+        try:
+            self._conn = self._connect()
+            self._migrate()
+        except sqlite3.Error as exc:
+            raise StoreError(f"{self.path}: cannot open database: {exc}") from exc
+
+    def _connect(self) -> sqlite3.Connection:
+        # isolation_level=None: we issue BEGIN/COMMIT ourselves, one transaction per write.
+        conn = sqlite3.connect(
+            self.path, isolation_level=None, check_same_thread=False, timeout=30.0
+        )
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute(f"PRAGMA synchronous={self._synchronous}")
+        conn.execute("PRAGMA foreign_keys=ON")
+        conn.row_factory = sqlite3.Row
+        return conn
+
+    def _migrate(self) -> None:
+        with self._lock:
+            version = int(self._conn.execute("PRAGMA user_version").fetchone()[0])
+            if version > len(MIGRATIONS):
+                raise StoreError(
+                    f"{self.path}: schema version {version} is newer than this forewarn "
+                    f"({len(MIGRATIONS)}); upgrade forewarn"
+                )
+            for number in range(version, len(MIGRATIONS)):
+                self._conn.execute("BEGIN IMMEDIATE")
+                try:
+                    for statement in MIGRATIONS[number]:
+                        self._conn.execute(statement)
+                    self._conn.execute(f"PRAGMA user_version={number + 1}")
+                    self._conn.execute("COMMIT")
+                except BaseException:
+                    self._conn.execute("ROLLBACK")
+                    raise
+
+    @property
+    def schema_version(self) -> int:
+        return int(self._reader().execute("PRAGMA user_version").fetchone()[0])
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction (``BEGIN IMMEDIATE`` ... ``COMMIT``, rolled back on error).
+
+        Only one writer at a time across threads; keep the body short.
+        """
+        with self._lock:
+            conn = self._conn
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+
+    def _reader(self) -> sqlite3.Connection:
+        conn: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            conn.row_factory = sqlite3.Row
+            self._local.conn = conn
+        return conn
+
+    def query(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
+        """Run a read-only query on this thread's read connection; rows as dicts."""
+        return [dict(row) for row in self._reader().execute(sql, params).fetchall()]
+
+    def scalar(self, sql: str, params: Sequence[Any] = ()) -> Any:
+        """The first column of the first row of a read query, or ``None``."""
+        row = self._reader().execute(sql, params).fetchone()
+        return None if row is None else row[0]
+
+    # -- records the policy and actions write -------------------------------------------
+
+    def record_action(
+        self,
+        *,
+        time: float,
+        kind: str,
+        subject: str = "",
+        job: str = "",
+        node: str = "",
+        status: str,
+        shadow: bool = False,
+        detail: dict[str, Any] | None = None,
+    ) -> int:
+        """Store one action (taken, withheld or shadowed); returns its id."""
+        with self.write() as conn:
+            cur = conn.execute(
+                "INSERT INTO actions (time, kind, subject, job, node, status, shadow, detail)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (time, kind, subject, job, node, status, int(shadow),
+                 json.dumps(detail or {}, default=str)),
+            )
+            return int(cur.lastrowid or 0)
+
+    def update_action(self, action_id: int, *, status: str, detail: dict[str, Any] | None = None
+                      ) -> None:
+        """Change an action's status (e.g. a webhook delivery that succeeded later)."""
+        with self.write() as conn:
+            if detail is None:
+                conn.execute("UPDATE actions SET status = ? WHERE id = ?", (status, action_id))
+            else:
+                conn.execute("UPDATE actions SET status = ?, detail = ? WHERE id = ?",
+                             (status, json.dumps(detail, default=str), action_id))
+
+    def record_decision(
+        self,
+        *,
+        time: float,
+        job: str = "",
+        subject: str = "",
+        decision: str,
+        reason: str,
+        inputs: dict[str, Any],
+    ) -> int:
+        """Store one policy decision with every input it used, so it can be explained."""
+        with self.write() as conn:
+            cur = conn.execute(
+                "INSERT INTO decisions (time, job, subject, decision, reason, inputs)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                (time, job, subject, decision, reason, json.dumps(inputs, default=str)),
+            )
+            return int(cur.lastrowid or 0)
+
+    def prune(self, before: float) -> dict[str, int]:
+        """Delete findings, XIDs, seen batches, actions and decisions older than ``before``.
+
+        Pruning ``batches`` forgets seqs older than the retention: an agent replaying a
+        batch older than that would be stored again (its spool never holds that long).
+        """
+        counts: dict[str, int] = {}
+        with self.write() as conn:
+            for table, column in (("findings", "time"), ("xids", "time"),
+                                  ("batches", "received"), ("actions", "time"),
+                                  ("decisions", "time"), ("checkpoints", "time")):
+                cur = conn.execute(f"DELETE FROM {table} WHERE {column} < ?", (before,))
+                counts[table] = cur.rowcount
+            cur = conn.execute(
+                "DELETE FROM commands WHERE expires < ? AND created < ?", (before, before)
+            )
+            counts["commands"] = cur.rowcount
+        return counts
+
+    def close(self) -> None:
+        """Close the write connection (and this thread's reader)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            self._conn.close()
+            conn = getattr(self._local, "conn", None)
+            if conn is not None:
+                conn.close()
