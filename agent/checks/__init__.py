@@ -7,12 +7,29 @@ documented defaults; :func:`default_checks` builds one of each with those defaul
 from __future__ import annotations
 
 from forewarn.agent.checks.base import Check
+from forewarn.agent.checks.ecc import EccCheck
+from forewarn.agent.checks.gpu_lost import GpuLostCheck
+from forewarn.agent.checks.nvlink import NvlinkCheck
+from forewarn.agent.checks.pcie import PcieCheck
+from forewarn.agent.checks.power_brake import PowerBrakeCheck
+from forewarn.agent.checks.remap import RemapCheck
+from forewarn.agent.checks.retired_pages import RetiredPagesCheck
+from forewarn.agent.checks.thermal import ThermalCheck
 from forewarn.agent.checks.xid import XidCheck
 
 __all__ = ["ALL_CHECKS", "default_checks"]
 
 ALL_CHECKS: tuple[type[Check], ...] = (
+    # GPU hardware (read AgentState.gpus / xids)
+    GpuLostCheck,
     XidCheck,
+    EccCheck,
+    RemapCheck,
+    RetiredPagesCheck,
+    ThermalCheck,
+    PowerBrakeCheck,
+    PcieCheck,
+    NvlinkCheck,
 )
 
 
