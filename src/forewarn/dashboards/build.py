@@ -1,0 +1,412 @@
+"""The Grafana dashboards, as code (grafana-foundation-sdk, Grafana 11 build).
+
+``forewarn dashboards generate`` writes them as JSON into ``dashboards/``; a test checks that
+regenerating changes nothing, and another runs every panel's query against a real Prometheus
+scraping a real agent and collector (a panel that can never show data is a bug).
+
+Every query filters on the template variables ``$cluster`` (all = ``.*``, so it matches
+series without a cluster label too), ``$node``, ``$gpu`` and ``$job``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+from grafana_foundation_sdk.builders import common, heatmap, prometheus, stat, table, timeseries
+from grafana_foundation_sdk.builders import dashboard as db
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common as cm
+from grafana_foundation_sdk.models import dashboard as dm
+from grafana_foundation_sdk.models import prometheus as pm
+
+__all__ = ["DASHBOARDS", "render"]
+
+DS = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
+G = 'cluster=~"$cluster", node=~"$node"'
+"""Selector every GPU/node series carries."""
+GPU = G + ', gpu=~"$gpu"'
+JOB = 'cluster=~"$cluster", job=~"$job"'
+
+Panel = Any
+
+
+def _q(expr: str, legend: str = "", instant: bool = False) -> prometheus.Dataquery:
+    q = prometheus.Dataquery().expr(expr).datasource(DS)
+    if legend:
+        q = q.legend_format(legend)
+    return q.instant() if instant else q.range()
+
+
+def _thresholds(*steps: tuple[float | None, str]) -> db.ThresholdsConfig:
+    return db.ThresholdsConfig().mode(dm.ThresholdsMode.ABSOLUTE).steps(
+        [dm.Threshold(value=v, color=c) for v, c in steps]
+    )
+
+
+OK_WARN_BAD = _thresholds((None, "green"), (1, "orange"), (2, "red"))
+
+
+def ts(title: str, desc: str, unit: str, *queries: prometheus.Dataquery,
+       thresholds: db.ThresholdsConfig | None = None, w: int = 12, h: int = 8,
+       stack: bool = False) -> timeseries.Panel:
+    p = (timeseries.Panel().title(title).description(desc).datasource(DS).unit(unit)
+         .span(w).height(h).line_width(1).fill_opacity(10))
+    for ref, q in zip("ABCDEFGH", queries, strict=False):
+        p = p.with_target(q.ref_id(ref))
+    if thresholds is not None:
+        p = p.thresholds(thresholds)
+    else:
+        p = p.thresholds(_thresholds((None, "green")))
+    if stack:
+        p = p.stacking(common.StackingConfig().mode(cm.StackingMode.NORMAL))
+    return p
+
+
+def st(title: str, desc: str, unit: str, query: prometheus.Dataquery,
+       thresholds: db.ThresholdsConfig, w: int = 6, h: int = 4) -> stat.Panel:
+    return (stat.Panel().title(title).description(desc).datasource(DS).unit(unit)
+            .span(w).height(h).with_target(query.ref_id("A")).thresholds(thresholds)
+            .reduce_options(common.ReduceDataOptions().calcs(["lastNotNull"]))
+            .color_mode(cm.BigValueColorMode.BACKGROUND))
+
+
+def tb(title: str, desc: str, unit: str, query: prometheus.Dataquery, w: int = 12,
+       h: int = 8) -> table.Panel:
+    return (table.Panel().title(title).description(desc).datasource(DS).unit(unit)
+            .span(w).height(h).with_target(query.ref_id("A").format(pm.PromQueryFormat.TABLE))
+            .thresholds(_thresholds((None, "green"))))
+
+
+def hm(title: str, desc: str, unit: str, query: prometheus.Dataquery, w: int = 12,
+       h: int = 8) -> heatmap.Panel:
+    return (heatmap.Panel().title(title).description(desc).datasource(DS).unit(unit)
+            .span(w).height(h).with_target(query.ref_id("A")).calculate(False)
+            .thresholds(_thresholds((None, "green"), (80, "orange"), (90, "red"))))
+
+
+def _variables(*names: str) -> list[Any]:
+    out: list[Any] = [
+        db.DatasourceVariable("datasource").label("Data source").type("prometheus"),
+    ]
+    sources = {
+        "cluster": "label_values(forewarn_agent_build_info, cluster)",
+        "node": 'label_values(forewarn_gpu_info{cluster=~"$cluster"}, node)',
+        "gpu": 'label_values(forewarn_gpu_info{cluster=~"$cluster", node=~"$node"}, gpu)',
+        "job": 'label_values(forewarn_rank_step{cluster=~"$cluster"}, job)',
+    }
+    for name in ("cluster", *names):
+        out.append(
+            db.QueryVariable(name).label(name.capitalize()).datasource(DS)
+            .query(sources[name]).multi(True).include_all(True).all_value(".*")
+            .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED).sort(dm.VariableSort.ALPHABETICAL_ASC)
+            .current(dm.VariableOption(selected=True, text="All", value="$__all"))
+        )
+    return out
+
+
+def _dashboard(uid: str, title: str, desc: str, tags: list[str], variables: list[str],
+               rows: list[tuple[str, list[Panel]]],
+               annotations: list[db.AnnotationQuery] | None = None) -> dict[str, Any]:
+    d = (db.Dashboard(title).uid(uid).description(desc).tags(["forewarn", *tags])
+         .refresh("30s").time("now-6h", "now").timezone("browser").editable())
+    for v in _variables(*variables):
+        d = d.with_variable(v)
+    for a in annotations or []:
+        d = d.annotation(a)
+    for row_title, panels in rows:
+        d = d.with_row(db.Row(row_title))
+        for p in panels:
+            d = d.with_panel(p)
+    out: dict[str, Any] = json.loads(json.dumps(d.build(), cls=JSONEncoder))
+    return out
+
+
+def fleet() -> dict[str, Any]:
+    health = "forewarn_gpu_health{" + G + "}"
+    return _dashboard(
+        "forewarn-fleet", "forewarn / Fleet overview",
+        "GPU health across the fleet: what is unhealthy, XIDs by class, ECC and remap trends, "
+        "thermals, and the predictor's top risks.", ["fleet"], ["node"],
+        [
+            ("Health", [
+                st("Healthy GPUs", "GPUs every check judges healthy.", "none",
+                   _q(f"count({health} == 0) or vector(0)", instant=True),
+                   _thresholds((None, "green"))),
+                st("Degraded GPUs", "GPUs with at least one degraded finding.", "none",
+                   _q(f"count({health} == 1) or vector(0)", instant=True),
+                   _thresholds((None, "green"), (1, "orange"))),
+                st("Unhealthy GPUs", "GPUs with at least one unhealthy finding.", "none",
+                   _q(f"count({health} == 2) or vector(0)", instant=True),
+                   _thresholds((None, "green"), (1, "red"))),
+                st("Nodes with an unhealthy GPU", "Nodes to drain or inspect.", "none",
+                   _q(f"count(count by (node) ({health} == 2)) or vector(0)", instant=True),
+                   _thresholds((None, "green"), (1, "red"))),
+                tb("GPUs not healthy", "Every GPU whose worst health is above healthy: "
+                   "1 degraded, 2 unhealthy, 3 unknown.", "none",
+                   _q(f"{health} > 0", instant=True), w=12),
+                tb("Active findings", "Current non-healthy findings with their suggested action.",
+                   "none", _q('forewarn_finding_active{' + G + '}', instant=True), w=12),
+            ]),
+            ("Errors", [
+                ts("XIDs by class", "XID errors per class over the interval; application "
+                   "classes (13, 31, 43, 45) are the program's, not the GPU's.", "short",
+                   _q("sum by (class) (increase(forewarn_gpu_xid_errors_total{" + G
+                      + "}[$__rate_interval]))", "{{class}}"), stack=True),
+                ts("Correctable ECC rate", "Corrected ECC errors per second per GPU: a rising "
+                   "rate precedes uncorrectable errors (SC20 DRAM study).", "cps",
+                   _q("sum by (node, gpu) (rate(forewarn_gpu_ecc_errors_total{" + G
+                      + ', type="corrected", scope="volatile"}[$__rate_interval]))',
+                      "{{node}}/{{gpu}}"), thresholds=_thresholds((None, "green"), (1, "red"))),
+                ts("Remapped rows", "Rows remapped per GPU; pending remaps need a GPU reset.",
+                   "short", _q("sum by (node, gpu) (forewarn_gpu_remapped_rows_total{" + G + "})",
+                               "{{node}}/{{gpu}}")),
+                ts("Uncorrectable ECC errors", "Volatile uncorrectable (double-bit) ECC errors.",
+                   "short", _q("sum by (node, gpu) (forewarn_gpu_ecc_errors_total{" + G
+                               + ', type="uncorrected", scope="volatile"})', "{{node}}/{{gpu}}"),
+                   thresholds=_thresholds((None, "green"), (1, "red"))),
+            ]),
+            ("Thermals and risk", [
+                hm("GPU temperature", "Core temperature of every GPU over time.", "celsius",
+                   _q("forewarn_gpu_temperature_celsius{" + G + "}", "{{node}}/{{gpu}}")),
+                ts("Thermal throttling", "GPUs slowed by HW/SW thermal slowdown (NVML clock "
+                   "event reasons).", "short",
+                   _q("sum by (node, gpu) (forewarn_gpu_clock_event_reason_active{" + G
+                      + ', reason=~".*thermal.*"})', "{{node}}/{{gpu}}"),
+                   thresholds=_thresholds((None, "green"), (1, "orange"))),
+                tb("Top risk scores", "GPUs the predictor rates most likely to fail within its "
+                   "horizon.", "percentunit",
+                   _q("topk(10, forewarn_gpu_failure_probability{" + G + "})", instant=True)),
+            ]),
+        ],
+    )
+
+
+def node_detail() -> dict[str, Any]:
+    def gpu_ts(title: str, desc: str, unit: str, metric: str, legend: str = "{{node}}/{{gpu}}",
+               extra: str = "", agg: str = "") -> timeseries.Panel:
+        sel = metric + "{" + GPU + extra + "}"
+        return ts(title, desc, unit, _q(agg.format(sel) if agg else sel, legend))
+
+    findings = (db.AnnotationQuery().name("Findings").datasource(DS).enable(True)
+                .icon_color("red").expr("max by (node, gpu, check, health, action) "
+                                        "(forewarn_finding_active{" + G + "})"))
+    return _dashboard(
+        "forewarn-node", "forewarn / Node and GPU detail",
+        "Every agent metric for one node or GPU, with its findings as annotations.",
+        ["node", "gpu"], ["node", "gpu"],
+        [
+            ("State", [
+                ts("Health", "0 healthy, 1 degraded, 2 unhealthy, 3 unknown.", "none",
+                   _q("forewarn_gpu_health{" + GPU + "}", "{{node}}/{{gpu}}"),
+                   thresholds=OK_WARN_BAD),
+                ts("Health by check", "Each check's judgement of the GPU.", "none",
+                   _q("forewarn_gpu_check_health{" + GPU + "}", "{{gpu}} {{check}}"),
+                   thresholds=OK_WARN_BAD),
+                gpu_ts("Performance state", "P-state; 0 is fastest.", "none",
+                       "forewarn_gpu_performance_state"),
+                tb("Fields not supported", "Fields this GPU does not report (not an error).",
+                   "none", _q("forewarn_gpu_field_supported{" + GPU + "} == 0 or "
+                              "forewarn_gpu_field_supported{" + GPU + "}", instant=True)),
+            ]),
+            ("Thermals and power", [
+                gpu_ts("Temperature", "GPU core temperature.", "celsius",
+                       "forewarn_gpu_temperature_celsius"),
+                gpu_ts("Memory temperature", "HBM temperature where reported.", "celsius",
+                       "forewarn_gpu_memory_temperature_celsius"),
+                gpu_ts("Slowdown margin", "Degrees left before hardware slowdown.", "celsius",
+                       "forewarn_gpu_slowdown_margin_celsius"),
+                gpu_ts("Power", "Power draw.", "watt", "forewarn_gpu_power_watts"),
+                gpu_ts("Power limit", "Enforced power limit.", "watt",
+                       "forewarn_gpu_power_limit_watts"),
+                ts("Clock event reasons", "Active throttle reasons.", "short",
+                   _q("forewarn_gpu_clock_event_reason_active{" + GPU + "} == 1",
+                      "{{gpu}} {{reason}}")),
+            ]),
+            ("Clocks and utilization", [
+                gpu_ts("SM clock", "Streaming multiprocessor clock.", "hertz",
+                       "forewarn_gpu_sm_clock_hertz"),
+                gpu_ts("Memory clock", "Memory clock.", "hertz", "forewarn_gpu_memory_clock_hertz"),
+                gpu_ts("GPU utilization", "Share of time a kernel ran.", "percentunit",
+                       "forewarn_gpu_utilization_ratio"),
+                gpu_ts("Memory utilization", "Share of time memory was read or written.",
+                       "percentunit", "forewarn_gpu_memory_utilization_ratio"),
+                gpu_ts("Memory used", "Frame buffer used.", "bytes",
+                       "forewarn_gpu_memory_used_bytes"),
+                gpu_ts("Memory total", "Frame buffer size.", "bytes",
+                       "forewarn_gpu_memory_total_bytes"),
+            ]),
+            ("Memory errors", [
+                ts("ECC errors", "Corrected and uncorrected, volatile and aggregate.", "short",
+                   _q("forewarn_gpu_ecc_errors_total{" + GPU + "}",
+                      "{{gpu}} {{type}} {{scope}}")),
+                ts("Retired pages", "Pages retired for single- and double-bit errors.", "short",
+                   _q("forewarn_gpu_retired_pages_total{" + GPU + "}", "{{gpu}} {{cause}}")),
+                gpu_ts("Retirement pending", "1 when a page retirement waits for a reset.",
+                       "bool", "forewarn_gpu_retired_pages_pending"),
+                ts("Remapped rows", "Rows remapped for correctable and uncorrectable errors.",
+                   "short", _q("forewarn_gpu_remapped_rows_total{" + GPU + "}",
+                               "{{gpu}} {{type}}")),
+                gpu_ts("Remap pending", "1 when a remap waits for a GPU reset.", "bool",
+                       "forewarn_gpu_remap_pending"),
+                gpu_ts("Remap failure", "1 when the GPU ran out of spare rows.", "bool",
+                       "forewarn_gpu_remap_failure"),
+            ]),
+            ("Interconnect", [
+                ts("PCIe replay rate", "PCIe replays per second: a rising rate precedes links "
+                   "downgrading and GPUs falling off the bus.", "cps",
+                   _q("rate(forewarn_gpu_pcie_replays_total{" + GPU + "}[$__rate_interval])",
+                      "{{node}}/{{gpu}}")),
+                ts("PCIe link width", "Current and maximum link width.", "short",
+                   _q("forewarn_gpu_pcie_link_width{" + GPU + "}", "{{gpu}} width"),
+                   _q("forewarn_gpu_pcie_link_width_max{" + GPU + "}", "{{gpu}} max")),
+                ts("PCIe link generation", "Current and maximum link generation.", "short",
+                   _q("forewarn_gpu_pcie_link_generation{" + GPU + "}", "{{gpu}} gen"),
+                   _q("forewarn_gpu_pcie_link_generation_max{" + GPU + "}", "{{gpu}} max")),
+                ts("NVLink errors", "NVLink CRC, replay and recovery errors per second by link.",
+                   "cps", _q("rate(forewarn_gpu_nvlink_errors_total{" + GPU
+                             + "}[$__rate_interval])", "{{gpu}} link {{link}} {{type}}")),
+                ts("XIDs", "XID errors by code.", "short",
+                   _q("increase(forewarn_gpu_xid_errors_total{" + GPU + "}[$__rate_interval])",
+                      "{{gpu}} xid {{code}} ({{class}})")),
+            ]),
+            ("Agent", [
+                ts("Check duration", "Seconds each check took per poll.", "s",
+                   _q("forewarn_agent_check_duration_seconds{" + G + "}", "{{check}}")),
+                ts("Check success", "1 when the check ran without raising.", "bool",
+                   _q("forewarn_agent_check_success{" + G + "}", "{{check}}"),
+                   thresholds=_thresholds((None, "red"), (1, "green"))),
+                ts("Source poll duration", "Seconds one poll of the GPU source took.", "s",
+                   _q("forewarn_agent_source_poll_duration_seconds{" + G + "}", "{{source}}")),
+                ts("Source errors", "Failed polls or opens of the GPU source.", "short",
+                   _q("increase(forewarn_agent_source_errors_total{" + G
+                      + "}[$__rate_interval])", "{{source}}")),
+            ]),
+        ],
+        annotations=[findings],
+    )
+
+
+def training() -> dict[str, Any]:
+    r = "{" + JOB + "}"
+    return _dashboard(
+        "forewarn-training", "forewarn / Training jobs",
+        "Per-rank progress, loss, grad norm and heartbeats, hang and NaN findings and "
+        "checkpoints, next to the hardware of the GPUs the job runs on.", ["training"],
+        ["job", "node"],
+        [
+            ("Progress", [
+                ts("Step", "Last step each rank reported.", "short",
+                   _q("forewarn_rank_step" + r, "{{job}} rank {{rank}}")),
+                ts("Step time p50", "Median step time per rank; a straggler stands out.", "s",
+                   _q("forewarn_rank_step_seconds{" + JOB + ', quantile="0.5"}',
+                      "{{job}} rank {{rank}}")),
+                ts("Loss", "Training loss per rank.", "none",
+                   _q("forewarn_rank_loss" + r, "{{job}} rank {{rank}}")),
+                ts("Grad norm", "Gradient norm per rank; a 10x spike over the rolling median "
+                   "is flagged.", "none", _q("forewarn_rank_grad_norm" + r,
+                                             "{{job}} rank {{rank}}")),
+                ts("Heartbeat age", "Seconds since each rank's last liveness beat.", "s",
+                   _q("forewarn_rank_heartbeat_age_seconds" + r, "{{job}} rank {{rank}}"),
+                   thresholds=_thresholds((None, "green"), (5, "orange"), (30, "red"))),
+                tb("Hang, NaN and straggler findings", "Current training findings.", "none",
+                   _q('forewarn_finding_active{cluster=~"$cluster", job=~"$job", '
+                      'check=~"rank_hang|rank_gone|nan_loss|grad_spike|straggler"}',
+                      instant=True)),
+            ]),
+            ("Checkpoints", [
+                ts("Checkpoint orders", "Orders issued, by reason.", "short",
+                   _q("sum by (job, reason) (increase(forewarn_checkpoint_orders_total" + r
+                      + "[$__rate_interval]))", "{{job}} {{reason}}")),
+                ts("Checkpoint duration", "Seconds the last checkpoint took per rank.", "s",
+                   _q("forewarn_checkpoint_duration_seconds" + r, "{{job}} rank {{rank}}")),
+                ts("Checkpoint size", "Bytes the last checkpoint wrote per rank.", "bytes",
+                   _q("forewarn_checkpoint_bytes" + r, "{{job}} rank {{rank}}")),
+            ]),
+            ("Hardware under the job", [
+                ts("Health of the job's GPUs", "0 healthy, 1 degraded, 2 unhealthy.", "none",
+                   _q("forewarn_gpu_health{" + G + "} * on (node, gpu) group_left(job, rank) "
+                      "max by (node, gpu, job, rank) (forewarn_rank_gpu" + r + ")",
+                      "{{job}} rank {{rank}} ({{node}}/{{gpu}})"), thresholds=OK_WARN_BAD),
+                ts("Temperature of the job's GPUs", "Core temperature of the GPUs under ranks.",
+                   "celsius",
+                   _q("forewarn_gpu_temperature_celsius{" + G + "} * on (node, gpu) "
+                      "group_left(job, rank) max by (node, gpu, job, rank) "
+                      "(forewarn_rank_gpu" + r + ")", "{{job}} rank {{rank}}")),
+            ]),
+        ],
+    )
+
+
+def predictions() -> dict[str, Any]:
+    c = '{cluster=~"$cluster"}'
+    return _dashboard(
+        "forewarn-predictions", "forewarn / Predictions and actions",
+        "Risk scores and predictions with their lead time, the predictor's shadow-scored "
+        "precision and recall, actions taken or withheld, and webhook deliveries.",
+        ["predictions"], ["node"],
+        [
+            ("Predictions", [
+                ts("Failure probability", "P(GPU fails within the model's horizon).",
+                   "percentunit", _q("forewarn_gpu_failure_probability{" + G + "}",
+                                     "{{node}}/{{gpu}}"),
+                   thresholds=_thresholds((None, "green"), (0.5, "red"))),
+                ts("Shadow-scored precision and recall", "The predictor judged against what "
+                   "later happened.", "percentunit",
+                   _q("forewarn_collector_prediction_precision" + c, "precision"),
+                   _q("forewarn_collector_prediction_recall" + c, "recall")),
+                ts("Prediction lead time", "Median time from prediction to failure.", "s",
+                   _q("forewarn_collector_prediction_lead_seconds" + c, "median lead")),
+            ]),
+            ("Actions", [
+                ts("Decisions", "Policy decisions by action and outcome (taken, shadow, "
+                   "refused by the circuit breaker, rate limited, cooled down).", "short",
+                   _q("sum by (action, outcome) (increase(forewarn_collector_decisions_total"
+                      + c + "[$__rate_interval]))", "{{action}} {{outcome}}"), stack=True),
+                ts("Webhook deliveries", "Outbound webhook deliveries by status.", "short",
+                   _q("sum by (status) (increase(forewarn_collector_webhook_deliveries_total"
+                      + c + "[$__rate_interval]))", "{{status}}"), stack=True),
+                ts("Checkpoint orders from the collector", "Job-wide orders issued.", "short",
+                   _q("sum by (reason) (increase(forewarn_collector_checkpoint_orders_total"
+                      + c + "[$__rate_interval]))", "{{reason}}")),
+            ]),
+        ],
+    )
+
+
+def goodput() -> dict[str, Any]:
+    r = "{" + JOB + "}"
+    return _dashboard(
+        "forewarn-goodput", "forewarn / Goodput",
+        "Effective training time per job and where the rest went.", ["goodput"], ["job"],
+        [
+            ("Goodput", [
+                ts("Effective training time", "Share of wall time spent on new progress.",
+                   "percentunit", _q("forewarn_job_goodput_ratio" + r, "{{job}}"),
+                   thresholds=_thresholds((None, "red"), (0.9, "orange"), (0.95, "green"))),
+                ts("Lost time by cause", "Checkpoint overhead, work redone after failures, "
+                   "detection delay and restart downtime.", "s",
+                   _q("sum by (job, cause) (forewarn_job_lost_seconds_total" + r + ")",
+                      "{{job}} {{cause}}"), stack=True),
+                ts("Advised checkpoint interval", "Young's interval from the job's measured "
+                   "checkpoint cost, the fleet's failure rate and current risk.", "s",
+                   _q("forewarn_job_checkpoint_interval_advice_seconds" + r, "{{job}}")),
+            ]),
+        ],
+    )
+
+
+DASHBOARDS: dict[str, Callable[[], dict[str, Any]]] = {
+    "fleet": fleet,
+    "node": node_detail,
+    "training": training,
+    "predictions": predictions,
+    "goodput": goodput,
+}
+"""File stem -> builder. Each becomes ``dashboards/<stem>.json``."""
+
+
+def render(name: str) -> str:
+    """The dashboard ``name`` as stable, pretty JSON."""
+    return json.dumps(DASHBOARDS[name](), indent=2, sort_keys=True) + "\n"
