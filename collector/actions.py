@@ -14,7 +14,7 @@ Every action, done or shadowed, is recorded through ``record_action`` (the store
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -24,7 +24,6 @@ from forewarn.wire import CheckpointReport, CommandAck, Finding
 from .drain import DrainError, DrainRunner
 from .orders import JobOrder, OrderBook
 from .policy import ActionKind, Decision, Outcome, PlannedAction, Policy
-from .webhooks import WebhookSender
 
 __all__ = ["ActionLog", "ActionPipeline", "event_for", "store_decisions"]
 
@@ -74,24 +73,32 @@ def event_for(decision: Decision, finding: Finding, orders: Sequence[JobOrder]) 
 
 
 class ActionPipeline:
-    """Policy plus actuators (see the module docstring). Call from the event loop."""
+    """Policy plus actuators (see the module docstring).
+
+    Synchronous: the service calls it from its single policy thread. ``send_webhook``
+    hands an event to the webhook sender (thread-safe: the service wraps
+    ``loop.call_soon_threadsafe``); drains run on ``drain_pool`` so a slow drain command
+    never holds up checkpoint orders (``None``: run inline).
+    """
 
     def __init__(
         self,
         policy: Policy,
         orders: OrderBook,
         *,
-        webhooks: WebhookSender | None = None,
+        send_webhook: Callable[[dict[str, Any]], None] | None = None,
         drain: DrainRunner | None = None,
+        drain_pool: concurrent.futures.Executor | None = None,
         actions: ActionLog | None = None,
     ) -> None:
         self.policy = policy
         self.orders = orders
-        self.webhooks = webhooks
+        self.send_webhook = send_webhook
         self.drain = drain
+        self.drain_pool = drain_pool
         self.actions = actions
 
-    async def handle_findings(
+    def handle_findings(
         self, findings: Sequence[Finding], source: str = "agent", *, force_checkpoint: bool = False
     ) -> list[Decision]:
         """Run each finding through the policy and carry out its actions; returns the
@@ -107,7 +114,7 @@ class ActionPipeline:
             for action in planned:
                 out.append(action.decision)
                 try:
-                    order = await self._carry_out(action, issued)
+                    order = self._carry_out(action, issued)
                 except Exception as exc:  # one failed action must not stop the others
                     log.exception("action %s failed", action.kind)
                     self._record(action, "error", {"error": f"{type(exc).__name__}: {exc}"})
@@ -116,7 +123,7 @@ class ActionPipeline:
                     issued.append(order)
         return out
 
-    async def _carry_out(self, action: PlannedAction, issued: list[JobOrder]) -> JobOrder | None:
+    def _carry_out(self, action: PlannedAction, issued: list[JobOrder]) -> JobOrder | None:
         d = action.decision
         shadow = d.outcome == Outcome.SHADOW
         if action.kind == ActionKind.CHECKPOINT:
@@ -131,32 +138,46 @@ class ActionPipeline:
             )
             return order
         if action.kind == ActionKind.WEBHOOK:
-            if shadow or self.webhooks is None:
-                why = "shadow" if shadow else "no webhook configured"
-                self._record(action, "shadow" if shadow else "skipped", {"why": why})
+            if shadow or self.send_webhook is None:
+                self._record(action, "shadow" if shadow else "skipped",
+                             {"why": "shadow" if shadow else "no webhook configured"})
                 return None
-            queued = self.webhooks.send(event_for(d, action.finding, issued))
-            self._record(action, "queued", {"endpoints": queued})
+            self.send_webhook(event_for(d, action.finding, issued))
+            self._record(action, "queued", {})
             return None
+        self._drain(action, shadow)
+        return None
+
+    def _drain(self, action: PlannedAction, shadow: bool) -> None:
         if self.drain is None:
             self._record(action, "skipped", {"why": "no drain command configured"})
-            return None
+            return
+        drain = self.drain
         try:
-            if shadow:
-                argv = self.drain.template.render(action.node, action.finding.reason)
-                self._record(action, "shadow", {"argv": argv})
-                return None
-            result = await asyncio.to_thread(self.drain.run, action.node, action.finding.reason)
+            argv = drain.template.render(action.node, action.finding.reason)
         except DrainError as exc:
             self._record(action, "rejected", {"error": str(exc)})
-            return None
-        status = "shadow" if result.shadow else ("done" if result.returncode == 0 else "failed")
-        self._record(
-            action, status,
-            {"argv": list(result.argv), "returncode": result.returncode,
-             "output": result.output, "error": result.error},
-        )
-        return None
+            return
+        if shadow or not drain.enabled:
+            self._record(action, "shadow", {"argv": argv})
+            return
+
+        def run() -> None:
+            try:
+                result = drain.run(action.node, action.finding.reason)
+            except DrainError as exc:
+                self._record(action, "rejected", {"error": str(exc)})
+                return
+            self._record(
+                action, "done" if result.returncode == 0 else "failed",
+                {"argv": list(result.argv), "returncode": result.returncode,
+                 "output": result.output, "error": result.error, "seconds": result.seconds},
+            )
+
+        if self.drain_pool is None:
+            run()
+        else:
+            self.drain_pool.submit(run)
 
     def _record(self, action: PlannedAction, status: str, detail: dict[str, Any]) -> None:
         if self.actions is None:
@@ -166,7 +187,7 @@ class ActionPipeline:
             self.actions.record_action(
                 time=d.time, kind=d.action, subject=d.subject, job=d.job, node=d.node,
                 status=status, shadow=d.outcome == Outcome.SHADOW,
-                detail={"decision": d.id, **detail},
+                detail={"decision": d.id, "target": d.target, **detail},
             )
         except Exception:
             log.exception("recording action %s failed", d.id)

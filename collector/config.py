@@ -54,6 +54,49 @@ class CollectorConfig:
     group_commit_max: int = 256
     """Most ingest batches committed in one SQLite transaction (group commit)."""
     log_level: str = "info"
+    # -- policy and actions (forewarn.collector.policy / actions / orders) -------------
+    policy_shadow: bool = False
+    """Global shadow mode: decisions are recorded, no action is taken."""
+    policy_shadow_actions: tuple[str, ...] = ()
+    """Action kinds (checkpoint, webhook, drain) recorded only; drain is also shadow
+    while ``drain_enabled`` is false."""
+    policy_dedup_s: float = 300.0
+    """The same check about the same subject within this window is one finding."""
+    policy_cooldown_checkpoint_s: float = 600.0
+    policy_cooldown_webhook_s: float = 300.0
+    policy_cooldown_drain_s: float = 3600.0
+    policy_rate_checkpoint_per_min: float = 30.0
+    policy_rate_webhook_per_min: float = 60.0
+    policy_rate_drain_per_min: float = 2.0
+    policy_breaker_checkpoint_share: float = 0.5
+    """Circuit breaker: most of the jobs ordered to checkpoint within the window."""
+    policy_breaker_drain_share: float = 0.1
+    """Circuit breaker: most of the fleet's nodes drained within the window."""
+    policy_breaker_window_s: float = 600.0
+    policy_probability: dict[str, float] = dataclasses.field(default_factory=dict)
+    """P(failure within the hour) per check name, overriding the cost model's table."""
+    checkpoint_default_s: float = 60.0
+    """Checkpoint seconds assumed for a job before one of its checkpoints was measured."""
+    order_delivery_latency_s: float = 0.5
+    """Expected order delivery time (long poll) used to place the step S ahead."""
+    order_safety_s: float = 2.0
+    order_max_reissues: int = 3
+    webhook_urls: tuple[str, ...] = ()
+    """Generic JSON webhooks, signed with ``webhook_secret`` (HMAC-SHA256)."""
+    webhook_slack_urls: tuple[str, ...] = ()
+    """Slack-compatible incoming webhooks (``text`` + ``blocks``)."""
+    webhook_secret: str = ""
+    webhook_secret_file: Path | None = None
+    webhook_max_attempts: int = 5
+    webhook_backoff_s: float = 1.0
+    drain_command: tuple[str, ...] = ()
+    """Drain template as an argument list, e.g. ["kubectl", "cordon", "{node}"]; empty = none."""
+    drain_enabled: bool = False
+    """Run the drain command; off = shadow (record what would have run)."""
+    drain_timeout_s: float = 30.0
+    alert_token: str = ""
+    """Bearer token of the Alertmanager/Grafana webhook routes (empty = routes refuse)."""
+    alert_token_file: Path | None = None
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")
@@ -83,6 +126,7 @@ class CollectorConfig:
             )
         if self.log_level not in ("critical", "error", "warning", "info", "debug"):
             raise ConfigError(f"log_level: unknown level {self.log_level!r}")
+        _check_policy_keys(self)
 
     @property
     def host(self) -> str:
@@ -99,3 +143,40 @@ class CollectorConfig:
     @property
     def telemetry_dir(self) -> Path:
         return self.data_dir / "telemetry"
+
+
+def _check_policy_keys(c: CollectorConfig) -> None:
+    """Ranges of the policy and action keys (named in the error)."""
+    from forewarn.collector.drain import DrainError, DrainTemplate
+    from forewarn.collector.webhooks import WebhookEndpoint
+
+    kinds = ("checkpoint", "webhook", "drain")
+    for kind in c.policy_shadow_actions:
+        if kind not in kinds:
+            raise ConfigError(f"policy_shadow_actions: unknown action {kind!r}")
+    for f in dataclasses.fields(c):
+        value = getattr(c, f.name)
+        if f.name.startswith(("policy_", "order_", "webhook_", "drain_", "checkpoint_")) and (
+            isinstance(value, float) and not value >= 0
+        ):
+            raise ConfigError(f"{f.name}: must not be negative, got {value}")
+    for key in ("policy_breaker_checkpoint_share", "policy_breaker_drain_share"):
+        if not 0 < getattr(c, key) <= 1:
+            raise ConfigError(f"{key}: must be within (0, 1], got {getattr(c, key)}")
+    for name, p in c.policy_probability.items():
+        if not isinstance(p, int | float) or isinstance(p, bool) or not 0 <= p <= 1:
+            raise ConfigError(f"policy_probability: {name}: must be within 0..1, got {p!r}")
+    if c.checkpoint_default_s <= 0 or c.drain_timeout_s <= 0:
+        raise ConfigError("checkpoint_default_s, drain_timeout_s: must be positive")
+    if not 1 <= c.webhook_max_attempts <= 100 or not 0 <= c.order_max_reissues <= 100:
+        raise ConfigError("webhook_max_attempts (1..100), order_max_reissues (0..100)")
+    for url in (*c.webhook_urls, *c.webhook_slack_urls):
+        try:
+            WebhookEndpoint(url)
+        except ValueError as exc:
+            raise ConfigError(f"webhook_urls: {exc}") from None
+    if c.drain_command:
+        try:
+            DrainTemplate(c.drain_command)
+        except DrainError as exc:
+            raise ConfigError(f"drain_command: {exc}") from None
