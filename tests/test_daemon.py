@@ -5,13 +5,12 @@ the hardware seam and fake clocks; the HTTP server is real (loopback)."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import threading
 import time
 import urllib.request
 from typing import Any
-
-import pytest
 
 from forewarn.agent.checks.xid import XidCheck
 from forewarn.agent.config import AgentConfig
@@ -188,7 +187,7 @@ def test_run_ticks_on_a_grid_and_stops() -> None:
     agent.stop()
     assert not thread.is_alive()
     assert len(rec.polls) >= 5
-    gaps = [b.time - a.time for a, b in zip(rec.polls, rec.polls[1:], strict=False)]
+    gaps = [b.time - a.time for a, b in itertools.pairwise(rec.polls)]
     # On a grid: the mean gap is the interval (generous bounds: a shared 2-core machine).
     assert 0.03 <= sum(gaps) / len(gaps) <= 0.5
 
@@ -272,43 +271,3 @@ def test_components_can_register_collectors() -> None:
     text = generate_latest(agent.registry).decode()
     assert 'forewarn_rank_test{job="j"} 1.0' in text and "forewarn_gpu_health" in text
     agent.stop()
-
-
-@pytest.mark.parametrize("interval", [0.05])
-def test_sd_notify_ready_after_first_poll(tmp_path: Any, interval: float) -> None:
-    import socket
-
-    from forewarn.agent.sdnotify import Notifier
-
-    path = str(tmp_path / "notify")
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(path)
-    sock.settimeout(5)
-    config = AgentConfig(node="node0", listen="127.0.0.1:0", kmsg=False, interval_s=interval)
-    rec = Recorder()
-    agent = Agent(config, ScriptedBackend(quiet), checks=[XidCheck()],
-                  notifier=Notifier(env={"NOTIFY_SOCKET": path, "WATCHDOG_USEC": "200000"}))
-    agent.add_component(rec)
-    agent.start(serve=False)
-    stop = threading.Event()
-    thread = threading.Thread(target=agent.run, args=(stop,))
-    thread.start()
-    try:
-        first = sock.recv(4096).decode()
-        assert first.startswith("READY=1") and "STATUS=" in first
-        assert rec.polls, "READY before the first poll"
-        pings = [sock.recv(4096).decode() for _ in range(3)]
-        assert all(p == "WATCHDOG=1" for p in pings if not p.startswith("STATUS"))
-    finally:
-        stop.set()
-        thread.join(timeout=5)
-        agent.stop()
-    msgs = []
-    sock.settimeout(0.5)
-    try:
-        while True:
-            msgs.append(sock.recv(4096).decode())
-    except TimeoutError:
-        pass
-    assert "STOPPING=1" in msgs
-    sock.close()

@@ -1,0 +1,130 @@
+"""forewarn.config.load_config with AgentConfig: TOML, FOREWARN_AGENT_* environment,
+flags (later wins); unknown keys and bad values are errors naming the key; the CLI turns
+them into a one-line error and exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from forewarn.agent.config import AgentConfig
+from forewarn.agent.daemon import config_from_args
+from forewarn.cli import build_parser
+from forewarn.config import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load(tmp_path: Path, toml: str = "", env: dict[str, str] | None = None,
+         **overrides: object) -> AgentConfig:
+    path = tmp_path / "agent.toml"
+    path.write_text(toml)
+    return load_config(AgentConfig, service="agent", path=path, env=env or {},
+                       overrides=overrides)
+
+
+def test_defaults_without_file(tmp_path: Path) -> None:
+    cfg = load_config(AgentConfig, service="agent", path=tmp_path / "missing.toml", env={})
+    assert cfg.listen == "127.0.0.1:9403" and cfg.interval_s == 1.0 and cfg.source == "auto"
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(AgentConfig, service="agent", path=tmp_path / "missing.toml",
+                    required=True, env={})
+
+
+def test_toml_then_env_then_flags(tmp_path: Path) -> None:
+    toml = 'node = "gpu-7"\ninterval_s = 2\nsource = "sim"\nsim_gpus = 4\nkmsg = false\n'
+    cfg = load(tmp_path, toml)
+    assert (cfg.node, cfg.interval_s, cfg.source, cfg.sim_gpus, cfg.kmsg) == (
+        "gpu-7", 2.0, "sim", 4, False)
+    cfg = load(tmp_path, toml, env={"FOREWARN_AGENT_INTERVAL_S": "0.5",
+                                    "FOREWARN_AGENT_KMSG": "yes",
+                                    "OTHER_VAR": "ignored"})
+    assert cfg.interval_s == 0.5 and cfg.kmsg is True and cfg.node == "gpu-7"
+    cfg = load(tmp_path, toml, env={"FOREWARN_AGENT_INTERVAL_S": "0.5"}, interval_s=3.0,
+               node=None)
+    assert cfg.interval_s == 3.0, "flags win over the environment"
+    assert cfg.node == "gpu-7", "an unset flag (None) changes nothing"
+
+
+def test_paths_convert(tmp_path: Path) -> None:
+    cfg = load(tmp_path, 'scenario = "/tmp/s.toml"\nkmsg_path = "/dev/null"\n')
+    assert cfg.scenario == Path("/tmp/s.toml") and cfg.kmsg_path == Path("/dev/null")
+    assert load(tmp_path, 'scenario = "none"\n').scenario is None
+
+
+@pytest.mark.parametrize(("toml", "env", "needle"), [
+    ("intervl_s = 1\n", {}, "unknown key 'intervl_s'"),
+    ("", {"FOREWARN_AGENT_LISTN": "x"}, "FOREWARN_AGENT_LISTN: unknown key 'listn'"),
+    ('interval_s = "fast"\n', {}, "interval_s: expected a number"),
+    ("sim_gpus = 1.5\n", {}, "sim_gpus: expected an integer"),
+    ("kmsg = 3\n", {}, "kmsg: expected true or false"),
+    ("", {"FOREWARN_AGENT_KMSG": "maybe"}, "kmsg: expected true or false"),
+    ('source = "cuda"\n', {}, "source: must be one of"),
+    ("interval_s = 0\n", {}, "interval_s: must be within"),
+    ('listen = "9403"\n', {}, "listen: expected host:port"),
+    ('hang_action = "kill"\n', {}, "hang_action"),
+    ("sim_speed = -1\n", {}, "sim_speed: must be positive"),
+    ("interval_s = [\n", {}, "not valid TOML"),
+])
+def test_errors_name_the_key(tmp_path: Path, toml: str, env: dict[str, str],
+                             needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace("[", r"\[")):
+        load(tmp_path, toml, env=env)
+
+
+def test_flags_map_to_config_keys(tmp_path: Path) -> None:
+    (tmp_path / "a.toml").write_text('node = "from-file"\n')
+    args = build_parser().parse_args([
+        "agent", "--config", str(tmp_path / "a.toml"), "--source", "sim", "--interval",
+        "0.25", "--listen", "127.0.0.1:9999", "--scenario", "/s.toml", "--sim-gpus", "2",
+        "--sim-speed", "30", "--replay", "/r.csv", "--dcgm-url", "http://h:1/metrics",
+        "--no-kmsg", "--kmsg-path", "/k", "--socket", "/run/x.sock", "--collector",
+        "http://c:8080", "--token-file", "/t", "--node", "flag-node",
+    ])
+    cfg = config_from_args(args, env={})
+    assert cfg.source == "sim" and cfg.interval_s == 0.25 and cfg.listen == "127.0.0.1:9999"
+    assert cfg.scenario == Path("/s.toml") and cfg.sim_gpus == 2 and cfg.sim_speed == 30
+    assert cfg.replay_path == Path("/r.csv") and cfg.dcgm_url == "http://h:1/metrics"
+    assert cfg.kmsg is False and cfg.kmsg_path == Path("/k")
+    assert cfg.socket_path == Path("/run/x.sock") and cfg.collector_url == "http://c:8080"
+    assert cfg.token_file == Path("/t") and cfg.node == "flag-node"
+    # Without --no-kmsg the file/env value stands.
+    cfg = config_from_args(argparse.Namespace(config=str(tmp_path / "a.toml"), no_kmsg=None),
+                           env={"FOREWARN_AGENT_KMSG": "false"})
+    assert cfg.kmsg is False and cfg.node == "from-file"
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "forewarn", "agent", *args],
+                          capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_cli_config_errors_exit_2_with_one_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("interval_s = -3\n")
+    r = run_cli("--config", str(bad))
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "interval_s" in lines[0] and "Traceback" not in r.stderr
+    r = run_cli("--config", str(tmp_path / "nope.toml"))
+    assert r.returncode == 2 and "config file not found" in r.stderr
+    scenario = tmp_path / "broken.toml"
+    scenario.write_text("this is [not toml\n")
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    r = run_cli("--source", "sim", "--scenario", str(scenario), "--config", str(empty))
+    assert r.returncode == 2
+    assert str(scenario) in r.stderr and "Traceback" not in r.stderr
+
+
+def test_help_explains_every_flag() -> None:
+    r = run_cli("--help")
+    assert r.returncode == 0
+    for flag in ("--config", "--source", "--interval", "--listen", "--scenario", "--sim-gpus",
+                 "--sim-speed", "--replay", "--dcgm-url", "--no-kmsg", "--kmsg-path",
+                 "--socket", "--collector", "--token-file", "--node", "--log-level"):
+        assert flag in r.stdout
