@@ -557,20 +557,15 @@ def build_backend(config: AgentConfig) -> GpuBackend:
 
 
 def build_xid_sources(config: AgentConfig) -> list[tuple[str, XidSource]]:
-    """The kernel-log XID source when enabled and readable; otherwise a warning and none."""
+    """The kernel-log XID source when enabled and readable; otherwise a warning and none
+    (the agent keeps running: NVML's event set still reports XIDs)."""
     if not config.kmsg or config.source in ("sim", "replay"):
-        return []
-    try:
-        with open(config.kmsg_path, "rb", buffering=0):
-            pass
-    except OSError as exc:
-        log.warning("cannot read %s (%s): XIDs from the kernel log are off; run as root or "
-                    "with CAP_SYSLOG, or pass --no-kmsg", config.kmsg_path, exc.strerror)
         return []
     try:
         kmsg = _source_class("kmsg", "KmsgXidSource")(path=config.kmsg_path, node=config.node)
     except (OSError, SourceUnavailable) as exc:
-        log.warning("kernel log XID source unavailable: %s", exc)
+        log.warning("cannot read XIDs from %s (%s): run as root or with CAP_SYSLOG, or pass "
+                    "--no-kmsg; continuing without the kernel log", config.kmsg_path, exc)
         return []
     return [("kmsg", kmsg)]
 
