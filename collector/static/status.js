@@ -1,0 +1,116 @@
+// forewarn status page: polls the collector's read API every 2 s and redraws in place.
+// No build step, no CDN: this file ships in the package.
+"use strict";
+
+const REFRESH_MS = 2000;
+let token = sessionStorage.getItem("forewarn-token") || "";
+
+function el(tag, attrs, ...children) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (k === "class") e.className = v;
+    else if (k.startsWith("data-")) e.setAttribute(k, v);
+    else e[k] = v;
+  }
+  for (const c of children) e.append(c instanceof Node ? c : document.createTextNode(c ?? ""));
+  return e;
+}
+
+function when(t) {
+  if (t === null || t === undefined) return "";
+  return new Date(t * 1000).toLocaleTimeString();
+}
+
+function badge(text) {
+  return el("span", { class: "badge " + String(text).replace(/[^a-z_]/g, "") }, String(text));
+}
+
+async function api(path) {
+  const headers = token ? { Authorization: "Bearer " + token } : {};
+  const r = await fetch("api/v1/" + path, { headers });
+  if (r.status === 401) {
+    document.getElementById("token-form").hidden = false;
+    throw new Error("the collector wants an API token");
+  }
+  if (!r.ok) throw new Error(path + ": HTTP " + r.status);
+  return r.json();
+}
+
+function fill(id, rows, render) {
+  const body = document.querySelector("#" + id + " tbody");
+  const cols = document.querySelectorAll("#" + id + " thead th").length;
+  body.replaceChildren(...(rows.length ? rows.map(render)
+    : [el("tr", {}, el("td", { class: "empty", colSpan: cols }, "none"))]));
+}
+
+function drawFleet(gpus) {
+  const byNode = new Map();
+  for (const g of gpus) {
+    if (!byNode.has(g.node)) byNode.set(g.node, []);
+    byNode.get(g.node).push(g);
+  }
+  const fleet = document.getElementById("fleet");
+  if (!byNode.size) { fleet.replaceChildren(el("p", { class: "empty" }, "no GPUs reported yet")); return; }
+  fleet.replaceChildren(...[...byNode.entries()].map(([node, list]) => {
+    const sim = list.some((g) => g.simulated);
+    return el("div", { class: "node", "data-node": node },
+      el("span", { class: "node-name" }, node, sim ? el("span", { class: "sim-badge" }, "SIM") : ""),
+      ...list.map((g) => {
+        const health = g.state && g.state !== "ok" ? "unhealthy" : (g.health || "unknown");
+        const tip = `${node} GPU ${g.gpu} ${g.name || ""}\n${health}: ${g.health_reason || "no findings"}`
+          + (g.temperature_c != null ? `\n${g.temperature_c.toFixed(0)} °C` : "")
+          + (g.state && g.state !== "ok" ? `\nstate: ${g.state}` : "");
+        return el("span", { class: "cell " + health, title: tip, "data-gpu": String(g.gpu),
+                            "data-health": health }, String(g.gpu));
+      }));
+  }));
+}
+
+async function refresh() {
+  try {
+    const [gpus, jobs, findings, actions, orders, checkpoints] = await Promise.all([
+      api("gpus"), api("jobs"), api("findings?limit=30"), api("actions?limit=30"),
+      api("commands/log?limit=30"), api("checkpoints?limit=30"),
+    ]);
+    drawFleet(gpus);
+    const bad = gpus.filter((g) => g.health === "unhealthy" || (g.state && g.state !== "ok")).length;
+    document.getElementById("summary").textContent =
+      `${gpus.length} GPUs · ${bad} unhealthy · ${jobs.length} jobs`;
+    const details = await Promise.all(jobs.slice(0, 20).map((j) => api("jobs/" + encodeURIComponent(j.job))));
+    fill("jobs", details, (j) => el("tr", { "data-job": j.job },
+      el("td", {}, j.job), el("td", {}, `${(j.ranks || []).length} / ${j.world_size ?? "?"}`),
+      el("td", {}, String(j.last_step ?? "")),
+      el("td", {}, j.last_checkpoint_step != null ? `step ${j.last_checkpoint_step} at ${when(j.last_checkpoint_time)}` : "none"),
+      el("td", {}, j.risk != null ? (100 * j.risk).toFixed(1) + " %" : "—"),
+      el("td", {}, (j.ranks || []).map((r) => `r${r.rank}@${r.node}/${r.gpu ?? "?"}${r.alive ? "" : " (gone)"}`).join("  "))));
+    fill("findings", findings, (f) => el("tr", {},
+      el("td", {}, when(f.time)), el("td", {}, f.subject_key || ""), el("td", {}, f.check_name || f.check || ""),
+      el("td", {}, badge(f.health)), el("td", { class: "reason" }, f.reason || ""), el("td", {}, f.action || "")));
+    fill("actions", actions, (a) => el("tr", {},
+      el("td", {}, when(a.time)), el("td", {}, a.kind), el("td", {}, a.subject || a.job || a.node),
+      el("td", {}, badge(a.shadow ? "shadow" : a.status)), el("td", { class: "reason" }, a.detail || "")));
+    const ckptOrders = orders.filter((o) => o.kind === "checkpoint");
+    fill("orders", ckptOrders, (o) => el("tr", { "data-order": o.id },
+      el("td", {}, when(o.created)), el("td", {}, o.node), el("td", {}, o.command?.order?.job ?? ""),
+      el("td", {}, String(o.command?.order?.step ?? "")), el("td", { class: "reason" }, o.command?.order?.reason ?? ""),
+      el("td", {}, badge(o.acked_at ? "ok" : "pending"))));
+    fill("checkpoints", checkpoints, (c) => el("tr", {},
+      el("td", {}, when(c.time)), el("td", {}, c.job), el("td", {}, String(c.rank)), el("td", {}, String(c.step)),
+      el("td", {}, badge(c.phase)), el("td", {}, c.seconds != null ? c.seconds.toFixed(2) : ""),
+      el("td", {}, c.bytes != null ? String(c.bytes) : "")));
+    document.getElementById("updated").textContent = "updated " + new Date().toLocaleTimeString();
+  } catch (err) {
+    document.getElementById("updated").textContent = String(err.message || err);
+  }
+}
+
+document.getElementById("token-form").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  token = document.getElementById("token").value.trim();
+  sessionStorage.setItem("forewarn-token", token);
+  document.getElementById("token-form").hidden = true;
+  refresh();
+});
+
+refresh();
+setInterval(refresh, REFRESH_MS);
