@@ -19,11 +19,10 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from forewarn.collector.drain import DrainError, DrainRunner
+from forewarn.collector.orders import JobOrder, OrderBook
+from forewarn.collector.policy import ActionKind, Decision, Outcome, PlannedAction, Policy
 from forewarn.wire import CheckpointReport, CommandAck, Finding
-
-from .drain import DrainError, DrainRunner
-from .orders import JobOrder, OrderBook
-from .policy import ActionKind, Decision, Outcome, PlannedAction, Policy
 
 __all__ = ["ActionLog", "ActionPipeline", "event_for", "store_decisions"]
 

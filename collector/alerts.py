@@ -36,12 +36,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from forewarn.collector.jobview import JobView, node_of_instance
 from forewarn.wire import Finding, Health, Subject, SuggestedAction
-
-from .jobview import JobView, node_of_instance
 
 __all__ = [
     "MAX_ALERT_BODY",
+    "AlertHandler",
     "AlertPayload",
     "AlertTarget",
     "alert_findings",
@@ -169,9 +169,10 @@ def alert_findings(
     return findings, skipped
 
 
-AlertSink = Callable[[list[Finding], str], Awaitable[list[dict[str, Any]]]]
-"""Receives the findings of one request and the source name; returns the decisions made
-(JSON-ready) for the response."""
+AlertHandler = Callable[[Request, AlertPayload, str], Awaitable[dict[str, Any]]]
+"""Handles one authenticated, decoded webhook: ``(request, payload, source)`` -> the JSON
+answer (the service turns it into findings with :func:`alert_findings` and runs them
+through the policy)."""
 
 
 def _authorized(request: Request, token: str) -> bool:
@@ -182,9 +183,7 @@ def _authorized(request: Request, token: str) -> bool:
     )
 
 
-def alert_routes(
-    sink: AlertSink, jobs: JobView, token: str, clock: Callable[[], float]
-) -> list[Route]:
+def alert_routes(handler: AlertHandler, token: str) -> list[Route]:
     """The two alert webhook routes, authenticated with ``token``."""
 
     def endpoint(source: str) -> Callable[[Request], Awaitable[JSONResponse]]:
@@ -211,11 +210,7 @@ def alert_routes(
                 payload = parse_alerts(body)
             except ValueError as exc:
                 return JSONResponse({"error": str(exc)}, status_code=400)
-            findings, skipped = alert_findings(payload, jobs, source, clock())
-            decisions = await sink(findings, source)
-            return JSONResponse(
-                {"findings": len(findings), "skipped": skipped, "decisions": decisions}
-            )
+            return JSONResponse(await handler(request, payload, source))
 
         return handle
 

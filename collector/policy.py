@@ -33,10 +33,9 @@ from typing import Any
 import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
+from forewarn.collector.costmodel import CheckpointCostTracker, decide_checkpoint
+from forewarn.collector.jobview import JobInfo, JobView
 from forewarn.wire import Finding, Health, Subject, SuggestedAction
-
-from .costmodel import CheckpointCostTracker, decide_checkpoint
-from .jobview import JobInfo, JobView
 
 __all__ = [
     "SEVERITY_RULES",
@@ -49,6 +48,7 @@ __all__ = [
     "PolicySettings",
     "TokenBucket",
     "actions_for",
+    "service_policy",
 ]
 
 
@@ -559,3 +559,11 @@ class Policy:
             for k, t in self._cooldown.items()
             if t >= now - self.settings.cooldown_s.get(k[0].value, 0.0)
         }
+
+
+def service_policy(config: Any) -> Any:
+    """The policy wired into the collector service (``forewarn collector`` looks this up):
+    a :class:`forewarn.collector.policy_service.PolicyService` built from ``config``."""
+    from forewarn.collector.policy_service import PolicyService
+
+    return PolicyService.from_config(config)

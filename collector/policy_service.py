@@ -1,0 +1,238 @@
+"""The policy plugged into the collector service (the ``policy=`` seam of
+:func:`forewarn.collector.app.create_app`).
+
+:class:`PolicyService` builds the :class:`~.policy.Policy`, :class:`~.orders.OrderBook`,
+:class:`~.webhooks.WebhookSender` and :class:`~.drain.DrainRunner` from
+:class:`~forewarn.collector.config.CollectorConfig` and wires them to the service: the job
+map (``ctx.jobs``), the command queues (``ctx.commands``), the store (decisions and
+actions tables) and the metrics registry. It also mounts the Alertmanager and Grafana
+webhook routes (:mod:`.alerts`).
+
+Threads: the hooks run on the service's single policy thread; the webhook sender runs on
+the event loop (events are handed over with ``call_soon_threadsafe``); drains run on their
+own one-thread pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.routing import BaseRoute
+
+from forewarn.collector.actions import ActionPipeline, store_decisions
+from forewarn.collector.alerts import AlertPayload, alert_findings, alert_routes
+from forewarn.collector.costmodel import CheckpointCostTracker
+from forewarn.collector.drain import DrainRunner, DrainTemplate
+from forewarn.collector.orders import OrderBook, OrderSettings
+from forewarn.collector.policy import Decision, Policy, PolicySettings
+from forewarn.collector.webhooks import Delivery, WebhookEndpoint, WebhookSender
+from forewarn.wire import AgentBatch, CommandAck, Finding
+
+if TYPE_CHECKING:
+    from forewarn.collector.app import CollectorContext
+    from forewarn.collector.config import CollectorConfig
+
+__all__ = ["PolicyService", "settings_from_config"]
+
+log = logging.getLogger(__name__)
+
+
+def settings_from_config(config: CollectorConfig) -> PolicySettings:
+    """The policy thresholds from the collector config's ``policy_*`` keys."""
+    shadow_actions = set(config.policy_shadow_actions)
+    if not config.drain_enabled:
+        shadow_actions.add("drain")
+    return PolicySettings(
+        shadow=config.policy_shadow,
+        shadow_actions=frozenset(shadow_actions),
+        dedup_s=config.policy_dedup_s,
+        cooldown_s={
+            "checkpoint": config.policy_cooldown_checkpoint_s,
+            "webhook": config.policy_cooldown_webhook_s,
+            "drain": config.policy_cooldown_drain_s,
+        },
+        rate_per_minute={
+            "checkpoint": config.policy_rate_checkpoint_per_min,
+            "webhook": config.policy_rate_webhook_per_min,
+            "drain": config.policy_rate_drain_per_min,
+        },
+        breaker_share={
+            "checkpoint": config.policy_breaker_checkpoint_share,
+            "drain": config.policy_breaker_drain_share,
+        },
+        breaker_window_s=config.policy_breaker_window_s,
+        probability=dict(config.policy_probability),
+    )
+
+
+def _secret(value: str, path: Any) -> str:
+    if value or path is None:
+        return value
+    return str(path.read_text()).strip()
+
+
+class PolicyService:
+    """See the module docstring. Build with :meth:`from_config`."""
+
+    def __init__(
+        self,
+        settings: PolicySettings,
+        orders: OrderSettings,
+        *,
+        endpoints: Sequence[WebhookEndpoint] = (),
+        webhook_max_attempts: int = 5,
+        webhook_backoff_s: float = 1.0,
+        drain: DrainRunner | None = None,
+        alert_token: str = "",
+        checkpoint_default_s: float = 60.0,
+    ) -> None:
+        self.settings = settings
+        self.order_settings = orders
+        self.endpoints = list(endpoints)
+        self.webhook_max_attempts = webhook_max_attempts
+        self.webhook_backoff_s = webhook_backoff_s
+        self.drain = drain
+        self.alert_token = alert_token
+        self.checkpoint_default_s = checkpoint_default_s
+        self.pipeline: ActionPipeline | None = None
+        self.sender: WebhookSender | None = None
+        self._ctx: CollectorContext | None = None
+        self._drain_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="drain")
+        self._alerts: dict[int, tuple[Finding, str]] = {}
+        self._alert_decisions: dict[int, list[Decision]] = {}
+
+    @classmethod
+    def from_config(cls, config: CollectorConfig) -> PolicyService:
+        """Everything from the collector config (secrets from their files when given)."""
+        secret = _secret(config.webhook_secret, config.webhook_secret_file).encode()
+        endpoints = [WebhookEndpoint(u, "json", secret) for u in config.webhook_urls]
+        endpoints += [WebhookEndpoint(u, "slack") for u in config.webhook_slack_urls]
+        drain = None
+        if config.drain_command:
+            drain = DrainRunner(DrainTemplate(config.drain_command),
+                                enabled=config.drain_enabled, timeout_s=config.drain_timeout_s)
+        return cls(
+            settings_from_config(config),
+            OrderSettings(delivery_latency_s=config.order_delivery_latency_s,
+                          safety_s=config.order_safety_s,
+                          max_reissues=config.order_max_reissues),
+            endpoints=endpoints,
+            webhook_max_attempts=config.webhook_max_attempts,
+            webhook_backoff_s=config.webhook_backoff_s,
+            drain=drain,
+            alert_token=_secret(config.alert_token, config.alert_token_file),
+            checkpoint_default_s=config.checkpoint_default_s,
+        )
+
+    # -- the app's hooks (policy thread) ------------------------------------------------
+
+    def start(self, ctx: CollectorContext) -> None:
+        """Build the pieces against the running service."""
+        self._ctx = ctx
+        registry = ctx.metrics.registry
+        policy = Policy(
+            self.settings, ctx.jobs, CheckpointCostTracker(self.checkpoint_default_s),
+            record=store_decisions(ctx.store), clock=ctx.clock, registry=registry,
+        )
+        orders = OrderBook(ctx.commands, self.order_settings, clock=ctx.clock, registry=registry)
+        send = None
+        if self.endpoints and ctx.loop is not None:
+            self.sender = WebhookSender(
+                self.endpoints, client=ctx.outbound, max_attempts=self.webhook_max_attempts,
+                backoff_s=self.webhook_backoff_s, on_delivery=self._delivered,
+                clock=ctx.clock, registry=registry,
+            )
+            asyncio.run_coroutine_threadsafe(self.sender.start(), ctx.loop).result(10)
+            sender, loop = self.sender, ctx.loop
+
+            def send(event: dict[str, Any]) -> None:
+                loop.call_soon_threadsafe(sender.send, event)
+
+        self.pipeline = ActionPipeline(
+            policy, orders, send_webhook=send, drain=self.drain, drain_pool=self._drain_pool,
+            actions=ctx.store,
+        )
+
+    def stop(self) -> None:
+        """Stop the webhook worker and wait for a running drain."""
+        ctx = self._ctx
+        if self.sender is not None and ctx is not None and ctx.loop is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(self.sender.stop(), ctx.loop).result(10)
+            except Exception:
+                log.exception("stopping the webhook sender failed")
+        self._drain_pool.shutdown(wait=True)
+
+    def on_findings(self, findings: Sequence[Finding], store: Any, now: float) -> None:
+        """New findings: through the policy, actions carried out; orders go straight to
+        the command queues, so nothing is returned."""
+        if self.pipeline is None:
+            return
+        for f in findings:
+            alert = self._alerts.pop(id(f), None)
+            if alert is not None:
+                self._alert_decisions[id(f)] = self.pipeline.handle_findings(
+                    [f], alert[1], force_checkpoint=True)
+            else:
+                self.pipeline.handle_findings([f])
+
+    def on_batches(self, batches: Sequence[AgentBatch], now: float) -> None:
+        """Checkpoint reports: measured cost, order progress, reissue on a miss."""
+        if self.pipeline is None:
+            return
+        for batch in batches:
+            for report in batch.checkpoints:
+                self.pipeline.on_report(report)
+
+    def on_ack(self, ack: CommandAck, node: str) -> None:
+        """An agent acknowledged a command."""
+        if self.pipeline is not None:
+            self.pipeline.on_ack(ack)
+
+    def routes(self) -> list[BaseRoute]:
+        """``POST /api/v1/alerts/alertmanager`` and ``/api/v1/alerts/grafana``."""
+        return list(alert_routes(self._handle_alert, self.alert_token))
+
+    # -- helpers ------------------------------------------------------------------------
+
+    async def _handle_alert(
+        self, request: Request, payload: AlertPayload, source: str
+    ) -> dict[str, Any]:
+        ctx: CollectorContext = request.app.state.ctx
+        findings, skipped = await asyncio.to_thread(
+            alert_findings, payload, ctx.jobs, source, ctx.clock())
+        for f in findings:
+            self._alerts[id(f)] = (f, source)
+        try:
+            await ctx.submit_findings(findings, origin=source)
+        finally:
+            for f in findings:
+                self._alerts.pop(id(f), None)
+        decisions = [
+            {"id": d.id, "action": d.action, "target": d.target, "outcome": d.outcome,
+             "reason": d.reason}
+            for f in findings
+            for d in self._alert_decisions.pop(id(f), [])
+        ]
+        return {"findings": len(findings), "skipped": skipped, "decisions": decisions}
+
+    def _delivered(self, d: Delivery) -> None:
+        """Runs on the loop: store final delivery results off the loop."""
+        ctx = self._ctx
+        if ctx is None or d.status == "retry":
+            return
+        record = functools.partial(
+            ctx.store.record_action, time=d.time, kind="webhook_delivery", subject=d.url,
+            status=d.status, detail={"event": d.event_id, "url": d.url, "attempt": d.attempt,
+                                     "http_status": d.http_status, "detail": d.detail},
+        )
+        try:
+            asyncio.get_running_loop().run_in_executor(None, record)
+        except RuntimeError:
+            record()
