@@ -1,0 +1,510 @@
+"""Agent -> collector uplink: batches through an on-disk spool, and the command long poll.
+
+An agent component (see :mod:`forewarn.agent.daemon`, "Components"), enabled when
+``collector_url`` is set:
+
+* ``on_poll`` gathers each cycle's GPU samples, XID events and finding *transitions*
+  (new or changed findings, not the unchanged ones every cycle).
+* The push thread seals a batch every ``push_interval_s`` (at once when a transition is
+  unhealthy or a checkpoint report arrived: ``urgent``), adding the ranks' summaries and
+  checkpoint reports from the ``ranks`` component, and sends it.
+* **Spool, write-ahead.** Every sealed batch is written to ``spool_dir`` (one file per
+  batch named by its ``seq``, fsync'd, renamed into place) *before* it is sent, and
+  deleted only when the collector answered ``stored`` or ``duplicate``. So a batch
+  survives the collector being down, this process being killed, and the machine
+  rebooting; replay is in ``seq`` order (urgent batches jump the queue). The collector
+  stores each ``(agent_id, seq)`` once, so a batch sent twice (the answer was lost) is
+  stored once. ``agent_id`` and the next ``seq`` live in ``spool_dir/state.json``.
+* **Bounded.** Above ``spool_max_bytes`` the oldest batches are dropped and counted
+  (``forewarn_uplink_dropped_batches_total``); a batch the collector refuses for good
+  (400/403/413/415: it would never be accepted) is dropped and counted too
+  (``forewarn_uplink_rejected_batches_total``).
+* The command thread holds ``GET /api/v1/commands?wait=25`` open; a ``checkpoint``
+  command goes to the ranks component's ``orders.order_job(job, step, reason,
+  request_id)``, then is acknowledged. Commands are deduplicated by id (the collector
+  redelivers what was not acknowledged).
+
+Metrics: ``forewarn_uplink_spool_bytes``, ``forewarn_uplink_spool_batches``,
+``forewarn_uplink_dropped_batches_total``, ``forewarn_uplink_rejected_batches_total``,
+``forewarn_uplink_push_errors_total``, ``forewarn_uplink_batches_sent_total``,
+``forewarn_uplink_last_success_timestamp_seconds``, ``forewarn_uplink_commands_total
+{kind,result}``, ``forewarn_uplink_command_poll_errors_total``.
+
+Transport (``httpx.BaseTransport``) and clock are injectable for tests.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import logging
+import os
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from forewarn.agent.config import AgentConfig
+from forewarn.config import ConfigError
+from forewarn.wire import (
+    AgentBatch,
+    CheckpointReport,
+    Command,
+    CommandAck,
+    Finding,
+    GpuSample,
+    Health,
+    RankSummary,
+    WireError,
+    XidEvent,
+    decode_json,
+    encode,
+    encode_json,
+)
+
+__all__ = ["Spool", "Uplink", "build"]
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^(\d{20})\.(u|n)\.msgpack$")
+MAX_SAMPLES_PER_BATCH = 10_000
+"""Seal early past this many samples (the collector's default list limit is 20,000)."""
+_FATAL = frozenset({400, 403, 413, 415, 422})
+"""Answers that mean this batch will never be accepted: drop it rather than block."""
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+class Spool:
+    """Sealed batches on disk, one file each, oldest first; see the module docstring.
+
+    Not thread-safe by itself: the uplink's push thread is its only user.
+    """
+
+    def __init__(self, root: Path, max_bytes: int) -> None:
+        self.root = Path(root)
+        self.max_bytes = max_bytes
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.dropped = 0
+        for tmp in self.root.glob("*.tmp"):
+            tmp.unlink(missing_ok=True)
+        self._files: dict[int, tuple[Path, int, bool]] = {}
+        for path in self.root.iterdir():
+            m = _NAME.match(path.name)
+            if m:
+                self._files[int(m.group(1))] = (path, path.stat().st_size, m.group(2) == "u")
+        state = self._read_state()
+        self.agent_id: str = state.get("agent_id") or f"{uuid.uuid4().hex}"
+        self.next_seq: int = max([int(state.get("next_seq", 0)),
+                                  *(s + 1 for s in self._files)])
+        self._write_state()
+
+    def _read_state(self) -> dict[str, Any]:
+        try:
+            data = json.loads((self.root / "state.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(data, dict):
+            return {}
+        ok_id = isinstance(data.get("agent_id"), str) and 0 < len(data["agent_id"]) <= 256
+        ok_seq = isinstance(data.get("next_seq"), int) and data["next_seq"] >= 0
+        return {"agent_id": data["agent_id"] if ok_id else None,
+                "next_seq": data["next_seq"] if ok_seq else 0}
+
+    def _write_state(self) -> None:
+        _write_atomic(self.root / "state.json",
+                      json.dumps({"agent_id": self.agent_id, "next_seq": self.next_seq}).encode())
+        _fsync_dir(self.root)
+
+    @property
+    def bytes(self) -> int:
+        return sum(size for _p, size, _u in self._files.values())
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def append(self, make: Callable[[str, int], AgentBatch]) -> AgentBatch:
+        """Seal ``make(agent_id, seq)`` under the next seq: durable when this returns."""
+        seq = self.next_seq
+        batch = make(self.agent_id, seq)
+        data = encode(batch)
+        path = self.root / f"{seq:020d}.{'u' if batch.urgent else 'n'}.msgpack"
+        _write_atomic(path, data)
+        self.next_seq = seq + 1
+        self._write_state()
+        self._files[seq] = (path, len(data), batch.urgent)
+        self._enforce_bound()
+        return batch
+
+    def _enforce_bound(self) -> None:
+        total = self.bytes
+        # Keep at least the newest batch, even when it alone is over the bound.
+        for seq in sorted(self._files)[:-1]:
+            if total <= self.max_bytes:
+                break
+            total -= self._files[seq][1]
+            self.remove(seq)
+            self.dropped += 1
+            log.warning("spool over %d bytes: dropped batch seq %d", self.max_bytes, seq)
+
+    def pending(self) -> list[tuple[int, Path]]:
+        """Batches to send: urgent ones first, each group in seq order."""
+        order = sorted(self._files, key=lambda s: (not self._files[s][2], s))
+        return [(s, self._files[s][0]) for s in order]
+
+    def remove(self, seq: int) -> None:
+        entry = self._files.pop(seq, None)
+        if entry is not None:
+            entry[0].unlink(missing_ok=True)
+
+
+class _Metrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.spool_bytes = Gauge("forewarn_uplink_spool_bytes",
+                                 "Bytes of batches waiting in the spool.", registry=r)
+        self.spool_batches = Gauge("forewarn_uplink_spool_batches",
+                                   "Batches waiting in the spool.", registry=r)
+        self.dropped = Counter("forewarn_uplink_dropped_batches",
+                               "Batches dropped because the spool was full (oldest first).",
+                               registry=r)
+        self.rejected = Counter("forewarn_uplink_rejected_batches",
+                                "Batches the collector refused for good (dropped).", registry=r)
+        self.errors = Counter("forewarn_uplink_push_errors",
+                              "Failed attempts to send a batch.", registry=r)
+        self.sent = Counter("forewarn_uplink_batches_sent",
+                            "Batches the collector acknowledged.", registry=r)
+        self.last_success = Gauge("forewarn_uplink_last_success_timestamp_seconds",
+                                  "Unix time of the last batch the collector acknowledged.",
+                                  registry=r)
+        self.commands = Counter("forewarn_uplink_commands", "Commands from the collector.",
+                                ["kind", "result"], registry=r)
+        self.poll_errors = Counter("forewarn_uplink_command_poll_errors",
+                                   "Failed command long polls.", registry=r)
+
+
+def _read_token(config: AgentConfig) -> str:
+    if config.token:
+        return config.token
+    if config.token_file is not None:
+        try:
+            return config.token_file.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"token_file: cannot read {config.token_file}: {exc}") from None
+    return ""
+
+
+class Uplink:
+    """The agent's collector uplink component (see the module docstring)."""
+
+    name = "uplink"
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        *,
+        transport: httpx.BaseTransport | None = None,
+        clock: Callable[[], float] = time.time,
+        registry: CollectorRegistry | None = None,
+        on_command: Callable[[Command], tuple[bool, str]] | None = None,
+        ranks: Any = None,
+        poll_wait_s: float = 25.0,
+        retry_s: float = 1.0,
+    ) -> None:
+        self.config = config
+        self.node = config.node
+        self.clock = clock
+        self.transport = transport
+        self.token = _read_token(config)
+        self.spool = Spool(config.spool_dir, config.spool_max_bytes)
+        self.poll_wait_s = poll_wait_s
+        self.retry_s = retry_s
+        self.on_command = on_command
+        self.ranks = ranks
+        self._registry = registry
+        self.metrics: _Metrics | None = None
+        self._lock = threading.Lock()
+        self._samples: list[GpuSample] = []
+        self._xids: list[XidEvent] = []
+        self._findings: list[Finding] = []
+        self._urgent = False
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._seen_commands: collections.OrderedDict[str, tuple[bool, str]] = (
+            collections.OrderedDict())
+        self._dropped_seen = 0
+
+    # -- component interface --------------------------------------------------------
+
+    def start(self, agent: Any = None) -> None:
+        """Register metrics, find the ranks component, start the push and poll threads."""
+        registry = self._registry
+        if registry is None:
+            registry = getattr(agent, "registry", None) or CollectorRegistry()
+        self.metrics = _Metrics(registry)
+        if self.ranks is None and agent is not None:
+            self.ranks = next((c for c in getattr(agent, "components", ())
+                               if getattr(c, "name", "") == "ranks"), None)
+        self._update_gauges()
+        for target, name in ((self._push_loop, "forewarn-uplink-push"),
+                             (self._command_loop, "forewarn-uplink-commands")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def on_poll(self, poll: Any) -> None:
+        """Take this cycle's samples, XIDs and finding transitions (poll thread; no I/O)."""
+        findings = [t.finding for t in getattr(poll, "transitions", ())]
+        self.add(samples=poll.samples, xids=poll.xids, findings=findings)
+
+    def stop(self) -> None:
+        """Seal what is buffered (to the spool), try one last send, end the threads."""
+        self._stop.set()
+        self._wake.set()
+        for i, t in enumerate(self._threads):
+            # The push thread seals and sends what is left; a long poll in flight ends
+            # with its own timeout (the thread is a daemon).
+            t.join(30.0 if i == 0 else 1.0)
+        self._threads.clear()
+
+    # -- feeding ----------------------------------------------------------------------
+
+    def add(self, *, samples: Any = (), xids: Any = (), findings: Any = (),
+            urgent: bool = False) -> None:
+        """Buffer records for the next batch; unhealthy findings make it urgent."""
+        with self._lock:
+            self._samples.extend(samples)
+            self._xids.extend(xids)
+            self._findings.extend(findings)
+            if urgent or any(f.health == Health.UNHEALTHY for f in findings):
+                self._urgent = True
+            big = len(self._samples) >= MAX_SAMPLES_PER_BATCH
+        if self._urgent or big:
+            self._wake.set()
+
+    def _ranks_data(self) -> tuple[list[RankSummary], list[CheckpointReport]]:
+        table = getattr(self.ranks, "table", None)
+        if table is None:
+            return [], []
+        try:
+            return (list(table.summaries(self.node, self.clock())),
+                    list(table.drain_reports()))
+        except Exception:
+            log.exception("uplink: reading rank summaries failed")
+            return [], []
+
+    def seal(self, *, force: bool = False) -> AgentBatch | None:
+        """Move buffered records into one spooled batch (None when there is nothing and
+        not ``force``)."""
+        ranks, reports = self._ranks_data()
+        with self._lock:
+            samples = self._samples[:MAX_SAMPLES_PER_BATCH]
+            del self._samples[:MAX_SAMPLES_PER_BATCH]
+            xids, self._xids = self._xids, []
+            findings, self._findings = self._findings, []
+            urgent = self._urgent or bool(reports)
+            self._urgent = False
+        if not (force or samples or xids or findings or ranks or reports):
+            return None
+        now = self.clock()
+        batch = self.spool.append(lambda agent_id, seq: AgentBatch(
+            node=self.node, agent_id=agent_id, seq=seq, created=now, urgent=urgent,
+            samples=samples, xids=xids, findings=findings, ranks=ranks, checkpoints=reports))
+        self._update_gauges()
+        return batch
+
+    # -- sending ----------------------------------------------------------------------
+
+    def _client(self, timeout: httpx.Timeout) -> httpx.Client:
+        headers = {"authorization": f"Bearer {self.token}"} if self.token else {}
+        return httpx.Client(base_url=self.config.collector_url.rstrip("/"), headers=headers,
+                            timeout=timeout, transport=self.transport)
+
+    def flush(self, client: httpx.Client) -> bool:
+        """Send every spooled batch; True when the spool is empty afterwards."""
+        for seq, path in self.spool.pending():
+            try:
+                body = path.read_bytes()
+            except OSError:
+                self.spool.remove(seq)
+                continue
+            try:
+                r = client.post("/api/v1/ingest", content=body,
+                                headers={"content-type": "application/msgpack"})
+            except httpx.HTTPError as exc:
+                self._count_error(f"collector unreachable: {exc!r}")
+                return False
+            if r.status_code == 200:
+                self.spool.remove(seq)
+                assert self.metrics is not None
+                self.metrics.sent.inc()
+                self.metrics.last_success.set(self.clock())
+            elif r.status_code in _FATAL:
+                log.error("collector refused batch %d for good (%d: %s); dropping it", seq,
+                          r.status_code, r.text[:300])
+                self.spool.remove(seq)
+                assert self.metrics is not None
+                self.metrics.rejected.inc()
+            else:
+                self._count_error(f"collector answered {r.status_code}: {r.text[:300]}")
+                return False
+            self._update_gauges()
+        self._update_gauges()
+        return True
+
+    def _count_error(self, message: str) -> None:
+        if self.metrics is not None:
+            self.metrics.errors.inc()
+        log.warning("uplink: %s; batches stay in the spool", message)
+
+    def _update_gauges(self) -> None:
+        m = self.metrics
+        if m is None:
+            return
+        m.spool_bytes.set(self.spool.bytes)
+        m.spool_batches.set(len(self.spool))
+        new = self.spool.dropped - self._dropped_seen
+        if new > 0:
+            m.dropped.inc(new)
+            self._dropped_seen = self.spool.dropped
+
+    def _push_loop(self) -> None:
+        client = self._client(httpx.Timeout(10.0, connect=5.0))
+        backoff = self.retry_s
+        next_seal = time.monotonic() + self.config.push_interval_s
+        try:
+            while True:
+                stopping = self._stop.is_set()
+                timeout = max(0.0, next_seal - time.monotonic())
+                if len(self.spool) and backoff > 0 and not stopping:
+                    timeout = min(timeout, backoff)
+                if not stopping:
+                    self._wake.wait(timeout)
+                self._wake.clear()
+                stopping = self._stop.is_set()
+                if stopping or self._urgent or time.monotonic() >= next_seal or \
+                        len(self._samples) >= MAX_SAMPLES_PER_BATCH:
+                    try:
+                        self.seal(force=time.monotonic() >= next_seal)
+                    except OSError as exc:
+                        log.error("uplink: cannot write the spool: %s", exc)
+                    if time.monotonic() >= next_seal:
+                        next_seal = time.monotonic() + self.config.push_interval_s
+                if len(self.spool):
+                    if self.flush(client):
+                        backoff = self.retry_s
+                    else:
+                        backoff = min(backoff * 2, max(self.retry_s,
+                                                       self.config.push_interval_s))
+                if stopping:
+                    return
+        finally:
+            client.close()
+
+    # -- commands ---------------------------------------------------------------------
+
+    def handle(self, command: Command) -> tuple[bool, str]:
+        """Carry out ``command`` once (a redelivered id gets the first answer again)."""
+        done = self._seen_commands.get(command.id)
+        if done is not None:
+            return done
+        if self.on_command is not None:
+            result = self.on_command(command)
+        elif command.kind == "probe":
+            result = (True, "alive")
+        elif command.kind == "checkpoint" and command.order is not None:
+            orders = getattr(self.ranks, "orders", None)
+            if orders is None:
+                result = (False, "no ranks component on this agent")
+            else:
+                o = command.order
+                sent = orders.order_job(o.job, o.step, o.reason, o.request_id)
+                result = (True, f"ordered step {o.step}" if sent is not None
+                          else f"no live rank of job {o.job!r} on this node")
+        else:
+            result = (False, f"unknown command kind {command.kind!r}")
+        self._seen_commands[command.id] = result
+        while len(self._seen_commands) > 1000:
+            self._seen_commands.popitem(last=False)
+        if self.metrics is not None:
+            self.metrics.commands.labels(command.kind, "ok" if result[0] else "failed").inc()
+        return result
+
+    def poll_commands(self, client: httpx.Client) -> int:
+        """One long poll; handles and acknowledges what arrives. Returns commands seen."""
+        r = client.get("/api/v1/commands", params={"node": self.node,
+                                                   "wait": self.poll_wait_s})
+        if r.status_code != 200:
+            raise httpx.HTTPStatusError(f"collector answered {r.status_code}: {r.text[:300]}",
+                                        request=r.request, response=r)
+        try:
+            commands = decode_json(r.content, list[Command])
+        except WireError as exc:
+            raise httpx.DecodingError(str(exc)) from None
+        for cmd in commands:
+            try:
+                ok, detail = self.handle(cmd)
+            except Exception as exc:  # a failing order must not end the poll loop
+                log.exception("uplink: command %s failed", cmd.id)
+                ok, detail = False, f"agent error: {exc}"
+            ack = CommandAck(id=cmd.id, node=self.node, ok=ok, detail=detail[:4000],
+                             time=self.clock())
+            client.post(f"/api/v1/commands/{cmd.id}/ack", content=encode_json(ack),
+                        headers={"content-type": "application/json"})
+        return len(commands)
+
+    def _command_loop(self) -> None:
+        client = self._client(httpx.Timeout(10.0, connect=5.0, read=self.poll_wait_s + 15.0))
+        backoff = self.retry_s
+        try:
+            while not self._stop.is_set():
+                try:
+                    self.poll_commands(client)
+                    backoff = self.retry_s
+                except httpx.HTTPError as exc:
+                    if self.metrics is not None:
+                        self.metrics.poll_errors.inc()
+                    log.warning("uplink: command poll failed: %s", exc)
+                    self._stop.wait(backoff)
+                    backoff = min(backoff * 2, 30.0)
+        finally:
+            client.close()
+
+
+def build(config: AgentConfig) -> Uplink | None:
+    """The uplink for ``forewarn agent``, or None when no ``collector_url`` is set."""
+    if not config.collector_url:
+        return None
+    if not config.collector_url.startswith(("http://", "https://")):
+        raise ConfigError(f"collector_url: expected http(s)://host:port, got "
+                          f"{config.collector_url!r}")
+    if config.spool_max_bytes < 4096:
+        raise ConfigError(f"spool_max_bytes: must be at least 4096, got "
+                          f"{config.spool_max_bytes}")
+    return Uplink(config)

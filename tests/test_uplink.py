@@ -1,0 +1,269 @@
+"""The agent's collector uplink: spool, replay, bounds, commands (real collector on loopback)."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from forewarn.agent.config import AgentConfig
+from forewarn.agent.uplink import Spool, Uplink, build
+from forewarn.collector.app import create_app
+from forewarn.collector.auth import TokenRegistry
+from forewarn.collector.cli import ServerThread
+from forewarn.collector.config import CollectorConfig
+from forewarn.collector.store import Store
+from forewarn.config import ConfigError
+from forewarn.wire import (
+    AgentBatch,
+    CheckpointOrder,
+    Command,
+    Finding,
+    GpuSample,
+    Health,
+    Subject,
+    decode,
+)
+
+TOKEN = "node-a-token-0123456789"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def samples(node: str, t: float, gpus: int = 4) -> list[GpuSample]:
+    return [GpuSample(node=node, gpu=g, time=t, source="sim", simulated=True,
+                      temperature_c=50.0) for g in range(gpus)]
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.02)
+
+
+def metric(registry: CollectorRegistry, name: str, labels: dict[str, str] | None = None
+           ) -> float:
+    value = registry.get_sample_value(name, labels or {})
+    return 0.0 if value is None else value
+
+
+class Collector:
+    """A real collector on a fixed loopback port that can be stopped and started again."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.port = free_port()
+        self.cfg = CollectorConfig(listen=f"127.0.0.1:{self.port}", data_dir=tmp / "collector",
+                                   tokens_file=tmp / "none.toml", command_redeliver_s=60)
+        self.store = Store(self.cfg.db_path)
+        self.server: ServerThread | None = None
+        self.app: Any = None
+
+    def start(self) -> None:
+        self.app = create_app(self.cfg, self.store, tokens=TokenRegistry(tokens={"a": TOKEN}))
+        self.server = ServerThread(self.app, self.cfg).start()
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+            self.server = None
+
+    def seqs(self) -> list[int]:
+        return [r["seq"] for r in self.store.query("SELECT seq FROM batches ORDER BY seq")]
+
+
+def agent_config(tmp: Path, port: int, **kw: Any) -> AgentConfig:
+    base: dict[str, Any] = {"node": "a", "collector_url": f"http://127.0.0.1:{port}",
+                            "token": TOKEN, "spool_dir": tmp / "spool", "push_interval_s": 0.2}
+    base.update(kw)
+    return AgentConfig(**base)
+
+
+def test_spool_persists_seq_bounds_size_and_orders_urgent_first(tmp_path: Path) -> None:
+    spool = Spool(tmp_path / "s", max_bytes=10_000)
+
+    def make(urgent: bool = False, n: int = 1) -> Callable[[str, int], AgentBatch]:
+        return lambda aid, seq: AgentBatch(node="a", agent_id=aid, seq=seq, created=1.0,
+                                           urgent=urgent, samples=samples("a", 1.0, n))
+
+    spool.append(make())
+    spool.append(make(urgent=True))
+    spool.append(make())
+    assert [s for s, _ in spool.pending()] == [1, 0, 2]
+    agent_id = spool.agent_id
+    (tmp_path / "s" / "junk.tmp").write_bytes(b"half a batch")
+    again = Spool(tmp_path / "s", max_bytes=10_000)
+    assert (again.agent_id, again.next_seq, len(again)) == (agent_id, 3, 3)
+    assert not (tmp_path / "s" / "junk.tmp").exists()
+    body = decode(again.pending()[0][1].read_bytes(), AgentBatch)
+    assert (body.seq, body.urgent) == (1, True)
+    # Emptied spool: the seq still goes on after a restart.
+    for seq, _ in again.pending():
+        again.remove(seq)
+    assert Spool(tmp_path / "s", max_bytes=10_000).next_seq == 3
+    # Bound: big batches push the oldest out, counted.
+    small = Spool(tmp_path / "b", max_bytes=3000)
+    for _ in range(6):
+        small.append(make(n=1))
+    assert small.bytes <= 3000 and small.dropped == 6 - len(small) > 0
+    assert [s for s, _ in small.pending()] == list(range(6 - len(small), 6))
+
+
+def test_batches_reach_the_collector_and_survive_a_cut_off(tmp_path: Path) -> None:
+    col = Collector(tmp_path)
+    col.start()
+    reg = CollectorRegistry()
+    up = Uplink(agent_config(tmp_path, col.port), registry=reg, poll_wait_s=1.0, retry_s=0.05)
+    up.start()
+    try:
+        up.add(samples=samples("a", time.time()))
+        wait_for(lambda: len(col.seqs()) >= 1)
+        col.stop()  # cut off: batches go to the spool
+        for _ in range(5):
+            up.add(samples=samples("a", time.time()))
+            time.sleep(0.1)
+        wait_for(lambda: metric(reg, "forewarn_uplink_spool_batches") >= 2)
+        assert metric(reg, "forewarn_uplink_push_errors_total") >= 1
+        spooled = metric(reg, "forewarn_uplink_spool_bytes")
+        assert spooled > 0
+        col.start()
+        wait_for(lambda: metric(reg, "forewarn_uplink_spool_batches") == 0)
+        up.add(samples=samples("a", time.time()))
+        produced = up.spool.next_seq
+        wait_for(lambda: len(col.seqs()) >= produced - 1 and
+                 metric(reg, "forewarn_uplink_spool_batches") == 0)
+    finally:
+        up.stop()
+    produced = up.spool.next_seq
+    assert col.seqs() == list(range(produced))
+    stored = col.store.scalar("SELECT SUM(samples) FROM batches")
+    history = col.app.state.ctx.telemetry.read()  # Parquet (flushed at the stop) + staging
+    assert stored == len(history) == 4 * 7
+    assert not history.duplicated(["agent_id", "seq", "gpu", "time"]).any()
+    assert metric(reg, "forewarn_uplink_last_success_timestamp_seconds") > 0
+    col.stop()
+    col.store.close()
+
+
+def test_urgent_finding_is_sent_at_once(tmp_path: Path) -> None:
+    col = Collector(tmp_path)
+    col.start()
+    reg = CollectorRegistry()
+    up = Uplink(agent_config(tmp_path, col.port, push_interval_s=3600), registry=reg,
+                poll_wait_s=1.0)
+    up.start()
+    try:
+        bad = Finding(check="ecc", health=Health.UNHEALTHY, reason="uncorrectable ECC",
+                      subject=Subject(kind="gpu", node="a", gpu=1), time=time.time())
+        started = time.monotonic()
+        up.add(findings=[bad])
+        wait_for(lambda: bool(col.store.query("SELECT * FROM findings")), timeout=10)
+        assert time.monotonic() - started < 10  # the hour-long push interval was not waited
+        row = col.store.query("SELECT urgent FROM batches")[0]
+        assert row["urgent"] == 1
+    finally:
+        up.stop()
+        col.stop()
+        col.store.close()
+
+
+@dataclasses.dataclass
+class FakeOrders:
+    """Stands in for the ranks component's order book (another engineer's module)."""
+
+    calls: list[tuple[str, int | None, str, str | None]] = dataclasses.field(
+        default_factory=list)
+
+    def order_job(self, job: str, step: int | None = None, reason: str = "",
+                  request_id: str | None = None) -> CheckpointOrder | None:
+        self.calls.append((job, step, reason, request_id))
+        return CheckpointOrder(request_id=request_id or "x", job=job, step=step or 0,
+                               issued=time.time())
+
+
+@dataclasses.dataclass
+class FakeRanks:
+    orders: FakeOrders
+    name: str = "ranks"
+
+
+def test_checkpoint_command_reaches_order_job_and_is_acked_once(tmp_path: Path) -> None:
+    col = Collector(tmp_path)
+    col.start()
+    reg = CollectorRegistry()
+    orders = FakeOrders()
+    up = Uplink(agent_config(tmp_path, col.port), registry=reg, poll_wait_s=2.0,
+                ranks=FakeRanks(orders))
+    up.start()
+    try:
+        order = CheckpointOrder(request_id="req-9", job="jobA", step=120, reason="ecc",
+                                issued=time.time())
+        col.app.state.ctx.commands.order_checkpoint(["a"], order)
+        wait_for(lambda: bool(orders.calls))
+        assert orders.calls == [("jobA", 120, "ecc", "req-9")]
+        wait_for(lambda: col.store.scalar(
+            "SELECT acked_at FROM commands WHERE id = 'req-9@a'") is not None)
+        row = col.store.query("SELECT ok, detail FROM commands")[0]
+        assert row["ok"] == 1 and "ordered step 120" in row["detail"]
+        # A redelivered command is not executed twice.
+        assert up.handle(Command(id="req-9@a", kind="checkpoint", order=order,
+                                 issued=order.issued)) == (True, "ordered step 120")
+        assert len(orders.calls) == 1
+    finally:
+        up.stop()
+        col.stop()
+        col.store.close()
+
+
+def test_refused_batch_is_dropped_and_server_errors_are_retried(tmp_path: Path) -> None:
+    answers = [503, 413, 200]
+    seen: list[int] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/api/v1/commands":
+            return httpx.Response(200, json=[])
+        seen.append(decode(request.content, AgentBatch).seq)
+        status = answers.pop(0) if answers else 200
+        return httpx.Response(status, json={"error": "test"})
+
+    reg = CollectorRegistry()
+    cfg = agent_config(tmp_path, 1, push_interval_s=3600)
+    up = Uplink(cfg, transport=httpx.MockTransport(handler), registry=reg, retry_s=0.01)
+    up.metrics = None
+    up.start()
+    try:
+        up.add(samples=samples("a", 1.0), urgent=True)
+        wait_for(lambda: len(seen) >= 2)
+        up.add(samples=samples("a", 2.0), urgent=True)
+        wait_for(lambda: metric(reg, "forewarn_uplink_batches_sent_total") >= 1)
+    finally:
+        up.stop()
+    assert seen[:3] == [0, 0, 1]  # 503 kept and retried; 413 dropped; the next one sent
+    assert metric(reg, "forewarn_uplink_rejected_batches_total") == 1
+    assert metric(reg, "forewarn_uplink_push_errors_total") == 1
+    assert len(up.spool) == 0
+
+
+def test_build_is_off_without_collector_url_and_checks_config(tmp_path: Path) -> None:
+    assert build(AgentConfig(node="a", spool_dir=tmp_path)) is None
+    with pytest.raises(ConfigError, match="collector_url"):
+        build(AgentConfig(node="a", collector_url="ftp://x", spool_dir=tmp_path))
+    token_file = tmp_path / "tok"
+    token_file.write_text("  secret-token\n")
+    up = build(AgentConfig(node="a", collector_url="http://127.0.0.1:1", spool_dir=tmp_path,
+                           token_file=token_file))
+    assert up is not None and up.token == "secret-token"
+    assert threading.active_count() >= 1
