@@ -1,0 +1,127 @@
+"""A real Alertmanager (Debian package prometheus-alertmanager) sends an alert to the real
+collector, which orders a checkpoint of the job on the node named in the alert's labels.
+
+Uses the shipped example config ``deploy/alertmanager.yml`` with only the collector URL and
+the token file path replaced, so the example is what gets tested.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import httpx
+import pytest
+
+
+def _load_alert_helpers() -> ModuleType:
+    """The service helpers of test_alerts.py (tests are not a package: load by path)."""
+    path = Path(__file__).with_name("test_alerts.py")
+    spec = importlib.util.spec_from_file_location("forewarn_tests_alerts", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+helpers = _load_alert_helpers()
+
+ALERTMANAGER = shutil.which("prometheus-alertmanager") or "/usr/bin/prometheus-alertmanager"
+EXAMPLE = Path(__file__).resolve().parent.parent / "deploy" / "alertmanager.yml"
+
+pytestmark = pytest.mark.skipif(
+    not Path(ALERTMANAGER).exists(), reason="prometheus-alertmanager is not installed"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def alertmanager(tmp_path: Path) -> Iterator[tuple[str, Any]]:
+    svc = helpers.start_service(tmp_path)
+    token_file = tmp_path / "forewarn-alert-token"
+    token_file.write_text(helpers.ALERT_TOKEN + "\n")
+    token_file.chmod(0o600)
+    config = EXAMPLE.read_text()
+    assert "http://forewarn-collector:9404" in config
+    config = config.replace("http://forewarn-collector:9404", svc.server.url)
+    config = config.replace("/etc/alertmanager/forewarn-alert-token", str(token_file))
+    (tmp_path / "am.yml").write_text(config)
+    port = free_port()
+    log = (tmp_path / "am.log").open("wb")
+    proc = subprocess.Popen(
+        [ALERTMANAGER, f"--config.file={tmp_path / 'am.yml'}",
+         f"--storage.path={tmp_path / 'am-data'}", f"--web.listen-address=127.0.0.1:{port}",
+         "--cluster.listen-address=", "--log.level=warn"],
+        stdout=subprocess.DEVNULL, stderr=log,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("alertmanager did not start: "
+                                   + (tmp_path / "am.log").read_text()[-2000:])
+            time.sleep(0.1)
+        yield url, svc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        helpers.stop_service(svc)
+
+
+def test_alertmanager_alert_becomes_checkpoint_order(alertmanager: tuple[str, Any]) -> None:
+    url, svc = alertmanager
+    now = time.time()
+    svc.push("node1", ranks=helpers.ranks_on("node1", 0, now))
+    svc.push("node2", ranks=helpers.ranks_on("node2", 2, now))
+    svc.push("node3")
+    alert = [{
+        "labels": {"alertname": "ForewarnGpuXidFatal", "node": "node2", "gpu": "1",
+                   "severity": "critical", "forewarn_action": "checkpoint"},
+        "annotations": {"summary": "XID 79 on node2 GPU 1"},
+    }]
+    r = httpx.post(f"{url}/api/v2/alerts", json=alert, timeout=10)
+    assert r.status_code == 200, r.text
+    # the agents' long polls: the order reaches every node of the job
+    orders = {}
+    for node in ("node1", "node2"):
+        cmds = svc.commands(node, wait=30)
+        assert len(cmds) == 1, (node, cmds)
+        assert cmds[0]["kind"] == "checkpoint"
+        orders[node] = cmds[0]["order"]
+    assert {o["job"] for o in orders.values()} == {"train-1"}
+    assert orders["node1"]["step"] == orders["node2"]["step"] > 500
+    assert "ForewarnGpuXidFatal" in orders["node1"]["reason"]
+    assert svc.commands("node3") == []
+    findings = svc.client.get("/api/v1/findings").json()
+    assert [(f["check_name"], f["origin"]) for f in findings] == [
+        ("alert:ForewarnGpuXidFatal", "alertmanager")]
+    decisions = svc.client.get("/api/v1/decisions", params={"job": "train-1"}).json()
+    inputs = [json.loads(d["inputs"]) if isinstance(d["inputs"], str) else d["inputs"]
+              for d in decisions if d["decision"] == "checkpoint:act"]
+    assert inputs and inputs[0]["source"] == "alertmanager"
