@@ -128,3 +128,15 @@ def test_help_explains_every_flag() -> None:
                  "--sim-speed", "--replay", "--dcgm-url", "--no-kmsg", "--kmsg-path",
                  "--socket", "--collector", "--token-file", "--node", "--log-level"):
         assert flag in r.stdout
+
+
+def test_example_config_loads_and_documents_every_key() -> None:
+    import dataclasses
+
+    example = ROOT / "deploy" / "agent.toml"
+    cfg = load_config(AgentConfig, service="agent", path=example, required=True, env={})
+    defaults = AgentConfig(node=cfg.node)
+    assert cfg == defaults, "the example's values are the defaults"
+    text = example.read_text()
+    for f in dataclasses.fields(AgentConfig):
+        assert f"{f.name} =" in text, f"deploy/agent.toml does not document {f.name}"

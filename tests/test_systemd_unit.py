@@ -1,0 +1,75 @@
+"""deploy/forewarn-agent.service passes ``systemd-analyze verify`` (with ExecStart pointed
+at this environment's ``forewarn``, since verify checks the binary exists) and keeps the
+settings the agent relies on."""
+
+from __future__ import annotations
+
+import configparser
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+UNIT = Path(__file__).resolve().parent.parent / "deploy" / "forewarn-agent.service"
+ANALYZE = shutil.which("systemd-analyze")
+
+
+def forewarn_binary() -> str:
+    found = Path(sys.executable).parent / "forewarn"
+    return str(found) if found.exists() else (shutil.which("forewarn") or "")
+
+
+def verify(text: str, tmp_path: Path) -> tuple[int, list[str]]:
+    """Run verify on ``text`` as a unit; return the exit status and the lines about it."""
+    unit = tmp_path / "forewarn-agent.service"
+    unit.write_text(text)
+    r = subprocess.run([ANALYZE or "systemd-analyze", "verify", str(unit)],
+                       capture_output=True, text=True, timeout=60)
+    about = [line for line in (r.stdout + r.stderr).splitlines()
+             if "forewarn-agent" in line]
+    return r.returncode, about
+
+
+def localised() -> str:
+    binary = forewarn_binary()
+    assert binary, "the forewarn command is not installed in this environment"
+    text = UNIT.read_text()
+    assert "ExecStart=/usr/bin/forewarn agent --config /etc/forewarn/agent.toml" in text
+    return text.replace("ExecStart=/usr/bin/forewarn", f"ExecStart={binary}")
+
+
+@pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze is not installed")
+def test_systemd_analyze_verify_passes(tmp_path: Path) -> None:
+    rc, about = verify(localised(), tmp_path)
+    assert rc == 0 and about == [], about
+
+
+@pytest.mark.skipif(ANALYZE is None, reason="systemd-analyze is not installed")
+def test_verify_would_catch_a_broken_unit(tmp_path: Path) -> None:
+    """The check above can fail: a misspelt key is reported about this unit."""
+    _, about = verify(localised().replace("WatchdogSec=", "WatchdogSecs="), tmp_path)
+    assert any("WatchdogSecs" in line for line in about), about
+
+
+def test_unit_settings() -> None:
+    cp = configparser.ConfigParser(strict=False, interpolation=None)
+    cp.optionxform = str  # type: ignore[assignment,method-assign]
+    cp.read_string(UNIT.read_text())
+    svc = cp["Service"]
+    assert svc["Type"] == "notify" and int(svc["WatchdogSec"]) > 0
+    assert svc["Restart"] == "on-failure" and svc["RestartPreventExitStatus"] == "2"
+    assert svc["RuntimeDirectory"] == "forewarn" and svc["StateDirectory"] == "forewarn"
+    for key, want in (("ProtectSystem", "strict"), ("ProtectHome", "yes"),
+                      ("NoNewPrivileges", "yes"), ("PrivateTmp", "yes"),
+                      ("ProtectKernelTunables", "yes"), ("DevicePolicy", "closed")):
+        assert svc[key] == want, key
+    assert set(svc["RestrictAddressFamilies"].split()) == {"AF_UNIX", "AF_INET", "AF_INET6"}
+    assert "CAP_SYSLOG" in svc["CapabilityBoundingSet"]
+    # Reading the GPUs and the kernel log must stay possible.
+    assert "PrivateDevices" not in svc and "ProtectKernelLogs" not in svc
+    text = UNIT.read_text()
+    for allow in ("DeviceAllow=char-nvidia-frontend rw", "DeviceAllow=/dev/nvidiactl rw",
+                  "DeviceAllow=/dev/nvidia-uvm rw", "DeviceAllow=/dev/kmsg r"):
+        assert allow in text
