@@ -53,6 +53,14 @@ class AgentConfig:
     """Seconds between SIGTERM and SIGKILL when hang_action = terminate."""
     hang_floor_s: float = 2.0
     """A rank is never called hung sooner than this."""
+    socket_mode: str = "0660"
+    """Octal mode of the agent socket; must grant nothing to others (0660 or 0600)."""
+    socket_group: str = ""
+    """Group (name or gid) owning the agent socket: training users in it may report."""
+    grad_spike_factor: float = 10.0
+    """Grad norm above this many times the rank's rolling median is a spike."""
+    order_safety_s: float = 0.25
+    """Checkpoint order margin: seconds of step-time jitter added ahead of the fastest rank."""
     # collector uplink
     collector_url: str = ""
     """Base URL of the collector; empty = run standalone."""
@@ -70,12 +78,23 @@ class AgentConfig:
             raise ConfigError(f"source: must be one of {', '.join(SOURCES)}, got {self.source!r}")
         if not 0.05 <= self.interval_s <= 3600:
             raise ConfigError(f"interval_s: must be within 0.05..3600, got {self.interval_s}")
+        try:
+            mode = int(self.socket_mode, 8)
+        except ValueError:
+            raise ConfigError(f"socket_mode: expected an octal mode such as 0660, got "
+                              f"{self.socket_mode!r}") from None
+        if mode & 0o007 or mode > 0o777:
+            raise ConfigError(f"socket_mode: {self.socket_mode} would let other users write to "
+                              "the socket; use 0660 (with socket_group) or 0600")
+        if self.grad_spike_factor <= 1.0:
+            raise ConfigError(f"grad_spike_factor: must be above 1, got {self.grad_spike_factor}")
         if self.hang_action not in ("shadow", "terminate"):
             raise ConfigError(f"hang_action: must be shadow or terminate, got {self.hang_action!r}")
         if self.sim_gpus < 1 or self.sim_gpus > 64:
             raise ConfigError(f"sim_gpus: must be within 1..64, got {self.sim_gpus}")
         positive = (
-            "sim_speed", "replay_speed", "push_interval_s", "dcgm_timeout_s", "hang_grace_s"
+            "sim_speed", "replay_speed", "push_interval_s", "dcgm_timeout_s", "hang_grace_s",
+            "hang_floor_s", "order_safety_s",
         )
         for key in positive:
             if getattr(self, key) <= 0:

@@ -88,7 +88,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-COMPONENTS: tuple[tuple[str, str], ...] = ()
+COMPONENTS: tuple[tuple[str, str], ...] = (
+    ("forewarn.agent.rank_component", "build"),  # training ranks: socket, orders, hangs
+    ("forewarn.agent.uplink", "build"),  # collector uplink: spool, batches, commands
+)
 """``(module, factory)`` of every optional component ``forewarn agent`` starts, in order.
 ``factory(config: AgentConfig)`` returns the component or None when config disables it."""
 

@@ -10,7 +10,7 @@ import collections
 import dataclasses
 
 from forewarn.agent.backend import GpuInfo
-
+from forewarn.agent.ranks import RankTable
 from forewarn.wire import GpuSample, XidEvent
 
 __all__ = ["AgentState", "GpuHistory"]
@@ -59,6 +59,8 @@ class AgentState:
     xids: collections.deque[XidEvent] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=MAX_XIDS)
     )
+    ranks: RankTable | None = None
+    """Training ranks heard on the agent socket (set by the rank component; its own lock)."""
 
     def add_inventory(self, infos: list[GpuInfo]) -> None:
         for info in infos:

@@ -1,120 +1,349 @@
-"""Job-wide checkpoint orders: one S for every rank, acks, done, reissue on a miss."""
+"""Checkpoint orders (step choice, delivery, reports, reissue), the local fast path, and
+the hang terminator against real child processes (real signals, real pidfds)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry
+import pytest
 
-from forewarn.collector.jobview import RankTable
-from forewarn.collector.orders import OrderBook, OrderSettings, choose_step
-from forewarn.wire import CheckpointOrder, CheckpointReport, CommandAck, RankSummary
-
-T0 = 1_700_000_000.0
-
-
-class ListSink:
-    """Collects what would be queued per node (the CommandSink contract)."""
-
-    def __init__(self) -> None:
-        self.sent: list[tuple[str, CheckpointOrder]] = []
-
-    def order_checkpoint(self, nodes: Iterable[str], order: CheckpointOrder) -> Sequence[Any]:
-        out = [(n, order) for n in sorted(set(nodes))]
-        self.sent += out
-        return out
+from forewarn.agent.orders import CheckpointOrders, HangTerminator, choose_step
+from forewarn.agent.ranks import Credentials, ProcView, RankTable
+from forewarn.wire import (
+    Beat,
+    CheckpointOrder,
+    CheckpointReport,
+    Finding,
+    Health,
+    StepRecord,
+    Subject,
+    SuggestedAction,
+    decode_order,
+)
 
 
-def three_node_job(step_s: float = 0.5, reported: float = T0) -> RankTable:
+class Clock:
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Ranks:
+    """Ranks of jobs backed by real reply sockets; credentials are this test's pid for
+    the table (the table's admission logic is tested elsewhere)."""
+
+    def __init__(self, tmp: Path, clock: Clock) -> None:
+        self.tmp = tmp
+        self.clock = clock
+        self.table = RankTable(proc=_AlwaysAlive())
+        self.sockets: dict[tuple[str, int], socket.socket] = {}
+        self.sent: list[tuple[str, bytes]] = []
+        self.fail_sends = False
+        self.local: dict[tuple[str, int], int] = {}
+
+    def send(self, path: str, data: bytes) -> bool:
+        if self.fail_sends:
+            return False
+        self.sent.append((path, data))
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            try:
+                s.sendto(data, path)
+            except OSError:
+                return False
+        return True
+
+    def add(self, job: str, rank: int, pid: int, local_rank: int | None = None) -> None:
+        path = self.tmp / f"{job}-{rank}.sock"
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        s.bind(str(path))
+        s.setblocking(False)
+        self.sockets[(job, rank)] = s
+        lr = rank if local_rank is None else local_rank
+        self.local[(job, rank)] = lr
+        b = Beat(job=job, rank=rank, local_rank=lr, world_size=8, pid=pid, host="h",
+                 time=self.clock(), reply_to=str(path))
+        assert self.table.admit(b, Credentials(pid, os.getuid(), 0), self.clock()) is None
+
+    def step(self, job: str, rank: int, pid: int, n: int, seconds: float = 0.1) -> None:
+        r = StepRecord(job=job, rank=rank, local_rank=self.local[(job, rank)], world_size=8,
+                       pid=pid, host="h", step=n, time=self.clock(), step_seconds=seconds)
+        assert self.table.admit(r, Credentials(pid, os.getuid(), 0), self.clock()) is None
+
+    def report(self, job: str, rank: int, pid: int, rid: str, step: int, phase: str) -> None:
+        rep = CheckpointReport(job=job, rank=rank, request_id=rid, step=step, phase=phase,
+                               seconds=0.5 if phase == "done" else None, time=self.clock())
+        assert self.table.admit(rep, Credentials(pid, os.getuid(), 0), self.clock()) is None
+
+    def received(self, job: str, rank: int) -> list[CheckpointOrder]:
+        out = []
+        while True:
+            try:
+                out.append(decode_order(self.sockets[(job, rank)].recv(4096)))
+            except BlockingIOError:
+                return out
+
+
+class _AlwaysAlive(ProcView):
+    """Every pid is alive with start time 1 (these tests are about orders, not pids)."""
+
+    def start_time(self, pid: int) -> int | None:
+        return 1
+
+    def same_pid_namespace(self, pid: int) -> bool:
+        return True
+
+
+@pytest.fixture
+def ranks(tmp_path: Path) -> Iterator[Ranks]:
+    r = Ranks(tmp_path, Clock(1_700_000_000.0))
+    yield r
+    for s in r.sockets.values():
+        s.close()
+
+
+def make_orders(r: Ranks, **kw: Any) -> CheckpointOrders:
+    return CheckpointOrders(r.table, r.send, clock=r.clock, **kw)
+
+
+def test_step_formula(ranks: Ranks) -> None:
+    ranks.add("j", 0, 100)
+    ranks.add("j", 1, 101)
+    for n in range(1, 21):
+        ranks.step("j", 0, 100, n)
+        ranks.step("j", 1, 101, n - 2)  # rank 1 lags two steps
+    views = ranks.table.job_views("j")
+    now = ranks.clock()
+    # margin = ceil((0.05 + 0.25) / 0.1) = 3 -> S = 20 + 3 + 1
+    assert choose_step(views, now) == 24
+    # 0.35 s later the fastest rank is ~3 steps further
+    assert choose_step(views, now + 0.35) == 27
+    assert choose_step(views, now, margin_scale=2.0) == 27
+    # no step times yet: fallback margin of 10 steps
+    assert choose_step([], now) == 11
+
+
+def test_order_reaches_every_rank_and_completes(ranks: Ranks) -> None:
+    for rank in (0, 1):
+        ranks.add("j", rank, 100 + rank)
+        for n in range(1, 11):
+            ranks.step("j", rank, 100 + rank, n)
+    orders = make_orders(ranks)
+    order = orders.order_job("j", reason="manual test")
+    assert order is not None and order.step == 14
+    (o0,), (o1,) = ranks.received("j", 0), ranks.received("j", 1)
+    assert o0 == o1 == order
+    for rank in (0, 1):
+        ranks.report("j", rank, 100 + rank, order.request_id, order.step, "started")
+    assert orders.open_orders()
+    ranks.report("j", 0, 100, order.request_id, order.step, "done")
+    assert orders.open_orders()
+    ranks.report("j", 1, 101, order.request_id, order.step, "done")
+    assert not orders.open_orders()
+    assert orders.outcomes_total["done"] == 1 and "j" in orders.last_duration
+    assert orders.orders_total[("j", "manual test")] == 1
+    assert orders.order_job("nobody-here") is None
+
+
+def test_missed_reissues_for_the_whole_job(ranks: Ranks) -> None:
+    for rank in (0, 1):
+        ranks.add("j", rank, 100 + rank)
+        ranks.step("j", rank, 100 + rank, 10)
+        ranks.step("j", rank, 100 + rank, 11)
+    orders = make_orders(ranks)
+    first = orders.order_job("j", reason="test", origin="local")
+    assert first is not None
+    ranks.received("j", 0), ranks.received("j", 1)
+    ranks.report("j", 1, 101, first.request_id, first.step + 2, "missed")
+    (again,) = ranks.received("j", 0)
+    assert ranks.received("j", 1) == [again]
+    assert again.request_id == f"{first.request_id}-r1"
+    assert again.step > first.step
+    # the margin doubled: 2 x ceil(0.3 / 0.1) = 6 (+1) past the fastest known step
+    assert again.step == 11 + 6 + 1
+    (st,) = orders.open_orders()
+    assert st.order == again and st.reissues == 1
+    assert orders.outcomes_total["superseded"] == 1
+
+
+def test_collector_step_is_not_reissued_locally(ranks: Ranks) -> None:
+    ranks.add("j", 0, 100)
+    ranks.step("j", 0, 100, 50)
+    orders = make_orders(ranks)
+    order = orders.order_job("j", step=40, reason="collector", request_id="c-1")
+    assert order is not None and order.request_id == "c-1" and order.step == 40
+    ranks.report("j", 0, 100, "c-1", 50, "missed")
+    assert not orders.open_orders() and orders.outcomes_total["failed"] == 1
+    assert len(ranks.received("j", 0)) == 1  # only the original
+
+
+def test_lost_order_detected_and_undelivered_retried(ranks: Ranks) -> None:
+    ranks.add("j", 0, 100)
+    ranks.step("j", 0, 100, 5)
+    orders = make_orders(ranks)
+    ranks.fail_sends = True
+    order = orders.order_job("j", reason="t", origin="local")
+    assert order is not None
+    (st,) = orders.open_orders()
+    assert st.unsent == {0}
+    ranks.fail_sends = False
+    orders.tick(ranks.clock())
+    assert ranks.received("j", 0) == [order] and not st.unsent
+    # the rank went past S without a word about this order: treated as missed
+    ranks.step("j", 0, 100, order.step + 1)
+    orders.tick(ranks.clock())
+    (st2,) = orders.open_orders()
+    assert st2.order.request_id.endswith("-r1") and st2.order.step > order.step + 1
+
+
+def gpu_finding(gpu: int, action: SuggestedAction, health: Health = Health.UNHEALTHY
+                ) -> Finding:
+    return Finding(check="xid", health=health, subject=Subject(kind="gpu", node="n", gpu=gpu),
+                   reason="XID 79", action=action, time=0.0)
+
+
+def rank_finding(check: str, job: str, rank: int) -> Finding:
+    return Finding(check=check, health=Health.UNHEALTHY,
+                   subject=Subject(kind="rank", node="n", job=job, rank=rank, gpu=rank),
+                   reason="r", action=SuggestedAction.CHECKPOINT, time=0.0)
+
+
+def test_fast_path_orders_jobs_on_the_gpu_once(ranks: Ranks) -> None:
+    ranks.add("a", 0, 100, local_rank=0)
+    ranks.add("b", 0, 200, local_rank=1)
+    ranks.step("a", 0, 100, 7)
+    ranks.step("b", 0, 200, 9)
+    mono = Clock(0.0)
+    orders = CheckpointOrders(ranks.table, ranks.send, clock=ranks.clock, monotonic=mono,
+                              cooldown_s=60)
+    assert orders.fast_path([gpu_finding(1, SuggestedAction.WATCH)]) == []
+    assert orders.fast_path([gpu_finding(1, SuggestedAction.RESET_GPU, Health.DEGRADED)]) == []
+    (order,) = orders.fast_path([gpu_finding(1, SuggestedAction.RESET_GPU)])
+    assert order.job == "b" and order.reason.startswith("xid:")
+    assert ranks.received("a", 0) == []
+    mono.t = 30.0
+    assert orders.fast_path([gpu_finding(1, SuggestedAction.RESET_GPU)]) == []  # cooldown
+    mono.t = 61.0
+    assert len(orders.fast_path([gpu_finding(1, SuggestedAction.RESET_GPU)])) == 1
+    node = Finding(check="ecc", health=Health.UNHEALTHY, subject=Subject(kind="node", node="n"),
+                   reason="r", action=SuggestedAction.DRAIN, time=0.0)
+    assert sorted(o.job for o in orders.fast_path([node])) == ["a", "b"]
+
+
+def test_fast_path_spike_orders_nan_and_hang_do_not(ranks: Ranks) -> None:
+    ranks.add("a", 0, 100)
+    ranks.step("a", 0, 100, 7)
+    orders = make_orders(ranks)
+    assert orders.fast_path([rank_finding("nan_loss", "a", 0)]) == []
+    assert orders.fast_path([rank_finding("rank_hang", "a", 0)]) == []
+    (order,) = orders.fast_path([rank_finding("grad_spike", "a", 0)])
+    assert order.job == "a"
+
+
+# -- hang terminator: real processes -------------------------------------------------------
+
+def spawn(ignore_term: bool = False) -> subprocess.Popen[bytes]:
+    code = "import signal, time\n"
+    if ignore_term:
+        code += "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+    code += "print('ready', flush=True)\ntime.sleep(120)\n"
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert p.stdout is not None and p.stdout.readline() == b"ready\n"
+    return p
+
+
+def admit_real(table: RankTable, job: str, rank: int, pid: int, now: float) -> None:
+    b = Beat(job=job, rank=rank, local_rank=rank, world_size=2, pid=pid, host="h", time=now)
+    assert table.admit(b, Credentials(pid, os.getuid(), os.getgid()), now) is None
+
+
+def hang(job: str, rank: int, health: Health = Health.UNHEALTHY) -> Finding:
+    return Finding(check="rank_hang", health=health,
+                   subject=Subject(kind="rank", node="n", job=job, rank=rank),
+                   reason="hung", action=SuggestedAction.RESTART_JOB, time=0.0)
+
+
+def test_terminate_confirmed_hang_with_sigterm_then_sigkill() -> None:
+    now = time.time()
     table = RankTable()
-    ranks = []
-    for node in range(3):
-        for gpu in range(2):
-            rank = node * 2 + gpu
-            ranks.append(RankSummary(
-                job="big", rank=rank, world_size=6, node=f"node{node + 1}", gpu=gpu,
-                pid=100 + rank, last_step=1000 + rank, last_step_time=reported,
-                step_seconds_p50=step_s + 0.1 * rank))
-    table.update(ranks, now=T0 - 3600)
-    return table
+    polite, stubborn = spawn(), spawn(ignore_term=True)
+    mono = Clock(0.0)
+    term = HangTerminator(table, action="terminate", grace_s=5.0, monotonic=mono)
+    try:
+        admit_real(table, "j", 0, polite.pid, now)
+        admit_real(table, "j", 1, stubborn.pid, now)
+        assert term.on_findings([hang("j", 0), hang("j", 1)], now) == []  # not confirmed yet
+        assert polite.poll() is None
+        assert term.on_findings([hang("j", 0), hang("j", 1)], now) == ["j"]
+        assert polite.wait(timeout=30) == -signal.SIGTERM
+        assert stubborn.poll() is None
+        mono.t = 6.0
+        term.tick()
+        assert stubborn.wait(timeout=30) == -signal.SIGKILL
+        assert term.signals_total[("j", "SIGTERM")] == 2
+        assert term.signals_total[("j", "SIGKILL")] == 1
+        # the same episode is handled once
+        assert term.on_findings([hang("j", 0)], now) == []
+    finally:
+        for p in (polite, stubborn):
+            p.kill()
+            p.wait()
+        term.close()
 
 
-def test_step_is_ahead_of_the_fastest_rank_by_latency_over_step_time() -> None:
-    job = three_node_job(step_s=0.5).job("big")
-    assert job is not None
-    settings = OrderSettings(delivery_latency_s=0.5, safety_s=2.0, min_margin_steps=2)
-    step, inputs = choose_step(job, T0, settings)
-    # furthest rank: 1005; fastest p50: 0.5 s; margin = ceil(2.5 / 0.5) + 1 = 6
-    assert inputs["estimated_step"] == 1005 and inputs["margin_steps"] == 6
-    assert step == 1011
-    # stale reports: 10 s later rank 0 (0.5 s/step) is at 1020, rank 5 (1.0 s/step) at 1015
-    step_later, inputs = choose_step(job, T0 + 10, settings)
-    assert inputs["estimated_step"] == 1020 and step_later == 1026
-    # slow steps: the minimum margin holds
-    slow = three_node_job(step_s=60).job("big")
-    assert slow is not None
-    assert choose_step(slow, T0, settings)[1]["margin_steps"] == 2
+def test_shadow_and_unverified_pids_are_not_signalled() -> None:
+    now = time.time()
+    p = spawn()
+    try:
+        table = RankTable()
+        admit_real(table, "j", 0, p.pid, now)
+        shadow = HangTerminator(table, action="shadow", confirm_polls=1)
+        assert shadow.on_findings([hang("j", 0)], now) == ["j"]
+        assert p.poll() is None and not shadow.signals_total
+
+        class Reused(ProcView):  # the pid now belongs to a process started later
+            def start_time(self, pid: int) -> int | None:
+                real = super().start_time(pid)
+                return None if real is None else real + 1
+
+        table2 = RankTable()
+        admit_real(table2, "j", 0, p.pid, now)
+        table2.proc = Reused()
+        term = HangTerminator(table2, action="terminate", confirm_polls=1)
+        # the table no longer sees the rank as alive: nothing confirmed, nothing signalled
+        assert term.on_findings([hang("j", 0)], now) == []
+        v = table2.get("j", 0)
+        assert v is not None
+        term._terminate(v)  # even when asked directly: refused
+        assert term.signals_total[("j", "refused")] == 1
+        assert p.poll() is None
+    finally:
+        p.kill()
+        p.wait()
 
 
-def test_issue_reaches_every_node_and_completes_when_every_rank_saved() -> None:
-    table = three_node_job()
-    sink = ListSink()
-    registry = CollectorRegistry()
-    book = OrderBook(sink, clock=lambda: T0, registry=registry, new_id=lambda: "ord-1")
-    job = table.job("big")
-    assert job is not None
-    order = book.issue(job, "GPU 1 of node2 unhealthy", decision_id="d1")
-    assert [n for n, _ in sink.sent] == ["node1", "node2", "node3"]
-    assert {o.step for _, o in sink.sent} == {order.step}
-    assert all(o.job == "big" and o.request_id == "ord-1" for _, o in sink.sent)
-    book.on_ack(CommandAck(id="ord-1@node2", node="node2", time=T0))
-    assert book.get("ord-1").acks == {"node2": True}  # type: ignore[union-attr]
-    for rank in range(6):
-        book.on_report(CheckpointReport(job="big", rank=rank, request_id="ord-1",
-                                        step=order.step, phase="started", time=T0))
-        assert order.status == "issued"
-        book.on_report(CheckpointReport(job="big", rank=rank, request_id="ord-1",
-                                        step=order.step, phase="done", seconds=3.0, time=T0))
-    assert order.status == "done"
-    assert set(order.rank_steps.values()) == {order.step}
-    assert registry.get_sample_value("forewarn_collector_checkpoint_orders_total",
-                                     {"event": "done"}) == 1.0
-
-
-def test_missed_order_is_reissued_past_the_rank_that_missed() -> None:
-    table = three_node_job()
-    sink = ListSink()
-    ids = iter(["ord-1", "ord-2", "ord-3"])
-    book = OrderBook(sink, OrderSettings(max_reissues=1), clock=lambda: T0,
-                     new_id=lambda: next(ids))
-    job = table.job("big")
-    assert job is not None
-    first = book.issue(job, "risk")
-    new = book.on_report(CheckpointReport(job="big", rank=4, request_id="ord-1",
-                                          step=first.step + 40, phase="missed", time=T0))
-    assert new is not None and new.request_id == "ord-2"
-    assert new.step > first.step + 40 and new.attempt == 1
-    assert first.status == "reissued" and first.next_id == "ord-2"
-    assert [o.request_id for _, o in sink.sent[-3:]] == ["ord-2"] * 3
-    # late reports about the superseded order change nothing
-    assert book.on_report(CheckpointReport(job="big", rank=5, request_id="ord-1",
-                                           step=first.step + 41, phase="missed",
-                                           time=T0)) is None
-    # the reissue limit: a second miss fails the order instead of looping
-    assert book.on_report(CheckpointReport(job="big", rank=0, request_id="ord-2",
-                                           step=new.step + 5, phase="missed", time=T0)) is None
-    assert new.status == "failed"
-
-
-def test_failed_rank_fails_the_order_and_unknown_reports_are_ignored() -> None:
-    table = three_node_job()
-    book = OrderBook(ListSink(), clock=lambda: T0, new_id=lambda: "ord-1")
-    job = table.job("big")
-    assert job is not None
-    order = book.issue(job, "risk")
-    assert book.on_report(CheckpointReport(job="big", rank=0, request_id="other", step=1,
-                                           phase="done", time=T0)) is None
-    book.on_report(CheckpointReport(job="big", rank=3, request_id="ord-1", step=order.step,
-                                    phase="failed", time=T0))
-    assert order.status == "failed"
+def test_healthy_finding_resets_confirmation() -> None:
+    now = time.time()
+    p = spawn()
+    try:
+        table = RankTable()
+        admit_real(table, "j", 0, p.pid, now)
+        term = HangTerminator(table, action="shadow", confirm_polls=2)
+        assert term.on_findings([hang("j", 0)], now) == []
+        assert term.on_findings([hang("j", 0, Health.HEALTHY)], now) == []
+        assert term.on_findings([hang("j", 0)], now) == []
+        assert term.on_findings([hang("j", 0)], now) == ["j"]
+    finally:
+        p.kill()
+        p.wait()
+    assert math.isfinite(now)

@@ -9,11 +9,16 @@ from __future__ import annotations
 from forewarn.agent.checks.base import Check
 from forewarn.agent.checks.ecc import EccCheck
 from forewarn.agent.checks.gpu_lost import GpuLostCheck
+from forewarn.agent.checks.grad_spike import GradSpikeCheck
+from forewarn.agent.checks.nan_loss import NanLossCheck
 from forewarn.agent.checks.nvlink import NvlinkCheck
 from forewarn.agent.checks.pcie import PcieCheck
 from forewarn.agent.checks.power_brake import PowerBrakeCheck
+from forewarn.agent.checks.rank_gone import RankGoneCheck
+from forewarn.agent.checks.rank_hang import RankHangCheck
 from forewarn.agent.checks.remap import RemapCheck
 from forewarn.agent.checks.retired_pages import RetiredPagesCheck
+from forewarn.agent.checks.straggler import StragglerCheck
 from forewarn.agent.checks.thermal import ThermalCheck
 from forewarn.agent.checks.xid import XidCheck
 
@@ -30,6 +35,12 @@ ALL_CHECKS: tuple[type[Check], ...] = (
     PowerBrakeCheck,
     PcieCheck,
     NvlinkCheck,
+    # training ranks (read AgentState.ranks; they apply once a rank has reported)
+    RankHangCheck,
+    RankGoneCheck,
+    NanLossCheck,
+    GradSpikeCheck,
+    StragglerCheck,
 )
 
 

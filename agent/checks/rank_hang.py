@@ -1,0 +1,74 @@
+"""Rank hang: a rank that still beats but makes no step progress.
+
+The timeout is learned per job: ``max(floor, factor × p99 step time of the job's ranks
+on this node)`` (defaults: floor 2 s = AgentConfig.hang_floor_s, factor 3). NVIDIA's
+resiliency extension learns 5× the longest gap and starts at 45-60 min; PyTorch's NCCL
+watchdog fires after 10 min (REFERENCE.md): a p99-derived timeout catches the same hang
+in seconds. Before a rank has ``min_steps`` step times the startup timeout applies (data
+loading and compilation are slow), and a rank that reported a checkpoint ``started`` is
+given ``checkpoint_timeout_s`` to finish (saving is a legitimate stall).
+
+A rank whose beats stopped too is not hung but gone (:mod:`.rank_gone`).
+"""
+
+from __future__ import annotations
+
+from forewarn.agent.ranks import RankTable, RankView, by_job, quantile, rank_finding
+from forewarn.agent.state import AgentState
+from forewarn.wire import Finding, Health, SuggestedAction
+
+__all__ = ["RankHangCheck", "hang_timeout"]
+
+
+def hang_timeout(table: RankTable, job_views: list[RankView]) -> tuple[float, float | None]:
+    """``(timeout_s, p99_s)`` for a job: ``max(floor, factor × p99)``, or the startup
+    timeout while the job has fewer than ``min_steps`` step times."""
+    lim = table.limits
+    samples = [s for v in job_views for s in v.step_seconds]
+    p99 = quantile(samples, 0.99)
+    if p99 is None or len(samples) < lim.min_steps:
+        return lim.startup_timeout_s, p99
+    return max(lim.hang_floor_s, lim.hang_factor * p99), p99
+
+
+class RankHangCheck:
+    """No step progress for longer than the job's learned timeout while beats arrive."""
+
+    name = "rank_hang"
+
+    def applies(self, state: AgentState) -> bool:
+        return state.ranks is not None and len(state.ranks) > 0
+
+    def run(self, state: AgentState, now: float) -> list[Finding]:
+        table = state.ranks
+        if table is None:
+            return []
+        out = []
+        for _job, views in by_job(table.views()).items():
+            timeout, p99 = hang_timeout(table, views)
+            for v in views:
+                if not table.alive(v, now):
+                    continue  # rank_gone judges it
+                since = v.last_progress if v.last_progress is not None else v.first_seen
+                limit = timeout
+                if v.checkpointing is not None and v.checkpoint_started is not None:
+                    saving = v.checkpoint_started - since + table.limits.checkpoint_timeout_s
+                    limit = max(limit, saving)
+                stalled = max(0.0, now - since)
+                evidence = {"stalled_s": round(stalled, 3), "timeout_s": round(timeout, 3),
+                            "p99_step_s": p99, "checkpointing": v.checkpointing is not None}
+                if stalled > limit:
+                    out.append(rank_finding(
+                        self.name, v, state.node, now, Health.UNHEALTHY,
+                        f"rank {v.rank} of job {v.job} made no progress past step "
+                        f"{v.last_step} for {stalled:.1f}s (timeout {limit:.1f}s = max(floor, "
+                        f"{table.limits.hang_factor:g} x p99 step time)) while still beating: "
+                        "hung (a stuck collective or a deadlock); it cannot checkpoint",
+                        SuggestedAction.RESTART_JOB, evidence,
+                    ))
+                else:
+                    out.append(rank_finding(
+                        self.name, v, state.node, now, Health.HEALTHY,
+                        f"rank {v.rank} of job {v.job} progressing", evidence=evidence,
+                    ))
+        return out

@@ -1,0 +1,474 @@
+"""Checkpoint orders to the local ranks, the local fast path, and the hang terminator.
+
+Choosing the step
+-----------------
+Every rank of a job must save the same step S, without a collective and without a device
+sync. The agent picks S ahead of the fastest rank::
+
+    s_now = max over ranks (last_step + floor((now - t_last_step) / p50))
+    S     = s_now + ceil((delivery_latency_s + safety_s) / p50) + 1
+
+``p50`` is the job's median step time on this node, ``t_last_step`` when the agent saw the
+rank's last step, ``delivery_latency_s`` covers the datagram and the hook noticing it
+(defaults 0.05 s) and ``safety_s`` (0.25 s) the jitter of step times. Each reissue after a
+``missed`` report doubles the margin. Without step times yet, the margin is
+``fallback_steps`` (10).
+
+Protocol
+--------
+The order (:class:`forewarn.wire.CheckpointOrder`) goes to each local rank's ``reply_to``.
+Ranks whose step is below S save at S and report ``started``/``done``; a rank for which S
+already passed reports ``missed`` with its current step. On ``missed`` (or when the step
+records show a rank went past S without a report for this order: the datagram was lost)
+the agent issues a new S for the whole job under a new request id, when the agent chose S.
+An order from the collector with an explicit step is not reissued here: the reports go up
+and the collector, which chose S for all nodes, reissues.
+
+Local fast path
+---------------
+A local critical finding orders a checkpoint of the affected jobs on its own, once per
+finding (cooldown per subject and check), even with no collector:
+
+* an unhealthy GPU finding whose suggested action is checkpoint, reset, reboot, drain or
+  inspect: the jobs with a rank on that GPU (local rank -> GPU index, identity by default);
+  an unhealthy node finding with such an action: every job on the node;
+* a grad-norm spike: that job (the state is still finite; see checks/grad_spike.py).
+
+Not ordered: NaN/Inf loss (a poisoned state is not worth saving and would rotate a good
+checkpoint out; the finding says restart from the last good one), a hang (a hung job cannot
+save) and a gone rank (its peers will block in the next collective).
+
+Hang handling
+-------------
+A hang is confirmed when the rank_hang finding stays unhealthy for ``confirm_polls`` (2)
+consecutive polls. ``hang_action = shadow``: logged, the finding stands. ``terminate``:
+SIGTERM to the job's local rank processes, SIGKILL after ``hang_grace_s`` to those still
+alive, so the launcher restarts them from the last checkpoint minutes before NCCL's 10-min
+timeout. A pid is signalled only when it is still the process the agent saw (same
+``/proc/<pid>/stat`` start time, same uid as its kernel-verified credentials), through a
+pidfd (``pidfd_send_signal``) opened after that check, so pid reuse cannot redirect it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable
+
+from forewarn.agent.ranks import RankTable, RankView, by_job, quantile
+from forewarn.wire import (
+    CheckpointOrder,
+    CheckpointReport,
+    Finding,
+    Health,
+    SuggestedAction,
+    encode,
+)
+
+__all__ = ["CheckpointOrders", "HangTerminator", "OrderStatus", "choose_step"]
+
+log = logging.getLogger(__name__)
+
+FAST_PATH_ACTIONS = frozenset({
+    SuggestedAction.CHECKPOINT, SuggestedAction.RESET_GPU, SuggestedAction.REBOOT,
+    SuggestedAction.DRAIN, SuggestedAction.INSPECT_HARDWARE,
+})
+"""GPU/node findings with these actions (and unhealthy) order a checkpoint locally."""
+
+RANK_FAST_PATH_CHECKS = frozenset({"grad_spike"})
+"""Rank findings that order a checkpoint of their job (nan_loss and rank_hang do not)."""
+
+
+def choose_step(
+    views: Iterable[RankView],
+    now: float,
+    *,
+    delivery_latency_s: float = 0.05,
+    safety_s: float = 0.25,
+    margin_scale: float = 1.0,
+    fallback_steps: int = 10,
+) -> int:
+    """The step S every rank of a job should save at (formula in the module doc)."""
+    views = list(views)
+    p50 = quantile([s for v in views for s in v.step_seconds], 0.5)
+    s_now = 0
+    for v in views:
+        if v.last_step is None:
+            continue
+        est = v.last_step
+        if p50 and p50 > 0 and v.last_progress is not None:
+            est += int(max(0.0, now - v.last_progress) // p50)
+        s_now = max(s_now, est)
+    if p50 and p50 > 0:
+        margin = math.ceil(margin_scale * (delivery_latency_s + safety_s) / p50)
+    else:
+        margin = math.ceil(margin_scale * fallback_steps)
+    return s_now + margin + 1
+
+
+@dataclasses.dataclass
+class OrderStatus:
+    """One order and what each local rank said about it."""
+
+    order: CheckpointOrder
+    origin: str
+    """``local`` (fast path, the agent chose S), ``collector``, or ``manual``."""
+    root: str
+    """Request id of the first order of this chain (reissues share it)."""
+    agent_chose_step: bool
+    expected: frozenset[int]
+    issued_mono: float
+    phases: dict[int, str] = dataclasses.field(default_factory=dict)
+    unsent: set[int] = dataclasses.field(default_factory=set)
+    reissues: int = 0
+    closed: str = ""
+    """Why the order ended: done, superseded, failed, expired; empty while open."""
+    done_seconds: float | None = None
+
+
+class CheckpointOrders:
+    """Issues checkpoint orders to local ranks and tracks their reports.
+
+    ``send(path, data) -> bool`` delivers one datagram (the ingest socket's ``send``);
+    ``clock`` is Unix time for the order records, ``monotonic`` for timeouts.
+    """
+
+    def __init__(
+        self,
+        table: RankTable,
+        send: Callable[[str, bytes], bool],
+        *,
+        delivery_latency_s: float = 0.05,
+        safety_s: float = 0.25,
+        cooldown_s: float = 300.0,
+        max_reissues: int = 5,
+        ttl_s: float = 900.0,
+        gpu_of: Callable[[int], int | None] | None = None,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.table = table
+        self.send = send
+        self.delivery_latency_s = delivery_latency_s
+        self.safety_s = safety_s
+        self.cooldown_s = cooldown_s
+        self.max_reissues = max_reissues
+        self.ttl_s = ttl_s
+        self.gpu_of = gpu_of or (lambda local_rank: local_rank)
+        self.clock = clock
+        self.monotonic = monotonic
+        self._lock = threading.RLock()
+        self._orders: dict[str, OrderStatus] = {}
+        self._closed: collections.deque[OrderStatus] = collections.deque(maxlen=256)
+        self._fired: dict[str, float] = {}
+        self.orders_total: collections.Counter[tuple[str, str]] = collections.Counter()
+        """``(job, reason) -> orders issued`` (reissues included)."""
+        self.outcomes_total: collections.Counter[str] = collections.Counter()
+        """``done``, ``superseded``, ``failed``, ``expired``."""
+        self.last_duration: dict[str, float] = {}
+        """Job -> seconds from the first order of a chain to the last rank's ``done``."""
+        table.on_report(self.on_report)
+
+    # -- issuing -------------------------------------------------------------------------
+    def order_job(
+        self,
+        job: str,
+        step: int | None = None,
+        reason: str = "",
+        request_id: str | None = None,
+        *,
+        origin: str = "collector",
+    ) -> CheckpointOrder | None:
+        """Order every local rank of ``job`` to save at ``step`` (chosen here when None).
+
+        Returns the order sent, or None when the job has no live rank on this node.
+        """
+        with self._lock:
+            return self._issue(job, step, reason, request_id, origin, root=None, reissues=0)
+
+    def _issue(self, job: str, step: int | None, reason: str, request_id: str | None,
+               origin: str, root: str | None, reissues: int) -> CheckpointOrder | None:
+        now = self.clock()
+        views = [v for v in self.table.job_views(job) if self.table.alive(v, now)]
+        if not views:
+            log.info("checkpoint order for job %s: no live rank on this node", job)
+            return None
+        chose = step is None
+        if step is None:
+            step = choose_step(views, now, delivery_latency_s=self.delivery_latency_s,
+                               safety_s=self.safety_s, margin_scale=2.0**reissues)
+        rid = request_id or f"fw-{uuid.uuid4().hex[:16]}"
+        order = CheckpointOrder(request_id=rid, job=job, step=step, reason=reason[:4000],
+                                issued=now)
+        for old in list(self._orders.values()):
+            if old.order.job == job and not old.closed:
+                self._close(old, "superseded")
+        st = OrderStatus(order=order, origin=origin, root=root or rid, agent_chose_step=chose,
+                         expected=frozenset(v.rank for v in views),
+                         issued_mono=self.monotonic(), reissues=reissues)
+        self._orders[rid] = st
+        self.orders_total[(job, reason.split(":", 1)[0] or origin)] += 1
+        data = encode(order)
+        for v in views:
+            if not self.send(v.reply_to, data):
+                st.unsent.add(v.rank)
+        log.warning("checkpoint order %s: job %s saves at step %d (%s; %d local rank(s)%s)",
+                    rid, job, step, reason or origin, len(views),
+                    f", {len(st.unsent)} not delivered yet" if st.unsent else "")
+        return order
+
+    def _close(self, st: OrderStatus, why: str) -> None:
+        st.closed = why
+        self.outcomes_total[why] += 1
+        self._orders.pop(st.order.request_id, None)
+        self._closed.append(st)
+
+    # -- reports -------------------------------------------------------------------------
+    def on_report(self, view: RankView | None, rep: CheckpointReport) -> None:
+        """Table listener: a rank reported progress on an order (ingest thread)."""
+        with self._lock:
+            st = self._orders.get(rep.request_id)
+            if st is None:
+                return
+            st.phases[rep.rank] = rep.phase
+            st.unsent.discard(rep.rank)
+            if rep.phase == "missed":
+                self._missed(st, f"rank {rep.rank} was at step {rep.step} already")
+            elif rep.phase == "failed":
+                log.error("checkpoint order %s: rank %d failed to save", rep.request_id, rep.rank)
+                if all(st.phases.get(r) in ("done", "failed") for r in st.expected):
+                    self._close(st, "failed")
+            elif rep.phase == "done" and all(st.phases.get(r) == "done" for r in st.expected):
+                st.done_seconds = self.monotonic() - st.issued_mono
+                self.last_duration[st.order.job] = st.done_seconds
+                log.info("checkpoint order %s: all %d local rank(s) of job %s saved step %d",
+                         rep.request_id, len(st.expected), st.order.job, st.order.step)
+                self._close(st, "done")
+
+    def _missed(self, st: OrderStatus, why: str) -> None:
+        if not st.agent_chose_step:
+            log.warning("checkpoint order %s (step %d from %s): %s; left to the %s to reissue",
+                        st.order.request_id, st.order.step, st.origin, why, st.origin)
+            self._close(st, "failed")
+            return
+        if st.reissues >= self.max_reissues:
+            log.error("checkpoint order %s: %s; gave up after %d reissues",
+                      st.order.request_id, why, st.reissues)
+            self._close(st, "failed")
+            return
+        log.warning("checkpoint order %s missed (%s): reissuing with a wider margin",
+                    st.order.request_id, why)
+        self._issue(st.order.job, None, st.order.reason, f"{st.root}-r{st.reissues + 1}",
+                    st.origin, st.root, st.reissues + 1)
+
+    # -- every poll ----------------------------------------------------------------------
+    def tick(self, now: float) -> None:
+        """Retry undelivered orders, detect lost ones, expire old ones (poll thread)."""
+        with self._lock:
+            for st in list(self._orders.values()):
+                if st.closed:
+                    continue
+                if self.monotonic() - st.issued_mono > self.ttl_s:
+                    self._close(st, "expired")
+                    continue
+                views = {v.rank: v for v in self.table.job_views(st.order.job)}
+                for rank in list(st.unsent):
+                    v = views.get(rank)
+                    if v is not None and self.send(v.reply_to, encode(st.order)):
+                        st.unsent.discard(rank)
+                for rank in st.expected:
+                    v = views.get(rank)
+                    if (v is not None and rank not in st.phases and v.last_step is not None
+                            and v.last_step > st.order.step):
+                        self._missed(st, f"rank {rank} went past step {st.order.step} "
+                                         "without reporting (order lost)")
+                        break
+
+    def open_orders(self) -> list[OrderStatus]:
+        with self._lock:
+            return list(self._orders.values())
+
+    def closed_orders(self) -> list[OrderStatus]:
+        with self._lock:
+            return list(self._closed)
+
+    # -- local fast path -------------------------------------------------------------------
+    def jobs_on_gpu(self, gpu: int | None) -> list[str]:
+        """Jobs with a rank on local GPU ``gpu`` (every job when None: a node finding)."""
+        return sorted({v.job for v in self.table.views()
+                       if gpu is None or self.gpu_of(v.local_rank) == gpu})
+
+    def fast_path(self, findings: Iterable[Finding]) -> list[CheckpointOrder]:
+        """Order checkpoints for local critical findings (see module doc); once per
+        finding subject and check within ``cooldown_s``."""
+        out = []
+        mono = self.monotonic()
+        for f in findings:
+            if f.health != Health.UNHEALTHY:
+                continue
+            subj = f.subject
+            if subj.kind in ("gpu", "node") and f.action in FAST_PATH_ACTIONS:
+                jobs = self.jobs_on_gpu(subj.gpu if subj.kind == "gpu" else None)
+            elif subj.kind == "rank" and f.check in RANK_FAST_PATH_CHECKS:
+                jobs = [subj.job]
+            else:
+                continue
+            key = f"{f.check}|{subj.key()}"
+            with self._lock:
+                last = self._fired.get(key)
+                if last is not None and mono - last < self.cooldown_s:
+                    continue
+                self._fired[key] = mono
+                for job in jobs:
+                    order = self._issue(job, None, f"{f.check}: {f.reason}"[:4000], None,
+                                        "local", None, 0)
+                    if order is not None:
+                        out.append(order)
+        return out
+
+
+@dataclasses.dataclass
+class _Kill:
+    job: str
+    pidfd: int
+    pid: int
+    deadline: float
+
+
+class HangTerminator:
+    """Ends a confirmed-hung job's local ranks (or only reports it, in shadow mode)."""
+
+    def __init__(
+        self,
+        table: RankTable,
+        *,
+        action: str = "shadow",
+        grace_s: float = 30.0,
+        confirm_polls: int = 2,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if action not in ("shadow", "terminate"):
+            raise ValueError(f"hang_action must be shadow or terminate, got {action!r}")
+        self.table = table
+        self.action = action
+        self.grace_s = grace_s
+        self.confirm_polls = confirm_polls
+        self.monotonic = monotonic
+        self._streak: dict[tuple[str, int], int] = {}
+        self._handled: dict[str, frozenset[int]] = {}
+        self._kills: list[_Kill] = []
+        self.signals_total: collections.Counter[tuple[str, str]] = collections.Counter()
+        """``(job, SIGTERM|SIGKILL|refused)`` -> count."""
+        self.confirmed_total: collections.Counter[str] = collections.Counter()
+
+    def on_findings(self, findings: Iterable[Finding], now: float) -> list[str]:
+        """Feed one poll's rank_hang findings; returns jobs whose hang was confirmed now."""
+        hung_jobs: set[str] = set()
+        seen = set()
+        for f in findings:
+            if f.check != "rank_hang" or f.subject.kind != "rank" or f.subject.rank is None:
+                continue
+            key = (f.subject.job, f.subject.rank)
+            seen.add(key)
+            if f.health == Health.UNHEALTHY:
+                self._streak[key] = self._streak.get(key, 0) + 1
+                if self._streak[key] >= self.confirm_polls:
+                    hung_jobs.add(f.subject.job)
+            else:
+                self._streak.pop(key, None)
+        for key in [k for k in self._streak if k not in seen]:
+            del self._streak[key]
+        confirmed = []
+        for job in sorted(hung_jobs):
+            views = [v for v in self.table.job_views(job) if self.table.alive(v, now)]
+            episode = frozenset(v.os_pid for v in views)
+            if not views or self._handled.get(job) == episode:
+                continue
+            self._handled[job] = episode
+            self.confirmed_total[job] += 1
+            confirmed.append(job)
+            if self.action == "shadow":
+                log.warning("job %s hung (ranks %s on this node); hang_action=shadow: not "
+                            "ending it", job, ", ".join(str(v.rank) for v in views))
+                continue
+            log.warning("job %s hung: SIGTERM to local ranks %s (SIGKILL after %gs)", job,
+                        ", ".join(f"{v.rank}/pid {v.os_pid}" for v in views), self.grace_s)
+            for v in views:
+                self._terminate(v)
+        self._reap()
+        return confirmed
+
+    def _open_verified(self, v: RankView) -> int | None:
+        """A pidfd for the rank's process if it is still the one seen; None otherwise."""
+        proc = self.table.proc
+        pid = v.os_pid
+        if pid <= 1 or pid == os.getpid() or v.start_time is None:
+            return None
+        if proc.start_time(pid) != v.start_time or proc.uid(pid) != v.uid:
+            return None
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            return None
+        # re-check after opening: the pidfd now pins whichever process has this pid
+        if proc.start_time(pid) != v.start_time:
+            os.close(fd)
+            return None
+        return fd
+
+    def _terminate(self, v: RankView) -> None:
+        fd = self._open_verified(v)
+        if fd is None:
+            self.signals_total[(v.job, "refused")] += 1
+            log.error("not signalling pid %d (rank %d of job %s): not verified as that rank "
+                      "any more", v.os_pid, v.rank, v.job)
+            return
+        try:
+            signal.pidfd_send_signal(fd, signal.SIGTERM)
+            self.signals_total[(v.job, "SIGTERM")] += 1
+        except OSError as exc:
+            log.warning("SIGTERM to pid %d failed: %s", v.os_pid, exc)
+            os.close(fd)
+            return
+        self._kills.append(_Kill(v.job, fd, v.os_pid, self.monotonic() + self.grace_s))
+
+    def _reap(self) -> None:
+        """SIGKILL ranks still alive after the grace period (pidfd: no pid reuse)."""
+        now = self.monotonic()
+        keep = []
+        for k in self._kills:
+            if now < k.deadline:
+                keep.append(k)
+                continue
+            try:
+                signal.pidfd_send_signal(k.pidfd, signal.SIGKILL)
+                self.signals_total[(k.job, "SIGKILL")] += 1
+                log.warning("pid %d of hung job %s ignored SIGTERM for %gs: SIGKILL",
+                            k.pid, k.job, self.grace_s)
+            except ProcessLookupError:
+                pass  # it exited on SIGTERM
+            except OSError as exc:
+                log.warning("SIGKILL to pid %d failed: %s", k.pid, exc)
+            os.close(k.pidfd)
+        self._kills = keep
+
+    def tick(self) -> None:
+        """Send due SIGKILLs (call every poll)."""
+        self._reap()
+
+    def close(self) -> None:
+        for k in self._kills:
+            os.close(k.pidfd)
+        self._kills = []
+
+
+def ranks_by_job(table: RankTable) -> dict[str, list[RankView]]:
+    """Current ranks grouped by job (convenience for the component and tests)."""
+    return by_job(table.views())

@@ -1,0 +1,182 @@
+"""The agent component that hears the training ranks and acts on what it hears.
+
+Plugs into :class:`forewarn.agent.daemon.Agent` (see its "Components" docstring):
+
+* ``start``: puts its :class:`~forewarn.agent.ranks.RankTable` into ``agent.state.ranks``
+  (the rank checks in ``ALL_CHECKS`` read it), registers :class:`RankCollector`, binds the
+  socket and starts the ingest thread and the hang watcher;
+* at datagram arrival (ingest thread): a NaN/Inf or a grad-norm spike becomes a finding at
+  once (``agent.submit_findings``), and a spike orders a checkpoint (fast path) — well
+  within a poll interval of the bad step;
+* hang watcher thread: wakes at the earliest hang deadline of any rank (not only on the
+  poll ticker), so a hang is reported within milliseconds of its timeout;
+* ``on_poll``: the local fast path for critical GPU/node findings, hang confirmation and
+  termination, order retries, eviction of silent ranks.
+
+The collector uplink reaches the order book as ``component.orders`` (find the component
+in ``agent.components`` by ``name == "ranks"``) and calls
+``orders.order_job(job, step=None, reason=..., request_id=...)``; it takes checkpoint
+reports with ``component.table.drain_reports()`` and summaries with
+``component.table.summaries(node, now)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from forewarn.agent.checks.grad_spike import judge_spike
+from forewarn.agent.checks.nan_loss import judge_nan
+from forewarn.agent.checks.rank_hang import RankHangCheck, hang_timeout
+from forewarn.agent.config import AgentConfig
+from forewarn.agent.ingest import RankIngest
+from forewarn.agent.orders import CheckpointOrders, HangTerminator
+from forewarn.agent.rank_metrics import RankCollector
+from forewarn.agent.ranks import ProcView, RankLimits, RankTable, RankView, by_job
+from forewarn.wire import Finding, Health, StepRecord
+
+__all__ = ["RankComponent", "build"]
+
+log = logging.getLogger(__name__)
+
+
+class RankComponent:
+    """Rank ingest, fast detectors, checkpoint orders and hang handling for one agent."""
+
+    name = "ranks"
+
+    def __init__(
+        self,
+        config: AgentConfig,
+        *,
+        proc: ProcView | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.clock = clock
+        self.table = RankTable(RankLimits(hang_floor_s=config.hang_floor_s),
+                               proc=proc, spike_factor=config.grad_spike_factor)
+        self.ingest = RankIngest(self.table, config.socket_path,
+                                 mode=int(config.socket_mode, 8),
+                                 group=config.socket_group or None, clock=clock)
+        self.orders = CheckpointOrders(self.table, self.ingest.send,
+                                       safety_s=config.order_safety_s, clock=clock)
+        self.terminator = HangTerminator(self.table, action=config.hang_action,
+                                         grace_s=config.hang_grace_s)
+        self.agent: Any = None
+        self._hang = RankHangCheck()
+        self._stop = threading.Event()
+        self._kick = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self.table.on_step(self._on_step)
+
+    # -- component interface -------------------------------------------------------------
+    def start(self, agent: Any) -> None:
+        self.agent = agent
+        agent.state.ranks = self.table
+        agent.registry.register(RankCollector(
+            self.config.node, self.table, ingest=self.ingest, orders=self.orders,
+            terminator=self.terminator, clock=self.clock))
+        self.ingest.start()
+        self._stop.clear()
+        self._watcher = threading.Thread(target=self._watch_hangs, name="forewarn-hang-watch",
+                                         daemon=True)
+        self._watcher.start()
+        log.info("listening for training ranks on %s", self.config.socket_path)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._kick.set()
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
+            self._watcher = None
+        self.ingest.stop()
+        self.terminator.close()
+
+    def on_poll(self, poll: Any) -> None:
+        now = poll.time
+        findings: list[Finding] = [t.finding for t in poll.transitions]
+        self._note(findings, now)
+        self.orders.fast_path(findings)
+        self.terminator.on_findings(poll.findings, now)
+        self.terminator.tick()
+        self.orders.tick(now)
+        for gone in self.table.evict(now):
+            log.info("forgot rank %d of job %s (silent %.0fs)", gone.rank, gone.job,
+                     now - gone.last_msg)
+
+    # -- arrival-time detection (ingest thread) -----------------------------------------
+    def _on_step(self, view: RankView, rec: StepRecord) -> None:
+        now = self.clock()
+        found = []
+        if view.nonfinite_loss_step == rec.step or view.nonfinite_grad_step == rec.step:
+            found.append(judge_nan(view, self.config.node, now))
+        if view.spike_step == rec.step:
+            found.append(judge_spike(view, self.config.node, now, self.table.spike_factor))
+        if not found:
+            if view.steps_total == 1:
+                self._kick.set()  # a new rank: the hang watcher learns its deadline
+            return
+        for f in found:
+            log.warning("%s %s at step %d: %s", f.check, f.subject.key(), rec.step, f.reason)
+        self._note(found, now)
+        if self.agent is not None:
+            self.agent.submit_findings(found)
+        self.orders.fast_path(found)
+
+    def _note(self, findings: list[Finding], now: float) -> None:
+        for f in findings:
+            s = f.subject
+            if s.kind != "rank" or s.rank is None or f.health == Health.HEALTHY:
+                continue
+            step = f.evidence.get("bad_step", f.evidence.get("step"))
+            self.table.note_finding(s.job, s.rank, f.check,
+                                    step if isinstance(step, int) else None, now)
+
+    # -- hang watcher --------------------------------------------------------------------
+    def _next_deadline(self, now: float) -> float | None:
+        """Earliest time a live, progressing rank would pass its hang timeout."""
+        best = None
+        for _job, views in by_job(self.table.views()).items():
+            timeout, _p99 = hang_timeout(self.table, views)
+            for v in views:
+                since = v.last_progress if v.last_progress is not None else v.first_seen
+                due = since + timeout
+                if due > now and (best is None or due < best):
+                    best = due
+        return best
+
+    def _watch_hangs(self) -> None:
+        reported: set[tuple[str, int]] = set()
+        while not self._stop.is_set():
+            try:
+                now = self.clock()
+                due = self._next_deadline(now)
+                wait = 1.0 if due is None else min(1.0, max(0.005, due - now + 0.005))
+                self._kick.wait(wait)
+                self._kick.clear()
+                if self._stop.is_set() or self.agent is None:
+                    break
+                now = self.clock()
+                findings = self._hang.run(self.agent.state, now)
+                hung = {(f.subject.job, f.subject.rank or 0) for f in findings
+                        if f.health == Health.UNHEALTHY}
+                if hung - reported or reported - hung:
+                    self._note([f for f in findings if f.health == Health.UNHEALTHY], now)
+                    self.agent.submit_findings(findings, check=self._hang.name)
+                    for f in findings:
+                        key = (f.subject.job, f.subject.rank or 0)
+                        if f.health == Health.UNHEALTHY and key not in reported:
+                            log.warning("rank_hang %s: %s", f.subject.key(), f.reason)
+                reported = hung
+            except Exception:  # the watcher must outlive any bad state
+                log.exception("hang watcher iteration failed")
+                self._stop.wait(1.0)
+
+
+def build(config: AgentConfig) -> RankComponent:
+    """Factory for ``forewarn agent`` (daemon.COMPONENTS)."""
+    return RankComponent(config)

@@ -1,0 +1,626 @@
+"""Per-rank state built from the training hooks' datagrams.
+
+The ingest thread (:mod:`forewarn.agent.ingest`) writes a :class:`RankTable`; the poll
+loop's checks, the order protocol and the metrics collector read it. Every public method
+takes the table's lock, and readers get immutable :class:`RankView` copies, so a check
+never sees a half-applied record.
+
+Admission rules (:meth:`RankTable.admit`) decide which datagrams are believed. A record is
+dropped, and counted under its reason, when:
+
+* ``forged``: the kernel-verified sender pid (``SCM_CREDENTIALS``) differs from the pid
+  the record claims, and the sender lives in *our* pid namespace (a rank in a container
+  sees another pid for itself; its host pid from the credentials is used then);
+* ``absurd``: ``rank >= world_size``, a record time more than ``max_clock_skew_s`` away
+  from the agent's clock, a step time over a day, or a step jump larger than
+  ``max_step_jump`` for the same process;
+* ``slot_taken``: another live process already owns this ``(job, rank)``;
+* ``wrong_job``: a process that owns one ``(job, rank)`` claims another;
+* ``world_size_mismatch``: the job's live ranks report another world size;
+* ``unknown_rank``: a checkpoint report for a rank this agent never admitted, or from a
+  process that does not own it;
+* ``table_full``: more than ``max_ranks`` ranks (bounds memory against a flood).
+
+A new pid for a ``(job, rank)`` whose owner is dead (or silent past the gone timeout) is a
+restart: the slot's history is reset and ``restarts`` counts it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import os
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+from forewarn.wire import (
+    Beat,
+    CheckpointReport,
+    Evidence,
+    Finding,
+    Health,
+    RankSummary,
+    StepRecord,
+    Subject,
+    SuggestedAction,
+)
+
+__all__ = [
+    "Credentials",
+    "ProcView",
+    "RankLimits",
+    "RankState",
+    "RankTable",
+    "RankView",
+    "by_job",
+    "quantile",
+    "rank_finding",
+]
+
+HookRecord = StepRecord | Beat | CheckpointReport
+
+
+@dataclasses.dataclass(frozen=True)
+class Credentials:
+    """Sender credentials from ``SCM_CREDENTIALS`` (kernel-verified, see unix(7))."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+class ProcView:
+    """Reads ``/proc`` (root injectable for tests) to tell a live rank from a reused pid.
+
+    ``start_time`` is field 22 of ``/proc/<pid>/stat`` (clock ticks since boot, proc(5)):
+    a pid and its start time identify one process for its whole life.
+    """
+
+    def __init__(self, root: Path = Path("/proc")) -> None:
+        self.root = root
+
+    def start_time(self, pid: int) -> int | None:
+        """The process's start time in clock ticks, or ``None`` if there is no such pid."""
+        try:
+            raw = (self.root / str(pid) / "stat").read_bytes()
+        except OSError:
+            return None
+        # comm (field 2) may hold spaces and parentheses: split after the last ')'.
+        rest = raw[raw.rfind(b")") + 2 :].split()
+        try:
+            return int(rest[19])  # fields 3.. -> index 0..; starttime is field 22
+        except (IndexError, ValueError):
+            return None
+
+    def uid(self, pid: int) -> int | None:
+        """Real uid of the process, or ``None``."""
+        try:
+            for line in (self.root / str(pid) / "status").read_text().splitlines():
+                if line.startswith("Uid:"):
+                    return int(line.split()[1])
+        except (OSError, ValueError, IndexError):
+            return None
+        return None
+
+    def alive(self, pid: int, start_time: int | None) -> bool:
+        """True when ``pid`` exists and (if known) is still the process started then."""
+        now_start = self.start_time(pid)
+        if now_start is None:
+            return False
+        return start_time is None or now_start == start_time
+
+    def same_pid_namespace(self, pid: int) -> bool:
+        """True when ``pid`` lives in the agent's pid namespace (or we cannot tell)."""
+        try:
+            theirs = os.readlink(self.root / str(pid) / "ns" / "pid")
+            ours = os.readlink(self.root / "self" / "ns" / "pid")
+        except OSError:
+            return True
+        return theirs == ours
+
+
+@dataclasses.dataclass(frozen=True)
+class RankLimits:
+    """Thresholds of the rank table and the rank checks (defaults cited where derived)."""
+
+    hang_floor_s: float = 2.0
+    """No rank is called hung sooner than this (AgentConfig.hang_floor_s)."""
+    hang_factor: float = 3.0
+    """Hung after ``hang_factor`` × the job's p99 step time without progress."""
+    startup_timeout_s: float = 600.0
+    """Before a rank has ``min_steps`` step times: PyTorch's NCCL default timeout (10 min)."""
+    min_steps: int = 3
+    checkpoint_timeout_s: float = 600.0
+    """A rank that reported checkpoint ``started`` is not hung while saving, up to this."""
+    beat_misses: float = 3.0
+    """Gone after this many beat intervals without a beat."""
+    default_beat_interval_s: float = 1.0
+    min_beat_interval_s: float = 0.05
+    max_step_jump: int = 10_000_000
+    max_clock_skew_s: float = 3600.0
+    max_step_seconds: float = 86_400.0
+    max_ranks: int = 4096
+    history: int = 256
+    """Step times and grad norms kept per rank (rolling windows)."""
+    evict_after_s: float = 600.0
+    """A rank silent this long is forgotten."""
+
+
+def quantile(values: Iterable[float], q: float) -> float | None:
+    """The ``q`` quantile (nearest rank, 0..1) of ``values``; ``None`` when empty."""
+    data = sorted(values)
+    if not data:
+        return None
+    idx = min(len(data) - 1, max(0, math.ceil(q * len(data)) - 1))
+    return data[idx]
+
+
+@dataclasses.dataclass
+class RankState:
+    """Mutable state of one rank; only :class:`RankTable` touches it (under its lock)."""
+
+    job: str
+    rank: int
+    local_rank: int
+    world_size: int
+    host: str
+    pid: int
+    """The pid the rank reports (its own namespace)."""
+    os_pid: int
+    """The kernel-verified pid in the agent's namespace: the one that may be signalled."""
+    uid: int
+    start_time: int | None
+    first_seen: float
+    last_msg: float
+    history: int = 256
+    last_step: int | None = None
+    last_step_wall: float | None = None
+    """``time`` of the last step record (the rank's clock)."""
+    last_progress: float | None = None
+    """Agent time when ``last_step`` last increased (or first arrived)."""
+    step_seconds: collections.deque[float] = dataclasses.field(default_factory=collections.deque)
+    compute_seconds: collections.deque[float] = dataclasses.field(
+        default_factory=collections.deque
+    )
+    loss: float | None = None
+    grad_norm: float | None = None
+    grad_norms: collections.deque[float] = dataclasses.field(default_factory=collections.deque)
+    last_beat: float | None = None
+    beat_interval_s: float | None = None
+    reply_to: str = ""
+    hook_dropped: int = 0
+    nonfinite_loss_step: int | None = None
+    """First step of the current run of NaN/Inf losses (None once finite again)."""
+    nonfinite_grad_step: int | None = None
+    nonfinite_grad_streak: int = 0
+    spike_step: int | None = None
+    spike_value: float | None = None
+    spike_median: float | None = None
+    checkpointing: str | None = None
+    checkpoint_started: float | None = None
+    last_checkpoint_step: int | None = None
+    last_checkpoint_time: float | None = None
+    checkpoint_seconds: float | None = None
+    checkpoint_bytes: int | None = None
+    restarts: int = 0
+    steps_total: int = 0
+    beats_total: int = 0
+    step_seconds_sum: float = 0.0
+    step_seconds_count: int = 0
+
+    def _push(self, dq: collections.deque[float], value: float) -> None:
+        dq.append(value)
+        while len(dq) > self.history:
+            dq.popleft()
+
+    def apply_step(self, rec: StepRecord, now: float, spike_factor: float) -> None:
+        self.last_msg = now
+        self.steps_total += 1
+        prev_step, prev_wall = self.last_step, self.last_step_wall
+        seconds = rec.step_seconds
+        if (seconds is None and prev_step is not None and prev_wall is not None
+                and rec.step > prev_step):
+            seconds = max(0.0, (rec.time - prev_wall) / (rec.step - prev_step))
+        if seconds is not None:
+            self._push(self.step_seconds, seconds)
+            self.step_seconds_sum += seconds
+            self.step_seconds_count += 1
+        compute = rec.extras.get("compute_seconds")
+        if compute is not None and math.isfinite(compute) and compute >= 0:
+            self._push(self.compute_seconds, compute)
+        if prev_step is None or rec.step != prev_step:
+            self.last_progress = now
+        self.last_step, self.last_step_wall = rec.step, rec.time
+        if rec.loss is not None:
+            self.loss = rec.loss
+            if math.isfinite(rec.loss):
+                self.nonfinite_loss_step = None
+            elif self.nonfinite_loss_step is None:
+                self.nonfinite_loss_step = rec.step
+        if rec.grad_norm is not None:
+            g = rec.grad_norm
+            self.grad_norm = g
+            if not math.isfinite(g):
+                self.nonfinite_grad_streak += 1
+                if self.nonfinite_grad_step is None:
+                    self.nonfinite_grad_step = rec.step
+                return
+            self.nonfinite_grad_step, self.nonfinite_grad_streak = None, 0
+            median = quantile(self.grad_norms, 0.5) if len(self.grad_norms) >= 8 else None
+            if median is not None and median > 0 and g > spike_factor * median:
+                self.spike_step, self.spike_value, self.spike_median = rec.step, g, median
+                # a spike is not added to the baseline: it would drag the median up
+                return
+            self._push(self.grad_norms, g)
+
+    def apply_beat(self, beat: Beat, now: float, min_interval: float) -> None:
+        self.last_msg = now
+        self.beats_total += 1
+        if self.last_beat is not None:
+            gap = max(min_interval, now - self.last_beat)
+            # EWMA of beat gaps: follows the hook's real interval, ignores one late beat
+            self.beat_interval_s = (
+                gap if self.beat_interval_s is None else 0.8 * self.beat_interval_s + 0.2 * gap
+            )
+        self.last_beat = now
+        if beat.reply_to:
+            self.reply_to = beat.reply_to
+        self.hook_dropped = beat.dropped
+        last = beat.last_step
+        if last is not None and (self.last_step is None or last > self.last_step):
+            # the beat thread saw a step whose record was lost: that is progress too
+            self.last_step, self.last_progress = last, now
+
+    def apply_report(self, rep: CheckpointReport, now: float) -> None:
+        self.last_msg = now
+        if rep.phase == "started":
+            self.checkpointing, self.checkpoint_started = rep.request_id or "local", now
+            return
+        self.checkpointing = None
+        if rep.phase == "done":
+            self.last_checkpoint_step, self.last_checkpoint_time = rep.step, rep.time
+            self.checkpoint_seconds, self.checkpoint_bytes = rep.seconds, rep.bytes
+            self.last_progress = now  # the save itself was the stall
+
+    def view(self) -> RankView:
+        return RankView(
+            job=self.job, rank=self.rank, local_rank=self.local_rank,
+            world_size=self.world_size, host=self.host, pid=self.pid, os_pid=self.os_pid,
+            uid=self.uid, start_time=self.start_time, first_seen=self.first_seen,
+            last_msg=self.last_msg, last_step=self.last_step, last_step_wall=self.last_step_wall,
+            last_progress=self.last_progress, step_seconds=tuple(self.step_seconds),
+            compute_seconds=tuple(self.compute_seconds), loss=self.loss,
+            grad_norm=self.grad_norm, grad_norm_median=quantile(self.grad_norms, 0.5),
+            grad_norm_samples=len(self.grad_norms), last_beat=self.last_beat,
+            beat_interval_s=self.beat_interval_s, reply_to=self.reply_to,
+            hook_dropped=self.hook_dropped, nonfinite_loss_step=self.nonfinite_loss_step,
+            nonfinite_grad_step=self.nonfinite_grad_step,
+            nonfinite_grad_streak=self.nonfinite_grad_streak, spike_step=self.spike_step,
+            spike_value=self.spike_value, spike_median=self.spike_median,
+            checkpointing=self.checkpointing, checkpoint_started=self.checkpoint_started,
+            last_checkpoint_step=self.last_checkpoint_step,
+            last_checkpoint_time=self.last_checkpoint_time,
+            checkpoint_seconds=self.checkpoint_seconds, checkpoint_bytes=self.checkpoint_bytes,
+            restarts=self.restarts, steps_total=self.steps_total, beats_total=self.beats_total,
+            step_seconds_sum=self.step_seconds_sum, step_seconds_count=self.step_seconds_count,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RankView:
+    """An immutable copy of one rank's state, for checks, orders and metrics."""
+
+    job: str
+    rank: int
+    local_rank: int
+    world_size: int
+    host: str
+    pid: int
+    os_pid: int
+    uid: int
+    start_time: int | None
+    first_seen: float
+    last_msg: float
+    last_step: int | None
+    last_step_wall: float | None
+    last_progress: float | None
+    step_seconds: tuple[float, ...]
+    compute_seconds: tuple[float, ...]
+    loss: float | None
+    grad_norm: float | None
+    grad_norm_median: float | None
+    grad_norm_samples: int
+    last_beat: float | None
+    beat_interval_s: float | None
+    reply_to: str
+    hook_dropped: int
+    nonfinite_loss_step: int | None
+    nonfinite_grad_step: int | None
+    nonfinite_grad_streak: int
+    spike_step: int | None
+    spike_value: float | None
+    spike_median: float | None
+    checkpointing: str | None
+    checkpoint_started: float | None
+    last_checkpoint_step: int | None
+    last_checkpoint_time: float | None
+    checkpoint_seconds: float | None
+    checkpoint_bytes: int | None
+    restarts: int
+    steps_total: int
+    beats_total: int
+    step_seconds_sum: float
+    step_seconds_count: int
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.job, self.rank)
+
+    def step_p50(self) -> float | None:
+        return quantile(self.step_seconds, 0.5)
+
+    def step_p99(self) -> float | None:
+        return quantile(self.step_seconds, 0.99)
+
+    def beat_age(self, now: float) -> float | None:
+        return None if self.last_beat is None else max(0.0, now - self.last_beat)
+
+
+StepListener = Callable[[RankView, StepRecord], None]
+ReportListener = Callable[[RankView | None, CheckpointReport], None]
+
+
+class RankTable:
+    """All ranks this agent hears from, keyed by ``(job, rank)``; thread-safe.
+
+    ``proc`` is the ``/proc`` seam; ``spike_factor`` is the grad-norm spike threshold
+    (shared with :mod:`forewarn.agent.checks.grad_spike`, which reads the marks it sets).
+    """
+
+    def __init__(
+        self,
+        limits: RankLimits | None = None,
+        *,
+        proc: ProcView | None = None,
+        spike_factor: float = 10.0,
+    ) -> None:
+        self.limits = limits or RankLimits()
+        self.proc = proc or ProcView()
+        self.spike_factor = spike_factor
+        self._lock = threading.Lock()
+        self._ranks: dict[tuple[str, int], RankState] = {}
+        self._by_pid: dict[int, tuple[str, int]] = {}
+        self._step_listeners: list[StepListener] = []
+        self._report_listeners: list[ReportListener] = []
+        self._reports: collections.deque[CheckpointReport] = collections.deque(maxlen=10_000)
+        self._findings: dict[tuple[str, int, str], tuple[int, int | None, float]] = {}
+
+    # -- listeners (called on the ingest thread, outside the lock) ------------------------
+    def on_step(self, fn: StepListener) -> None:
+        """Call ``fn(view, record)`` for every admitted step record (fast detectors)."""
+        self._step_listeners.append(fn)
+
+    def on_report(self, fn: ReportListener) -> None:
+        """Call ``fn(view, report)`` for every admitted checkpoint report (orders)."""
+        self._report_listeners.append(fn)
+
+    # -- admission ---------------------------------------------------------------------------
+    def gone_after(self, beat_interval_s: float | None) -> float:
+        """Seconds without a beat after which a rank counts as gone."""
+        interval = beat_interval_s or self.limits.default_beat_interval_s
+        return self.limits.beat_misses * max(interval, self.limits.min_beat_interval_s)
+
+    def _live(self, st: RankState, now: float) -> bool:
+        silent = now - st.last_msg
+        if silent > max(self.gone_after(st.beat_interval_s), self.limits.hang_floor_s):
+            return False
+        return self.proc.alive(st.os_pid, st.start_time)
+
+    def admit(self, msg: HookRecord, cred: Credentials, now: float) -> str | None:
+        """Apply ``msg`` if believable; return the drop reason otherwise (see module doc)."""
+        lim = self.limits
+        if abs(msg.time - now) > lim.max_clock_skew_s:
+            return "absurd"
+        if isinstance(msg, CheckpointReport):
+            return self._admit_report(msg, cred, now)
+        if msg.rank >= msg.world_size:
+            return "absurd"
+        if isinstance(msg, StepRecord) and (
+            msg.step_seconds is not None and msg.step_seconds > lim.max_step_seconds
+        ):
+            return "absurd"
+        os_pid = msg.pid
+        if cred.pid != msg.pid:
+            if self.proc.same_pid_namespace(cred.pid):
+                return "forged"
+            os_pid = cred.pid  # a containerised rank: its own pid differs from ours
+        key = (msg.job, msg.rank)
+        with self._lock:
+            st = self._ranks.get(key)
+            other = self._by_pid.get(os_pid)
+            if other is not None and other != key:
+                owner = self._ranks.get(other)
+                if owner is not None and owner.os_pid == os_pid and self._live(owner, now):
+                    return "wrong_job"
+            if st is not None and st.os_pid != os_pid and self._live(st, now):
+                return "slot_taken"
+            for peer in self._ranks.values():
+                if (
+                    peer.job == msg.job
+                    and peer.world_size != msg.world_size
+                    and peer.os_pid != os_pid
+                    and self._live(peer, now)
+                ):
+                    return "world_size_mismatch"
+            if (
+                st is not None
+                and st.os_pid == os_pid
+                and isinstance(msg, StepRecord)
+                and st.last_step is not None
+                and msg.step - st.last_step > lim.max_step_jump
+            ):
+                return "absurd"
+            if st is None or st.os_pid != os_pid:
+                if st is None and len(self._ranks) >= lim.max_ranks:
+                    self._evict_locked(now)
+                    if len(self._ranks) >= lim.max_ranks:
+                        return "table_full"
+                restarts = 0 if st is None else st.restarts + 1
+                if st is not None:
+                    self._by_pid.pop(st.os_pid, None)
+                if other is not None and other != key:
+                    self._ranks.pop(other, None)
+                st = RankState(
+                    job=msg.job, rank=msg.rank, local_rank=msg.local_rank,
+                    world_size=msg.world_size, host=msg.host, pid=msg.pid, os_pid=os_pid,
+                    uid=cred.uid, start_time=self.proc.start_time(os_pid), first_seen=now,
+                    last_msg=now, history=lim.history, restarts=restarts,
+                )
+                self._ranks[key] = st
+                self._by_pid[os_pid] = key
+            st.local_rank, st.world_size, st.host = msg.local_rank, msg.world_size, msg.host
+            if isinstance(msg, StepRecord):
+                st.apply_step(msg, now, self.spike_factor)
+                view = st.view()
+            else:
+                st.apply_beat(msg, now, lim.min_beat_interval_s)
+                return None
+        for fn in self._step_listeners:
+            fn(view, msg)
+        return None
+
+    def _admit_report(self, rep: CheckpointReport, cred: Credentials, now: float) -> str | None:
+        with self._lock:
+            st = self._ranks.get((rep.job, rep.rank))
+            if st is None or st.os_pid != cred.pid:
+                return "unknown_rank"
+            st.apply_report(rep, now)
+            self._reports.append(rep)
+            view = st.view()
+        for fn in self._report_listeners:
+            fn(view, rep)
+        return None
+
+    # -- readers -----------------------------------------------------------------------------
+    def views(self) -> list[RankView]:
+        """Copies of every rank, sorted by job then rank."""
+        with self._lock:
+            return sorted((s.view() for s in self._ranks.values()), key=lambda v: v.key)
+
+    def get(self, job: str, rank: int) -> RankView | None:
+        with self._lock:
+            st = self._ranks.get((job, rank))
+            return None if st is None else st.view()
+
+    def job_views(self, job: str) -> list[RankView]:
+        return [v for v in self.views() if v.job == job]
+
+    def jobs(self) -> list[str]:
+        with self._lock:
+            return sorted({k[0] for k in self._ranks})
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._ranks)
+
+    def alive(self, view: RankView, now: float) -> bool:
+        """True when the rank spoke within the gone timeout and its process still exists."""
+        if now - view.last_msg > self.gone_after(view.beat_interval_s):
+            return False
+        return self.proc.alive(view.os_pid, view.start_time)
+
+    # -- findings marks for metrics (step at which a check last fired) -----------------------
+    def note_finding(self, job: str, rank: int, check: str, step: int | None, now: float) -> bool:
+        """Record that ``check`` fired for a rank at ``step``; False if already noted."""
+        key = (job, rank, check)
+        with self._lock:
+            prev = self._findings.get(key)
+            if prev is not None and prev[1] == step:
+                return False
+            count = 1 if prev is None else prev[0] + 1
+            self._findings[key] = (count, step, now)
+            return True
+
+    def finding_marks(self) -> dict[tuple[str, int, str], tuple[int, int | None, float]]:
+        """``(job, rank, check) -> (times fired, last step, last time)``."""
+        with self._lock:
+            return dict(self._findings)
+
+    # -- upward ------------------------------------------------------------------------------
+    def drain_reports(self) -> list[CheckpointReport]:
+        """Checkpoint reports received since the last call (for the collector uplink)."""
+        with self._lock:
+            out = list(self._reports)
+            self._reports.clear()
+            return out
+
+    def summaries(self, node: str, now: float, gpu_of: Callable[[int], int | None] | None = None
+                  ) -> list[RankSummary]:
+        """One :class:`RankSummary` per rank (``gpu_of`` maps local rank to GPU index)."""
+        out = []
+        for v in self.views():
+            out.append(
+                RankSummary(
+                    job=v.job, rank=v.rank, local_rank=v.local_rank, world_size=v.world_size,
+                    node=node, gpu=(gpu_of or (lambda lr: lr))(v.local_rank), pid=v.pid,
+                    last_step=v.last_step, last_step_time=v.last_step_wall,
+                    last_beat=None if v.last_beat is None else v.last_beat,
+                    step_seconds_p50=v.step_p50(), step_seconds_p99=v.step_p99(),
+                    loss=v.loss, grad_norm=v.grad_norm, alive=self.alive(v, now),
+                    last_checkpoint_step=v.last_checkpoint_step,
+                    last_checkpoint_time=v.last_checkpoint_time,
+                    checkpoint_seconds=v.checkpoint_seconds,
+                )
+            )
+        return out
+
+    def evict(self, now: float) -> list[RankView]:
+        """Forget ranks silent for ``evict_after_s``; returns what was forgotten."""
+        with self._lock:
+            return self._evict_locked(now)
+
+    def _evict_locked(self, now: float) -> list[RankView]:
+        gone = [k for k, s in self._ranks.items() if now - s.last_msg > self.limits.evict_after_s]
+        out = []
+        for k in gone:
+            st = self._ranks.pop(k)
+            self._by_pid.pop(st.os_pid, None)
+            out.append(st.view())
+            for fk in [f for f in self._findings if f[:2] == k]:
+                del self._findings[fk]
+        return out
+
+
+def rank_finding(
+    check: str,
+    view: RankView,
+    node: str,
+    now: float,
+    health: Health,
+    reason: str,
+    action: SuggestedAction = SuggestedAction.NONE,
+    evidence: Mapping[str, float | int | str | bool | None] | None = None,
+) -> Finding:
+    """A finding about one rank of a job on this node (``gpu`` = its local rank's GPU)."""
+    ev: Evidence = {"step": view.last_step, "pid": view.os_pid, "local_rank": view.local_rank}
+    ev.update(evidence or {})
+    return Finding(
+        check=check,
+        health=health,
+        subject=Subject(kind="rank", node=node, gpu=view.local_rank, job=view.job,
+                        rank=view.rank),
+        reason=reason[:4000],
+        action=action,
+        evidence=ev,
+        time=now,
+    )
+
+
+def by_job(views: Iterable[RankView]) -> dict[str, list[RankView]]:
+    """Group rank views by job (ranks in order)."""
+    out: dict[str, list[RankView]] = {}
+    for v in views:
+        out.setdefault(v.job, []).append(v)
+    return out

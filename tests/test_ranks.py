@@ -1,0 +1,259 @@
+"""RankTable: per-rank state from hook records and the admission rules against bad input.
+
+``/proc`` is a fixture tree read by the real :class:`ProcView` parser (the seam the table
+uses to tell a live rank from a reused pid)."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from forewarn.agent.ranks import Credentials, ProcView, RankLimits, RankTable, quantile
+from forewarn.wire import Beat, CheckpointReport, StepRecord
+
+T0 = 1_700_000_000.0
+
+
+class FakeProcTree:
+    """A ``/proc`` lookalike: ``<pid>/stat``, ``<pid>/status``, ``<pid>/ns/pid``."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        (root / "self" / "ns").mkdir(parents=True)
+        os.symlink("pid:[4026531836]", root / "self" / "ns" / "pid")
+
+    def add(self, pid: int, start: int = 1000, uid: int = 0, ns: str = "pid:[4026531836]"
+            ) -> None:
+        d = self.root / str(pid)
+        (d / "ns").mkdir(parents=True, exist_ok=True)
+        fields = ["S"] + ["0"] * 18 + [str(start)] + ["0"] * 5
+        (d / "stat").write_text(f"{pid} (py thon) {' '.join(fields)}\n")
+        (d / "status").write_text(f"Name:\tpython\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n")
+        link = d / "ns" / "pid"
+        if link.is_symlink():
+            link.unlink()
+        os.symlink(ns, link)
+
+    def remove(self, pid: int) -> None:
+        d = self.root / str(pid)
+        for p in sorted(d.rglob("*"), reverse=True):
+            p.unlink() if p.is_file() or p.is_symlink() else p.rmdir()
+        d.rmdir()
+
+
+@pytest.fixture
+def proc(tmp_path: Path) -> FakeProcTree:
+    return FakeProcTree(tmp_path / "proc")
+
+
+def table_for(proc: FakeProcTree, **limits: Any) -> RankTable:
+    return RankTable(RankLimits(**limits), proc=ProcView(proc.root))
+
+
+def step(pid: int, n: int, *, job: str = "j", rank: int = 0, world: int = 2, t: float = T0,
+         **kw: Any) -> StepRecord:
+    return StepRecord(job=job, rank=rank, local_rank=rank, world_size=world, pid=pid,
+                      host="h", step=n, time=t, **kw)
+
+
+def beat(pid: int, *, job: str = "j", rank: int = 0, world: int = 2, t: float = T0,
+         **kw: Any) -> Beat:
+    return Beat(job=job, rank=rank, local_rank=rank, world_size=world, pid=pid, host="h",
+                time=t, **kw)
+
+
+def cred(pid: int, uid: int = 0) -> Credentials:
+    return Credentials(pid=pid, uid=uid, gid=0)
+
+
+def test_proc_view_parses_stat_with_odd_comm(proc: FakeProcTree) -> None:
+    proc.add(42, start=777, uid=1234)
+    view = ProcView(proc.root)
+    assert view.start_time(42) == 777
+    assert view.uid(42) == 1234
+    assert view.alive(42, 777) and not view.alive(42, 778) and not view.alive(43, None)
+    assert view.same_pid_namespace(42)
+
+
+def test_real_proc_view_knows_this_process() -> None:
+    view = ProcView()
+    assert view.start_time(os.getpid()) is not None
+    assert view.uid(os.getpid()) == os.getuid()
+    assert view.same_pid_namespace(os.getpid())
+
+
+def test_steps_and_beats_build_rank_state(proc: FakeProcTree) -> None:
+    proc.add(100)
+    table = table_for(proc)
+    for i in range(10):
+        assert table.admit(step(100, i, t=T0 + i * 0.1, step_seconds=0.1 + i * 0.01,
+                                loss=2.0 - i * 0.1, grad_norm=1.0), cred(100), T0 + i * 0.1) is None
+    assert table.admit(beat(100, t=T0 + 1, reply_to="/tmp/x.sock", dropped=3), cred(100),
+                       T0 + 1.0) is None
+    v = table.get("j", 0)
+    assert v is not None
+    assert v.last_step == 9 and v.steps_total == 10 and v.beats_total == 1
+    assert v.step_p50() == pytest.approx(0.14) and v.step_p99() == pytest.approx(0.19)
+    assert v.loss == pytest.approx(1.1) and v.reply_to == "/tmp/x.sock" and v.hook_dropped == 3
+    assert v.start_time == 1000 and v.os_pid == 100
+    assert v.step_seconds_count == 10 and v.step_seconds_sum == pytest.approx(1.45)
+
+
+def test_step_time_derived_from_record_times_when_not_sent(proc: FakeProcTree) -> None:
+    proc.add(100)
+    table = table_for(proc)
+    table.admit(step(100, 10, t=T0), cred(100), T0)
+    table.admit(step(100, 12, t=T0 + 1.0), cred(100), T0 + 1.0)
+    v = table.get("j", 0)
+    assert v is not None and v.step_seconds == (0.5,)
+
+
+def test_beat_last_step_counts_as_progress(proc: FakeProcTree) -> None:
+    proc.add(100)
+    table = table_for(proc)
+    table.admit(step(100, 5), cred(100), T0)
+    table.admit(beat(100, last_step=7), cred(100), T0 + 3)
+    v = table.get("j", 0)
+    assert v is not None and v.last_step == 7 and v.last_progress == T0 + 3
+
+
+def test_forged_pid_dropped_but_container_pid_mapped(proc: FakeProcTree) -> None:
+    proc.add(100)
+    proc.add(200, ns="pid:[4026532000]")  # a rank in its own pid namespace (container)
+    table = table_for(proc)
+    assert table.admit(step(555, 1), cred(100), T0) == "forged"
+    assert len(table) == 0
+    assert table.admit(step(7, 1, rank=1), cred(200), T0) is None
+    v = table.get("j", 1)
+    assert v is not None and v.pid == 7 and v.os_pid == 200
+
+
+def test_slot_taken_while_owner_lives_then_restart(proc: FakeProcTree) -> None:
+    proc.add(100)
+    proc.add(101)
+    table = table_for(proc)
+    table.admit(step(100, 50, grad_norm=1.0), cred(100), T0)
+    assert table.admit(step(101, 1), cred(101), T0 + 0.1) == "slot_taken"
+    proc.remove(100)  # the owner died: a new process for the slot is a restart
+    assert table.admit(step(101, 40), cred(101), T0 + 0.2) is None
+    v = table.get("j", 0)
+    assert v is not None and v.os_pid == 101 and v.restarts == 1 and v.last_step == 40
+    assert v.steps_total == 1  # history starts afresh
+
+
+def test_reused_pid_is_not_the_owner(proc: FakeProcTree) -> None:
+    proc.add(100, start=1000)
+    proc.add(101)
+    table = table_for(proc)
+    table.admit(step(100, 5), cred(100), T0)
+    proc.add(100, start=2000)  # pid 100 now belongs to another process
+    assert table.admit(step(101, 1), cred(101), T0 + 0.1) is None
+
+
+def test_wrong_job_and_world_size_mismatch(proc: FakeProcTree) -> None:
+    proc.add(100)
+    proc.add(101)
+    table = table_for(proc)
+    table.admit(step(100, 1, job="a"), cred(100), T0)
+    assert table.admit(step(100, 1, job="b"), cred(100), T0) == "wrong_job"
+    assert table.admit(step(101, 1, job="a", rank=1, world=4), cred(101), T0) == (
+        "world_size_mismatch")
+    assert table.admit(step(101, 1, job="a", rank=1, world=2), cred(101), T0) is None
+
+
+@pytest.mark.parametrize(
+    ("record", "now"),
+    [
+        (step(100, 1, rank=2, world=2), T0),  # rank outside the world
+        (step(100, 1), T0 + 7200),  # record time two hours off
+        (step(100, 1, step_seconds=1e9), T0),  # a step of 30 years
+    ],
+)
+def test_absurd_values_dropped(proc: FakeProcTree, record: StepRecord, now: float) -> None:
+    proc.add(100)
+    assert table_for(proc).admit(record, cred(100), now) == "absurd"
+
+
+def test_huge_step_jump_dropped(proc: FakeProcTree) -> None:
+    proc.add(100)
+    table = table_for(proc, max_step_jump=1000)
+    table.admit(step(100, 10), cred(100), T0)
+    assert table.admit(step(100, 5000), cred(100), T0) == "absurd"
+    assert table.admit(step(100, 900), cred(100), T0) is None
+
+
+def test_checkpoint_reports_only_from_the_owner(proc: FakeProcTree) -> None:
+    proc.add(100)
+    proc.add(101)
+    table = table_for(proc)
+    rep = CheckpointReport(job="j", rank=0, request_id="r1", step=10, phase="done",
+                           seconds=1.5, bytes=1024, time=T0)
+    assert table.admit(rep, cred(100), T0) == "unknown_rank"
+    table.admit(step(100, 9), cred(100), T0)
+    assert table.admit(rep, cred(101), T0) == "unknown_rank"
+    assert table.admit(rep, cred(100), T0) is None
+    v = table.get("j", 0)
+    assert v is not None and v.last_checkpoint_step == 10 and v.checkpoint_bytes == 1024
+    assert [r.request_id for r in table.drain_reports()] == ["r1"]
+    assert table.drain_reports() == []
+
+
+def test_table_is_bounded(proc: FakeProcTree) -> None:
+    for pid in (100, 101, 102):
+        proc.add(pid)
+    table = table_for(proc, max_ranks=2)
+    assert table.admit(step(100, 1, job="a"), cred(100), T0) is None
+    assert table.admit(step(101, 1, job="b"), cred(101), T0) is None
+    assert table.admit(step(102, 1, job="c"), cred(102), T0) == "table_full"
+    # once the others fall silent past evict_after_s there is room again
+    assert table.admit(step(102, 1, job="c", t=T0 + 1000), cred(102), T0 + 1000) is None
+
+
+def test_nonfinite_marks_first_bad_step_and_clear(proc: FakeProcTree) -> None:
+    proc.add(100)
+    table = table_for(proc)
+    table.admit(step(100, 1, loss=1.0), cred(100), T0)
+    table.admit(step(100, 2, loss=math.nan), cred(100), T0)
+    table.admit(step(100, 3, loss=math.inf), cred(100), T0)
+    v = table.get("j", 0)
+    assert v is not None and v.nonfinite_loss_step == 2
+    table.admit(step(100, 4, loss=0.5), cred(100), T0)
+    v = table.get("j", 0)
+    assert v is not None and v.nonfinite_loss_step is None
+
+
+def test_grad_spike_marked_and_kept_out_of_baseline(proc: FakeProcTree) -> None:
+    proc.add(100)
+    table = table_for(proc)
+    for i in range(10):
+        table.admit(step(100, i, grad_norm=1.0 + 0.01 * i), cred(100), T0)
+    table.admit(step(100, 10, grad_norm=50.0), cred(100), T0)
+    v = table.get("j", 0)
+    assert v is not None and v.spike_step == 10 and v.spike_value == 50.0
+    assert v.grad_norm_samples == 10 and v.grad_norm_median == pytest.approx(1.04)
+    table.admit(step(100, 11, grad_norm=5.0), cred(100), T0)  # 5x: not a spike
+    v = table.get("j", 0)
+    assert v is not None and v.spike_step == 10
+
+
+def test_listeners_and_summaries(proc: FakeProcTree) -> None:
+    proc.add(100)
+    table = table_for(proc)
+    seen: list[int] = []
+    table.on_step(lambda view, rec: seen.append(rec.step))
+    table.admit(step(100, 3, step_seconds=0.2, loss=1.0), cred(100), T0)
+    table.admit(beat(100), cred(100), T0)
+    assert seen == [3]
+    (s,) = table.summaries("node1", T0)
+    assert s.node == "node1" and s.gpu == 0 and s.last_step == 3 and s.alive
+    assert s.step_seconds_p50 == pytest.approx(0.2)
+
+
+def test_quantile() -> None:
+    assert quantile([], 0.5) is None
+    assert quantile([3.0, 1.0, 2.0], 0.5) == 2.0
+    assert quantile(range(1, 101), 0.99) == 99
