@@ -103,6 +103,9 @@ def test_playback_speed_and_retiming(tmp_path: Path) -> None:
     first = backend.sample(NOW0)
     assert [s.gpu for s in first] == [0, 1] and first[0].time == NOW0
     assert all(s.node == "live-node" for s in first)
+    other = ReplayBackend(path, node="agent-node", clock=clock)  # a one-node recording
+    other.open()
+    assert {s.node for s in other.sample(NOW0 + 100)} == {"agent-node"}
     assert backend.sample(NOW0 + 0.4) == []  # recording second 1 is due at wall +0.5
     batch = backend.sample(NOW0 + 1.0)  # recording seconds 1 and 2
     assert [s.time for s in batch] == [NOW0 + 0.5] * 2 + [NOW0 + 1.0] * 2

@@ -326,3 +326,48 @@ def test_fault_beyond_runtime_gpu_count_is_refused() -> None:
     with pytest.raises(ScenarioError, match=r"faults\[0\]\.gpu"):
         SimBackend(sc, node="n", gpus=4)
     assert SimBackend(sc, node="n", gpus=8).gpus == 8
+
+
+# ------------------------------------------------------------------ with the agent's checks
+
+
+def test_default_scenario_fires_the_agent_checks_before_each_failure() -> None:
+    """The simulated precursors are realistic enough for the real checks: each faulty GPU
+    is flagged by the check for its fault (before the terminal event where there is a
+    precursor), and the healthy GPU 0 is never flagged."""
+    from forewarn.agent.checks import default_checks
+    from forewarn.agent.checks.base import run_checks
+    from forewarn.agent.state import AgentState
+
+    backend = SimBackend(node="n", clock=StepClock())
+    state = AgentState(node="n")
+    state.add_inventory(backend.open())
+    checks = default_checks()
+    first: dict[tuple[int | None, str, str], float] = {}
+    for t in range(0, 181):
+        now = T0 + t
+        state.add_samples(backend.sample(now))
+        state.add_xids(backend.drain_xids(), now)
+        for run in run_checks(checks, state, now):
+            for f in run.findings:
+                if f.health.value != "healthy":
+                    first.setdefault((f.subject.gpu, f.check, f.health.value), t)
+    assert not [k for k in first if k[0] == 0], first
+    expect_before = {  # (gpu, check, health): flagged no later than (terminal event)
+        (1, "ecc", "degraded"): 110,  # correctable storm before the DBE at 110 s
+        (1, "ecc", "unhealthy"): 110,
+        (2, "thermal", "unhealthy"): 100,
+        (3, "pcie", "degraded"): 119,  # replays before the GPU falls off the bus at 120 s
+        (3, "gpu_lost", "unhealthy"): 120,
+        (4, "remap", "degraded"): 124,  # pending remaps before the failure at 125 s
+        (4, "remap", "unhealthy"): 125,
+        (5, "nvlink", "degraded"): 74,  # CRC growth before XID 74 at 75 s
+        (5, "xid", "unhealthy"): 75,
+        (6, "gpu_lost", "unhealthy"): 150,
+        (7, "power_brake", "degraded"): 110,
+    }
+    for key, deadline in expect_before.items():
+        assert key in first, f"{key} never fired: {sorted(first)}"
+        assert first[key] <= deadline, (key, first[key])
+    assert first[(6, "gpu_lost", "unhealthy")] == 150  # sudden: no warning before
+    assert not [k for k in first if k[0] == 6 and first[k] < 150]

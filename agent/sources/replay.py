@@ -238,7 +238,8 @@ class ReplayBackend:
     :class:`forewarn.agent.backend.GpuBackend`).
 
     ``node`` picks one node of a multi-node recording (required when it holds several);
-    ``as_node`` renames it in the samples (the agent's own node name, say).
+    a one-node recording whose node has another name is played as ``node``. ``as_node``
+    renames the node in the samples (the agent's own node name, say).
     """
 
     name = "replay"
@@ -319,6 +320,11 @@ class ReplayBackend:
     def _select_node(self, df: Any, path: Path) -> Any:
         nodes = sorted({str(x) for x in df["node"].dropna().unique()})
         if self.node is not None:
+            if self.node not in nodes and len(nodes) == 1:
+                # A one-node recording is played as this node (the agent passes its name).
+                log.info("replay %s: playing node %r as %r", path, nodes[0], self.node)
+                self.as_node = self.as_node or self.node
+                return df
             if self.node not in nodes:
                 raise ReplayError(f"replay {path}: node {self.node!r} not in the recording "
                                   f"(nodes: {', '.join(nodes[:10])})")

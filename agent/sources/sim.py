@@ -163,8 +163,8 @@ class _FaultBase(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
 class EccStorm(_FaultBase, frozen=True, tag="ecc_storm"):
     """Correctable-ECC rate growth ending in a double-bit error (XID 48)."""
 
-    start_rate_per_s: Pos = 0.5
-    peak_rate_per_s: Pos = 50.0
+    start_rate_per_s: Pos = 2.0
+    peak_rate_per_s: Pos = 150.0
     end_with_dbe: bool = True
     xid92: bool = True
     """Emit XID 92 (high single-bit ECC rate) half way through, as the driver does."""
@@ -206,8 +206,9 @@ class PowerBrake(_FaultBase, frozen=True, tag="power_brake"):
 class PcieReplay(_FaultBase, frozen=True, tag="pcie_replay"):
     """PCIe replays grow, the link downgrades, then off the bus (XID 79, lost)."""
 
-    start_rate_per_s: Pos = 0.2
-    peak_rate_per_s: Pos = 40.0
+    start_rate_per_s: Pos = 0.5
+    peak_rate_per_s: Pos = 1000.0
+    """Replay storms on a failing link reach thousands per second."""
     degraded_width: Annotated[int, Meta(ge=1, le=32)] = 8
     degraded_gen: Annotated[int, Meta(ge=1, le=6)] | None = None
     downgrade_at: Annotated[float, Meta(ge=0, le=1)] = 0.5
