@@ -18,7 +18,8 @@ Two measurements:
 
 Goal (issue 2): under 0.5% of one core and under 60 MiB RSS at a 1 s interval.
 
-Usage: ``python bench/agent_poll.py [--cycles 2000] [--duration 30] [--no-daemon]``
+Usage: ``python bench/agent_poll.py [--cycles 2000] [--duration 30] [--settle 3] [--no-daemon]
+[--sim-baseline]``
 """
 
 from __future__ import annotations
@@ -130,13 +131,17 @@ def _get(url: str) -> str | None:
 
 
 def bench_daemon(lib: Path, config: Path, workdir: Path, duration: float,
-                 gpus: int) -> dict[str, float]:
+                 gpus: int, source: str = "nvml", settle: float = 3.0) -> dict[str, float]:
+    """Run ``forewarn agent --source <source>`` and measure it over ``duration`` s."""
     port = _free_port()
     env = dict(os.environ, LD_LIBRARY_PATH=str(lib.parent), FAKE_NVML_CONFIG=str(config))
-    cmd = [sys.executable, "-m", "forewarn", "agent", "--source", "nvml", "--no-kmsg",
+    source_args = ["--source", source]
+    if source == "sim":
+        source_args += ["--sim-gpus", str(gpus)]
+    cmd = [sys.executable, "-m", "forewarn", "agent", *source_args, "--no-kmsg",
            "--interval", "1", "--listen", f"127.0.0.1:{port}", "--node", "bench",
            "--socket", str(workdir / "agent.sock"), "--log-level", "warning"]
-    log_path = workdir / "agent.log"
+    log_path = workdir / f"agent-{source}.log"
     with open(log_path, "wb") as log_file:
         proc = subprocess.Popen(cmd, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     try:
@@ -150,7 +155,9 @@ def bench_daemon(lib: Path, config: Path, workdir: Path, duration: float,
             time.sleep(0.2)
         if not text or proc.poll() is not None:
             raise RuntimeError(f"agent did not come up; log:\n{log_path.read_text()[-4000:]}")
-        time.sleep(3.0)  # let start-up work (imports, first checks) settle
+        # Let start-up work settle; checks that scan the agent's 15-minute sample history
+        # reach their steady cost only once it is full (--settle 900).
+        time.sleep(settle)
         cpu0, t0 = cpu_seconds(proc.pid), time.monotonic()
         time.sleep(duration)
         cpu1, t1 = cpu_seconds(proc.pid), time.monotonic()
@@ -183,7 +190,11 @@ def main() -> int:
     ap.add_argument("--links", type=int, default=18, help="NVLink links per GPU")
     ap.add_argument("--cycles", type=int, default=2000, help="back-to-back source polls")
     ap.add_argument("--duration", type=float, default=30.0, help="daemon window, seconds")
+    ap.add_argument("--settle", type=float, default=3.0,
+                    help="seconds the daemon runs before the window (900 = full history)")
     ap.add_argument("--no-daemon", action="store_true", help="measure the source only")
+    ap.add_argument("--sim-baseline", action="store_true",
+                    help="also measure the daemon with --source sim (the non-NVML share)")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="forewarn-bench-") as tmp:
@@ -196,7 +207,12 @@ def main() -> int:
         rows = [("nvml source, in process", bench_source(lib, args.cycles))]
         if not args.no_daemon:
             rows.append(("forewarn agent daemon", bench_daemon(lib, config, work,
-                                                                args.duration, args.gpus)))
+                                                                args.duration, args.gpus,
+                                                                settle=args.settle)))
+        if args.sim_baseline:
+            rows.append(("daemon, --source sim", bench_daemon(
+                lib, config, work, args.duration, args.gpus, source="sim",
+                settle=args.settle)))
 
     print(f"\n8-GPU node, fake libnvidia-ml.so.1, all fields, {args.links} NVLink links/GPU, "
           f"1 s interval (goal: < {GOAL_CPU_PCT}% of a core, < {GOAL_RSS_MIB:.0f} MiB)")
