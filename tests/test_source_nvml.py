@@ -361,3 +361,16 @@ def test_sample_after_close_is_source_unavailable(
     backend.close()  # twice is fine
     with pytest.raises(SourceUnavailable):
         backend.sample(1.0)
+
+
+def test_reopen_after_close_starts_afresh(script: Script, fake_lib: Path) -> None:
+    script("count 2\n*.temp 50\n")
+    backend = NvmlBackend("node1", library_path=fake_lib, xid_wait_ms=100)
+    assert len(backend.open()) == 2
+    backend.close()
+    script("count 3\n*.temp 51\n")
+    try:
+        assert len(backend.open()) == 3
+        assert [s.temperature_c for s in backend.sample(1.0)] == [51.0] * 3
+    finally:
+        backend.close()

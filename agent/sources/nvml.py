@@ -282,7 +282,12 @@ class NvmlBackend:
     # -- lifecycle -------------------------------------------------------------------
 
     def open(self) -> list[GpuInfo]:
-        """Initialise NVML, read the inventory and start the XID event thread."""
+        """Initialise NVML, read the inventory and start the XID event thread.
+
+        May be called again (after :meth:`close` or a failure) to start afresh."""
+        if self._open:
+            self.close()
+        self._by_address = {}
         if self.library_path is not None:
             try:
                 # Loaded by path first: its SONAME libnvidia-ml.so.1 then satisfies
