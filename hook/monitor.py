@@ -1,0 +1,597 @@
+"""The training-side client: step reports, liveness beats, checkpoint orders, preemption.
+
+A guest in someone else's training loop: standard library only at import time (torch is
+imported lazily, and only when a tensor is passed or agreement mode runs), ``step()``
+never blocks and never raises, and with no agent running the training runs unchanged
+while :attr:`Monitor.dropped` counts the reports nobody received.
+
+Call order in a loop::
+
+    with Monitor(job="llm-7b") as mon:
+        for step in range(start, steps):
+            loss = train_step()
+            mon.step(step, loss=loss, grad_norm=gn)
+            if mon.should_checkpoint(step):
+                res = writer.save(step, state)
+                mon.checkpoint_done(step, res.seconds, res.bytes, res.path)
+
+**Loss and grad norm as tensors.** Python floats and CPU tensors are read at once. A CUDA
+tensor is never read with ``.item()`` (that would sync the device every step): it is
+copied ``non_blocking`` into a pinned host buffer behind a CUDA event, and the step's
+record is sent by a later ``step()`` once the event has completed (see
+:mod:`forewarn.hook._tensors`). Passing floats that you already have is cheapest.
+
+**Checkpoint orders** ("every rank of job J saves at step S") arrive from the agent on the
+rank's own socket. If this rank has not reported step S yet, :meth:`should_checkpoint`
+returns True at step S. If S has already passed, the rank reports ``missed`` with its
+current step and the agent issues a new S. With ``agree_every=k`` the ranks instead
+``all_reduce(MAX)`` the pending order step every k steps over the default process group
+so that all of them agree; this adds one tiny collective (and, on NCCL, one device sync)
+every k steps and is off by default.
+
+**Preemption.** A SIGTERM handler (main thread only; ``handle_sigterm=False`` opts out)
+turns SIGTERM into a checkpoint request at the next :meth:`should_checkpoint` call
+(reason ``preempted``); after :meth:`checkpoint_done` the process exits as the previous
+handler would have (a callable handler is called, ``SIG_DFL`` is restored and SIGTERM
+re-raised). A loop that never calls ``should_checkpoint``, or does not start the
+checkpoint within ``preempt_grace_steps`` steps, gets the previous behaviour at once.
+Without ``agree_every`` each rank saves at its own next step after its own SIGTERM.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import dataclasses
+import logging
+import operator
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType, TracebackType
+from typing import Any, Final
+
+from forewarn import wire
+
+from ._channel import AgentChannel, resolve_socket_path
+from ._identity import RankIdentity, identity_from_env
+from ._pack import build_step_packer
+from ._sender import Sender
+from ._tensors import DeferredValues, read_now
+
+__all__ = ["Monitor", "MonitorStats"]
+
+_log = logging.getLogger("forewarn.hook")
+
+_NO_PREEMPT: Final = 0
+_PREEMPT_PENDING: Final = 1
+_PREEMPT_SAVING: Final = 2
+
+_PREEMPT_REQUEST: Final = "preempted"
+
+
+@dataclasses.dataclass(frozen=True)
+class MonitorStats:
+    """Counters of one :class:`Monitor` (a snapshot)."""
+
+    steps: int
+    """``step()`` calls."""
+    dropped: int
+    """Reports (steps, beats, checkpoint reports) that did not reach an agent."""
+    failures: int
+    """``step()`` calls that failed inside the hook (bad arguments, bugs): counted, logged."""
+    beats: int
+    orders: int
+    """Orders for this job that were accepted."""
+    orders_ignored: int
+    """Orders for another job, duplicates, or ones that came too late (see ``missed``)."""
+    orders_invalid: int
+    """Datagrams on the order socket that did not decode as a CheckpointOrder."""
+    missed: int
+    checkpoints: int
+    values_skipped: int
+    """Tensor values left out rather than waiting for the device."""
+    connected: bool
+
+
+class _RateLimitedLog:
+    """At most one log line per key per ``interval_s``, with the count of suppressed ones."""
+
+    def __init__(self, interval_s: float = 60.0) -> None:
+        self.interval_s = interval_s
+        self._last: dict[str, float] = {}
+        self._suppressed: collections.Counter[str] = collections.Counter()
+
+    def warning(self, key: str, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        last = self._last.get(key)
+        if last is not None and now - last < self.interval_s:
+            self._suppressed[key] += 1
+            return
+        self._last[key] = now
+        n = self._suppressed.pop(key, 0)
+        suffix = f" ({n} similar suppressed)" if n else ""
+        _log.warning("forewarn: " + msg + suffix, *args)
+
+
+class Monitor:
+    """Report training steps to the node's forewarn agent and obey its checkpoint orders.
+
+    Args:
+        job, rank, world_size, local_rank: identity; default from torchrun
+            (``TORCHELASTIC_RUN_ID``, ``RANK``, ...) or Slurm (``SLURM_JOB_ID``, ...).
+        socket_path: the agent's socket; default ``$FOREWARN_SOCKET`` or
+            ``/run/forewarn/agent.sock``.
+        beat_interval_s: liveness beat period of the background thread.
+        agree_every: opt-in agreement mode (see module docstring); 0 = off.
+        handle_sigterm: install the preemption handler (main thread only).
+        preempt_grace_steps: steps after SIGTERM within which a checkpoint must start.
+        cuda_depth: pinned slots for in-flight CUDA values.
+        flush_interval_s: how often the background thread sends queued reports
+            (non-finite values and checkpoint reports are sent at once).
+        queue_limit: most reports held for the background thread; more are dropped.
+        send_timeout_s: how long the background thread waits on a full agent queue.
+        clock, monotonic: injectable clocks (wall time for records, monotonic for step time).
+    """
+
+    def __init__(
+        self,
+        job: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        local_rank: int | None = None,
+        socket_path: str | os.PathLike[str] | None = None,
+        beat_interval_s: float = 1.0,
+        *,
+        agree_every: int = 0,
+        handle_sigterm: bool = True,
+        preempt_grace_steps: int = 3,
+        cuda_depth: int = 8,
+        flush_interval_s: float = 0.01,
+        queue_limit: int = 4096,
+        send_timeout_s: float = 0.05,
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if beat_interval_s <= 0:
+            raise ValueError(f"beat_interval_s must be > 0, got {beat_interval_s}")
+        if agree_every < 0:
+            raise ValueError(f"agree_every must be >= 0, got {agree_every}")
+        self.identity: RankIdentity = identity_from_env(job, rank, world_size, local_rank)
+        self.job = self.identity.job
+        self.rank = self.identity.rank
+        self.beat_interval_s = beat_interval_s
+        self.agree_every = agree_every
+        self.preempt_grace_steps = preempt_grace_steps
+        self._cuda_depth = cuda_depth
+        self._time = clock
+        self._mono = monotonic
+        self._pack = build_step_packer(self.identity)
+        self._log = _RateLimitedLog()
+        self._lock = threading.Lock()
+        # hot-path state
+        self._prev_mono: float | None = None
+        self._last_step: int | None = None
+        self._steps = 0
+        self._dropped = 0
+        self._failures = 0
+        self._deferred: DeferredValues | None = None
+        self._special = agree_every > 0  # step() runs _special_step when True
+        # orders and checkpoints
+        self._order: tuple[int, str, str] | None = None  # (step, request_id, reason)
+        self._agree_pending: tuple[int, str, str] | None = None
+        self._active: tuple[str, str] | None = None  # (request_id, reason) being saved
+        self._seen_requests: collections.deque[str] = collections.deque(maxlen=64)
+        self._checks_seen = False
+        self._orders = self._orders_ignored = self._orders_invalid = 0
+        self._missed = self._checkpoints = 0
+        self._values_skipped = 0
+        # preemption
+        self._preempt = _NO_PREEMPT
+        self._preempt_step: int | None = None
+        self._prev_handler: Any = None
+        self._installed_handler = False
+        self._closed = False
+        self._ch = AgentChannel(resolve_socket_path(socket_path), send_timeout_s)
+        if handle_sigterm:
+            self._install_sigterm()
+        self._queue_limit = queue_limit
+        self._sender = Sender(
+            self._ch, self._make_beat, self._on_datagram, self._on_thread_error,
+            beat_interval_s=beat_interval_s, flush_interval_s=flush_interval_s,
+            queue_limit=queue_limit, name=f"forewarn-hook-r{self.rank}",
+        )
+        self._queue = self._sender.queue
+        self._sender.start()  # the first beat goes out at construction
+        atexit.register(self.close)
+
+    # ------------------------------------------------------------------ hot path
+
+    def step(self, step: int, loss: Any = None, grad_norm: Any = None, **extras: Any) -> None:
+        """Report that ``step`` finished. Never blocks, never raises; microseconds.
+
+        ``loss`` and ``grad_norm``: float, int, 0-d tensor or None. ``extras``: more
+        named scalars (``tokens=...``), sent as floats.
+        """
+        try:
+            mono = self._mono()
+            now = self._time()
+            prev = self._prev_mono
+            self._prev_mono = mono
+            self._last_step = step
+            self._steps += 1
+            if self._special:
+                self._special_step(step)
+            if (
+                type(loss) is float
+                and type(grad_norm) is float
+                and prev is not None
+                and not extras
+                and self._deferred is None
+            ):
+                data = self._pack(step, now, mono - prev, loss, grad_norm)
+            else:
+                ss = None if prev is None else mono - prev
+                slow = self._general_record(step, now, ss, loss, grad_norm, extras)
+                if slow is None:
+                    return
+                data = slow
+            if not self._ch.up:
+                self._dropped += 1  # no agent: the background thread reconnects
+                return
+            q = self._queue
+            if len(q) >= self._queue_limit:
+                self._dropped += 1
+                return
+            q.append(data)
+            if type(loss) is float and loss - loss != 0.0:
+                self._sender.kick()  # NaN/Inf: the agent's NaN detector wants it now
+        except Exception as exc:
+            self._failures += 1
+            self._log.warning("step", "step() failed and was skipped: %r", exc)
+
+    def _general_record(
+        self, step: Any, now: float, ss: float | None, loss: Any, grad_norm: Any,
+        extras: dict[str, Any],
+    ) -> bytes | None:
+        step = operator.index(step)
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        self._last_step = step
+        ex: dict[str, float] = {}
+        for key, value in extras.items():
+            ok, f = read_now(value)
+            if ok and f is not None:
+                ex[str(key)[:64]] = f
+            else:
+                self._values_skipped += 1
+        if self._deferred is not None:
+            self._flush_deferred(wait=False)
+        ok_l, lv = self._read(loss)
+        ok_g, gv = self._read(grad_norm)
+        if not (ok_l and ok_g):
+            if self._deferred is None:
+                self._deferred = DeferredValues(self._cuda_depth)
+            got = self._deferred.submit(
+                step, now, ss, ex, loss if not ok_l else lv, grad_norm if not ok_g else gv
+            )
+            if got is None:
+                return None  # sent by a later step() once the copy has landed
+            lv, gv = got
+        return self._encode_step(step, now, ss, lv, gv, ex)
+
+    def _read(self, x: Any) -> tuple[bool, float | None]:
+        """``(False, None)`` only for CUDA tensors (deferred); other devices are skipped."""
+        ok, v = read_now(x)
+        if ok:
+            return ok, v
+        if x.device.type == "cuda":
+            return False, None
+        self._values_skipped += 1
+        return True, None
+
+    def _encode_step(
+        self, step: int, now: float, ss: float | None, loss: float | None, gn: float | None,
+        extras: dict[str, float],
+    ) -> bytes:
+        if ss is not None and loss is not None and gn is not None and not extras:
+            return self._pack(step, now, ss, loss, gn)
+        i = self.identity
+        return wire.encode(
+            wire.StepRecord(
+                job=i.job, rank=i.rank, local_rank=i.local_rank, world_size=i.world_size,
+                pid=i.pid, host=i.host, step=step, time=now, step_seconds=ss,
+                loss=loss, grad_norm=gn, extras=extras,
+            )
+        )
+
+    def _flush_deferred(self, wait: bool) -> None:
+        d = self._deferred
+        if d is None or not len(d):
+            return
+        for p, lv, gv in d.ready(wait=wait):
+            self._send(self._encode_step(p.step, p.time, p.step_seconds, lv, gv, p.extras))
+        self._values_skipped = max(self._values_skipped, d.values_skipped)
+
+    def _send(self, data: bytes, urgent: bool = False) -> None:
+        """Queue one datagram for the background thread (off the hot path)."""
+        if not self._ch.up or len(self._queue) >= self._queue_limit:
+            self._dropped += 1
+            return
+        self._queue.append(data)
+        if urgent:
+            self._sender.kick()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def should_checkpoint(self, step: int) -> bool:
+        """True when this rank must save now, at ``step`` (call after :meth:`step`)."""
+        try:
+            self._checks_seen = True
+            order = self._order
+            if self._preempt == _PREEMPT_PENDING and not self._agreeing():
+                with self._lock:
+                    self._order = None
+                    self._preempt = _PREEMPT_SAVING
+                self._start(step, _PREEMPT_REQUEST, "preempted")
+                return True
+            if order is None or step < order[0]:
+                return False
+            with self._lock:
+                if self._order is not order:
+                    return False
+                self._order = None
+            target, rid, reason = order
+            if step == target:
+                self._start(step, rid, reason)
+                return True
+            self._report_missed(step, rid)
+            return False
+        except Exception as exc:
+            self._failures += 1
+            self._log.warning("should_checkpoint", "should_checkpoint() failed: %r", exc)
+            return False
+
+    def _start(self, step: int, request_id: str, reason: str) -> None:
+        self._active = (request_id, reason)
+        self._report(step, "started", request_id)
+
+    def checkpoint_done(self, step: int, seconds: float, bytes: int, path: str = "") -> None:
+        """Report a finished checkpoint (ordered or not): the policy learns its cost.
+
+        After a preemption checkpoint this exits the process as the previous SIGTERM
+        handler would have.
+        """
+        try:
+            rid = self._active[0] if self._active is not None else ""
+            self._active = None
+            self._checkpoints += 1
+            self._report(step, "done", rid, seconds=max(0.0, float(seconds)),
+                         nbytes=max(0, int(bytes)), path=str(path)[:4096])
+        except Exception as exc:
+            self._failures += 1
+            self._log.warning("checkpoint", "checkpoint_done() failed: %r", exc)
+        if self._preempt == _PREEMPT_SAVING:
+            self._exit_as_before()
+
+    def checkpoint_failed(self, step: int, reason: str = "") -> None:
+        """Report a checkpoint that could not be written (a preempted process still exits)."""
+        try:
+            rid = self._active[0] if self._active is not None else ""
+            self._active = None
+            self._report(step, "failed", rid, path=str(reason)[:4096])
+        except Exception as exc:
+            self._failures += 1
+            self._log.warning("checkpoint", "checkpoint_failed() failed: %r", exc)
+        if self._preempt == _PREEMPT_SAVING:
+            self._exit_as_before()
+
+    def _report(
+        self, step: int, phase: str, request_id: str, *, seconds: float | None = None,
+        nbytes: int | None = None, path: str = "",
+    ) -> None:
+        i = self.identity
+        rep = wire.CheckpointReport(
+            job=i.job, rank=i.rank, host=i.host, request_id=request_id[:128],
+            step=max(0, int(step)), phase=phase, seconds=seconds, bytes=nbytes,
+            time=self._time(), path=path,
+        )
+        self._send(wire.encode(rep), urgent=True)
+
+    def _report_missed(self, step: int, request_id: str) -> None:
+        self._missed += 1
+        self._report(step, "missed", request_id)
+
+    # ------------------------------------------------------------------ orders
+
+    def _on_order(self, order: wire.CheckpointOrder) -> None:
+        if order.job != self.job or order.request_id in self._seen_requests:
+            self._orders_ignored += 1
+            return
+        self._seen_requests.append(order.request_id)
+        entry = (order.step, order.request_id, order.reason)
+        with self._lock:
+            if self.agree_every > 0:
+                pend = self._agree_pending
+                if pend is None or order.step >= pend[0]:
+                    self._agree_pending = entry
+                self._orders += 1
+                return
+            last = self._last_step
+            if last is None or last < order.step:
+                self._order = entry
+                self._orders += 1
+                return
+        self._report_missed(last if last is not None else 0, order.request_id)
+
+    def _agreeing(self) -> bool:
+        if self.agree_every <= 0 or "torch" not in sys.modules:
+            return False
+        import torch.distributed as dist
+
+        return bool(dist.is_available() and dist.is_initialized())
+
+    def _special_step(self, step: int) -> None:
+        if self.agree_every > 0 and step % self.agree_every == 0 and self._agreeing():
+            self._agree(step)
+        if (
+            self._preempt == _PREEMPT_PENDING
+            and self._preempt_step is not None
+            and step - self._preempt_step > self.preempt_grace_steps
+            and not self._agreeing()
+        ):
+            self._log.warning("preempt", "no checkpoint started %d steps after SIGTERM",
+                              self.preempt_grace_steps)
+            self._exit_as_before()
+
+    def _agree(self, step: int) -> None:
+        """All ranks: ``all_reduce(MAX)`` of the pending order step (or -1)."""
+        import torch
+        import torch.distributed as dist
+
+        with self._lock:
+            pend, self._agree_pending = self._agree_pending, None
+        value = pend[0] if pend is not None else -1
+        if self._preempt == _PREEMPT_PENDING:
+            value = max(value, step + 1)
+        device = "cpu"
+        if dist.get_backend() == "nccl":
+            device = f"cuda:{torch.cuda.current_device()}"
+        t = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        agreed = int(t.item())
+        if agreed < 0:
+            return
+        target = max(agreed, step + 1)  # every rank computes the same target
+        rid, reason = (pend[1], pend[2]) if pend is not None else ("", "agreed")
+        if self._preempt == _PREEMPT_PENDING:
+            rid, reason = rid or _PREEMPT_REQUEST, "preempted"
+        with self._lock:
+            self._order = (target, rid, reason)
+
+    # ------------------------------------------------------------------ beats
+
+    def _make_beat(self, sender_dropped: int) -> bytes:
+        i = self.identity
+        return wire.encode(
+            wire.Beat(
+                job=i.job, rank=i.rank, local_rank=i.local_rank, world_size=i.world_size,
+                pid=i.pid, host=i.host, time=self._time(), last_step=self._last_step,
+                dropped=self._dropped + sender_dropped, reply_to=self._ch.reply_path,
+            )
+        )
+
+    def _on_datagram(self, data: bytes) -> None:
+        try:
+            order = wire.decode_order(data)
+        except wire.WireError as exc:
+            self._orders_invalid += 1
+            self._log.warning("order", "ignored an undecodable order: %s", exc)
+            return
+        self._on_order(order)
+
+    def _on_thread_error(self, exc: BaseException) -> None:
+        self._log.warning("thread", "background thread error: %r", exc)
+
+    # ------------------------------------------------------------------ preemption
+
+    def _install_sigterm(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            _log.info("forewarn: not in the main thread; SIGTERM handler not installed")
+            return
+        self._prev_handler = signal.getsignal(signal.SIGTERM)
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._installed_handler = True
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        if self._preempt != _NO_PREEMPT:
+            return  # already saving for an earlier SIGTERM
+        if not self._checks_seen or self._closed:
+            self._exit_as_before(frame)
+            return
+        self._preempt_step = self._last_step if self._last_step is not None else 0
+        self._preempt = _PREEMPT_PENDING
+        self._special = True
+
+    @property
+    def preempted(self) -> bool:
+        """True once SIGTERM arrived (the checkpoint may still be pending)."""
+        return self._preempt != _NO_PREEMPT
+
+    def _exit_as_before(self, frame: FrameType | None = None) -> None:
+        prev = self._prev_handler
+        self._preempt = _NO_PREEMPT
+        if callable(prev):
+            prev(signal.SIGTERM, frame)
+            return
+        if prev == signal.SIG_IGN:
+            return
+        self.close()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5.0)  # the default action ends the process before this returns
+        os._exit(128 + signal.SIGTERM)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def dropped(self) -> int:
+        """Reports that did not reach an agent (no agent, agent queue full, ...)."""
+        return self._dropped + self._sender.dropped
+
+    @property
+    def connected(self) -> bool:
+        """Whether the last send found an agent."""
+        return self._ch.up
+
+    @property
+    def reply_path(self) -> str:
+        """This rank's order socket (what beats carry as ``reply_to``)."""
+        return self._ch.reply_path
+
+    @property
+    def stats(self) -> MonitorStats:
+        """A snapshot of the counters."""
+        skipped = self._values_skipped
+        if self._deferred is not None:
+            skipped = max(skipped, self._deferred.values_skipped)
+        return MonitorStats(
+            steps=self._steps, dropped=self.dropped, failures=self._failures,
+            beats=self._sender.beats, orders=self._orders, orders_ignored=self._orders_ignored,
+            orders_invalid=self._orders_invalid, missed=self._missed,
+            checkpoints=self._checkpoints, values_skipped=skipped, connected=self._ch.up,
+        )
+
+    def close(self) -> None:
+        """Send pending values, stop the beat thread, remove the order socket. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        if os.getpid() != self.identity.pid:
+            return  # a forked child (e.g. a DataLoader worker): the parent owns all of it
+        try:
+            self._flush_deferred(wait=True)
+        except Exception as exc:
+            self._log.warning("close", "could not flush pending tensor values: %r", exc)
+        self._sender.stop()
+        if (
+            self._installed_handler
+            and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) == self._on_sigterm
+        ):
+            prev = self._prev_handler
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if prev is None else prev)
+        self._ch.close()
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
