@@ -1,0 +1,307 @@
+"""Windowed features per GPU (and per rank), computed the same way in batch and live.
+
+Samples are folded onto a 60 s grid per GPU (:data:`GRID_S`). Each grid row holds
+*cumulative* state: counters as NVML reports them (correctable ECC, remapped rows, retired
+pages, PCIe replays, NVLink CRC/replay/recovery summed over links) and running sums of
+gauges (temperature, slowdown margin, power, power squared, throttle-reason and
+remap-pending sample counts, XIDs by class). Every feature is then a difference between
+the current row and the row :data:`LAGS` grid steps earlier -- a rate, a mean, a variance,
+a fraction -- so :func:`derive` computes the same numbers from a pandas table (training)
+and from a ring buffer of the last hour (:mod:`forewarn.models.live`), vectorised over all
+GPUs in both cases.
+
+Windows: 5, 15 and 60 minutes. Rates are counts per window (``log1p``); acceleration is
+the last 5 minutes' rate against the hour's; temperature level, 5-vs-15 minute slope and
+excursion from the hour's mean; slowdown margin; throttle fractions (thermal:
+``SW_THERMAL``/``HW_THERMAL``/``HW_SLOWDOWN``, power: ``SW_POWER_CAP``/``HW_POWER_BRAKE``,
+nvmlClocksEventReasons bits); power standard deviation over 15 minutes as a share of the
+limit; XID counts by class over the hour (classes as in the agent's XID check, after
+NVIDIA's catalog, REFERENCE.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Final
+
+import numpy as np
+import pandas as pd
+
+from forewarn.models.schema import nvlink_columns, validate_samples, validate_xids
+
+__all__ = [
+    "CUM_COLUMNS",
+    "FEATURE_NAMES",
+    "GRID_S",
+    "LAGS",
+    "LAST_COLUMNS",
+    "XID_CLASSES",
+    "derive",
+    "gpu_features",
+    "grid_state",
+    "rank_features",
+    "xid_class",
+]
+
+GRID_S: Final = 60.0
+"""Feature grid step in seconds."""
+LAGS: Final = (5, 15, 60)
+"""Window lengths in grid steps (minutes)."""
+
+COUNTERS: Final = (
+    "ecc", "ecc_unc", "remap_c", "remap_u", "ret_sbe", "ret_dbe", "pcie",
+    "nvl_crc", "nvl_replay", "nvl_recovery",
+)
+SUMS: Final = ("n", "temp", "margin", "power", "power2", "thr_thermal", "thr_power", "pending")
+ACTIVE: Final = ("ecc", "pcie", "nvl_crc")
+"""Counters whose *active minutes* (minutes with any increment) are counted: a burst that
+leads nowhere is short, a precursor persists."""
+XID_CLASSES: Final = ("application", "memory", "interconnect", "bus", "gsp", "other")
+CUM_COLUMNS: Final = COUNTERS + SUMS + tuple(f"xid_{c}" for c in XID_CLASSES) \
+    + tuple(f"{c}_active" for c in ACTIVE)
+"""Cumulative grid columns: features are differences of these between lags."""
+LAST_COLUMNS: Final = ("temp_last", "margin_last", "limit_last", "width_ratio")
+"""Latest-value grid columns."""
+
+# nvmlClocksEventReasons bits (nvml.h).
+_THERMAL_BITS: Final = 0x8 | 0x20 | 0x40  # HW_SLOWDOWN, SW_THERMAL, HW_THERMAL
+_POWER_BITS: Final = 0x4 | 0x80  # SW_POWER_CAP, HW_POWER_BRAKE
+
+_XID_CLASS: Final = {
+    13: "application", 31: "application", 43: "application", 45: "application",
+    48: "memory", 63: "memory", 64: "memory", 92: "memory", 94: "memory", 95: "memory",
+    74: "interconnect", 79: "bus", 119: "gsp", 120: "gsp",
+}
+
+_RATE_COUNTERS: Final = ("ecc", "remap_c", "ret_sbe", "pcie", "nvl_crc", "nvl_replay",
+                         "nvl_recovery")
+
+
+def xid_class(code: int) -> str:
+    """The class of an XID code (same classes as the agent's XID check)."""
+    return _XID_CLASS.get(int(code), "other")
+
+
+def _feature_names() -> tuple[str, ...]:
+    names: list[str] = []
+    for c in _RATE_COUNTERS:
+        names += [f"{c}_d5", f"{c}_d15", f"{c}_d60", f"{c}_accel"]
+    names += [f"{c}_active{w}" for c in ACTIVE for w in (15, 60)]
+    names += ["remap_c_total", "remap_u_total", "ret_sbe_total", "pending_frac60",
+              "temp_mean5", "temp_slope", "temp_excursion", "margin_mean5", "margin_last",
+              "thr_thermal_frac15", "thr_thermal_frac60", "thr_power_frac15",
+              "power_std15", "width_ratio"]
+    names += [f"xid_{c}_60" for c in XID_CLASSES]
+    return tuple(names)
+
+
+FEATURE_NAMES: Final = _feature_names()
+"""Order of the feature vector the models see."""
+
+
+def _mean(sum_a: np.ndarray, sum_b: np.ndarray, n_a: np.ndarray, n_b: np.ndarray,
+          fallback: np.ndarray) -> np.ndarray:
+    n = n_a - n_b
+    with np.errstate(invalid="ignore", divide="ignore"):
+        m = (sum_a - sum_b) / n
+    return np.where(n > 0, m, fallback)
+
+
+def derive(now: Mapping[str, np.ndarray], lag: Mapping[int, Mapping[str, np.ndarray]]
+           ) -> dict[str, np.ndarray]:
+    """Features from the current grid row (cumulative and latest columns) and the rows
+    :data:`LAGS` steps back. Arrays are aligned (one element per GPU or per grid row)."""
+    out: dict[str, np.ndarray] = {}
+    l5, l15, l60 = lag[5], lag[15], lag[60]
+    for c in _RATE_COUNTERS:
+        d5 = np.maximum(now[c] - l5[c], 0.0)
+        d15 = np.maximum(now[c] - l15[c], 0.0)
+        d60 = np.maximum(now[c] - l60[c], 0.0)
+        out[f"{c}_d5"] = np.log1p(d5)
+        out[f"{c}_d15"] = np.log1p(d15)
+        out[f"{c}_d60"] = np.log1p(d60)
+        # Acceleration: per-minute rate in the last 5 minutes vs the 55 before.
+        out[f"{c}_accel"] = np.log1p(d5 / 5.0) - np.log1p(np.maximum(d60 - d5, 0.0) / 55.0)
+    for c in ACTIVE:
+        out[f"{c}_active15"] = np.maximum(now[f"{c}_active"] - l15[f"{c}_active"], 0.0)
+        out[f"{c}_active60"] = np.maximum(now[f"{c}_active"] - l60[f"{c}_active"], 0.0)
+    out["remap_c_total"] = np.log1p(np.maximum(now["remap_c"], 0.0))
+    out["remap_u_total"] = np.log1p(np.maximum(now["remap_u"], 0.0))
+    out["ret_sbe_total"] = np.log1p(np.maximum(now["ret_sbe"], 0.0))
+    n60 = np.maximum(now["n"] - l60["n"], 0.0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out["pending_frac60"] = np.where(n60 > 0, (now["pending"] - l60["pending"]) / n60, 0.0)
+    t_last = now["temp_last"]
+    t5 = _mean(now["temp"], l5["temp"], now["n"], l5["n"], t_last)
+    t5_15 = _mean(l5["temp"], l15["temp"], l5["n"], l15["n"], t5)
+    t60 = _mean(now["temp"], l60["temp"], now["n"], l60["n"], t5)
+    out["temp_mean5"] = t5
+    out["temp_slope"] = t5 - t5_15
+    out["temp_excursion"] = t5 - t60
+    out["margin_mean5"] = _mean(now["margin"], l5["margin"], now["n"], l5["n"],
+                                now["margin_last"])
+    out["margin_last"] = now["margin_last"]
+    zero = np.zeros_like(t5)
+    out["thr_thermal_frac15"] = _mean(now["thr_thermal"], l15["thr_thermal"], now["n"],
+                                      l15["n"], zero)
+    out["thr_thermal_frac60"] = _mean(now["thr_thermal"], l60["thr_thermal"], now["n"],
+                                      l60["n"], zero)
+    out["thr_power_frac15"] = _mean(now["thr_power"], l15["thr_power"], now["n"], l15["n"],
+                                    zero)
+    p15 = _mean(now["power"], l15["power"], now["n"], l15["n"], zero)
+    p2_15 = _mean(now["power2"], l15["power2"], now["n"], l15["n"], zero)
+    limit = np.where(now["limit_last"] > 0, now["limit_last"], 1.0)
+    out["power_std15"] = np.sqrt(np.maximum(p2_15 - p15 * p15, 0.0)) / limit
+    out["width_ratio"] = now["width_ratio"]
+    for c in XID_CLASSES:
+        out[f"xid_{c}_60"] = np.maximum(now[f"xid_{c}"] - l60[f"xid_{c}"], 0.0)
+    return {k: np.nan_to_num(np.asarray(out[k], dtype=np.float64)) for k in FEATURE_NAMES}
+
+
+def _num(df: pd.DataFrame, col: str, default: float = 0.0) -> pd.Series:
+    if col not in df.columns:
+        return pd.Series(default, index=df.index, dtype=np.float64)
+    return pd.to_numeric(df[col], errors="coerce").astype(np.float64)
+
+
+def _row_values(samples: pd.DataFrame) -> pd.DataFrame:
+    """Per-sample values that fold onto the grid (one column per grid quantity)."""
+    s = samples
+    links = nvlink_columns(s.columns)
+    thr = _num(s, "throttle_reasons").fillna(0).astype(np.int64)
+    temp = _num(s, "temperature_c")
+    power = _num(s, "power_w")
+    has_t, has_p = temp.notna(), power.notna()
+    width, width_max = _num(s, "pcie_link_width"), _num(s, "pcie_link_width_max")
+    v = pd.DataFrame({
+        "node": s["node"], "gpu": s["gpu"],
+        "minute": np.floor(s["time"].to_numpy() / GRID_S).astype(np.int64),
+        "ecc": _num(s, "ecc_corrected_volatile"),
+        "ecc_unc": _num(s, "ecc_uncorrected_volatile"),
+        "remap_c": _num(s, "remapped_rows_correctable"),
+        "remap_u": _num(s, "remapped_rows_uncorrectable"),
+        "ret_sbe": _num(s, "retired_pages_sbe"),
+        "ret_dbe": _num(s, "retired_pages_dbe"),
+        "pcie": _num(s, "pcie_replay_total"),
+        "nvl_crc": sum((_num(s, c).fillna(0) for c in links["crc_flit"] + links["crc_data"]),
+                       start=pd.Series(0.0, index=s.index)),
+        "nvl_replay": sum((_num(s, c).fillna(0) for c in links["replay"]),
+                          start=pd.Series(0.0, index=s.index)),
+        "nvl_recovery": sum((_num(s, c).fillna(0) for c in links["recovery"]),
+                            start=pd.Series(0.0, index=s.index)),
+        "n": (has_t | has_p).astype(np.float64),
+        "temp": temp.fillna(0), "margin": _num(s, "slowdown_margin_c").fillna(0),
+        "power": power.fillna(0), "power2": power.fillna(0) ** 2,
+        "thr_thermal": ((thr & _THERMAL_BITS) != 0).astype(np.float64),
+        "thr_power": ((thr & _POWER_BITS) != 0).astype(np.float64),
+        "pending": _num(s, "remap_pending").fillna(0).clip(0, 1),
+        "temp_last": temp, "margin_last": _num(s, "slowdown_margin_c"),
+        "limit_last": _num(s, "power_limit_w"),
+        "width_ratio": (width / width_max.where(width_max > 0)).where(width.notna()),
+    })
+    return v
+
+
+def grid_state(samples: pd.DataFrame, xids: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Fold samples (and XIDs) onto the per-GPU 60 s grid of cumulative state.
+
+    Returns one row per GPU per minute from its first to its last sample, columns
+    ``node, gpu, minute`` + :data:`CUM_COLUMNS` + :data:`LAST_COLUMNS`, sorted by GPU
+    then minute. Raises :class:`~forewarn.models.schema.DataError` on bad input.
+    """
+    samples = validate_samples(samples)
+    v = _row_values(samples.sort_values(["node", "gpu", "time"], kind="stable"))
+    keys = ["node", "gpu", "minute"]
+    agg = {c: "max" for c in COUNTERS} | {c: "sum" for c in SUMS} \
+        | {c: "last" for c in LAST_COLUMNS}
+    g = v.groupby(keys, sort=True).agg(agg)
+    # Regular grid per GPU: every minute from first to last.
+    span = g.reset_index().groupby(["node", "gpu"])["minute"].agg(["min", "max"])
+    lengths = (span["max"] - span["min"] + 1).to_numpy()
+    idx = pd.MultiIndex.from_arrays([
+        np.repeat(span.index.get_level_values(0).to_numpy(), lengths),
+        np.repeat(span.index.get_level_values(1).to_numpy(), lengths),
+        np.concatenate([np.arange(a, b + 1) for a, b in zip(span["min"], span["max"],
+                                                             strict=True)])
+        if len(span) else np.array([], np.int64),
+    ], names=keys)
+    g = g.reindex(idx)
+    gid = np.repeat(np.arange(len(span)), lengths)
+    by = pd.Series(gid, index=g.index)
+    for c in COUNTERS:
+        g[c] = g[c].groupby(by).ffill().fillna(0.0)
+    for c in SUMS:
+        g[c] = g[c].fillna(0.0).groupby(by).cumsum()
+    for c in LAST_COLUMNS:
+        g[c] = g[c].groupby(by).ffill()
+    for c in ACTIVE:
+        g[f"{c}_active"] = (g[c].groupby(by).diff() > 0).astype(np.float64).groupby(by).cumsum()
+    g["temp_last"] = g["temp_last"].fillna(0.0)
+    g["margin_last"] = g["margin_last"].fillna(0.0)
+    g["limit_last"] = g["limit_last"].fillna(0.0)
+    g["width_ratio"] = g["width_ratio"].fillna(1.0)
+    out = g.reset_index()
+    for c in XID_CLASSES:
+        out[f"xid_{c}"] = 0.0
+    if xids is not None and len(xids):
+        x = validate_xids(xids)
+        x = x.assign(minute=np.floor(x["time"].to_numpy() / GRID_S).astype(np.int64),
+                     cls="xid_" + x["code"].map(xid_class))
+        counts = x.groupby(["node", "gpu", "minute", "cls"]).size().unstack(fill_value=0)
+        counts = counts.reindex(pd.MultiIndex.from_frame(out[keys])).fillna(0.0)
+        for col in counts.columns:
+            out[col] = counts[col].to_numpy(dtype=np.float64)
+        for c in XID_CLASSES:
+            out[f"xid_{c}"] = out[f"xid_{c}"].groupby(gid).cumsum()
+    out["_gid"] = gid
+    return out
+
+
+def gpu_features(samples: pd.DataFrame, xids: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Feature table: one row per GPU per minute, columns ``node, gpu, time`` (end of the
+    minute, seconds) and :data:`FEATURE_NAMES`."""
+    g = grid_state(samples, xids)
+    gid = g["_gid"]
+    cols = list(CUM_COLUMNS)
+    first = g.groupby(gid)[cols].transform("first")
+    lag: dict[int, dict[str, np.ndarray]] = {}
+    for k in LAGS:
+        shifted = g.groupby(gid)[cols].shift(k).fillna(first)
+        lag[k] = {c: shifted[c].to_numpy() for c in cols}
+    now = {c: g[c].to_numpy(dtype=np.float64) for c in (*cols, *LAST_COLUMNS)}
+    feats = derive(now, lag)
+    out = pd.DataFrame(feats)
+    out.insert(0, "time", (g["minute"].to_numpy() + 1) * GRID_S)
+    out.insert(0, "gpu", g["gpu"].to_numpy())
+    out.insert(0, "node", g["node"].to_numpy())
+    return out
+
+
+def rank_features(steps: pd.DataFrame, bucket_s: float = 10.0) -> pd.DataFrame:
+    """Per-rank features against the job's peers, one row per rank per ``bucket_s``.
+
+    Input columns: ``job, rank, time, step_seconds, loss, grad_norm`` (hook step records).
+    Output: ``step_ratio`` (rank's median step time / median over the job's ranks),
+    ``loss_z`` and ``grad_norm_z`` (robust z-scores across the job's ranks: (x - median)
+    / (1.4826 * MAD)).
+    """
+    need = ("job", "rank", "time", "step_seconds", "loss", "grad_norm")
+    missing = [c for c in need if c not in steps.columns]
+    if missing:
+        from forewarn.models.schema import DataError
+
+        raise DataError(f"steps: missing column(s) {', '.join(missing)}")
+    s = steps.assign(bucket=np.floor(steps["time"] / bucket_s).astype(np.int64))
+    per = s.groupby(["job", "bucket", "rank"])[["step_seconds", "loss", "grad_norm"]].median()
+    per = per.reset_index()
+    grp = per.groupby(["job", "bucket"])
+    out = per[["job", "bucket", "rank"]].copy()
+    out["time"] = (out["bucket"] + 1) * bucket_s
+    med_step = grp["step_seconds"].transform("median")
+    out["step_ratio"] = per["step_seconds"] / med_step.where(med_step > 0)
+    for col in ("loss", "grad_norm"):
+        med = grp[col].transform("median")
+        mad = (per[col] - med).abs().groupby([per["job"], per["bucket"]]).transform("median")
+        scale = 1.4826 * mad
+        out[f"{col}_z"] = ((per[col] - med) / scale.where(scale > 0)).fillna(0.0)
+    return out.drop(columns="bucket")

@@ -1,0 +1,315 @@
+"""Live scoring for the collector: feed samples as they arrive, score every few seconds,
+and score the predictions against what later happened (shadow scoring).
+
+:class:`LiveScorer` keeps, per GPU, the same cumulative grid state as
+:func:`forewarn.models.features.grid_state` and a ring of the last hour of per-minute
+snapshots, all in numpy arrays, so :meth:`LiveScorer.score` computes the feature vectors
+of every GPU at once with :func:`forewarn.models.features.derive` -- the same numbers as
+the batch features a model was trained on -- and runs the predictor on them.
+
+Shadow scoring: every alarm (probability at or above the model's threshold) opens or
+extends an episode; a failure seen later (fatal XID, GPU lost / reset required, a new
+uncorrectable ECC error or row remap) settles it. :meth:`LiveScorer.shadow` returns live
+precision, recall and lead times, which the collector exports as metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Final
+
+import numpy as np
+
+from forewarn.models.features import (
+    ACTIVE,
+    COUNTERS,
+    CUM_COLUMNS,
+    GRID_S,
+    LAGS,
+    LAST_COLUMNS,
+    derive,
+    xid_class,
+)
+from forewarn.models.predictor import FailurePredictor
+from forewarn.wire import Finding, GpuSample, GpuState, XidEvent
+
+__all__ = ["FATAL_XIDS", "LiveScorer", "ShadowStats"]
+
+FATAL_XIDS: Final = frozenset({48, 64, 74, 79, 95, 119, 120})
+"""XIDs that count as a failure for shadow scoring (double-bit ECC, remap failure,
+NVLink, off the bus, uncontained ECC, GSP: REFERENCE.md XID classes)."""
+
+_COLS: Final = CUM_COLUMNS + LAST_COLUMNS
+_IX: Final = {c: i for i, c in enumerate(_COLS)}
+_N_CUM: Final = len(CUM_COLUMNS)
+_RING: Final = max(LAGS) + 1
+_THERMAL_BITS: Final = 0x8 | 0x20 | 0x40
+_POWER_BITS: Final = 0x4 | 0x80
+_MAX_JUMP: Final = 7 * 24 * 60  # minutes
+
+
+@dataclasses.dataclass(frozen=True)
+class ShadowStats:
+    """Live quality of the predictor, from its own predictions and later failures."""
+
+    alarms: int
+    true_alarms: int
+    false_alarms: int
+    open_alarms: int
+    failures: int
+    caught: int
+    precision: float | None
+    recall: float | None
+    lead_time_median_s: float | None
+    lead_times_s: tuple[float, ...]
+
+
+@dataclasses.dataclass
+class _Episode:
+    start: float
+    end: float
+
+
+class LiveScorer:
+    """Incremental features and failure probabilities for a fleet of GPUs.
+
+    Args:
+        model: the predictor (e.g. :func:`forewarn.models.persist.load_default_model`).
+        stale_s: GPUs with no sample for this long are not scored (failed or gone).
+        merge_gap_s: alarms closer than this on one GPU form one episode.
+        lead_min_s: a failure counts as caught only if the alarm came this much earlier.
+
+    Contract: samples of one GPU arrive in time order; :meth:`score` is called with a
+    time at or after the samples it should see. Nothing here raises on bad samples:
+    missing fields count as not supported.
+    """
+
+    def __init__(self, model: FailurePredictor, *, stale_s: float = 180.0,
+                 merge_gap_s: float = 1800.0, lead_min_s: float = 60.0,
+                 capacity: int = 256) -> None:
+        self.model = model
+        self.stale_s = stale_s
+        self.merge_gap_s = merge_gap_s
+        self.lead_min_s = lead_min_s
+        self._index: dict[tuple[str, int], int] = {}
+        self._nodes: list[str] = []
+        self._gpus: list[int] = []
+        self._cur = np.zeros((capacity, len(_COLS)))
+        self._ring = np.zeros((_RING, capacity, _N_CUM))
+        self._first = np.zeros((capacity, _N_CUM))
+        self._first_minute = np.full(capacity, -1, np.int64)
+        self._last_seen = np.full(capacity, -np.inf)
+        self._minute: int | None = None  # last minute snapshotted
+        self._episodes: dict[int, list[_Episode]] = {}
+        self._alarms = self._true = self._false = 0
+        self._failures = self._caught = 0
+        self._leads: list[float] = []
+        self._last_failure: dict[int, float] = {}
+        self.skipped = 0
+        """Samples refused (time far ahead of the others)."""
+        self.late = 0
+        """Samples that arrived after their minute was snapshotted (counted in the next)."""
+
+    # -- ingest -----------------------------------------------------------------------
+    def _slot(self, node: str, gpu: int) -> int:
+        key = (node, gpu)
+        i = self._index.get(key)
+        if i is None:
+            i = len(self._nodes)
+            if i >= len(self._cur):
+                self._grow()
+            self._index[key] = i
+            self._nodes.append(node)
+            self._gpus.append(gpu)
+        return i
+
+    def _grow(self) -> None:
+        cap = len(self._cur) * 2
+        self._cur = np.concatenate([self._cur, np.zeros_like(self._cur)])
+        self._ring = np.concatenate([self._ring, np.zeros_like(self._ring)], axis=1)
+        self._first = np.concatenate([self._first, np.zeros_like(self._first)])
+        self._first_minute = np.concatenate([self._first_minute,
+                                             np.full(cap // 2, -1, np.int64)])
+        self._last_seen = np.concatenate([self._last_seen, np.full(cap // 2, -np.inf)])
+
+    def observe(self, s: GpuSample) -> None:
+        """Take one sample (in time order per GPU)."""
+        minute = int(s.time // GRID_S)
+        if self._minute is not None and minute - self._minute > _MAX_JUMP:
+            self.skipped += 1  # a clock far ahead would wipe the ring: refuse it
+            return
+        if self._minute is not None and minute <= self._minute:
+            self.late += 1  # counted into the open minute, not lost
+        else:
+            self._roll(minute - 1)
+        i = self._slot(s.node, s.gpu)
+        row = self._cur[i]
+        ix = _IX
+        if s.state != GpuState.OK:
+            self._failure(i, s.time)
+        for col, val in (("ecc", s.ecc_corrected_volatile), ("ecc_unc", s.ecc_uncorrected_volatile),
+                         ("remap_c", s.remapped_rows_correctable),
+                         ("remap_u", s.remapped_rows_uncorrectable),
+                         ("ret_sbe", s.retired_pages_sbe), ("ret_dbe", s.retired_pages_dbe),
+                         ("pcie", s.pcie_replay_total)):
+            if val is not None:
+                if col in ("ecc_unc", "remap_u", "ret_dbe") and val > row[ix[col]] \
+                        and self._first_minute[i] >= 0:
+                    self._failure(i, s.time)
+                row[ix[col]] = val
+        if s.nvlink:
+            row[ix["nvl_crc"]] = sum((lk.crc_flit or 0) + (lk.crc_data or 0) for lk in s.nvlink)
+            row[ix["nvl_replay"]] = sum(lk.replay or 0 for lk in s.nvlink)
+            row[ix["nvl_recovery"]] = sum(lk.recovery or 0 for lk in s.nvlink)
+        t, p = s.temperature_c, s.power_w
+        if t is not None or p is not None:
+            row[ix["n"]] += 1
+        if t is not None:
+            row[ix["temp"]] += t
+            row[ix["temp_last"]] = t
+        if s.slowdown_margin_c is not None:
+            row[ix["margin"]] += s.slowdown_margin_c
+            row[ix["margin_last"]] = s.slowdown_margin_c
+        if p is not None:
+            row[ix["power"]] += p
+            row[ix["power2"]] += p * p
+        if s.power_limit_w is not None:
+            row[ix["limit_last"]] = s.power_limit_w
+        thr = s.throttle_reasons or 0
+        row[ix["thr_thermal"]] += (thr & _THERMAL_BITS) != 0
+        row[ix["thr_power"]] += (thr & _POWER_BITS) != 0
+        row[ix["pending"]] += bool(s.remap_pending)
+        if s.pcie_link_width is not None and s.pcie_link_width_max:
+            row[ix["width_ratio"]] = s.pcie_link_width / s.pcie_link_width_max
+        elif self._first_minute[i] < 0:
+            row[ix["width_ratio"]] = 1.0
+        if self._first_minute[i] < 0:
+            self._first_minute[i] = minute
+        self._last_seen[i] = s.time
+
+    def observe_xid(self, x: XidEvent) -> None:
+        """Take one XID event (``gpu`` None: ignored for per-GPU features)."""
+        if x.gpu is None:
+            return
+        i = self._slot(x.node, x.gpu)
+        self._cur[i, _IX[f"xid_{xid_class(x.code)}"]] += 1
+        if x.code in FATAL_XIDS:
+            self._failure(i, x.time)
+
+    # -- grid -------------------------------------------------------------------------
+    def _roll(self, upto: int) -> None:
+        """Snapshot the current state for every minute up to ``upto`` (inclusive)."""
+        if self._minute is None:
+            self._minute = upto
+            return
+        n = len(self._nodes)
+        while self._minute < upto:
+            m = self._minute + 1
+            prev = self._ring[(m - 1) % _RING, :n]
+            snap = self._cur[:n, :_N_CUM]
+            started = (self._first_minute[:n] >= 0) & (self._first_minute[:n] <= m)
+            fresh = self._first_minute[:n] == m
+            for c in ACTIVE:
+                inc = (snap[:, _IX[c]] > prev[:, _IX[c]]) & started & ~fresh
+                snap[:, _IX[f"{c}_active"]] += inc
+            self._ring[m % _RING, :n] = snap
+            self._first[:n][fresh] = snap[fresh]
+            self._minute = m
+
+    # -- scoring ----------------------------------------------------------------------
+    def features(self, now: float) -> tuple[np.ndarray, dict[str, np.ndarray], float]:
+        """(GPU slots, feature columns, feature time) for the GPUs fresh at ``now``."""
+        last_complete = int(now // GRID_S) - 1
+        self._roll(last_complete)
+        n = len(self._nodes)
+        m = last_complete
+        live = np.nonzero((self._first_minute[:n] >= 0) & (self._first_minute[:n] <= m)
+                          & (now - self._last_seen[:n] <= self.stale_s))[0]
+        now_row = self._ring[m % _RING, live]
+        cols = {c: now_row[:, j] for j, c in enumerate(CUM_COLUMNS)}
+        for c in LAST_COLUMNS:
+            cols[c] = self._cur[live, _IX[c]]
+        lag: dict[int, dict[str, np.ndarray]] = {}
+        for k in LAGS:
+            too_early = (m - k) < self._first_minute[live]
+            rows = np.where(too_early[:, None], self._first[live],
+                            self._ring[(m - k) % _RING, live])
+            lag[k] = {c: rows[:, j] for j, c in enumerate(CUM_COLUMNS)}
+        return live, derive(cols, lag), (m + 1) * GRID_S
+
+    def score(self, now: float) -> list[Finding]:
+        """Findings for every GPU whose failure probability is at or above threshold."""
+        live, feats, _t = self.features(now)
+        if len(live) == 0:
+            return []
+        x = np.column_stack([feats[c] for c in self.model.feature_names])
+        probs = self.model.predict_proba(x)
+        nodes = np.asarray(self._nodes, dtype=object)[live]
+        gpus = np.asarray(self._gpus)[live]
+        for i in live[probs >= self.model.threshold]:
+            self._alarm(int(i), now)
+        self._settle(now)
+        return self.model.findings(nodes, gpus, probs, now)
+
+    # -- shadow scoring ---------------------------------------------------------------
+    def _alarm(self, i: int, now: float) -> None:
+        eps = self._episodes.setdefault(i, [])
+        if eps and now - eps[-1].end <= self.merge_gap_s:
+            eps[-1].end = now
+        else:
+            eps.append(_Episode(now, now))
+            self._alarms += 1
+
+    def _failure(self, i: int, t: float) -> None:
+        last = self._last_failure.get(i)
+        if last is not None and t - last < self.model.horizon_s:
+            return
+        self._last_failure[i] = t
+        self._failures += 1
+        best = None
+        remaining = []
+        for ep in self._episodes.get(i, []):
+            if ep.start + self.lead_min_s <= t <= ep.end + self.model.horizon_s:
+                self._true += 1
+                best = max(best or 0.0, t - ep.start)
+            elif ep.start <= t:
+                self._false += 1
+            else:
+                remaining.append(ep)
+        self._episodes[i] = remaining
+        if best is not None:
+            self._caught += 1
+            self._leads.append(best)
+
+    def _settle(self, now: float) -> None:
+        for i, eps in self._episodes.items():
+            keep = []
+            for ep in eps:
+                if now - ep.end > self.model.horizon_s:
+                    self._false += 1
+                else:
+                    keep.append(ep)
+            self._episodes[i] = keep
+
+    def shadow(self) -> ShadowStats:
+        """Live precision (settled alarms), recall and lead times so far."""
+        settled = self._true + self._false
+        leads = tuple(self._leads)
+        return ShadowStats(
+            alarms=self._alarms, true_alarms=self._true, false_alarms=self._false,
+            open_alarms=sum(len(e) for e in self._episodes.values()),
+            failures=self._failures, caught=self._caught,
+            precision=self._true / settled if settled else None,
+            recall=self._caught / self._failures if self._failures else None,
+            lead_time_median_s=float(np.median(leads)) if leads else None,
+            lead_times_s=leads,
+        )
+
+    @property
+    def gpus(self) -> int:
+        """GPUs seen so far."""
+        return len(self._nodes)
+
+    def counters_snapshot(self) -> dict[str, float]:
+        """Raw counter columns of the current state (for debugging)."""
+        return {c: float(self._cur[:, _IX[c]].sum()) for c in COUNTERS}

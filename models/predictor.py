@@ -1,0 +1,153 @@
+"""Failure predictor: P(this GPU fails within horizon H) from windowed features.
+
+A scikit-learn :class:`~sklearn.ensemble.HistGradientBoostingClassifier` calibrated with
+isotonic regression (:class:`~sklearn.calibration.CalibratedClassifierCV`), trained on
+per-minute feature rows (:mod:`forewarn.models.features`) labelled 1 when the GPU fails
+within ``horizon_s`` after the row. Rows after a failure are dropped; negatives are
+subsampled every ``neg_stride`` minutes and weighted back so that the calibrated
+probability keeps the true base rate. The operating threshold is tuned on GPUs held out
+of the fit (by default: the most recall whose false alarms stay under
+``target_false_alarms`` per 1,000 GPU-days), and is configurable afterwards.
+
+Gradient boosting for GPU failure prediction follows Liu et al. (SYSTOR 2023,
+REFERENCE.md), who found single GBDTs imprecise on real fleets; here the model is judged
+on simulated data it never saw (docs/models.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from sklearn.calibration import CalibratedClassifierCV
+from sklearn.ensemble import HistGradientBoostingClassifier
+
+from forewarn.models.evaluate import evaluate_scores
+from forewarn.models.features import FEATURE_NAMES
+from forewarn.wire import Finding, Health, Subject, SuggestedAction
+
+__all__ = ["FailurePredictor", "label_rows", "train_predictor"]
+
+
+@dataclasses.dataclass
+class FailurePredictor:
+    """A calibrated failure-probability model and its operating point."""
+
+    classifier: Any
+    feature_names: tuple[str, ...] = FEATURE_NAMES
+    horizon_s: float = 3600.0
+    threshold: float = 0.5
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    check_name: str = "models.failure_predictor"
+
+    def predict_proba(self, features: pd.DataFrame | np.ndarray) -> np.ndarray:
+        """P(failure within ``horizon_s``) for each row."""
+        if isinstance(features, pd.DataFrame):
+            x = features.loc[:, list(self.feature_names)].to_numpy(dtype=np.float64)
+        else:
+            x = np.asarray(features, dtype=np.float64)
+        if len(x) == 0:
+            return np.zeros(0)
+        p: np.ndarray = self.classifier.predict_proba(x)[:, 1]
+        return p
+
+    def score(self, features: pd.DataFrame) -> pd.DataFrame:
+        """``node, gpu, time, p`` for each feature row."""
+        out = features[["node", "gpu", "time"]].copy()
+        out["p"] = self.predict_proba(features)
+        return out
+
+    def findings(self, nodes: np.ndarray, gpus: np.ndarray, probs: np.ndarray, now: float,
+                 evidence: dict[str, np.ndarray] | None = None) -> list[Finding]:
+        """Findings for the GPUs whose probability is at or above the threshold."""
+        out = []
+        for i in np.nonzero(probs >= self.threshold)[0]:
+            p = float(probs[i])
+            ev: dict[str, float | int | str | bool | None] = {"probability": round(p, 4)}
+            if evidence:
+                ev.update({k: round(float(v[i]), 4) for k, v in evidence.items()})
+            out.append(Finding(
+                check=self.check_name,
+                health=Health.DEGRADED if p < 0.8 else Health.UNHEALTHY,
+                subject=Subject(kind="gpu", node=str(nodes[i]), gpu=int(gpus[i])),
+                reason=(f"P(GPU fails within {self.horizon_s / 60:.0f} min) = {p:.2f} "
+                        f"(threshold {self.threshold:.2f})"),
+                action=SuggestedAction.CHECKPOINT,
+                evidence=ev, time=now, probability=min(1.0, max(0.0, p)),
+                horizon_s=self.horizon_s,
+            ))
+        return out
+
+
+def label_rows(features: pd.DataFrame, labels: pd.DataFrame, horizon_s: float
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """``(y, keep)``: y = 1 when the GPU fails within ``horizon_s`` after the row; rows at
+    or after the GPU's failure are not kept (the failure itself is no prediction)."""
+    fail = labels.groupby(["node", "gpu"])["time"].min().rename("fail")
+    f = features[["node", "gpu", "time"]].join(fail, on=["node", "gpu"])
+    t, ft = f["time"].to_numpy(), f["fail"].to_numpy()
+    has = ~np.isnan(ft)
+    keep = ~has | (t < ft)
+    y = has & (t < ft) & (ft - t <= horizon_s)
+    return y.astype(np.int8), keep
+
+
+def _tune_threshold(scored: pd.DataFrame, labels: pd.DataFrame, horizon_s: float,
+                    target_false_alarms: float) -> float:
+    best = 0.99
+    for thr in np.round(np.arange(0.05, 0.99, 0.01), 2)[::-1]:
+        r = evaluate_scores(scored, labels, float(thr), horizon_s=horizon_s)
+        if r.false_alarms_per_1000_gpu_days <= target_false_alarms and r.precision >= 0.9:
+            best = float(thr)
+        else:
+            break
+    return best
+
+
+def train_predictor(features: pd.DataFrame, labels: pd.DataFrame, *,
+                    horizon_s: float = 3600.0, neg_stride: int = 5,
+                    tune_share: float = 0.25, target_false_alarms: float = 0.5,
+                    threshold: float | None = None, seed: int = 0,
+                    max_iter: int = 200) -> FailurePredictor:
+    """Fit the calibrated predictor on ``features`` (from :func:`gpu_features`) and failure
+    ``labels``; tune the threshold on a held-out share of GPUs unless one is given."""
+    start = time.perf_counter()
+    rng = np.random.default_rng(seed)
+    y, keep = label_rows(features, labels, horizon_s)
+    gpu_key = features["node"].astype(str) + "/" + features["gpu"].astype(str)
+    gpus = gpu_key.unique()
+    tune_gpus = set(rng.choice(gpus, size=int(len(gpus) * tune_share), replace=False)) \
+        if threshold is None and tune_share > 0 else set()
+    is_tune = gpu_key.isin(tune_gpus).to_numpy()
+    minute = (features["time"].to_numpy() // 60).astype(np.int64)
+    sub = (y == 1) | (minute % neg_stride == 0)
+    fit_rows = keep & ~is_tune & sub
+    x = features.loc[fit_rows, list(FEATURE_NAMES)].to_numpy(dtype=np.float64)
+    yf = y[fit_rows]
+    if yf.sum() < 6:
+        raise ValueError(f"too few positive rows to train on ({int(yf.sum())}); "
+                         "use more data or a longer horizon")
+    w = np.where(yf == 1, 1.0, float(neg_stride))
+    base = HistGradientBoostingClassifier(max_iter=max_iter, learning_rate=0.08,
+                                          max_leaf_nodes=31, l2_regularization=1.0,
+                                          random_state=seed)
+    clf = CalibratedClassifierCV(base, method="isotonic", cv=3, ensemble=False)
+    clf.fit(x, yf, sample_weight=w)
+    pred = FailurePredictor(classifier=clf, horizon_s=horizon_s)
+    if threshold is None:
+        tune = features.loc[is_tune & keep]
+        tune_labels = labels[(labels["node"].astype(str) + "/" + labels["gpu"].astype(str))
+                             .isin(tune_gpus)]
+        scored = pred.score(tune)
+        threshold = _tune_threshold(scored, tune_labels, horizon_s, target_false_alarms)
+    pred.threshold = float(threshold)
+    pred.metadata = {
+        "trained_at": time.time(), "train_seconds": round(time.perf_counter() - start, 2),
+        "train_rows": int(fit_rows.sum()), "positive_rows": int(yf.sum()),
+        "failures": len(labels), "horizon_s": horizon_s, "neg_stride": neg_stride,
+        "target_false_alarms_per_1000": target_false_alarms,
+    }
+    return pred
