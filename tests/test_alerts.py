@@ -136,9 +136,12 @@ def stop_service(svc: Service) -> None:
 
 
 def ranks_on(node: str, first_rank: int, now: float) -> list[RankSummary]:
+    """Two ranks of job train-1 on ``node``, last checkpointed an hour ago."""
     return [RankSummary(job="train-1", rank=first_rank + g, world_size=4, node=node, gpu=g,
                         pid=100 + first_rank + g, last_step=500, last_step_time=now,
-                        step_seconds_p50=0.2) for g in range(2)]
+                        step_seconds_p50=0.2, last_checkpoint_step=100,
+                        last_checkpoint_time=now - 3600, checkpoint_seconds=30.0)
+            for g in range(2)]
 
 
 @pytest.fixture
