@@ -264,10 +264,12 @@ class Uplink:
 
     def start(self, agent: Any = None) -> None:
         """Register metrics, find the ranks component, start the push and poll threads."""
-        registry = self._registry
-        if registry is None:
-            registry = getattr(agent, "registry", None) or CollectorRegistry()
-        self.metrics = _Metrics(registry)
+        if self.metrics is None:  # a restarted uplink keeps its metrics
+            registry = self._registry
+            if registry is None:
+                registry = getattr(agent, "registry", None) or CollectorRegistry()
+            self.metrics = _Metrics(registry)
+        self._stop.clear()
         if self.ranks is None and agent is not None:
             self.ranks = next((c for c in getattr(agent, "components", ())
                                if getattr(c, "name", "") == "ranks"), None)

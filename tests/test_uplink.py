@@ -242,7 +242,6 @@ def test_refused_batch_is_dropped_and_server_errors_are_retried(tmp_path: Path) 
     reg = CollectorRegistry()
     cfg = agent_config(tmp_path, 1, push_interval_s=3600)
     up = Uplink(cfg, transport=httpx.MockTransport(handler), registry=reg, retry_s=0.01)
-    up.metrics = None
     up.start()
     try:
         up.add(samples=samples("a", 1.0), urgent=True)
