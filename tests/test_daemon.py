@@ -12,6 +12,8 @@ import time
 import urllib.request
 from typing import Any
 
+import pytest
+
 from forewarn.agent.checks.xid import XidCheck
 from forewarn.agent.config import AgentConfig
 from forewarn.agent.daemon import Agent, Poll
@@ -271,3 +273,29 @@ def test_components_can_register_collectors() -> None:
     text = generate_latest(agent.registry).decode()
     assert 'forewarn_rank_test{job="j"} 1.0' in text and "forewarn_gpu_health" in text
     agent.stop()
+
+
+def test_unreadable_kmsg_is_a_warning_not_an_error(tmp_path: Any, caplog: Any) -> None:
+    from forewarn.agent.daemon import build_xid_sources
+
+    config = AgentConfig(node="n", source="nvml", kmsg_path=tmp_path / "no-kmsg")
+    assert build_xid_sources(config) == []
+    assert "continuing without the kernel log" in caplog.text
+    assert build_xid_sources(AgentConfig(node="n", kmsg=False)) == []
+    # Simulated and replayed nodes have no kernel log of theirs to read.
+    assert build_xid_sources(AgentConfig(node="n", source="sim")) == []
+
+
+def test_build_backend_errors_name_the_problem(tmp_path: Any) -> None:
+    from forewarn.agent.backend import SourceUnavailable
+    from forewarn.agent.daemon import build_backend
+    from forewarn.config import ConfigError
+
+    with pytest.raises(ConfigError, match="replay_path"):
+        build_backend(AgentConfig(node="n", source="replay"))
+    bad = tmp_path / "scenario.toml"
+    bad.write_text("gpus = 'many'\n")
+    with pytest.raises(SourceUnavailable, match=str(bad)):
+        build_backend(AgentConfig(node="n", source="sim", scenario=bad))
+    sim = build_backend(AgentConfig(node="n", source="sim", sim_gpus=3))
+    assert sim.name == "sim" and sim.simulated
