@@ -113,6 +113,9 @@ def parse_exposition(text: str) -> tuple[dict[int, _Gpu], int]:
     not hide the rest of the scrape.
     """
     skipped = 0
+    # Keep only the series we map (cheap string checks) before the costly parser: a
+    # full 8-GPU scrape with profiling fields is mostly series we do not use.
+    text = "".join(ln + "\n" for ln in text.splitlines() if _wanted(ln))
     try:
         samples = [_named(fam, s) for fam in text_string_to_metric_families(text)
                    for s in fam.samples]
@@ -147,6 +150,21 @@ def parse_exposition(text: str) -> tuple[dict[int, _Gpu], int]:
         for name, value in g.mig.items():
             g.values.setdefault(name, value)
     return gpus, skipped
+
+
+_WANTED = frozenset(FIELD_MAP) | _FB | {"DCGM_FI_DEV_SLOWDOWN_TEMP", "DCGM_FI_DEV_XID_ERRORS"}
+
+
+def _wanted(line: str) -> bool:
+    """A sample line of a series we map, or any line that is not a comment (so that junk
+    is still seen and counted)."""
+    if not line or line.startswith("#"):
+        return False
+    if not line.startswith("DCGM_FI_"):
+        return bool(line.strip())
+    end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=len(line))
+    name = line[:end]
+    return name in _WANTED or _NVLINK.match(name) is not None
 
 
 def _named(fam: Any, s: Any) -> tuple[str, Any]:
