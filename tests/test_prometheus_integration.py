@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -14,18 +13,11 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-PROMETHEUS = shutil.which("prometheus") or (
-    "/usr/bin/prometheus" if Path("/usr/bin/prometheus").exists() else None)
-
-pytestmark = pytest.mark.skipif(
-    PROMETHEUS is None,
-    reason="the prometheus binary is not installed (apt-get install prometheus; CI does)")
 
 SCENARIO = """
 name = "itest"
@@ -107,7 +99,14 @@ def agent(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
 
 
 @pytest.fixture
-def prometheus(tmp_path: Path, agent: tuple[str, subprocess.Popen[bytes]]
+def prometheus_binary(require_binary: Callable[[str], str]) -> str:
+    """Debian's /usr/bin/prometheus; skips when missing (fails under CI, see conftest)."""
+    return require_binary("prometheus")
+
+
+@pytest.fixture
+def prometheus(tmp_path: Path, prometheus_binary: str,
+               agent: tuple[str, subprocess.Popen[bytes]]
                ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     address, _ = agent
     config = tmp_path / "prometheus.yml"
@@ -118,7 +117,7 @@ def prometheus(tmp_path: Path, agent: tuple[str, subprocess.Popen[bytes]]
     port = free_port()
     log = (tmp_path / "prometheus.log").open("wb")
     proc = subprocess.Popen(
-        [str(PROMETHEUS), f"--config.file={config}",
+        [prometheus_binary, f"--config.file={config}",
          f"--storage.tsdb.path={tmp_path / 'tsdb'}",
          f"--web.listen-address=127.0.0.1:{port}"],
         stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
@@ -142,6 +141,7 @@ def query(base: str, promql: str) -> list[dict[str, Any]]:
 
 
 def test_prometheus_scrapes_agent_and_sees_xid79_unhealthy(
+    prometheus_binary: str,
     agent: tuple[str, subprocess.Popen[bytes]],
     prometheus: tuple[str, subprocess.Popen[bytes]],
 ) -> None:
