@@ -1,0 +1,172 @@
+"""CheckpointWriter: atomic layout, manifest, keep-last, verification and fallback, DCP."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from forewarn.hook import CheckpointWriter  # noqa: E402
+from forewarn.hook.checkpoint import MANIFEST  # noqa: E402
+
+
+def _state(step: int) -> dict[str, object]:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(4, 3, generator=g), "step": step, "opt": {"lr": 0.1, "m": [1, 2]}}
+
+
+def test_save_writes_a_manifest_with_sha256_and_loads_back(tmp_path: Path) -> None:
+    w = CheckpointWriter(tmp_path / "ck", keep_last=3)
+    res = w.save(5, _state(5))
+    assert res.step == 5 and res.bytes > 0 and res.seconds >= 0
+    assert Path(res.path).name == "step-000000005"
+    manifest = json.loads((Path(res.path) / MANIFEST).read_text())
+    assert manifest["step"] == 5 and manifest["kind"] == "torch"
+    entry = manifest["files"]["state.pt"]
+    assert entry["bytes"] == (Path(res.path) / "state.pt").stat().st_size
+    assert len(entry["sha256"]) == 64
+    assert res.bytes == entry["bytes"] + (Path(res.path) / MANIFEST).stat().st_size
+    assert not [p for p in (tmp_path / "ck").iterdir() if p.name.startswith(".")]
+    loaded = w.load_latest()
+    assert loaded is not None and loaded.step == 5 and loaded.skipped == ()
+    assert torch.equal(loaded.state["w"], _state(5)["w"])
+    assert loaded.state["opt"] == {"lr": 0.1, "m": [1, 2]}
+
+
+def test_keep_last_n(tmp_path: Path) -> None:
+    w = CheckpointWriter(tmp_path, keep_last=2)
+    for s in (1, 2, 3, 4):
+        w.save(s, _state(s))
+    assert [s for s, _ in w.checkpoints()] == [3, 4]
+
+
+def test_incomplete_save_is_invisible_and_cleaned_up(tmp_path: Path) -> None:
+    w = CheckpointWriter(tmp_path)
+    w.save(1, _state(1))
+    crashed = tmp_path / ".tmp-step-000000002"  # a save that died before its rename
+    crashed.mkdir()
+    (crashed / "state.pt").write_bytes(b"partial")
+    loaded = w.load_latest()
+    assert loaded is not None and loaded.step == 1
+    w.save(3, _state(3))
+    assert not crashed.exists()
+
+
+def test_corrupt_newest_falls_back_to_previous_and_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    w = CheckpointWriter(tmp_path, keep_last=3)
+    for s in (10, 20, 30):
+        w.save(s, _state(s))
+    newest = tmp_path / "step-000000030" / "state.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped bit-pattern, same size
+    newest.write_bytes(bytes(data))
+    (tmp_path / "step-000000020" / MANIFEST).write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="forewarn.hook"):
+        loaded = w.load_latest()
+    assert loaded is not None and loaded.step == 10
+    assert torch.equal(loaded.state["w"], _state(10)["w"])
+    reasons = dict(loaded.skipped)
+    assert "sha256 mismatch" in reasons[str(tmp_path / "step-000000030")]
+    assert "manifest.json unreadable" in reasons[str(tmp_path / "step-000000020")]
+    assert "step-000000030" in caplog.text and "sha256 mismatch" in caplog.text
+
+
+def test_truncated_or_missing_files_are_detected(tmp_path: Path) -> None:
+    w = CheckpointWriter(tmp_path)
+    r1 = w.save(1, _state(1))
+    r2 = w.save(2, _state(2))
+    assert w.verify(r2.path) is None
+    f = Path(r2.path) / "state.pt"
+    f.write_bytes(f.read_bytes()[:-10])
+    assert "bytes, manifest says" in (w.verify(r2.path) or "")
+    os.unlink(f)
+    assert w.verify(r2.path) == "state.pt missing"
+    os.unlink(Path(r1.path) / MANIFEST)
+    assert w.verify(r1.path) == "manifest.json missing"
+    assert w.load_latest() is None
+
+
+def test_unsafe_pickles_are_refused(tmp_path: Path) -> None:
+    """A checkpoint whose manifest is intact but which holds arbitrary objects does not
+    run code on load (weights_only=True)."""
+    w = CheckpointWriter(tmp_path)
+    res = w.save(1, _state(1))
+    evil = Path(res.path) / "state.pt"
+    torch.save({"x": _Evil()}, evil)
+    manifest = json.loads((Path(res.path) / MANIFEST).read_text())
+    import hashlib
+
+    manifest["files"]["state.pt"] = {"bytes": evil.stat().st_size,
+                                     "sha256": hashlib.sha256(evil.read_bytes()).hexdigest()}
+    (Path(res.path) / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(Exception, match=r"[Ww]eights only"):
+        w.load_latest()
+
+
+class _Evil:
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (print, ("pwned",))
+
+
+def test_same_step_saved_twice_replaces_it(tmp_path: Path) -> None:
+    w = CheckpointWriter(tmp_path)
+    w.save(4, _state(1))
+    w.save(4, _state(2))
+    loaded = w.load_latest()
+    assert loaded is not None and torch.equal(loaded.state["w"], _state(2)["w"])
+    assert [s for s, _ in w.checkpoints()] == [4]
+
+
+_DCP_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch, torch.distributed as dist
+    from forewarn.hook import CheckpointWriter
+    rank, world, init, out, use_async = sys.argv[1:6]
+    rank, world = int(rank), int(world)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    w = CheckpointWriter(out, keep_last=2)
+    for step in (3, 6):
+        state = {"w": torch.full((4,), float(step * 10 + rank)), "step": torch.tensor(step)}
+        res = (w.save_async(step, state).wait() if use_async == "1" else w.save(step, state))
+        print("saved", res.step, res.bytes > 0, flush=True)
+    dist.barrier()
+    target = {"w": torch.zeros(4), "step": torch.tensor(0)}
+    got = w.load_latest(target)
+    print("loaded", got.step, int(target["step"]), target["w"].tolist(), flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.parametrize("use_async", ["0", "1"])
+def test_dcp_two_ranks_save_the_same_step_and_load(tmp_path: Path, use_async: str) -> None:
+    script = tmp_path / "dcp.py"
+    script.write_text(_DCP_SCRIPT)
+    init = f"file://{tmp_path / 'rdzv'}"
+    out = tmp_path / "ck"
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(r), "2", init, str(out), use_async],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (_so, se) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, se[-3000:]
+    for so, _ in outs:
+        lines = so.splitlines()
+        assert lines[:2] == ["saved 3 True", "saved 6 True"]
+        assert lines[2].startswith("loaded 6 6 ")
+    # each rank's tensor holds its own values: the key is replicated, rank 0's copy saved
+    manifest = json.loads((out / "step-000000006" / MANIFEST).read_text())
+    assert manifest["kind"] == "dcp" and ".metadata" in manifest["files"]
+    assert [p.name for p in sorted(out.iterdir())] == ["step-000000003", "step-000000006"]

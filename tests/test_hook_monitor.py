@@ -1,0 +1,330 @@
+"""Monitor against a real Unix datagram socket bound by the test (standing in for the agent)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from forewarn import wire
+from forewarn.hook import Monitor
+from forewarn.hook._identity import identity_from_env
+from forewarn.hook._pack import build_step_packer
+
+Msg = wire.StepRecord | wire.Beat | wire.CheckpointReport
+
+
+class FakeAgent:
+    """A bound datagram socket that decodes what the hook sends (the agent's side)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(path)
+        self.seen: list[Msg] = []
+
+    def recv(self, timeout: float = 5.0) -> Msg | None:
+        self.sock.settimeout(timeout)
+        try:
+            data = self.sock.recv(65536)
+        except TimeoutError:
+            return None
+        msg = wire.decode_hook_message(data)
+        self.seen.append(msg)
+        return msg
+
+    def wait_for(self, pred: Callable[[Msg], bool], timeout: float = 5.0) -> Msg:
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            msg = self.recv(left)
+            if msg is not None and pred(msg):
+                return msg
+        raise AssertionError(f"no matching message within {timeout}s; saw {self.seen[-5:]}")
+
+    def beat(self) -> wire.Beat:
+        msg = self.wait_for(lambda m: isinstance(m, wire.Beat))
+        assert isinstance(msg, wire.Beat)
+        return msg
+
+    def order(self, reply_to: str, job: str, step: int, rid: str) -> None:
+        o = wire.CheckpointOrder(request_id=rid, job=job, step=step, reason="test",
+                                 issued=time.time())
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(wire.encode(o), reply_to)
+
+    def close(self) -> None:
+        self.sock.close()
+        os.unlink(self.path)
+
+
+@pytest.fixture
+def sockdir() -> Iterator[str]:
+    d = tempfile.mkdtemp(prefix="fw-")  # short: AF_UNIX paths are limited to 108 bytes
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def agent(sockdir: str) -> Iterator[FakeAgent]:
+    a = FakeAgent(os.path.join(sockdir, "agent.sock"))
+    yield a
+    a.sock.close()
+
+
+def _monitor(agent_path: str, **kw: object) -> Monitor:
+    kw.setdefault("job", "job-a")
+    kw.setdefault("rank", 1)
+    kw.setdefault("world_size", 2)
+    kw.setdefault("handle_sigterm", False)
+    kw.setdefault("beat_interval_s", 0.1)
+    return Monitor(socket_path=agent_path, **kw)  # type: ignore[arg-type]
+
+
+def test_fast_encoding_decodes_to_the_same_record() -> None:
+    ident = identity_from_env(job="j" * 200, rank=3, world_size=8, local_rank=3)
+    pack = build_step_packer(ident)
+    data = pack(2**40, 1_700_000_000.25, 0.125, float("nan"), 1e300)
+    got = wire.decode_hook_message(data)
+    assert isinstance(got, wire.StepRecord)
+    want = wire.StepRecord(job=ident.job, rank=3, local_rank=3, world_size=8, pid=ident.pid,
+                           host=ident.host, step=2**40, time=1_700_000_000.25,
+                           step_seconds=0.125, loss=float("nan"), grad_norm=1e300)
+    assert got.loss != got.loss  # NaN survives msgpack
+    assert wire.encode(got) == wire.encode(want)
+
+
+def test_steps_arrive_with_values_step_time_and_extras(agent: FakeAgent) -> None:
+    with _monitor(agent.path) as mon:
+        agent.beat()  # the first beat goes out at construction
+        mon.step(0, loss=2.0, grad_norm=1.0)
+        mon.step(1, loss=1.5, grad_norm=0.5)
+        mon.step(2, loss=1, tokens=4096)  # int loss, no grad norm, an extra
+        recs = [agent.wait_for(lambda m: isinstance(m, wire.StepRecord)) for _ in range(3)]
+    assert [r.step for r in recs] == [0, 1, 2]  # type: ignore[union-attr]
+    r0, r1, r2 = recs
+    assert isinstance(r0, wire.StepRecord) and isinstance(r1, wire.StepRecord)
+    assert isinstance(r2, wire.StepRecord)
+    assert (r0.job, r0.rank, r0.world_size, r0.pid) == ("job-a", 1, 2, os.getpid())
+    assert r0.step_seconds is None and r1.step_seconds is not None and r1.step_seconds >= 0
+    assert (r1.loss, r1.grad_norm) == (1.5, 0.5)
+    assert (r2.loss, r2.grad_norm, r2.extras) == (1.0, None, {"tokens": 4096.0})
+    assert abs(r1.time - time.time()) < 60
+
+
+def test_cpu_tensor_values_are_read(agent: FakeAgent) -> None:
+    torch = pytest.importorskip("torch")
+    with _monitor(agent.path) as mon:
+        mon.step(0, loss=torch.tensor(0.5), grad_norm=torch.tensor(3.0, dtype=torch.float64))
+        rec = agent.wait_for(lambda m: isinstance(m, wire.StepRecord))
+    assert isinstance(rec, wire.StepRecord)
+    assert (rec.loss, rec.grad_norm) == (0.5, 3.0)
+
+
+def test_beats_carry_last_step_dropped_and_a_private_reply_socket(agent: FakeAgent) -> None:
+    with _monitor(agent.path) as mon:
+        first = agent.beat()
+        assert first.last_step is None
+        mon.step(7, loss=1.0, grad_norm=1.0)
+        beat = agent.wait_for(lambda m: isinstance(m, wire.Beat) and m.last_step == 7)
+        assert isinstance(beat, wire.Beat)
+        assert beat.reply_to == mon.reply_path and beat.dropped == 0
+        st = os.stat(beat.reply_to)
+        assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(os.path.dirname(beat.reply_to)).st_mode) == 0o700
+        reply = beat.reply_to
+    assert not os.path.exists(reply)  # close() removes it
+
+
+def test_order_makes_should_checkpoint_true_at_that_step(agent: FakeAgent) -> None:
+    with _monitor(agent.path) as mon:
+        beat = agent.beat()
+        mon.step(0, loss=1.0, grad_norm=1.0)
+        agent.order(beat.reply_to, "job-a", 3, "req-1")
+        _wait(lambda: mon.stats.orders == 1)
+        hits = []
+        for s in range(1, 6):
+            mon.step(s, loss=1.0, grad_norm=1.0)
+            if mon.should_checkpoint(s):
+                hits.append(s)
+                mon.checkpoint_done(s, 0.25, 1234, "/ckpt/step-3")
+        assert hits == [3]
+        started = agent.wait_for(lambda m: isinstance(m, wire.CheckpointReport))
+        done = agent.wait_for(lambda m: isinstance(m, wire.CheckpointReport))
+    assert isinstance(started, wire.CheckpointReport) and isinstance(done, wire.CheckpointReport)
+    assert (started.phase, started.step, started.request_id) == ("started", 3, "req-1")
+    assert (done.phase, done.step, done.request_id) == ("done", 3, "req-1")
+    assert (done.seconds, done.bytes, done.path) == (0.25, 1234, "/ckpt/step-3")
+
+
+def test_order_for_a_passed_step_is_reported_missed(agent: FakeAgent) -> None:
+    with _monitor(agent.path) as mon:
+        beat = agent.beat()
+        for s in range(10):
+            mon.step(s, loss=1.0, grad_norm=1.0)
+        agent.order(beat.reply_to, "job-a", 5, "late")
+        missed = agent.wait_for(lambda m: isinstance(m, wire.CheckpointReport))
+        assert isinstance(missed, wire.CheckpointReport)
+        assert (missed.phase, missed.step, missed.request_id) == ("missed", 9, "late")
+        assert not any(mon.should_checkpoint(s) for s in range(10, 20))
+        # the agent's new order is obeyed
+        agent.order(beat.reply_to, "job-a", 12, "again")
+        _wait(lambda: mon.stats.orders == 1)
+        assert [s for s in range(10, 20) if mon.should_checkpoint(s)] == [12]
+        assert mon.stats.missed == 1
+
+
+def test_orders_for_other_jobs_duplicates_and_junk_are_ignored(agent: FakeAgent) -> None:
+    with _monitor(agent.path) as mon:
+        beat = agent.beat()
+        agent.order(beat.reply_to, "job-b", 5, "x")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(b"\xc1 not msgpack", beat.reply_to)
+            s.sendto(wire.encode({"request_id": "r", "job": "job-a"}), beat.reply_to)
+        agent.order(beat.reply_to, "job-a", 5, "dup")
+        agent.order(beat.reply_to, "job-a", 6, "dup")  # same request id: ignored
+        _wait(lambda: mon.stats.orders_invalid == 2 and mon.stats.orders_ignored == 2)
+        assert mon.stats.orders == 1
+        assert [s for s in range(10) if mon.should_checkpoint(s)] == [5]
+
+
+def test_no_agent_counts_drops_and_training_runs(sockdir: str) -> None:
+    mon = _monitor(os.path.join(sockdir, "nobody.sock"))
+    for s in range(100):
+        mon.step(s, loss=1.0, grad_norm=1.0)
+        assert mon.should_checkpoint(s) is False
+    mon.checkpoint_done(99, 1.0, 10)
+    assert mon.dropped >= 101 and not mon.connected
+    assert mon.stats.failures == 0
+    mon.close()
+
+
+def test_junk_arguments_never_raise(agent: FakeAgent) -> None:
+    with _monitor(agent.path) as mon:
+        mon.step(-1)
+        mon.step("seven")  # type: ignore[arg-type]
+        mon.step(1, loss=object())
+        mon.step(2, loss="nan?", grad_norm=[1, 2])
+        mon.step(3, **{"x" * 500: 1.0, "bad": object()})
+        mon.step(2**70, loss=1.0, grad_norm=1.0)
+        mon.checkpoint_done("x", "y", "z")  # type: ignore[arg-type]
+        assert mon.should_checkpoint(None) is False  # type: ignore[arg-type]
+        mon.step(4, loss=1.0, grad_norm=1.0)
+        rec = agent.wait_for(lambda m: isinstance(m, wire.StepRecord) and m.step == 4)
+        assert rec is not None
+        assert mon.stats.failures >= 5
+
+
+def test_reconnects_when_the_agent_comes_back(sockdir: str) -> None:
+    path = os.path.join(sockdir, "agent.sock")
+    first = FakeAgent(path)
+    mon = _monitor(path)
+    try:
+        mon.step(0, loss=1.0, grad_norm=1.0)
+        first.wait_for(lambda m: isinstance(m, wire.StepRecord))
+        first.close()  # the agent dies
+        for s in range(1, 50):
+            mon.step(s, loss=1.0, grad_norm=1.0)
+            time.sleep(0.005)
+        assert mon.dropped > 0
+        second = FakeAgent(path)  # and comes back
+        _wait(lambda: mon.connected, timeout=5.0)
+        mon.step(100, loss=1.0, grad_norm=1.0)
+        rec = second.wait_for(lambda m: isinstance(m, wire.StepRecord))
+        assert isinstance(rec, wire.StepRecord) and rec.step == 100
+        beat = second.beat()
+        assert beat.dropped == mon.dropped > 0
+        second.close()
+    finally:
+        mon.close()
+
+
+def test_environment_identity(monkeypatch: pytest.MonkeyPatch) -> None:
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "abc"}
+    i = identity_from_env(env=env)
+    assert (i.job, i.rank, i.world_size, i.local_rank) == ("abc", 3, 4, 1)
+    slurm = {"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "2", "SLURM_JOB_ID": "77"}
+    i = identity_from_env(env=slurm)
+    assert (i.job, i.rank, i.world_size, i.local_rank) == ("slurm-77", 5, 8, 2)
+    i = identity_from_env(env={"RANK": "zero", "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+    assert (i.rank, i.job) == (0, "torchrun-h-1")
+    with pytest.raises(ValueError, match="rank"):
+        identity_from_env(rank=4, world_size=4, env={})
+
+
+def _wait(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.01)
+
+
+# ---------------------------------------------------------------------- SIGTERM
+
+_SIGTERM_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys
+    from forewarn.hook import Monitor
+    mode = sys.argv[2]
+    if mode == "callable":
+        def user_handler(signum, frame):
+            print("user handler", signum, flush=True)
+            sys.exit(7)
+        signal.signal(signal.SIGTERM, user_handler)
+    mon = Monitor(job="pre", rank=0, world_size=1, socket_path=sys.argv[1], beat_interval_s=0.1)
+    for step in range(100):
+        mon.step(step, loss=1.0, grad_norm=1.0)
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        if mode != "never-checks" and mon.should_checkpoint(step):
+            print("checkpoint", step, mon.preempted, flush=True)
+            mon.checkpoint_done(step, 0.5, 10)
+            print("still running after checkpoint_done", flush=True)
+    print("finished", flush=True)
+    """
+)
+
+
+def _run_sigterm(tmp_path: Path, agent: FakeAgent, mode: str) -> subprocess.CompletedProcess[str]:
+    script = tmp_path / "pre.py"
+    script.write_text(_SIGTERM_SCRIPT)
+    return subprocess.run([sys.executable, str(script), agent.path, mode], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_sigterm_checkpoints_at_the_next_step_then_dies_by_sigterm(
+    tmp_path: Path, agent: FakeAgent
+) -> None:
+    proc = _run_sigterm(tmp_path, agent, "default")
+    assert proc.stdout.splitlines() == ["checkpoint 3 True"], proc.stderr
+    assert proc.returncode == -signal.SIGTERM
+    started = agent.wait_for(lambda m: isinstance(m, wire.CheckpointReport))
+    done = agent.wait_for(lambda m: isinstance(m, wire.CheckpointReport))
+    assert isinstance(started, wire.CheckpointReport) and isinstance(done, wire.CheckpointReport)
+    assert (started.phase, started.request_id, done.phase) == ("started", "preempted", "done")
+
+
+def test_sigterm_calls_the_users_previous_handler_after_the_checkpoint(
+    tmp_path: Path, agent: FakeAgent
+) -> None:
+    proc = _run_sigterm(tmp_path, agent, "callable")
+    assert proc.stdout.splitlines() == ["checkpoint 3 True", "user handler 15"], proc.stderr
+    assert proc.returncode == 7
+
+
+def test_sigterm_without_checkpoint_support_behaves_as_before(
+    tmp_path: Path, agent: FakeAgent
+) -> None:
+    proc = _run_sigterm(tmp_path, agent, "never-checks")
+    assert proc.stdout == "" and proc.returncode == -signal.SIGTERM
