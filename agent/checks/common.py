@@ -3,12 +3,14 @@ over a window of a GPU's recent samples."""
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Callable, Iterator
 
 from forewarn.agent.state import AgentState, GpuHistory
 from forewarn.wire import Evidence, Finding, GpuSample, GpuState, Health, Subject, SuggestedAction
 
-__all__ = ["counter_delta", "flag_fraction", "gpu_finding", "live_gpus"]
+__all__ = ["counter_delta", "flag_fraction", "gpu_finding", "live_gpus", "window_start"]
 
 
 def gpu_finding(
@@ -43,8 +45,15 @@ def live_gpus(state: AgentState) -> Iterator[tuple[GpuHistory, GpuSample]]:
             yield hist, last
 
 
+def window_start(hist: GpuHistory, now: float, window_s: float) -> int:
+    """Index of the newest sample at or before ``now - window_s`` (0 when the history is
+    shorter): the base of a window, found by bisection."""
+    return max(0, bisect.bisect_right(hist.samples, now - window_s, key=_time) - 1)
+
+
 def counter_delta(
-    hist: GpuHistory, get: Callable[[GpuSample], int | None], now: float, window_s: float
+    hist: GpuHistory, get: Callable[[GpuSample], int | None], now: float, window_s: float,
+    *, start: int | None = None,
 ) -> tuple[int, float] | None:
     """Increase of a cumulative counter over the last ``window_s`` and the span it covers.
 
@@ -52,31 +61,41 @@ def counter_delta(
     sample kept when the history is shorter). A counter that went down (driver reload,
     GPU reset clears volatile counters) counts from zero at the reset. Returns None
     when fewer than two samples carry the counter.
+
+    Cost: a bisection plus O(1) in the usual case (the counter did not go down); only a
+    reset walks the window. Checks call this for every counter of every NVLink link
+    every poll, so it must not walk 15 minutes of history each time. ``start`` is
+    :func:`window_start` precomputed for the same window (many counters, one bisection).
     """
-    last = hist.last
-    if last is None or get(last) is None:
+    samples = hist.samples
+    if len(samples) < 2:
         return None
-    base = hist.at_or_before(now - window_s)
-    if base is None or get(base) is None:
-        base = next((s for s in hist.samples if get(s) is not None), None)
-    if base is None or base is last:
+    last = samples[-1]
+    v_last = get(last)
+    if v_last is None:
         return None
-    total = 0
-    prev = get(base)
-    started = False
-    for s in hist.samples:
-        if s is base:
-            started = True
-            continue
-        if not started:
-            continue
+    i = window_start(hist, now, window_s) if start is None else start
+    v_base = get(samples[i])
+    while v_base is None and i < len(samples) - 1:
+        i += 1
+        v_base = get(samples[i])
+    base = samples[i]
+    if v_base is None or base is last:
+        return None
+    if v_last >= v_base:
+        return v_last - v_base, last.time - base.time
+    total, prev = 0, v_base
+    for s in itertools.islice(samples, i + 1, None):
         v = get(s)
-        if v is None or prev is None:
-            prev = v if v is not None else prev
+        if v is None:
             continue
         total += v - prev if v >= prev else v
         prev = v
     return total, last.time - base.time
+
+
+def _time(s: GpuSample) -> float:
+    return s.time
 
 
 def flag_fraction(

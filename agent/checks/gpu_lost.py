@@ -30,10 +30,11 @@ class GpuLostCheck:
             if last is None:
                 continue
             since = None
-            for s in reversed(hist.samples):
-                if s.state != last.state:
-                    break
-                since = s.time
+            if last.state != GpuState.OK:  # when it went away (walks only a lost GPU)
+                for s in reversed(hist.samples):
+                    if s.state != last.state:
+                        break
+                    since = s.time
             evidence: dict[str, float | int | str | bool | None] = {
                 "state": last.state.value, "since": since}
             if last.state == GpuState.LOST:

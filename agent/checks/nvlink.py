@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from forewarn.agent.checks.common import counter_delta, gpu_finding, live_gpus
+from forewarn.agent.checks.common import counter_delta, gpu_finding, live_gpus, window_start
 from forewarn.agent.state import AgentState
 from forewarn.wire import Finding, GpuSample, Health, SuggestedAction
 
@@ -67,9 +67,10 @@ class NvlinkCheck:
             over: list[str] = []
             evidence: dict[str, float | int | str | bool | None] = {"links": len(last.nvlink)}
             worst_recovery = 0
+            start = window_start(hist, now, self.window_s)
             for link in sorted(c.link for c in last.nvlink):
                 for kind, limit in self.thresholds.items():
-                    d = counter_delta(hist, _counter(link, kind), now, self.window_s)
+                    d = counter_delta(hist, _counter(link, kind), now, self.window_s, start=start)
                     if d is None:
                         continue
                     if d[0] > 0:
