@@ -1,0 +1,229 @@
+"""End to end: a real collector process, three real agents on simulated nodes, one training
+job of six ranks across them (small processes using forewarn.hook.Monitor).
+
+GPU 1 of node2 falls off the bus (sim ``sudden`` XID 79). node2's agent reports it, the
+collector's policy weighs it (cost model), chooses one step S for the whole job and orders
+every node; every rank on every node saves at that same S and reports it; a signed
+webhook reaches a test receiver and its signature verifies.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import httpx
+import pytest
+
+from forewarn.collector.auth import add_token
+from forewarn.collector.webhooks import WebhookVerifier
+
+SECRET = "e2e-webhook-secret"
+JOB = "e2e-job"
+NODES = ("node1", "node2", "node3")
+
+RANK = r'''
+import sys, time
+from pathlib import Path
+from forewarn.hook import Monitor
+
+job, rank, local, world, sock, out = sys.argv[1:7]
+rank, local, world, out = int(rank), int(local), int(world), Path(out)
+m = Monitor(job=job, rank=rank, world_size=world, local_rank=local, socket_path=sock,
+            beat_interval_s=0.2, handle_sigterm=False)
+step = 0
+stop = out.with_suffix(".stop")
+while not stop.exists():
+    time.sleep(0.05)
+    step += 1
+    m.step(step, loss=1.0 / step)
+    if m.should_checkpoint(step):
+        t0 = time.monotonic()
+        (out.parent / f"rank{rank}-step{step}.ckpt").write_bytes(b"x" * 1024)
+        m.checkpoint_done(step, time.monotonic() - t0, 1024, str(out.parent))
+        with out.open("a") as f:
+            f.write(f"{step}\n")
+m.close()
+'''
+
+HEALTHY = 'name = "healthy"\ngpus = 2\nseed = {seed}\n'
+FAILING = ('name = "gpu1-off-the-bus"\ngpus = 2\nseed = 2\n\n[[faults]]\ngpu = 1\n'
+           'kind = "sudden"\nxid = 79\nstart_s = {start}\nduration_s = 1\n')
+
+
+def _load(name: str) -> ModuleType:
+    path = Path(__file__).with_name(name)
+    spec = importlib.util.spec_from_file_location(f"forewarn_tests_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(180)
+def test_failure_on_node2_gpu1_checkpoints_every_rank_at_one_step(tmp_path: Path) -> None:
+    receiver = _load("test_webhooks.py").Receiver()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    tokens = tmp_path / "tokens.toml"
+    token_files = {}
+    for node in NODES:
+        token_files[node] = tmp_path / f"{node}.token"
+        token_files[node].write_text(add_token(tokens, node) + "\n")
+        token_files[node].chmod(0o600)
+    config = tmp_path / "collector.toml"
+    # checkpoint_default_s: the job has run for seconds only; with the 60 s default the
+    # cost model would (rightly) not find a few seconds of work worth a checkpoint.
+    config.write_text(
+        f'listen = "127.0.0.1:{port}"\ndata_dir = "{tmp_path / "data"}"\n'
+        f'tokens_file = "{tokens}"\nlog_level = "warning"\n'
+        f'webhook_urls = ["{receiver.url}"]\nwebhook_secret = "{SECRET}"\n'
+        'checkpoint_default_s = 0.5\norder_safety_s = 2.0\n')
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = []
+
+    def spawn(args: list[str], name: str, extra_env: dict[str, str] | None = None
+              ) -> subprocess.Popen[bytes]:
+        log = (tmp_path / f"{name}.log").open("wb")
+        logs.append(log)
+        p = subprocess.Popen(args, env={**env, **(extra_env or {})}, stdout=log,
+                             stderr=subprocess.STDOUT)
+        procs.append(p)
+        return p
+
+    try:
+        collector = spawn([sys.executable, "-m", "forewarn", "collector", "--config",
+                           str(config)], "collector")
+
+        def collector_up() -> bool:
+            assert collector.poll() is None, (tmp_path / "collector.log").read_text()
+            try:
+                return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(collector_up, 30, "collector start")
+
+        sockets = {}
+        for i, node in enumerate(NODES):
+            scenario = tmp_path / f"{node}.toml"
+            scenario.write_text(FAILING.format(start=12) if node == "node2"
+                                else HEALTHY.format(seed=i))
+            sockets[node] = tmp_path / f"{node}.sock"
+            spawn([sys.executable, "-m", "forewarn", "agent", "--source", "sim",
+                   "--scenario", str(scenario), "--node", node, "--socket", str(sockets[node]),
+                   "--collector", url, "--token-file", str(token_files[node]),
+                   "--listen", "127.0.0.1:0", "--no-kmsg", "--interval", "0.25"],
+                  f"agent-{node}",
+                  {"FOREWARN_AGENT_SPOOL_DIR": str(tmp_path / f"spool-{node}"),
+                   "FOREWARN_AGENT_PUSH_INTERVAL_S": "0.5", "FOREWARN_AGENT_WATCHDOG": "0"})
+        wait_for(lambda: all(s.exists() for s in sockets.values()), 30, "agent sockets")
+
+        rank_script = tmp_path / "rank.py"
+        rank_script.write_text(RANK)
+        outs = {}
+        for rank in range(6):
+            node = NODES[rank // 2]
+            outs[rank] = tmp_path / f"rank{rank}.out"
+            spawn([sys.executable, str(rank_script), JOB, str(rank), str(rank % 2), "6",
+                   str(sockets[node]), str(outs[rank])], f"rank{rank}")
+
+        def job_known() -> bool:
+            r = httpx.get(f"{url}/api/v1/jobs/{JOB}", timeout=2)
+            return r.status_code == 200 and len(r.json().get("ranks", [])) == 6
+
+        wait_for(job_known, 30, "the job map to hold all six ranks")
+
+        # the failure (12 simulated seconds after node2's agent started) -> a collector order
+        def collector_order() -> Any:
+            decisions = httpx.get(f"{url}/api/v1/decisions", params={"job": JOB},
+                                  timeout=2).json()
+            return [d for d in decisions if d["decision"] == "checkpoint:act"]
+
+        acted = wait_for(collector_order, 60, "the collector's checkpoint decision")
+        inputs = json.loads(acted[0]["inputs"])
+        assert inputs["check"] in ("gpu_lost", "xid") and inputs["gpus"] == 6
+
+        def job_checkpoint() -> Any:
+            rows = httpx.get(f"{url}/api/v1/checkpoints", params={"job": JOB, "limit": 1000},
+                             timeout=2).json()
+            by_request: dict[str, dict[int, int]] = {}
+            for r in rows:
+                if r["phase"] == "done" and r["request_id"].startswith("ord-"):
+                    by_request.setdefault(r["request_id"], {})[r["rank"]] = r["step"]
+            complete = {rid: steps for rid, steps in by_request.items() if len(steps) == 6}
+            return complete
+
+        complete = wait_for(job_checkpoint, 60, "every rank's report for a collector order")
+        request_id, steps = next(iter(complete.items()))
+        assert len(set(steps.values())) == 1, steps  # every rank saved the same step
+        step = next(iter(steps.values()))
+        # the ranks themselves saved that step (their own records and files)
+        for rank, out in outs.items():
+            saved = [int(s) for s in out.read_text().split()]
+            assert step in saved, (rank, saved)
+            assert (tmp_path / f"rank{rank}-step{step}.ckpt").exists()
+        # the order went to every node, and each agent acknowledged it
+        log = httpx.get(f"{url}/api/v1/commands/log", params={"limit": 1000}, timeout=2).json()
+        acked = {c["node"] for c in log if c["id"].startswith(request_id + "@")
+                 and c["acked_at"] is not None}
+        assert acked == set(NODES)
+
+        # a signed webhook about the failure arrived and verifies
+        def signed_event() -> Any:
+            verifier = WebhookVerifier(SECRET.encode(), tolerance_s=600)
+            for headers, body in list(receiver.requests):
+                verifier.verify(body, headers)
+                event = json.loads(body)
+                if event.get("subject") == "gpu:node2/1":
+                    return event
+            return None
+
+        event = wait_for(signed_event, 30, "a signed webhook")
+        assert event["node"] == "node2" and event["health"] == "unhealthy"
+        print(f"order {request_id}: every rank saved step {step}; "
+              f"decision: {acted[0]['reason']}; webhook: {event['title']}")
+    finally:
+        for rank in range(6):
+            (tmp_path / f"rank{rank}.stop").touch()
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+        receiver.close()
