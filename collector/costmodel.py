@@ -21,12 +21,16 @@ Those are priors, not measurements; where they come from:
 * ``degraded`` 0.05: trends and soft signals (correctable-ECC rate, PCIe replays, thermal
   drift) precede failures (SC20 DRAM analog) but most degraded GPUs keep running for days.
 * ``unknown`` 0.01 and ``healthy`` 0.0.
-* Per check: a GPU that is lost or needs a reset (XID 79 "fallen off the bus",
-  NVML_ERROR_GPU_IS_LOST), an uncontained ECC error (XID 95) or a double-bit ECC error
-  (XID 48) takes the job down almost surely (0.95); a hung rank stops the job at the NCCL
-  timeout (10 min PyTorch default, REFERENCE.md "Detection"), 0.9; NaN/Inf loss ruins the
-  run from that step on, 0.8 (a checkpoint *before* it is the useful one, so the agent's
-  fast path handles it; this value matters for the collector's view only).
+* Per check (the agent's check names, unhealthy findings only): ``gpu_lost`` (XID 79
+  "fallen off the bus", NVML_ERROR_GPU_IS_LOST) takes the job down almost surely, 0.95;
+  ``xid`` is unhealthy only for the fatal classes of NVIDIA's catalog (48 DBE, 64 remap
+  failure, 74 NVLink, 79, 95 uncontained ECC, 119/120 GSP; REFERENCE.md "XID classes"),
+  0.9; ``ecc`` unhealthy means new uncorrectable errors the job may have read, 0.8 (lower
+  than XID 48 itself: NCSA Delta saw H100 row remapping and containment absorb 92% of
+  uncorrectable errors); a hung or gone rank stops the job at the NCCL timeout (10 min
+  PyTorch default, REFERENCE.md "Detection"), 0.9; NaN/Inf loss ruins the run from that
+  step on, 0.8 (a checkpoint *before* it is the useful one, so the agent's fast path
+  handles it; this value matters for the collector's view only).
 
 Operators override any of these with the ``policy_probability`` config table.
 """
@@ -70,10 +74,10 @@ HEALTH_PROBABILITY: Mapping[str, float] = {
 
 CHECK_PROBABILITY: Mapping[str, float] = {
     "gpu_lost": 0.95,
-    "xid_fatal": 0.95,
-    "ecc_uncorrectable": 0.95,
+    "xid": 0.9,
+    "ecc": 0.8,
     "rank_hang": 0.9,
-    "rank_dead": 0.9,
+    "rank_gone": 0.9,
     "nan_loss": 0.8,
 }
 """P(failure within :data:`DEFAULT_HORIZON_S`) per check name, for unhealthy findings."""
