@@ -15,6 +15,7 @@ from forewarn import __version__
 SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("agent", "forewarn.agent.cli"),
     ("collector", "forewarn.collector.cli"),
+    ("demo", "forewarn.demo.run"),
     ("simulate", "forewarn.simulate"),
     ("dashboards", "forewarn.dashboards.cli"),
 )

@@ -1,0 +1,562 @@
+"""``forewarn demo``: the whole loop on one machine, with nothing configured.
+
+It starts a real collector, two real agents on simulated 4-GPU nodes (node 1 on the real
+GPUs through NVML where this machine has them), and a real two-rank ``torch.distributed``
+(gloo, CPU) training job that reports through the hook and saves with the default
+checkpoint writer, restarted by :class:`~forewarn.demo.supervisor.Supervisor` when it dies.
+Then it injects, in turn:
+
+1. a degrading GPU under rank 1 (a correctable-ECC storm ending in a double-bit error):
+   forewarn should see it coming and order a checkpoint, every rank saves the same step, the
+   double-bit error kills the rank, and the job restarts from that checkpoint on a healthy
+   GPU;
+2. a hang of rank 0: the agent notices within seconds and ends the job's ranks, so the
+   supervisor restarts it minutes before NCCL's 10-minute timeout would have;
+3. a NaN loss: caught at its step; the job is rolled back to the last good checkpoint.
+
+The summary compares what was lost with what the same run loses without forewarn: the work
+since the last periodic checkpoint plus NCCL's timeout for each failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import itertools
+import json
+import math
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from forewarn.demo.supervisor import Placement, Supervisor, free_port, python_module
+
+__all__ = ["DemoResult", "register", "run_demo"]
+
+NCCL_TIMEOUT_S = 600.0
+JOB = "demo-job"
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Phase lengths: ``--fast`` fits in about a minute, the default is worth watching."""
+
+    step_seconds: float
+    checkpoint_every: int
+    storm_start_s: float
+    storm_s: float
+    settle_s: float
+    give_up_s: float
+
+    @staticmethod
+    def of(fast: bool) -> Timing:
+        if fast:
+            return Timing(step_seconds=0.05, checkpoint_every=100, storm_start_s=6.0,
+                          storm_s=14.0, settle_s=2.0, give_up_s=40.0)
+        return Timing(step_seconds=0.2, checkpoint_every=150, storm_start_s=25.0,
+                      storm_s=70.0, settle_s=10.0, give_up_s=120.0)
+
+
+@dataclasses.dataclass
+class DemoResult:
+    """What happened, as measured; the summary prints it and the tests assert on it."""
+
+    url: str = ""
+    workdir: str = ""
+    failure_step: int | None = None
+    failure_time: float | None = None
+    order_time: float | None = None
+    order_reason: str = ""
+    ordered_steps: dict[int, int] = dataclasses.field(default_factory=dict)
+    resumed_step: int | None = None
+    resumed_ranks: dict[int, int] = dataclasses.field(default_factory=dict)
+    last_periodic_step: int | None = None
+    hang_injected: float | None = None
+    hang_detected: float | None = None
+    hang_resumed_step: int | None = None
+    nan_step: int | None = None
+    nan_detected_step: int | None = None
+    nan_detected_latency_s: float | None = None
+    nan_resumed_step: int | None = None
+    mean_step_s: float | None = None
+    restarts: int = 0
+    problems: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def lead_s(self) -> float | None:
+        if self.failure_time is None or self.order_time is None:
+            return None
+        return self.failure_time - self.order_time
+
+    @property
+    def checkpoint_step(self) -> int | None:
+        steps = set(self.ordered_steps.values())
+        return steps.pop() if len(steps) == 1 else None
+
+    @property
+    def steps_lost(self) -> int | None:
+        if self.failure_step is None or self.resumed_step is None:
+            return None
+        return self.failure_step - self.resumed_step
+
+    @property
+    def steps_lost_without(self) -> int | None:
+        """Without forewarn: back to the last periodic checkpoint, plus NCCL's timeout."""
+        if self.failure_step is None or not self.mean_step_s:
+            return None
+        base = self.last_periodic_step or 0
+        return self.failure_step - base + int(NCCL_TIMEOUT_S / self.mean_step_s)
+
+    @property
+    def hang_latency_s(self) -> float | None:
+        if self.hang_injected is None or self.hang_detected is None:
+            return None
+        return self.hang_detected - self.hang_injected
+
+
+class Stack:
+    """Every process the demo starts, so that Ctrl-C (or any error) stops them all."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.supervisor: Supervisor | None = None
+
+    def spawn(self, argv: list[str], log: Path, env: dict[str, str] | None = None
+              ) -> subprocess.Popen[bytes]:
+        with log.open("wb") as out:
+            p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                 start_new_session=True)
+        self.procs.append(p)
+        return p
+
+    def close(self) -> None:
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for p in self.procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=5)
+
+
+def _get(url: str, timeout: float = 2.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} did not start; its log {log}:\n{log.read_text()[-2000:]}")
+        try:
+            urllib.request.urlopen(url, timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"{url} did not answer within {timeout:.0f} s; see {log}")
+
+
+def _nvml_present() -> bool:
+    try:
+        from forewarn.agent.sources.nvml import NvmlBackend
+
+        backend = NvmlBackend(node="probe")
+        backend.open()
+        backend.close()
+        return True
+    except Exception:
+        return False
+
+
+def _scenario(timing: Timing, failing_gpu: int) -> str:
+    return f"""# forewarn demo: node 2, a correctable-ECC storm on GPU {failing_gpu} ending in a
+# double-bit error (XID 48), under rank 1 of the demo job. Everything here is simulated.
+name = "demo-node-2"
+description = "ECC storm to a double-bit error under the demo job's rank 1"
+gpus = 4
+seed = 7
+
+[[faults]]
+gpu = {failing_gpu}
+kind = "ecc_storm"
+start_s = {timing.storm_start_s}
+duration_s = {timing.storm_s}
+"""
+
+
+class Demo:
+    """The orchestration; :func:`run_demo` is the entry point."""
+
+    def __init__(self, workdir: Path, fast: bool, say: Any) -> None:
+        self.dir = workdir
+        self.fast = fast
+        self.t = Timing.of(fast)
+        self.say = say
+        self.stack = Stack()
+        self.result = DemoResult(workdir=str(workdir))
+        self.collector_url = ""
+        self.agent_urls: dict[str, str] = {}
+        self.sockets: dict[str, str] = {}
+        self.last_step: dict[int, int] = {}
+        self.step_times: list[float] = []
+        self.events: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------------ start-up
+
+    def start_collector(self) -> None:
+        port = free_port()
+        self.collector_url = f"http://127.0.0.1:{port}"
+        data = self.dir / "collector"
+        data.mkdir()
+        config = self.dir / "collector.toml"
+        config.write_text(
+            "# forewarn demo collector: short cooldowns so each phase can act\n"
+            f'listen = "127.0.0.1:{port}"\n'
+            f'data_dir = "{data}"\n'
+            f'tokens_file = "{self.dir / "tokens.toml"}"\n'
+            "policy_cooldown_checkpoint_s = 5.0\n"
+            "policy_dedup_s = 5.0\n"
+            "command_redeliver_s = 2.0\n"
+            "flush_interval_s = 2.0\n"
+            'log_level = "warning"\n'
+        )
+        from forewarn.collector.auth import add_token
+
+        for node in ("demo-node-1", "demo-node-2"):
+            token = add_token(self.dir / "tokens.toml", node)
+            path = self.dir / f"{node}.token"
+            path.write_text(token + "\n")
+            path.chmod(0o600)
+        log = self.dir / "collector.log"
+        proc = self.stack.spawn(
+            [sys.executable, "-m", "forewarn", "collector", "--config", str(config), "run"], log)
+        _wait_http(self.collector_url + "/healthz", 30, proc, log)
+        self.result.url = self.collector_url + "/"
+
+    def start_agents(self) -> None:
+        real = _nvml_present()
+        for i, node in enumerate(("demo-node-1", "demo-node-2"), start=1):
+            ndir = self.dir / node
+            ndir.mkdir()
+            port = free_port()
+            self.agent_urls[node] = f"http://127.0.0.1:{port}"
+            self.sockets[node] = str(ndir / "agent.sock")
+            argv = [sys.executable, "-m", "forewarn", "agent", "--node", node, "--listen", f"127.0.0.1:{port}", "--socket",
+                    self.sockets[node], "--no-kmsg", "--collector", self.collector_url,
+                    "--token-file", str(self.dir / f"{node}.token"), "--interval", "0.5"]
+            if i == 1 and real:
+                argv += ["--source", "nvml"]
+            else:
+                scenario = ndir / "scenario.toml"
+                if i == 2:
+                    scenario.write_text(_scenario(self.t, failing_gpu=0))
+                else:
+                    scenario.write_text('name = "demo-node-1"\ndescription = "healthy"\n'
+                                        "gpus = 4\nseed = 3\n")
+                argv += ["--source", "sim", "--scenario", str(scenario)]
+            env = dict(os.environ)
+            env.update(FOREWARN_AGENT_SPOOL_DIR=str(ndir / "spool"),
+                       FOREWARN_AGENT_PUSH_INTERVAL_S="0.5",
+                       FOREWARN_AGENT_HANG_ACTION="terminate",
+                       FOREWARN_AGENT_HANG_GRACE_S="1.0")
+            log = ndir / "agent.log"
+            proc = self.stack.spawn(argv, log, env)
+            _wait_http(self.agent_urls[node] + "/healthz", 30, proc, log)
+        self.agents_started = time.time()
+
+    def start_job(self) -> None:
+        argv = python_module(
+            "forewarn.demo.train", "--job", JOB, "--checkpoint-dir", str(self.dir / "ckpt"),
+            "--step-seconds", str(self.t.step_seconds),
+            "--checkpoint-every", str(self.t.checkpoint_every))
+        placements = [Placement("demo-node-1", self.sockets["demo-node-1"], 0),
+                      Placement("demo-node-2", self.sockets["demo-node-2"], 0)]
+        self.moved = False
+
+        def place(rank: int, p: Placement) -> Placement:
+            # After the GPU under rank 1 failed, the scheduler puts it on a healthy GPU.
+            if rank == 1 and self.moved:
+                return Placement(p.node, p.socket_path, 1)
+            return p
+
+        sup = Supervisor(argv, placements, max_restarts=6, restart_delay_s=0.2, place=place)
+        self.stack.supervisor = sup
+        sup.start()
+
+    # ------------------------------------------------------------------ observing
+
+    def pump(self, until: float) -> None:
+        """Take the job's events until ``until`` (monotonic)."""
+        sup = self.stack.supervisor
+        assert sup is not None
+        while True:
+            left = until - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                e = sup.events.get(timeout=min(left, 0.1))
+            except queue.Empty:
+                continue
+            self.events.append(e)
+            kind = e.get("event")
+            if kind == "step":
+                rank, step = int(e["rank"]), int(e["step"])
+                prev = self.last_step.get(rank)
+                self.last_step[rank] = step
+                if prev is not None and step == prev + 1 and rank == 0:
+                    self.step_times.append(e["time"])
+                if (isinstance(e.get("loss"), float) and math.isnan(e["loss"])
+                        and self.result.nan_step is None):
+                    self.result.nan_step = step
+            elif kind == "checkpoint" and not e.get("ordered"):
+                self.result.last_periodic_step = max(self.result.last_periodic_step or 0,
+                                                     int(e["step"]))
+            elif kind in ("rank_exit", "restart", "gave_up"):
+                self.say(f"[dim]supervisor: {kind} {self._fmt(e)}[/dim]")
+                if kind == "restart":
+                    self.result.restarts += 1
+
+    def wait_for(self, pred: Any, timeout: float, what: str) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.pump(time.monotonic() + 0.1)
+            if pred():
+                return True
+        self.result.problems.append(f"timed out waiting for {what}")
+        self.say(f"[red]timed out waiting for {what}[/red]")
+        return False
+
+    @staticmethod
+    def _fmt(e: dict[str, Any]) -> str:
+        return " ".join(f"{k}={v}" for k, v in e.items() if k not in ("event", "time"))
+
+    def _agent_findings(self, node: str) -> list[dict[str, Any]]:
+        try:
+            data = _get(self.agent_urls[node] + "/api/v1/findings")
+        except OSError:
+            return []
+        items = data.get("findings", data) if isinstance(data, dict) else data
+        return [f for f in items if isinstance(f, dict)]
+
+    def _finding(self, node: str, check: str, **subject: Any) -> dict[str, Any] | None:
+        for f in self._agent_findings(node):
+            subj = f.get("subject", {})
+            if f.get("check") != check or f.get("health") not in ("unhealthy", "degraded"):
+                continue
+            if all(subj.get(k) == v for k, v in subject.items()):
+                return f
+        return None
+
+    def _ordered_checkpoints(self, attempt: int) -> dict[int, int]:
+        return {int(e["rank"]): int(e["step"]) for e in self.events
+                if e.get("event") == "checkpoint" and e.get("ordered")
+                and e.get("attempt") == attempt}
+
+    def _order_issued(self) -> tuple[float, str] | None:
+        try:
+            rows = _get(self.collector_url + "/api/v1/commands/log?limit=50")
+        except OSError:
+            return None
+        orders = [r for r in rows if r.get("kind") == "checkpoint"]
+        if not orders:
+            return None
+        first = min(orders, key=lambda r: r["created"])
+        return float(first["created"]), str(first["command"]["order"].get("reason", ""))
+
+    # ------------------------------------------------------------------ phases
+
+    def phase_prediction(self) -> None:
+        r = self.result
+        self.say("[bold]1. A GPU degrades under rank 1[/bold] (simulated correctable-ECC storm "
+                 "on demo-node-2 GPU 0, ending in a double-bit error)")
+        attempt = 0
+        ok = self.wait_for(lambda: len(self._ordered_checkpoints(attempt)) == 2,
+                           self.t.storm_start_s + self.t.storm_s + 30, "an ordered checkpoint")
+        if ok:
+            r.ordered_steps = self._ordered_checkpoints(attempt)
+            issued = self._order_issued()
+            if issued is not None:
+                r.order_time, r.order_reason = issued
+            self.say(f"   forewarn ordered a checkpoint ({r.order_reason or 'reason unknown'}); "
+                     f"ranks saved steps {sorted(r.ordered_steps.items())}")
+        # The failure: the double-bit error kills the process on that GPU.
+        self.wait_for(lambda: self._finding("demo-node-2", "ecc", gpu=0) is not None
+                      and (self._finding("demo-node-2", "ecc", gpu=0) or {}).get("health")
+                      == "unhealthy", self.t.storm_s + 30, "the double-bit error")
+        sup = self.stack.supervisor
+        assert sup is not None
+        r.failure_time = time.time()
+        r.failure_step = self.last_step.get(1)
+        self.moved = True
+        sup.signal_rank(1, signal.SIGKILL)
+        self.say(f"   the double-bit error killed rank 1 at step {r.failure_step}; "
+                 "the supervisor restarts the job on a healthy GPU")
+        self.wait_for(lambda: self._resumed(1) is not None, self.t.give_up_s, "the restart")
+        resumed = self._resumed(1)
+        if resumed:
+            r.resumed_ranks = resumed
+            r.resumed_step = min(resumed.values())
+            self.say(f"   resumed from step {r.resumed_step} on every rank")
+
+    def _resumed(self, attempt: int) -> dict[int, int] | None:
+        got = {int(e["rank"]): int(e["step"]) for e in self.events
+               if e.get("event") == "resumed" and int(e.get("attempt", -1)) >= attempt}
+        return got if len(got) == 2 else None
+
+    def phase_hang(self) -> None:
+        r = self.result
+        sup = self.stack.supervisor
+        assert sup is not None
+        self.pump(time.monotonic() + self.t.settle_s)
+        self.say("[bold]2. Rank 0 hangs[/bold] (stops stepping; its process and heartbeats "
+                 "live on, as a rank stuck in a collective)")
+        attempt = sup.attempt
+        r.hang_injected = time.time()
+        sup.signal_rank(0, signal.SIGUSR1)
+        if self.wait_for(lambda: self._finding("demo-node-1", "rank_hang", job=JOB) is not None,
+                         30, "hang detection"):
+            r.hang_detected = time.time()
+            self.say(f"   the agent called rank 0 hung after {r.hang_latency_s:.1f} s and ended "
+                     "the job's ranks (NCCL would have waited 600 s)")
+        self.wait_for(lambda: self._resumed(attempt + 1) is not None, self.t.give_up_s,
+                      "the restart after the hang")
+        got = self._resumed(attempt + 1)
+        if got:
+            r.hang_resumed_step = min(got.values())
+            self.say(f"   resumed from step {r.hang_resumed_step}")
+
+    def phase_nan(self) -> None:
+        r = self.result
+        sup = self.stack.supervisor
+        assert sup is not None
+        self.pump(time.monotonic() + self.t.settle_s)
+        self.say("[bold]3. The loss turns NaN[/bold] on rank 1")
+        attempt = sup.attempt
+        injected = time.time()
+        sup.signal_rank(1, signal.SIGUSR2)
+        if self.wait_for(lambda: self._finding("demo-node-2", "nan_loss", job=JOB) is not None,
+                         20, "NaN detection"):
+            f = self._finding("demo-node-2", "nan_loss", job=JOB) or {}
+            r.nan_detected_latency_s = time.time() - injected
+            step = f.get("evidence", {}).get("step")
+            r.nan_detected_step = int(step) if step is not None else None
+            self.say(f"   NaN caught at step {r.nan_detected_step} (injected at step "
+                     f"{r.nan_step}); rolling back to the last good checkpoint")
+            sup.signal_rank(1, signal.SIGKILL)
+        self.wait_for(lambda: self._resumed(attempt + 1) is not None, self.t.give_up_s,
+                      "the restart after the NaN")
+        got = self._resumed(attempt + 1)
+        if got:
+            r.nan_resumed_step = min(got.values())
+            self.say(f"   resumed from step {r.nan_resumed_step}")
+        self.pump(time.monotonic() + self.t.settle_s)
+
+    def finish(self) -> None:
+        times = self.step_times
+        if len(times) > 10:
+            gaps = sorted(b - a for a, b in itertools.pairwise(times) if b > a)
+            self.result.mean_step_s = gaps[len(gaps) // 2]
+
+
+def summary_lines(r: DemoResult) -> list[str]:
+    def f(x: float | None, unit: str = "s") -> str:
+        return "n/a" if x is None else f"{x:.1f} {unit}"
+
+    lines = [
+        f"prediction lead time      {f(r.lead_s)} before the double-bit error "
+        f"({r.order_reason or 'no order seen'})",
+        f"checkpoint step           {r.checkpoint_step} on every rank "
+        f"{sorted(r.ordered_steps.items())}",
+        f"restart resumed from      step {r.resumed_step} (failure at step {r.failure_step})",
+        f"steps lost with forewarn  {r.steps_lost}",
+        f"without forewarn          {r.steps_lost_without} steps (back to periodic checkpoint "
+        f"{r.last_periodic_step or 0} plus {NCCL_TIMEOUT_S:.0f} s NCCL timeout at "
+        f"{f(r.mean_step_s)}/step)",
+        f"hang detected after       {f(r.hang_latency_s)} (NCCL timeout: {NCCL_TIMEOUT_S:.0f} s)",
+        f"NaN caught at step        {r.nan_detected_step} (injected at {r.nan_step}), "
+        f"rolled back to step {r.nan_resumed_step}",
+        f"restarts                  {r.restarts}",
+    ]
+    lines += [f"problem: {p}" for p in r.problems]
+    return lines
+
+
+def run_demo(fast: bool = False, workdir: Path | None = None, keep: bool = False,
+             say: Any = print) -> DemoResult:
+    """Run the demo; returns what happened. Everything started is stopped on return."""
+    made = workdir is None
+    wd = Path(tempfile.mkdtemp(prefix="forewarn-demo-")) if workdir is None else workdir
+    wd.mkdir(parents=True, exist_ok=True)
+    demo = Demo(wd, fast, say)
+    try:
+        say("starting the collector …")
+        demo.start_collector()
+        say(f"status page: [link]{demo.result.url}[/link]")
+        say("starting two agents on simulated 4-GPU nodes …")
+        demo.start_agents()
+        say("starting a 2-rank torch.distributed (gloo) training job …")
+        demo.start_job()
+        demo.wait_for(lambda: len(demo.last_step) == 2, 60, "the first training steps")
+        demo.phase_prediction()
+        demo.phase_hang()
+        demo.phase_nan()
+        demo.finish()
+    finally:
+        demo.stack.close()
+        if made and not keep:
+            shutil.rmtree(wd, ignore_errors=True)
+    return demo.result
+
+
+def register(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "demo", help="run the whole loop on this machine: collector, agents, a real training "
+        "job, injected faults", description=__doc__)
+    p.add_argument("--fast", action="store_true", help="a run of about a minute (for tests)")
+    p.add_argument("--workdir", type=Path, default=None,
+                   help="keep logs, checkpoints and databases here (default: a temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the temp dir")
+    p.add_argument("--json", action="store_true", help="print the result as JSON at the end")
+    p.set_defaults(func=_cli)
+
+
+def _cli(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    console = Console()
+    t0 = time.monotonic()
+
+    def say(msg: str) -> None:
+        console.print(f"[cyan]{time.monotonic() - t0:6.1f}s[/cyan] {msg}")
+
+    try:
+        result = run_demo(args.fast, args.workdir, args.keep, say)
+    except KeyboardInterrupt:
+        console.print("interrupted: everything the demo started was stopped")
+        return 130
+    console.rule("summary")
+    for line in summary_lines(result):
+        console.print(line)
+    if args.json:
+        print(json.dumps(dataclasses.asdict(result) | {
+            "lead_s": result.lead_s, "checkpoint_step": result.checkpoint_step,
+            "steps_lost": result.steps_lost, "steps_lost_without": result.steps_lost_without,
+            "hang_latency_s": result.hang_latency_s}))
+    return 0 if not result.problems else 1
