@@ -50,6 +50,7 @@ __all__ = [
     "CHECK_PROBABILITY",
     "DEFAULT_CHECKPOINT_S",
     "DEFAULT_HORIZON_S",
+    "DEGRADED_CHECK_PROBABILITY",
     "HEALTH_PROBABILITY",
     "CheckpointCostTracker",
     "CostDecision",
@@ -82,6 +83,20 @@ CHECK_PROBABILITY: Mapping[str, float] = {
 }
 """P(failure within :data:`DEFAULT_HORIZON_S`) per check name, for unhealthy findings."""
 
+DEGRADED_CHECK_PROBABILITY: Mapping[str, float] = {
+    "ecc": 0.3,
+    "xid": 0.3,
+    "remap": 0.2,
+    "pcie": 0.2,
+    "nvlink": 0.2,
+}
+"""P(failure within the horizon) for degraded findings of checks whose degraded state is a
+known precursor: a correctable-ECC storm or XID 92 before a double-bit error (REFERENCE.md,
+the SC20 DRAM analog: correctable errors predict uncorrectable ones), pending remaps before
+a remap failure, PCIe replay growth before XID 79, NVLink CRC growth before XID 74. These
+priors are heuristics, not published rates: tune them per fleet with ``policy_probability``
+or let the trained predictor (``Finding.probability``) speak."""
+
 _MEASURED_KEEP = 20
 
 
@@ -91,7 +106,8 @@ def failure_probability(
     """P(failure within the horizon) for ``finding`` and where it came from.
 
     Order: the finding's own ``probability`` (a predictor), ``overrides`` by check name
-    (config), :data:`CHECK_PROBABILITY` (unhealthy findings only), then
+    (config), :data:`CHECK_PROBABILITY` (unhealthy findings),
+    :data:`DEGRADED_CHECK_PROBABILITY` (degraded precursors), then
     :data:`HEALTH_PROBABILITY`.
     """
     if finding.probability is not None:
@@ -100,6 +116,8 @@ def failure_probability(
         return float(overrides[finding.check]), "config"
     if finding.health == Health.UNHEALTHY and finding.check in CHECK_PROBABILITY:
         return CHECK_PROBABILITY[finding.check], "check-table"
+    if finding.health == Health.DEGRADED and finding.check in DEGRADED_CHECK_PROBABILITY:
+        return DEGRADED_CHECK_PROBABILITY[finding.check], "check-table"
     return HEALTH_PROBABILITY.get(finding.health.value, 0.0), "health-table"
 
 

@@ -90,7 +90,8 @@ SEVERITY_RULES: Mapping[str, str] = {
     "degraded + none/watch": "webhook",
     "degraded + any other action": "checkpoint (cost-aware) + webhook",
     "unhealthy + none/watch": "checkpoint (cost-aware) + webhook",
-    "unhealthy + checkpoint/restart_job/reset_gpu/reboot": "checkpoint (cost-aware) + webhook",
+    "unhealthy + restart_job": "webhook (a hung, dead or diverged job cannot save usefully)",
+    "unhealthy + checkpoint/reset_gpu/reboot": "checkpoint (cost-aware) + webhook",
     "unhealthy + drain/inspect_hardware": "checkpoint (cost-aware) + webhook + drain",
 }
 """The severity rules as :func:`actions_for` applies them (documentation and the API)."""
@@ -98,6 +99,11 @@ SEVERITY_RULES: Mapping[str, str] = {
 
 def actions_for(finding: Finding) -> tuple[ActionKind, ...]:
     """The action kinds :data:`SEVERITY_RULES` give ``finding``."""
+    if finding.action == SuggestedAction.RESTART_JOB:
+        # Hang, dead rank, NaN loss: the job cannot write a checkpoint worth keeping (a
+        # hung rank never reaches the step, a dead one blocks its peers, a NaN state is
+        # poison that would rotate a good checkpoint out). The agent ends or flags it.
+        return (ActionKind.WEBHOOK,)
     if finding.health == Health.UNHEALTHY:
         kinds = [ActionKind.CHECKPOINT, ActionKind.WEBHOOK]
         if finding.action in _DRAIN:

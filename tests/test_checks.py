@@ -130,7 +130,7 @@ def test_ecc_healthy_then_storm_then_uncorrectable() -> None:
     assert by_gpu(EccCheck().run(state, now))[0].health == Health.HEALTHY
     # 60 correctable errors in 60 s: over a threshold of 50 per window.
     f = by_gpu(EccCheck(corrected_threshold=50).run(state, now))[0]
-    assert f.health == Health.DEGRADED and f.action == SuggestedAction.WATCH
+    assert f.health == Health.DEGRADED and f.action == SuggestedAction.CHECKPOINT
     state, now = history(lambda i, t: {"ecc_corrected_volatile": 5,
                                        "ecc_uncorrected_volatile": 1 if t >= 50 else 0})
     f = by_gpu(EccCheck().run(state, now))[0]

@@ -81,7 +81,8 @@ class EccCheck:
                     self.name, state, hist, now, Health.DEGRADED,
                     f"{new_cor[0]} correctable ECC errors in {new_cor[1]:.0f} s (threshold "
                     f"{self.corrected_threshold} per {self.window_s:.0f} s): correctable storms "
-                    "precede uncorrectable errors", SuggestedAction.WATCH, evidence))
+                    "precede uncorrectable errors: checkpoint while it is cheap",
+                    SuggestedAction.CHECKPOINT, evidence))
             else:
                 n = new_cor[0] if new_cor else 0
                 out.append(gpu_finding(

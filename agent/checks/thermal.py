@@ -16,10 +16,19 @@ from forewarn.agent.checks.common import flag_fraction, gpu_finding, live_gpus
 from forewarn.agent.state import AgentState
 from forewarn.wire import Finding, Health, SuggestedAction
 
-__all__ = ["HW_SLOWDOWN", "HW_THERMAL_SLOWDOWN", "ThermalCheck"]
+__all__ = ["HW_POWER_BRAKE", "HW_SLOWDOWN", "HW_THERMAL_SLOWDOWN", "ThermalCheck"]
 
 HW_SLOWDOWN = 0x8
 HW_THERMAL_SLOWDOWN = 0x40
+HW_POWER_BRAKE = 0x80
+"""NVML sets HW_SLOWDOWN (0x08) for the external power brake too: with 0x80 set it is the
+power brake's (checks/power_brake.py), not heat."""
+
+
+def _hw_thermal(reasons: int) -> bool:
+    if reasons & HW_THERMAL_SLOWDOWN:
+        return True
+    return bool(reasons & HW_SLOWDOWN) and not reasons & HW_POWER_BRAKE
 
 
 class ThermalCheck:
@@ -52,8 +61,8 @@ class ThermalCheck:
             if last.slowdown_margin_c is None and last.throttle_reasons is None:
                 continue
             frac, judged = flag_fraction(
-                hist, lambda s: None if s.throttle_reasons is None else bool(
-                    s.throttle_reasons & (HW_THERMAL_SLOWDOWN | HW_SLOWDOWN)),
+                hist, lambda s: None if s.throttle_reasons is None else _hw_thermal(
+                    s.throttle_reasons),
                 now, self.window_s)
             thermal_now = bool((last.throttle_reasons or 0) & HW_THERMAL_SLOWDOWN)
             margin = last.slowdown_margin_c

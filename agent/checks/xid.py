@@ -54,7 +54,9 @@ XID_CATALOG: dict[int, XidClass] = {
     48: XidClass("memory", "double-bit ECC error", _U, _A.RESET_GPU),
     63: XidClass("memory", "row remap / page retirement recorded", _D, _A.RESET_GPU),
     64: XidClass("memory", "row remap / page retirement failure", _U, _A.INSPECT_HARDWARE),
-    92: XidClass("memory", "high single-bit ECC error rate", _D, _A.WATCH),
+    # A correctable storm precedes uncorrectable errors (REFERENCE.md, SC20): a precursor
+    # worth a cost-aware checkpoint, not yet a broken GPU.
+    92: XidClass("memory", "high single-bit ECC error rate", _D, _A.CHECKPOINT),
     94: XidClass("memory", "contained ECC error", _D, _A.RESET_GPU),
     95: XidClass("memory", "uncontained ECC error", _U, _A.RESET_GPU),
     74: XidClass("interconnect", "NVLink error", _U, _A.RESET_GPU),
