@@ -70,6 +70,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
+from forewarn.collector import statuspage
 from forewarn.collector.auth import TokenRegistry, parse_bearer
 from forewarn.collector.commands import CommandQueue, NodeCommand
 from forewarn.collector.config import CollectorConfig
@@ -553,6 +554,7 @@ def create_app(
         tokens=tokens, outbound=outbound, policy=policy, clock=clock,
     )
     ctx.writer.on_stored = ctx._on_stored
+    ctx.writer.on_staged = telemetry.remember
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -610,6 +612,7 @@ def create_app(
         Route("/openapi.json", openapi, methods=["GET"]),
         Route("/metrics", metrics_endpoint, methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
+        *statuspage.routes(),
         *extra_routes,
     ]
     policy_routes = getattr(policy, "routes", None)

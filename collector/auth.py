@@ -20,6 +20,7 @@ import json
 import os
 import secrets
 import threading
+import time
 import tomllib
 from pathlib import Path
 
@@ -71,8 +72,12 @@ def _read(path: Path) -> dict[str, str]:
 class TokenRegistry:
     """Which node a bearer token belongs to; reloads the file when it changes."""
 
-    def __init__(self, path: Path | None = None, *, tokens: dict[str, str] | None = None) -> None:
-        """Read ``path``, or take ``tokens`` (node -> plain token) directly (tests, demo)."""
+    def __init__(self, path: Path | None = None, *, tokens: dict[str, str] | None = None,
+                 reload_s: float = 1.0) -> None:
+        """Read ``path``, or take ``tokens`` (node -> plain token) directly (tests, demo).
+        The file is checked for changes at most every ``reload_s`` seconds."""
+        self.reload_s = reload_s
+        self._checked = time.monotonic()
         self.path = path
         self._lock = threading.Lock()
         self._mtime: float | None = None
@@ -84,6 +89,10 @@ class TokenRegistry:
     def _reload(self, *, force: bool = False) -> None:
         entries = dict(self._static)
         if self.path is not None:
+            now = time.monotonic()
+            if not force and now - self._checked < self.reload_s:
+                return
+            self._checked = now
             try:
                 mtime = self.path.stat().st_mtime
             except FileNotFoundError:

@@ -130,7 +130,8 @@ ON CONFLICT (node) DO UPDATE SET agent_id=excluded.agent_id, last_seen=excluded.
 
 
 def _write_batch(conn: sqlite3.Connection, batch: AgentBatch, body: bytes, received: float,
-                 address: str) -> bool:
+                 address: str) -> tuple[bool, int | None]:
+    """Store one batch; (stored, id of its staged_samples row)."""
     cur = conn.execute(
         "INSERT OR IGNORE INTO batches (agent_id, seq, node, created, received, urgent,"
         " samples, xids, findings, ranks, checkpoints) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
@@ -139,11 +140,13 @@ def _write_batch(conn: sqlite3.Connection, batch: AgentBatch, body: bytes, recei
          len(batch.checkpoints)),
     )
     if cur.rowcount == 0:
-        return False
+        return False, None
+    staged_id = None
     if batch.samples:
-        conn.execute("INSERT INTO staged_samples (agent_id, seq, samples, body)"
+        staged = conn.execute("INSERT INTO staged_samples (agent_id, seq, samples, body)"
                      " VALUES (?, ?, ?, ?)",
                      (batch.agent_id, batch.seq, len(batch.samples), body))
+        staged_id = staged.lastrowid
         latest: dict[int, GpuSample] = {}
         for s in batch.samples:
             seen = latest.get(s.gpu)
@@ -166,7 +169,7 @@ def _write_batch(conn: sqlite3.Connection, batch: AgentBatch, body: bytes, recei
     apply_checkpoints(conn, batch.node, batch.checkpoints)
     conn.execute(_NODE_UPSERT, (batch.node, batch.agent_id, received, received, batch.seq,
                                 len(batch.samples), address))
-    return True
+    return True, staged_id
 
 
 class _Item:
@@ -190,12 +193,14 @@ class IngestWriter:
         *,
         group_max: int = 256,
         on_stored: Callable[[list[AgentBatch]], None] | None = None,
+        on_staged: Callable[[list[tuple[int, str, int, list[GpuSample]]]], None] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
         self.metrics = metrics
         self.group_max = group_max
         self.on_stored = on_stored
+        self.on_staged = on_staged
         self.clock = clock
         self._queue: collections.deque[_Item] = collections.deque()
         self._cond = threading.Condition()
@@ -242,13 +247,14 @@ class IngestWriter:
     def _commit(self, group: list[_Item]) -> None:
         started = time.perf_counter()
         results: list[IngestResult] = []
+        staged: list[tuple[int, str, int, list[GpuSample]]] = []
         try:
             with self.store.write() as conn:
                 for item in group:
                     conn.execute("SAVEPOINT b")
                     try:
-                        stored = _write_batch(conn, item.batch, item.body, item.received,
-                                              item.address)
+                        stored, staged_id = _write_batch(conn, item.batch, item.body,
+                                                         item.received, item.address)
                     except sqlite3.IntegrityError as exc:
                         conn.execute("ROLLBACK TO b")
                         conn.execute("RELEASE b")
@@ -259,6 +265,9 @@ class IngestWriter:
                             IngestError(422, "store", f"batch not storable: {exc}"))
                         continue
                     conn.execute("RELEASE b")
+                    if staged_id is not None:
+                        staged.append((staged_id, item.batch.agent_id, item.batch.seq,
+                                       item.batch.samples))
                     results.append(IngestResult.STORED if stored else IngestResult.DUPLICATE)
         except Exception as exc:
             log.exception("group commit of %d batches failed", len(group))
@@ -268,6 +277,8 @@ class IngestWriter:
                         IngestError(503, "store", f"store unavailable: {exc}"))
             return
         self.metrics.commit_seconds.observe(time.perf_counter() - started)
+        if staged and self.on_staged is not None:
+            self.on_staged(staged)  # committed: the flush may use the decoded samples
         self.metrics.group_size.observe(len(group))
         stored_batches = []
         for item, result in zip(group, results, strict=True):

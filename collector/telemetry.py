@@ -21,6 +21,7 @@ import contextlib
 import datetime as dt
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -69,13 +70,27 @@ COLUMNS: tuple[tuple[str, str], ...] = (
 """Parquet columns and their Arrow types. ``unsupported``/``errors`` are comma-joined."""
 
 
-def _nvlink_sum(sample: GpuSample, key: str) -> int | None:
-    total: int | None = None
-    for link in sample.nvlink:
-        value = getattr(link, key)
-        if value is not None:
-            total = value if total is None else total + value
-    return total
+_NO_SUMS: tuple[None, None, None, None] = (None, None, None, None)
+
+
+def _nvlink_sums(links: Sequence[Any]) -> tuple[int | None, ...]:
+    """Sums over links of (crc_flit, crc_data, replay, recovery); None where no link has it."""
+    a = b = c = d = 0
+    na = nb = nc = nd = False
+    for link in links:
+        if link.crc_flit is not None:
+            a += link.crc_flit
+            na = True
+        if link.crc_data is not None:
+            b += link.crc_data
+            nb = True
+        if link.replay is not None:
+            c += link.replay
+            nc = True
+        if link.recovery is not None:
+            d += link.recovery
+            nd = True
+    return (a if na else None, b if nb else None, c if nc else None, d if nd else None)
 
 
 def samples_to_columns(samples: Sequence[GpuSample], agent_ids: Sequence[str],
@@ -89,8 +104,9 @@ def samples_to_columns(samples: Sequence[GpuSample], agent_ids: Sequence[str],
     }
     for name in (*_STR, *_FLOAT, *_INT, *_BOOL):
         cols[name] = [getattr(s, name) for s in samples]
-    for key in _NVLINK:
-        cols[f"nvlink_{key}"] = [_nvlink_sum(s, key) if s.nvlink else None for s in samples]
+    sums = [_nvlink_sums(s.nvlink) if s.nvlink else _NO_SUMS for s in samples]
+    for i, key in enumerate(_NVLINK):
+        cols[f"nvlink_{key}"] = [row[i] for row in sums]
     cols["unsupported"] = [",".join(s.unsupported) for s in samples]
     cols["errors"] = [",".join(s.errors) for s in samples]
     cols["agent_id"] = list(agent_ids)
@@ -106,13 +122,19 @@ class TelemetryWriter:
     """Moves staged samples to daily Parquet partitions; prunes old days; reads history."""
 
     def __init__(self, store: Store, root: Path, metrics: CollectorMetrics, *,
-                 retention_days: int = 30, clock: Callable[[], float] = time.time) -> None:
+                 retention_days: int = 30, clock: Callable[[], float] = time.time,
+                 cache_max_samples: int = 500_000) -> None:
         self.store = store
         self.root = Path(root)
         self.metrics = metrics
         self.retention_days = retention_days
         self.clock = clock
         self.root.mkdir(parents=True, exist_ok=True)
+        self._flush_lock = threading.Lock()
+        self._cache_lock = threading.Lock()
+        self._cache: dict[int, tuple[str, int, list[GpuSample]]] = {}
+        self._cached = 0
+        self.cache_max_samples = cache_max_samples
 
     def _schema(self) -> Any:
         import pyarrow as pa
@@ -120,6 +142,21 @@ class TelemetryWriter:
         types = {"float64": pa.float64(), "int64": pa.int64(), "bool": pa.bool_(),
                  "string": pa.string()}
         return pa.schema([(name, types[kind]) for name, kind in COLUMNS])
+
+    def remember(self, staged: Sequence[tuple[int, str, int, list[GpuSample]]]) -> None:
+        """Keep committed staged rows' decoded samples (staged id, agent_id, seq, samples)
+        so the next flush need not decode them again; bounded, best effort."""
+        with self._cache_lock:
+            for staged_id, agent_id, seq, samples in staged:
+                if self._cached + len(samples) > self.cache_max_samples:
+                    return
+                self._cache[staged_id] = (agent_id, seq, samples)
+                self._cached += len(samples)
+
+    def _forget(self, last: int) -> None:
+        with self._cache_lock:
+            for staged_id in [i for i in self._cache if i <= last]:
+                self._cached -= len(self._cache.pop(staged_id)[2])
 
     def recover(self) -> list[Path]:
         """Delete temp files and Parquet files no ``telemetry_files`` row names (left by a
@@ -139,7 +176,14 @@ class TelemetryWriter:
                    or 0)
 
     def flush(self, *, max_rows: int = 1_000_000) -> int:
-        """Write staged samples (up to about ``max_rows``) to Parquet; returns rows written."""
+        """Write staged samples (up to about ``max_rows``) to Parquet; returns rows written.
+
+        Flushes never overlap (a lock): two at once would write the same staged rows twice.
+        """
+        with self._flush_lock:
+            return self._flush(max_rows)
+
+    def _flush(self, max_rows: int) -> int:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -155,17 +199,23 @@ class TelemetryWriter:
                 break
         started = time.perf_counter()
         first = int(sizes[0]["id"])
-        taken = self.store.query(
-            "SELECT id, agent_id, seq, body FROM staged_samples WHERE id BETWEEN ? AND ?"
-            " ORDER BY id", (first, last))
+        with self._cache_lock:
+            cached = {i: v for i, v in self._cache.items() if first <= i <= last}
+        ids = [int(r["id"]) for r in sizes if first <= int(r["id"]) <= last]
         by_day: dict[str, tuple[list[GpuSample], list[str], list[int]]] = {}
-        for row in taken:
-            samples = _staged_decoder.decode(row["body"]).samples
+        for staged_id in ids:
+            entry_ = cached.get(staged_id)
+            if entry_ is None:  # not decoded in this process (e.g. staged before a restart)
+                row = self.store.query("SELECT agent_id, seq, body FROM staged_samples"
+                                       " WHERE id = ?", (staged_id,))[0]
+                entry_ = (row["agent_id"], int(row["seq"]),
+                          _staged_decoder.decode(row["body"]).samples)
+            agent_id, seq, samples = entry_
             for s in samples:
                 entry = by_day.setdefault(_day(s.time), ([], [], []))
                 entry[0].append(s)
-                entry[1].append(row["agent_id"])
-                entry[2].append(int(row["seq"]))
+                entry[1].append(agent_id)
+                entry[2].append(seq)
         schema = self._schema()
         written: list[tuple[str, str, int]] = []
         try:
@@ -198,6 +248,7 @@ class TelemetryWriter:
             for rel, *_rest in written:
                 (self.root / rel).unlink(missing_ok=True)
             raise
+        self._forget(last)
         total = sum(n for _r, _d, n in written)
         self.metrics.telemetry_rows.inc(total)
         self.metrics.flush_seconds.observe(time.perf_counter() - started)

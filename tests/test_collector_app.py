@@ -352,7 +352,7 @@ def test_token_add_cli_enrols_a_node(tmp_path: Path) -> None:
     assert len(token) >= 40
     assert stat.S_IMODE(os.stat(tokens).st_mode) == 0o600
     assert token not in tokens.read_text() and hash_token(token) in tokens.read_text()
-    reg = TokenRegistry(tokens)
+    reg = TokenRegistry(tokens, reload_s=0.0)
     assert reg.authenticate(f"Bearer {token}") == "gpu-node-7"
     assert reg.authenticate("Bearer wrong") is None
     # A second node; the registry picks up the change without a restart.

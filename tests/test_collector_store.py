@@ -1,0 +1,142 @@
+"""Store migrations and the Parquet telemetry path: staging, flush, crash recovery, retention."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from forewarn.collector.ingest import IngestResult, IngestWriter
+from forewarn.collector.metrics import CollectorMetrics
+from forewarn.collector.store import MIGRATIONS, Store, StoreError
+from forewarn.collector.telemetry import COLUMNS, TelemetryWriter
+from forewarn.wire import AgentBatch, GpuSample, NvlinkCounters
+
+DAY = 86400.0
+T0 = 1_700_000_000.0  # 2023-11-14 22:13:20 UTC
+
+
+def batch(seq: int, t: float, n: int = 3, node: str = "n1") -> AgentBatch:
+    links = (NvlinkCounters(link=0, crc_flit=2, replay=None),
+             NvlinkCounters(link=1, crc_flit=3, replay=None))
+    return AgentBatch(node=node, agent_id="a1", seq=seq, created=t, samples=[
+        GpuSample(node=node, gpu=g, time=t, source="sim", temperature_c=40.0 + g,
+                  nvlink=links, unsupported=("pstate", "power_w")) for g in range(n)])
+
+
+def ingest(store: Store, tel: TelemetryWriter, *batches: AgentBatch) -> list[IngestResult]:
+    writer = IngestWriter(store, tel.metrics, on_staged=tel.remember)
+    writer.start()
+    try:
+        futures = [writer.submit(b, _encode(b)) for b in batches]
+        return [f.result(10) for f in futures]
+    finally:
+        writer.stop()
+
+
+def _encode(b: AgentBatch) -> bytes:
+    from forewarn.wire import encode
+
+    return encode(b)
+
+
+@pytest.fixture
+def parts(tmp_path: Path) -> tuple[Store, TelemetryWriter]:
+    store = Store(tmp_path / "c.db")
+    return store, TelemetryWriter(store, tmp_path / "telemetry", CollectorMetrics(),
+                                  retention_days=7, clock=lambda: T0 + 10 * DAY)
+
+
+def test_migrations_set_user_version_and_refuse_a_newer_schema(tmp_path: Path) -> None:
+    store = Store(tmp_path / "c.db")
+    assert store.schema_version == len(MIGRATIONS)
+    assert store.scalar("PRAGMA journal_mode") == "wal"
+    store.close()
+    Store(tmp_path / "c.db").close()  # reopening runs nothing twice
+    conn = sqlite3.connect(tmp_path / "c.db")
+    conn.execute(f"PRAGMA user_version={len(MIGRATIONS) + 1}")
+    conn.close()
+    with pytest.raises(StoreError, match="newer than this forewarn"):
+        Store(tmp_path / "c.db")
+
+
+def test_flush_writes_daily_parquet_once_with_the_replay_columns(
+        parts: tuple[Store, TelemetryWriter]) -> None:
+    store, tel = parts
+    results = ingest(store, tel, batch(0, T0), batch(1, T0 + DAY), batch(1, T0 + DAY),
+                     batch(2, T0 + DAY + 5))
+    assert results == [IngestResult.STORED, IngestResult.STORED, IngestResult.DUPLICATE,
+                       IngestResult.STORED]
+    assert tel.staged_samples() == 9
+    assert tel.flush() == 9
+    assert tel.staged_samples() == 0 and tel.flush() == 0
+    days = sorted(p.name for p in tel.root.iterdir())
+    assert days == ["date=2023-11-14", "date=2023-11-15"]
+    table = pq.read_table(next((tel.root / "date=2023-11-15").glob("*.parquet")))
+    assert table.column_names == [name for name, _ in COLUMNS]
+    assert table.num_rows == 6
+    df = tel.read()
+    assert len(df) == 9 and sorted(set(df["seq"])) == [0, 1, 2]
+    assert set(df["nvlink_crc_flit"]) == {5} and df["nvlink_replay"].isna().all()
+    assert set(df["unsupported"]) == {"pstate,power_w"}
+    assert len(tel.read(start=T0 + DAY, node="n1")) == 6
+
+
+def test_flush_without_the_in_memory_copy_reads_staging(tmp_path: Path) -> None:
+    store = Store(tmp_path / "c.db")
+    first = TelemetryWriter(store, tmp_path / "t", CollectorMetrics())
+    ingest(store, first, batch(0, T0), batch(1, T0 + 1))
+    restarted = TelemetryWriter(store, tmp_path / "t", CollectorMetrics())  # nothing cached
+    assert restarted.flush() == 6
+    assert sorted(restarted.read()["seq"]) == [0, 0, 0, 1, 1, 1]
+
+
+def test_concurrent_flushes_never_write_a_sample_twice(
+        parts: tuple[Store, TelemetryWriter]) -> None:
+    store, tel = parts
+    ingest(store, tel, *(batch(i, T0 + i) for i in range(40)))
+    threads = [threading.Thread(target=tel.flush, kwargs={"max_rows": 20}) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    while tel.flush(max_rows=20):
+        pass
+    df = tel.read()
+    assert len(df) == 120 and not df.duplicated(["seq", "gpu"]).any()
+
+
+def test_recover_drops_files_a_crash_left_unrecorded(
+        parts: tuple[Store, TelemetryWriter]) -> None:
+    store, tel = parts
+    ingest(store, tel, batch(0, T0))
+    tel.flush()
+    recorded = next(tel.root.glob("date=*/*.parquet"))
+    # A crash after writing a file but before the transaction that records it and
+    # deletes its staged rows: the staged rows are still there, the file is an orphan.
+    ingest(store, tel, batch(1, T0))
+    orphan = recorded.with_name("part-000000000002-000000000002.parquet")
+    orphan.write_bytes(recorded.read_bytes())
+    (recorded.parent / "part-x.parquet.tmp").write_bytes(b"torn")
+    removed = tel.recover()
+    assert sorted(p.name for p in removed) == ["part-000000000002-000000000002.parquet",
+                                               "part-x.parquet.tmp"]
+    assert recorded.exists()
+    tel.flush()
+    df = tel.read()
+    assert sorted(df["seq"]) == [0, 0, 0, 1, 1, 1]
+
+
+def test_retention_prunes_old_days_and_rows(parts: tuple[Store, TelemetryWriter]) -> None:
+    store, tel = parts
+    ingest(store, tel, batch(0, T0), batch(1, T0 + 9 * DAY))
+    tel.flush()
+    assert tel.prune() == ["2023-11-14"]
+    assert [p.name for p in tel.root.iterdir()] == ["date=2023-11-23"]
+    assert len(tel.read()) == 3
+    counts = store.prune(time.time() + 1)
+    assert counts["batches"] == 2
