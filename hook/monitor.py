@@ -97,6 +97,11 @@ class MonitorStats:
     connected: bool
 
 
+def _finite(x: Any) -> bool:
+    """False only for a non-finite Python float."""
+    return not (type(x) is float and x - x != 0.0)
+
+
 class _RateLimitedLog:
     """At most one log line per key per ``interval_s``, with the count of suppressed ones."""
 
@@ -253,6 +258,22 @@ class Monitor:
             self._failures += 1
             self._log.warning("step", "step() failed and was skipped: %r", exc)
 
+    def report_values(self, step: int, loss: Any = None, grad_norm: Any = None,
+                      **extras: Any) -> None:
+        """Send values of an already reported ``step`` that were known only later (e.g. a
+        trainer's logging hook). The record has no ``step_seconds``, so the agent's
+        step-time statistics are not touched. Never raises."""
+        try:
+            if not self._ch.up:
+                self._dropped += 1
+                return
+            data = self._general_record(step, self._time(), None, loss, grad_norm, extras)
+            if data is not None:
+                self._send(data, urgent=not _finite(loss) or not _finite(grad_norm))
+        except Exception as exc:
+            self._failures += 1
+            self._log.warning("step", "report_values() failed and was skipped: %r", exc)
+
     def _general_record(
         self, step: Any, now: float, ss: float | None, loss: Any, grad_norm: Any,
         extras: dict[str, Any],
@@ -346,6 +367,9 @@ class Monitor:
                 self._order = None
             target, rid, reason = order
             if step == target:
+                if self._preempt == _PREEMPT_PENDING and reason == "preempted":
+                    # the agreed preemption save: checkpoint_done() then exits the process
+                    self._preempt = _PREEMPT_SAVING
                 self._start(step, rid, reason)
                 return True
             self._report_missed(step, rid)
