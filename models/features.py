@@ -202,6 +202,19 @@ def _row_values(samples: pd.DataFrame) -> pd.DataFrame:
     return v
 
 
+def _inline_xids(samples: pd.DataFrame) -> pd.DataFrame | None:
+    """XIDs carried in the samples file's ``xid`` column (the replay format)."""
+    if "xid" not in samples.columns:
+        return None
+    code = pd.to_numeric(samples["xid"], errors="coerce")
+    sel = code.notna()
+    if not sel.any():
+        return None
+    return pd.DataFrame({"node": samples.loc[sel, "node"], "gpu": samples.loc[sel, "gpu"],
+                         "time": samples.loc[sel, "time"],
+                         "code": code[sel].astype(np.int64)})
+
+
 def grid_state(samples: pd.DataFrame, xids: pd.DataFrame | None = None) -> pd.DataFrame:
     """Fold samples (and XIDs) onto the per-GPU 60 s grid of cumulative state.
 
@@ -243,6 +256,10 @@ def grid_state(samples: pd.DataFrame, xids: pd.DataFrame | None = None) -> pd.Da
     out = g.reset_index()
     for c in XID_CLASSES:
         out[f"xid_{c}"] = 0.0
+    inline = _inline_xids(samples)
+    if inline is not None:
+        xids = inline if xids is None else pd.concat(
+            [validate_xids(xids), inline], ignore_index=True)
     if xids is not None and len(xids):
         x = validate_xids(xids)
         x = x.assign(minute=np.floor(x["time"].to_numpy() / GRID_S).astype(np.int64),

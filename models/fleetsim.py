@@ -404,7 +404,8 @@ def simulate_fleet(params: FleetParams) -> FleetData:
         xids.extend(x)
         labels.extend(lab)
     samples = pd.concat(frames, ignore_index=True)
-    xid_df = pd.DataFrame(xids, columns=["node", "gpu", "time", "code", "text"])
+    xid_df = pd.DataFrame(xids, columns=["node", "gpu", "time", "code", "text"]).rename(
+        columns={"code": "xid", "text": "xid_text"})  # the agent's replay events columns
     xid_df = xid_df.sort_values(["time", "node", "gpu"], ignore_index=True)
     label_df = pd.DataFrame(labels, columns=["node", "gpu", "uuid", "time", "cause",
                                              "had_precursor", "precursor_minutes"])

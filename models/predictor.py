@@ -29,7 +29,7 @@ from forewarn.models.evaluate import evaluate_scores
 from forewarn.models.features import FEATURE_NAMES
 from forewarn.wire import Finding, Health, Subject, SuggestedAction
 
-__all__ = ["FailurePredictor", "label_rows", "train_predictor"]
+__all__ = ["FailurePredictor", "fit_table", "label_rows", "split_gpus", "train_predictor"]
 
 
 @dataclasses.dataclass
@@ -107,47 +107,83 @@ def _tune_threshold(scored: pd.DataFrame, labels: pd.DataFrame, horizon_s: float
     return best
 
 
-def train_predictor(features: pd.DataFrame, labels: pd.DataFrame, *,
+def fit_table(features: pd.DataFrame, labels: pd.DataFrame, horizon_s: float,
+              neg_stride: int = 5) -> pd.DataFrame:
+    """Rows to fit on: every positive row and every ``neg_stride``-th minute of the
+    negatives, with ``y`` and a weight ``w`` that restores the negatives' share."""
+    y, keep = label_rows(features, labels, horizon_s)
+    minute = (features["time"].to_numpy() // 60).astype(np.int64)
+    rows = keep & ((y == 1) | (minute % neg_stride == 0))
+    out = features.loc[rows, list(FEATURE_NAMES)].copy()
+    out["y"] = y[rows]
+    out["w"] = np.where(out["y"] == 1, 1.0, float(neg_stride))
+    return out
+
+
+def split_gpus(features: pd.DataFrame, labels: pd.DataFrame, share: float, seed: int
+               ) -> tuple[tuple[pd.DataFrame, pd.DataFrame], tuple[pd.DataFrame, pd.DataFrame]]:
+    """Split a fleet by GPU into (fit, held-out) feature/label pairs."""
+    key = features["node"].astype(str) + "/" + features["gpu"].astype(str)
+    gpus = key.unique()
+    rng = np.random.default_rng(seed)
+    held = set(rng.choice(gpus, size=int(len(gpus) * share), replace=False))
+    is_held = key.isin(held).to_numpy()
+    lkey = (labels["node"].astype(str) + "/" + labels["gpu"].astype(str)).isin(held).to_numpy()
+    return ((features.loc[~is_held], labels.loc[~lkey]),
+            (features.loc[is_held], labels.loc[lkey]))
+
+
+def train_predictor(sets: list[tuple[pd.DataFrame, pd.DataFrame]], *,
+                    tune: tuple[pd.DataFrame, pd.DataFrame] | None = None,
                     horizon_s: float = 3600.0, neg_stride: int = 5,
                     tune_share: float = 0.25, target_false_alarms: float = 0.5,
                     threshold: float | None = None, seed: int = 0,
-                    max_iter: int = 200) -> FailurePredictor:
-    """Fit the calibrated predictor on ``features`` (from :func:`gpu_features`) and failure
-    ``labels``; tune the threshold on a held-out share of GPUs unless one is given."""
+                    max_iter: int = 150) -> FailurePredictor:
+    """Fit the calibrated predictor on ``(features, labels)`` pairs (features from
+    :func:`~forewarn.models.features.gpu_features`). The operating threshold is given, or
+    tuned on ``tune`` (or, without one, on ``tune_share`` of the GPUs held out of the fit).
+    """
     start = time.perf_counter()
-    rng = np.random.default_rng(seed)
-    y, keep = label_rows(features, labels, horizon_s)
-    gpu_key = features["node"].astype(str) + "/" + features["gpu"].astype(str)
-    gpus = gpu_key.unique()
-    tune_gpus = set(rng.choice(gpus, size=int(len(gpus) * tune_share), replace=False)) \
-        if threshold is None and tune_share > 0 else set()
-    is_tune = gpu_key.isin(tune_gpus).to_numpy()
-    minute = (features["time"].to_numpy() // 60).astype(np.int64)
-    sub = (y == 1) | (minute % neg_stride == 0)
-    fit_rows = keep & ~is_tune & sub
-    x = features.loc[fit_rows, list(FEATURE_NAMES)].to_numpy(dtype=np.float64)
-    yf = y[fit_rows]
+    tunes: list[tuple[pd.DataFrame, pd.DataFrame]] = []
+    fits = []
+    for features, labels in sets:
+        if threshold is None and tune is None and tune_share > 0:
+            (ff, fl), held = split_gpus(features, labels, tune_share, seed)
+            tunes.append(held)
+        else:
+            ff, fl = features, labels
+        fits.append(fit_table(ff, fl, horizon_s, neg_stride))
+    if tune is not None:
+        tunes = [tune]
+    fit = pd.concat(fits, ignore_index=True)
+    yf = fit["y"].to_numpy()
     if yf.sum() < 6:
         raise ValueError(f"too few positive rows to train on ({int(yf.sum())}); "
                          "use more data or a longer horizon")
-    w = np.where(yf == 1, 1.0, float(neg_stride))
+    x = fit[list(FEATURE_NAMES)].to_numpy(dtype=np.float64)
     base = HistGradientBoostingClassifier(max_iter=max_iter, learning_rate=0.08,
                                           max_leaf_nodes=31, l2_regularization=1.0,
                                           random_state=seed)
     clf = CalibratedClassifierCV(base, method="isotonic", cv=3, ensemble=False)
-    clf.fit(x, yf, sample_weight=w)
+    clf.fit(x, yf, sample_weight=fit["w"].to_numpy())
     pred = FailurePredictor(classifier=clf, horizon_s=horizon_s)
     if threshold is None:
-        tune = features.loc[is_tune & keep]
-        tune_labels = labels[(labels["node"].astype(str) + "/" + labels["gpu"].astype(str))
-                             .isin(tune_gpus)]
-        scored = pred.score(tune)
-        threshold = _tune_threshold(scored, tune_labels, horizon_s, target_false_alarms)
+        scored = []
+        tune_labels = []
+        for k, (tf, tl) in enumerate(tunes):
+            _y, keep = label_rows(tf, tl, horizon_s)
+            sc = pred.score(tf.loc[keep])
+            sc["node"] = f"{k}:" + sc["node"].astype(str)
+            scored.append(sc)
+            tune_labels.append(tl.assign(node=f"{k}:" + tl["node"].astype(str)))
+        threshold = _tune_threshold(pd.concat(scored, ignore_index=True),
+                                    pd.concat(tune_labels, ignore_index=True),
+                                    horizon_s, target_false_alarms)
     pred.threshold = float(threshold)
     pred.metadata = {
         "trained_at": time.time(), "train_seconds": round(time.perf_counter() - start, 2),
-        "train_rows": int(fit_rows.sum()), "positive_rows": int(yf.sum()),
-        "failures": len(labels), "horizon_s": horizon_s, "neg_stride": neg_stride,
-        "target_false_alarms_per_1000": target_false_alarms,
+        "train_rows": len(fit), "positive_rows": int(yf.sum()),
+        "failures": int(sum(len(lab) for _, lab in sets)), "horizon_s": horizon_s,
+        "neg_stride": neg_stride, "target_false_alarms_per_1000": target_false_alarms,
     }
     return pred

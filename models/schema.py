@@ -4,7 +4,8 @@
   as :class:`forewarn.wire.GpuSample` fields; NVLink counters flattened as
   ``nvlink<L>_crc_flit``, ``nvlink<L>_crc_data``, ``nvlink<L>_replay``,
   ``nvlink<L>_recovery``. Units: seconds since the epoch, degrees Celsius, watts.
-* **XIDs**: one row per event, columns ``node, gpu, time, code``.
+* **XIDs**: one row per event, columns ``node, gpu, time, xid`` (``code`` accepted), as
+  the agent's replay events file; an ``xid`` column in the samples file counts too.
 * **Labels** (simulator ground truth, or a fleet's own failure log): one row per failure,
   columns ``node, gpu, time, cause, had_precursor``.
 
@@ -107,19 +108,35 @@ def validate_samples(df: pd.DataFrame, what: str = "samples") -> pd.DataFrame:
     Raises :class:`DataError` naming missing columns or columns in the wrong unit.
     """
     _require(df, REQUIRED_SAMPLE_COLUMNS, what)
-    _check_units(df, what)
     out = df.copy()
+    out["time"] = _seconds(out["time"], what)
+    _check_units(out, what)
     out["node"] = out["node"].astype(str)
     out["gpu"] = pd.to_numeric(out["gpu"], errors="raise").astype(np.int64)
     out["time"] = pd.to_numeric(out["time"], errors="raise").astype(np.float64)
     return out
 
 
+def _seconds(col: pd.Series, what: str) -> pd.Series:
+    """Times as Unix seconds: numbers pass, timestamps and ISO 8601 strings convert."""
+    if pd.api.types.is_numeric_dtype(col):
+        return col.astype(np.float64)
+    ts = pd.to_datetime(col, utc=True, errors="coerce")
+    if ts.isna().any():
+        raise DataError(f"{what}: column time has an unreadable value "
+                        f"{col[ts.isna()].iloc[0]!r}")
+    return (ts - pd.Timestamp(0, tz="UTC")).dt.total_seconds()
+
+
 def validate_xids(df: pd.DataFrame, what: str = "xids") -> pd.DataFrame:
-    """Check an XID table (``node, gpu, time, code``)."""
+    """Check an XID table (``node, gpu, time, code``; the agent's replay events file
+    names the code column ``xid``, which is accepted too)."""
+    if "code" not in df.columns and "xid" in df.columns:
+        df = df.rename(columns={"xid": "code"})
     _require(df, XID_COLUMNS, what)
-    _check_units(df[["time"]], what)
     out = df.copy()
+    out["time"] = _seconds(out["time"], what)
+    _check_units(out[["time"]], what)
     out["node"] = out["node"].astype(str)
     out["gpu"] = pd.to_numeric(out["gpu"], errors="coerce").fillna(-1).astype(np.int64)
     out["code"] = pd.to_numeric(out["code"], errors="raise").astype(np.int64)

@@ -1,0 +1,235 @@
+"""``forewarn models``: simulate, train, evaluate, backtest, rank.
+
+``simulate-fleet``  write labelled telemetry (samples.parquet, xids.parquet, labels.csv)
+``train``           data in (replay/Parquet directories with labels), model out (.skops)
+``eval``            report: precision, recall, lead times, false alarms, baseline, PNGs
+``backtest``        run a model over replay files; list alarms (and judge them if labelled)
+``rank``            rank GPUs and nodes by risk from an event-history CSV ("lemons")
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["register"]
+
+
+def register(sub: Any) -> None:
+    p: argparse.ArgumentParser = sub.add_parser(
+        "models", help="failure-prediction models: simulate, train, eval, backtest, rank",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ms = p.add_subparsers(dest="models_command", metavar="ACTION", required=True)
+
+    s = ms.add_parser("simulate-fleet", help="write labelled simulated fleet telemetry")
+    s.add_argument("--params", help="fleet parameter TOML (default: the shipped one)")
+    s.add_argument("--out", required=True, help="output directory")
+    for flag, typ in (("--nodes", int), ("--gpus-per-node", int), ("--days", float),
+                      ("--interval", float), ("--seed", int), ("--precursor-scale", float),
+                      ("--noise-scale", float), ("--rate", float)):
+        s.add_argument(flag, type=typ)
+    s.set_defaults(func=_simulate)
+
+    t = ms.add_parser("train", help="train a failure predictor (data in, model out)")
+    t.add_argument("--data", action="append", default=[],
+                   help="directory with samples (.parquet/.csv or a Parquet store), xids and "
+                        "labels.csv; repeatable")
+    t.add_argument("--simulate", action="store_true",
+                   help="train on the built-in simulated training suite instead")
+    t.add_argument("--scale", type=float, default=1.0, help="size of the simulated suite")
+    t.add_argument("--out", required=True, help="model file to write (.skops)")
+    t.add_argument("--horizon-min", type=float, default=60.0, help="prediction horizon H")
+    t.add_argument("--threshold", type=float, help="operating threshold (default: tuned)")
+    t.add_argument("--target-false-alarms", type=float, default=0.5,
+                   help="false alarms per 1,000 GPU-days the tuned threshold aims under")
+    t.set_defaults(func=_train)
+
+    e = ms.add_parser("eval", help="evaluation report with figures and PNGs")
+    e.add_argument("--model", help="model file (default: the shipped model)")
+    e.add_argument("--data", action="append", default=[], help="labelled data directory")
+    e.add_argument("--heldout", action="store_true",
+                   help="evaluate on the built-in held-out simulated suite")
+    e.add_argument("--scale", type=float, default=1.0, help="size of the simulated suite")
+    e.add_argument("--report", required=True, help="output directory for the report")
+    e.set_defaults(func=_eval)
+
+    b = ms.add_parser("backtest", help="run a model over replay files")
+    b.add_argument("--model", help="model file (default: the shipped model)")
+    b.add_argument("--samples", required=True, help="replay samples file or directory")
+    b.add_argument("--xids", help="XID events file")
+    b.add_argument("--labels", help="failure labels CSV (judges the alarms)")
+    b.add_argument("--threshold", type=float, help="override the model's threshold")
+    b.add_argument("--out", help="write alarm episodes to this CSV")
+    b.set_defaults(func=_backtest)
+
+    r = ms.add_parser("rank", help="rank GPUs/nodes by failure risk from an events CSV")
+    r.add_argument("--events", required=True, help="events CSV (docs/models.md)")
+    r.add_argument("--days", type=float, default=7.0, help="risk horizon N in days")
+    r.add_argument("--as-of", type=float, help="rank as of this time (epoch seconds)")
+    r.add_argument("--top", type=int, default=20)
+    r.add_argument("--out", help="write the full ranking to this CSV")
+    r.set_defaults(func=_rank)
+
+
+def _load_dir(d: str) -> tuple[Any, Any, Any]:
+    from forewarn.models.schema import DataError, read_table, validate_labels
+
+    p = Path(d)
+    samples = xids = labels = None
+    for name in ("samples.parquet", "samples.csv", "telemetry"):
+        if (p / name).exists():
+            samples = read_table(p / name)
+            break
+    if samples is None:
+        raise DataError(f"{p}: no samples.parquet, samples.csv or telemetry/ directory")
+    for name in ("xids.parquet", "xids.csv"):
+        if (p / name).exists():
+            xids = read_table(p / name)
+    if (p / "labels.csv").exists():
+        labels = validate_labels(read_table(p / "labels.csv"), f"{p / 'labels.csv'}")
+    return samples, xids, labels
+
+
+def _features_from_dirs(dirs: list[str]) -> list[tuple[str, Any, Any]]:
+    from forewarn.models.features import gpu_features
+    from forewarn.models.schema import DataError
+
+    out = []
+    for d in dirs:
+        samples, xids, labels = _load_dir(d)
+        if labels is None:
+            raise DataError(f"{d}: labels.csv is required here")
+        out.append((d, gpu_features(samples, xids), labels))
+    return out
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from forewarn.models.fleetsim import load_params, simulate_fleet, write_fleet
+
+    p = load_params(args.params)
+    changes = {k: v for k, v in (
+        ("nodes", args.nodes), ("gpus_per_node", args.gpus_per_node), ("days", args.days),
+        ("sample_interval_s", args.interval), ("seed", args.seed),
+        ("precursor_scale", args.precursor_scale), ("noise_scale", args.noise_scale),
+        ("rate_per_1000_gpu_days", args.rate)) if v is not None}
+    data = simulate_fleet(p.replace(**changes))
+    paths = write_fleet(data, args.out)
+    print(f"{len(data.samples)} samples, {len(data.xids)} XIDs, {len(data.labels)} failures "
+          f"({int(data.labels['had_precursor'].sum())} with a precursor) -> "
+          f"{', '.join(str(v) for v in paths.values())}")
+    return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from forewarn.models.persist import save_model
+    from forewarn.models.predictor import train_predictor
+    from forewarn.models.schema import DataError
+    from forewarn.models.suites import simulate_features, train_suite, tune_params
+
+    try:
+        tune = None
+        if args.simulate:
+            sets = [simulate_features(p) for p in train_suite(scale=args.scale)]
+            tune = simulate_features(tune_params(scale=args.scale))
+        elif args.data:
+            sets = [(f, lab) for _, f, lab in _features_from_dirs(args.data)]
+        else:
+            print("forewarn models train: give --data DIR or --simulate", file=sys.stderr)
+            return 2
+        model = train_predictor(sets, tune=tune, horizon_s=args.horizon_min * 60,
+                                threshold=args.threshold,
+                                target_false_alarms=args.target_false_alarms)
+    except (DataError, ValueError) as exc:
+        print(f"forewarn models train: {exc}", file=sys.stderr)
+        return 2
+    save_model(model, args.out)
+    print(f"model -> {args.out}: threshold {model.threshold:.2f}, horizon "
+          f"{model.horizon_s / 60:.0f} min, {json.dumps(model.metadata)}")
+    return 0
+
+
+def _model(path: str | None) -> Any:
+    from forewarn.models.persist import load_default_model, load_model
+
+    return load_model(path) if path else load_default_model()
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from forewarn.models.persist import ModelError
+    from forewarn.models.report import evaluate_model, write_report
+    from forewarn.models.schema import DataError
+    from forewarn.models.suites import heldout_suite, iter_features
+
+    try:
+        model = _model(args.model)
+        sets = iter_features(heldout_suite(scale=args.scale)) if args.heldout \
+            else iter(_features_from_dirs(args.data))
+        if not args.heldout and not args.data:
+            print("forewarn models eval: give --data DIR or --heldout", file=sys.stderr)
+            return 2
+        report = evaluate_model(model, sets)
+    except (DataError, ModelError) as exc:
+        print(f"forewarn models eval: {exc}", file=sys.stderr)
+        return 2
+    paths = write_report(report, args.report)
+    print(Path(paths["md"]).read_text())
+    print("goals: " + ", ".join(f"{k} {'met' if v else 'NOT met'}"
+                                for k, v in report["goals"].items()))
+    print(f"report -> {args.report}")
+    return 0
+
+
+def _backtest(args: argparse.Namespace) -> int:
+    from forewarn.models.evaluate import alarm_episodes, evaluate_scores
+    from forewarn.models.features import gpu_features
+    from forewarn.models.persist import ModelError
+    from forewarn.models.schema import DataError, read_table, validate_labels
+
+    try:
+        model = _model(args.model)
+        samples = read_table(args.samples)
+        xids = read_table(args.xids) if args.xids else None
+        feats = gpu_features(samples, xids)
+        labels = validate_labels(read_table(args.labels), args.labels) if args.labels else None
+    except (DataError, ModelError) as exc:
+        print(f"forewarn models backtest: {exc}", file=sys.stderr)
+        return 2
+    thr = model.threshold if args.threshold is None else args.threshold
+    scored = model.score(feats)
+    ep = alarm_episodes(scored, thr)
+    print(f"{len(feats)} GPU-minutes scored, {len(ep)} alarm episodes at threshold {thr:.2f}")
+    print(ep.head(50).to_string(index=False))
+    if args.out:
+        ep.to_csv(args.out, index=False)
+    if labels is not None:
+        from forewarn.models.predictor import label_rows
+
+        _y, keep = label_rows(feats, labels, model.horizon_s)
+        r = evaluate_scores(scored.loc[keep], labels, thr, horizon_s=model.horizon_s)
+        print(json.dumps({k: v for k, v in r.as_dict().items() if "lead_times" not in k},
+                         indent=1))
+    return 0
+
+
+def _rank(args: argparse.Namespace) -> int:
+    from forewarn.models.lemon import LemonRanker, read_events
+    from forewarn.models.schema import DataError
+
+    try:
+        ev = read_events(args.events)
+    except (DataError, OSError) as exc:
+        print(f"forewarn models rank: {exc}", file=sys.stderr)
+        return 2
+    ranker = LemonRanker(horizon_days=args.days).fit(ev)
+    ranked = ranker.rank(ev, args.as_of)
+    print(f"method: {ranked['method'].iloc[0]}; risk of a hard failure in {args.days:g} days")
+    print(ranked.head(args.top)[["gpu_id", "node", "slot", "risk", "hard_all", "soft_30"]]
+          .to_string(index=False))
+    print("\nnodes:")
+    print(ranker.node_risk(ranked).head(args.top).to_string(index=False))
+    if args.out:
+        ranked.to_csv(args.out, index=False)
+    return 0

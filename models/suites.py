@@ -1,0 +1,63 @@
+"""The simulated data sets the shipped model is trained and judged on.
+
+Training and held-out suites never share a seed, and the held-out suite uses parameter
+values training never saw: precursors half and twice as long, 1.6x the noise, other fleet
+sizes (docs/models.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pandas as pd
+
+from forewarn.models.features import gpu_features
+from forewarn.models.fleetsim import FleetParams, load_params, simulate_fleet
+
+__all__ = ["heldout_suite", "simulate_features", "train_suite", "tune_params"]
+
+
+def train_suite(base: FleetParams | None = None, scale: float = 1.0) -> list[FleetParams]:
+    """Training fleets: seeds 101..103, precursor scale 0.8..1.3, noise 1.0..1.2."""
+    p = base or load_params()
+    nodes = max(1, round(p.nodes * scale))
+    return [
+        p.replace(seed=101, nodes=nodes, precursor_scale=1.0, noise_scale=1.0),
+        p.replace(seed=102, nodes=nodes, precursor_scale=0.8, noise_scale=1.2),
+        p.replace(seed=103, nodes=nodes, precursor_scale=1.3, noise_scale=1.1),
+    ]
+
+
+def tune_params(base: FleetParams | None = None, scale: float = 1.0) -> FleetParams:
+    """The fleet the operating threshold is tuned on (seed 201)."""
+    p = base or load_params()
+    return p.replace(seed=201, nodes=max(1, round(p.nodes * scale)))
+
+
+def heldout_suite(base: FleetParams | None = None, scale: float = 1.0
+                  ) -> dict[str, FleetParams]:
+    """Held-out fleets: unseen seeds and unseen parameter values."""
+    p = base or load_params()
+    n = max(1, round(p.nodes * scale))
+    return {
+        "same_params_new_seed": p.replace(seed=901, nodes=n),
+        "short_precursors_x0.5": p.replace(seed=902, nodes=n, precursor_scale=0.5),
+        "long_precursors_x2": p.replace(seed=903, nodes=n, precursor_scale=2.0),
+        "noise_x1.6": p.replace(seed=904, nodes=n, noise_scale=1.6),
+        "fleet_x1.5_10s_samples": p.replace(seed=905, nodes=max(1, round(n * 1.5)),
+                                            sample_interval_s=10.0, days=p.days / 4),
+    }
+
+
+def simulate_features(params: FleetParams) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Simulate a fleet and return (features, labels)."""
+    d = simulate_fleet(params)
+    return gpu_features(d.samples, d.xids), d.labels
+
+
+def iter_features(suite: dict[str, FleetParams]) -> Iterator[tuple[str, pd.DataFrame,
+                                                                   pd.DataFrame]]:
+    """(name, features, labels) for each fleet of a suite, one at a time (memory)."""
+    for name, params in suite.items():
+        f, lab = simulate_features(params)
+        yield name, f, lab

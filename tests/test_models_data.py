@@ -1,0 +1,129 @@
+"""Fleet simulator, feature pipeline (batch == live), data validation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from forewarn.models.features import FEATURE_NAMES, gpu_features, rank_features
+from forewarn.models.fleetsim import load_params, simulate_fleet
+from forewarn.models.live import LiveScorer
+from forewarn.models.predictor import FailurePredictor
+from forewarn.models.schema import DataError, validate_samples
+from forewarn.wire import GpuSample, NvlinkCounters, XidEvent
+
+
+def _small(**kw: object) -> object:
+    return load_params().replace(nodes=2, gpus_per_node=4, days=0.25, **kw)
+
+
+def test_simulator_is_deterministic_and_labelled() -> None:
+    p = load_params().replace(nodes=3, days=2.0, seed=5, rate_per_1000_gpu_days=200.0)
+    a, b = simulate_fleet(p), simulate_fleet(p)
+    pd.testing.assert_frame_equal(a.samples, b.samples)
+    assert len(a.labels) > 0
+    assert set(a.labels.columns) >= {"node", "gpu", "time", "cause", "had_precursor"}
+    assert set(a.labels["cause"]) <= {c.name for c in p.causes}
+    # A failed GPU writes nothing after its failure.
+    for row in a.labels.itertuples():
+        g = a.samples[(a.samples.node == row.node) & (a.samples.gpu == row.gpu)]
+        assert g["time"].max() <= row.time
+    # Counters are cumulative (never decrease within a GPU).
+    diffs = a.samples.groupby(["node", "gpu"])["ecc_corrected_volatile"].diff().dropna()
+    assert (diffs >= 0).all()
+    assert 20 < a.samples["temperature_c"].median() < 90
+
+
+class _Zero:
+    """A classifier stand-in that scores every row 0 (the test only compares features)."""
+
+    def predict_proba(self, x: np.ndarray) -> np.ndarray:
+        return np.column_stack([np.ones(len(x)), np.zeros(len(x))])
+
+
+def _to_sample(r: dict[str, object]) -> GpuSample:
+    keys = ("node", "gpu", "uuid", "time", "temperature_c", "slowdown_margin_c", "power_w",
+            "power_limit_w", "throttle_reasons", "ecc_corrected_volatile",
+            "ecc_uncorrected_volatile", "remapped_rows_correctable",
+            "remapped_rows_uncorrectable", "remap_pending", "remap_failure",
+            "retired_pages_sbe", "retired_pages_dbe", "pcie_replay_total", "pcie_link_width",
+            "pcie_link_width_max")
+    kw: dict[str, Any] = {k: getattr(r[k], "item", lambda v=r[k]: v)() for k in keys}
+    links = tuple(NvlinkCounters(link=k, crc_flit=int(str(r[f"nvlink{k}_crc_flit"])),
+                                 replay=int(str(r[f"nvlink{k}_replay"])))
+                  for k in range(4))
+    return GpuSample(source="replay", nvlink=links, state=str(r["state"]), **kw)  # type: ignore[arg-type]
+
+
+def test_live_features_equal_batch_features() -> None:
+    p = load_params().replace(nodes=1, gpus_per_node=3, days=0.15, seed=3,
+                              rate_per_1000_gpu_days=0.0, noise_scale=4.0)
+    d = simulate_fleet(p)
+    batch = gpu_features(d.samples, d.xids)
+    live = LiveScorer(FailurePredictor(classifier=_Zero()))
+    rows = d.samples.sort_values(["time", "gpu"]).to_dict("records")
+    xids = d.xids.to_dict("records")
+    xi, checked = 0, 0
+    for k, r in enumerate(rows):
+        t = float(r["time"])
+        if k and int(t // 60) != int(float(rows[k - 1]["time"]) // 60):
+            slots, feats, ft = live.features(t)
+            b = batch[batch.time == ft].sort_values("gpu")
+            assert len(b) == len(slots)
+            for c in FEATURE_NAMES:
+                np.testing.assert_allclose(feats[c], b[c].to_numpy(), atol=1e-6, err_msg=c)
+            checked += 1
+        while xi < len(xids) and xids[xi]["time"] <= t:
+            x = xids[xi]
+            live.observe_xid(XidEvent(node=x["node"], gpu=int(x["gpu"]), code=int(x["xid"]),
+                                      time=float(x["time"]), source="replay"))
+            xi += 1
+        live.observe(_to_sample(r))
+    assert checked > 100
+
+
+def test_missing_columns_are_named() -> None:
+    df = pd.DataFrame({"node": ["a"], "temperature_c": [50.0]})
+    with pytest.raises(DataError, match=r"missing column.*gpu, time"):
+        validate_samples(df, "h.csv")
+
+
+@pytest.mark.parametrize(("col", "value", "unit"), [
+    ("temperature_c", 333.15, "Kelvin"),
+    ("power_w", 350_000.0, "milliwatts"),
+    ("time", 1.7e12, "milliseconds"),
+])
+def test_wrong_units_are_named(col: str, value: float, unit: str) -> None:
+    df = pd.DataFrame({"node": ["a"] * 3, "gpu": [0] * 3, "time": [1.7e9, 1.7e9 + 1, 1.7e9 + 2],
+                       "temperature_c": [50.0] * 3, "power_w": [300.0] * 3})
+    df[col] = value
+    with pytest.raises(DataError, match=rf"{col}.*{unit}"):
+        gpu_features(df)
+
+
+def test_features_accept_sparse_replay_columns_and_inline_xids() -> None:
+    df = pd.DataFrame({"node": "n", "gpu": 0, "time": 1.7e9 + np.arange(0, 3600, 10.0),
+                       "temperature_c": 60.0, "xid": np.nan})
+    df.loc[100, "xid"] = 79
+    f = gpu_features(df)
+    assert list(f.columns[3:]) == list(FEATURE_NAMES)
+    assert f["xid_bus_60"].max() == 1
+    assert np.isfinite(f[list(FEATURE_NAMES)].to_numpy()).all()
+
+
+def test_rank_features_flag_the_slow_and_divergent_rank() -> None:
+    rng = np.random.default_rng(0)
+    rows = []
+    for t in range(60):
+        for r in range(16):
+            rows.append({"job": "j", "rank": r, "time": 1.7e9 + t,
+                         "step_seconds": 1.0 + rng.normal(0, 0.01) + (0.5 if r == 7 else 0),
+                         "loss": 2.0 + rng.normal(0, 0.01) + (1.0 if r == 3 else 0),
+                         "grad_norm": 1.0 + rng.normal(0, 0.05)})
+    f = rank_features(pd.DataFrame(rows))
+    worst = f.groupby("rank")[["step_ratio", "loss_z"]].mean()
+    assert worst["step_ratio"].idxmax() == 7 and worst.loc[7, "step_ratio"] > 1.3
+    assert worst["loss_z"].idxmax() == 3 and worst.loc[3, "loss_z"] > 10
