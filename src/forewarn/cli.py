@@ -18,6 +18,7 @@ SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("demo", "forewarn.demo.run"),
     ("simulate", "forewarn.simulate"),
     ("dashboards", "forewarn.dashboards.cli"),
+    ("models", "forewarn.models.cli"),
 )
 
 
