@@ -138,6 +138,8 @@ class RankLimits:
     """Gone after this many beat intervals without a beat."""
     default_beat_interval_s: float = 1.0
     min_beat_interval_s: float = 0.05
+    gone_floor_s: float = 1.5
+    """Never gone sooner than this, however fast the beats came."""
     max_step_jump: int = 10_000_000
     max_clock_skew_s: float = 3600.0
     max_step_seconds: float = 86_400.0
@@ -409,8 +411,9 @@ class RankTable:
     # -- admission ---------------------------------------------------------------------------
     def gone_after(self, beat_interval_s: float | None) -> float:
         """Seconds without a beat after which a rank counts as gone."""
-        interval = beat_interval_s or self.limits.default_beat_interval_s
-        return self.limits.beat_misses * max(interval, self.limits.min_beat_interval_s)
+        lim = self.limits
+        interval = beat_interval_s or lim.default_beat_interval_s
+        return max(lim.gone_floor_s, lim.beat_misses * max(interval, lim.min_beat_interval_s))
 
     def _live(self, st: RankState, now: float) -> bool:
         silent = now - st.last_msg
