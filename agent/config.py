@@ -66,6 +66,8 @@ class AgentConfig:
     """Base URL of the collector; empty = run standalone."""
     token: str = ""
     token_file: Path | None = None
+    collector_ca_file: Path | None = None
+    """PEM CA bundle that signed the collector's TLS certificate (none = system CAs)."""
     spool_dir: Path = Path("/var/lib/forewarn/spool")
     spool_max_bytes: int = 256 * 1024 * 1024
     push_interval_s: float = 5.0

@@ -41,6 +41,7 @@ import json
 import logging
 import os
 import re
+import ssl
 import threading
 import time
 import uuid
@@ -345,8 +346,11 @@ class Uplink:
 
     def _client(self, timeout: httpx.Timeout) -> httpx.Client:
         headers = {"authorization": f"Bearer {self.token}"} if self.token else {}
+        verify: ssl.SSLContext | bool = True
+        if self.config.collector_ca_file is not None:
+            verify = ssl.create_default_context(cafile=str(self.config.collector_ca_file))
         return httpx.Client(base_url=self.config.collector_url.rstrip("/"), headers=headers,
-                            timeout=timeout, transport=self.transport)
+                            timeout=timeout, transport=self.transport, verify=verify)
 
     def flush(self, client: httpx.Client) -> bool:
         """Send every spooled batch; True when the spool is empty afterwards."""
@@ -509,4 +513,6 @@ def build(config: AgentConfig) -> Uplink | None:
     if config.spool_max_bytes < 4096:
         raise ConfigError(f"spool_max_bytes: must be at least 4096, got "
                           f"{config.spool_max_bytes}")
+    if config.collector_ca_file is not None and not config.collector_ca_file.is_file():
+        raise ConfigError(f"collector_ca_file: no such file {config.collector_ca_file}")
     return Uplink(config)
