@@ -32,6 +32,24 @@ JOB = 'cluster=~"$cluster", job=~"$job"'
 Panel = Any
 
 
+def _on_node(expr: str) -> str:
+    """``expr`` (an agent self-metric, which carries no ``node`` label) with the ``node`` of
+    the agent that exported it, found through ``forewarn_gpu_info`` of the same scrape
+    target (``instance``), and filtered by ``$node``."""
+    if "{" not in expr:
+        expr += '{cluster=~"$cluster"}'
+    return (f"{expr} * on (instance) group_left(node) "
+            "max by (instance, node) (forewarn_gpu_info{" + G + "})")
+
+
+def _new_or_increase(counter: str) -> str:
+    """Increase of ``counter`` over ``$__rate_interval``, counting a series born inside the
+    interval at its value: Prometheus has no sample before a counter's first one, so
+    ``increase()`` alone reads a first XID (a new ``code`` series at 1) as no increase."""
+    return (f"(increase({counter}[$__rate_interval]) > 0) or "
+            f"({counter} unless {counter} offset $__rate_interval)")
+
+
 def _q(expr: str, legend: str = "", instant: bool = False) -> prometheus.Dataquery:
     q = prometheus.Dataquery().expr(expr).datasource(DS)
     if legend:
@@ -152,8 +170,9 @@ def fleet() -> dict[str, Any]:
             ("Errors", [
                 ts("XIDs by class", "XID errors per class over the interval; application "
                    "classes (13, 31, 43, 45) are the program's, not the GPU's.", "short",
-                   _q("sum by (class) (increase(forewarn_gpu_xid_errors_total{" + G
-                      + "}[$__rate_interval]))", "{{class}}"), stack=True),
+                   _q("sum by (class) (" + _new_or_increase(
+                       "forewarn_gpu_xid_errors_total{" + G + "}") + ")", "{{class}}"),
+                   stack=True),
                 ts("Correctable ECC rate", "Corrected ECC errors per second per GPU: a rising "
                    "rate precedes uncorrectable errors (SC20 DRAM study).", "cps",
                    _q("sum by (node, gpu) (rate(forewarn_gpu_ecc_errors_total{" + G
@@ -268,20 +287,22 @@ def node_detail() -> dict[str, Any]:
                    "cps", _q("rate(forewarn_gpu_nvlink_errors_total{" + GPU
                              + "}[$__rate_interval])", "{{gpu}} link {{link}} {{type}}")),
                 ts("XIDs", "XID errors by code.", "short",
-                   _q("increase(forewarn_gpu_xid_errors_total{" + GPU + "}[$__rate_interval])",
+                   _q(_new_or_increase("forewarn_gpu_xid_errors_total{" + GPU + "}"),
                       "{{gpu}} xid {{code}} ({{class}})")),
             ]),
             ("Agent", [
                 ts("Check duration", "Seconds each check took per poll.", "s",
-                   _q("forewarn_agent_check_duration_seconds{" + G + "}", "{{check}}")),
+                   _q(_on_node("forewarn_agent_check_duration_seconds"), "{{node}} {{check}}")),
                 ts("Check success", "1 when the check ran without raising.", "bool",
-                   _q("forewarn_agent_check_success{" + G + "}", "{{check}}"),
+                   _q(_on_node("forewarn_agent_check_success"), "{{node}} {{check}}"),
                    thresholds=_thresholds((None, "red"), (1, "green"))),
                 ts("Source poll duration", "Seconds one poll of the GPU source took.", "s",
-                   _q("forewarn_agent_source_poll_duration_seconds{" + G + "}", "{{source}}")),
+                   _q(_on_node("forewarn_agent_source_poll_duration_seconds"),
+                      "{{node}} {{source}}")),
                 ts("Source errors", "Failed polls or opens of the GPU source.", "short",
-                   _q("increase(forewarn_agent_source_errors_total{" + G
-                      + "}[$__rate_interval])", "{{source}}")),
+                   _q(_on_node("increase(forewarn_agent_source_errors_total{"
+                               'cluster=~"$cluster"}[$__rate_interval])'),
+                      "{{node}} {{source}}")),
             ]),
         ],
         annotations=[findings],
@@ -326,17 +347,22 @@ def training() -> dict[str, Any]:
             ]),
             ("Hardware under the job", [
                 ts("Health of the job's GPUs", "0 healthy, 1 degraded, 2 unhealthy.", "none",
-                   _q("forewarn_gpu_health{" + G + "} * on (node, gpu) group_left(job, rank) "
-                      "max by (node, gpu, job, rank) (forewarn_rank_gpu" + r + ")",
+                   _q(_under_ranks("forewarn_gpu_health"),
                       "{{job}} rank {{rank}} ({{node}}/{{gpu}})"), thresholds=OK_WARN_BAD),
                 ts("Temperature of the job's GPUs", "Core temperature of the GPUs under ranks.",
-                   "celsius",
-                   _q("forewarn_gpu_temperature_celsius{" + G + "} * on (node, gpu) "
-                      "group_left(job, rank) max by (node, gpu, job, rank) "
-                      "(forewarn_rank_gpu" + r + ")", "{{job}} rank {{rank}}")),
+                   "celsius", _q(_under_ranks("forewarn_gpu_temperature_celsius"),
+                                 "{{job}} rank {{rank}} ({{node}}/{{gpu}})")),
             ]),
         ],
     )
+
+
+def _under_ranks(metric: str) -> str:
+    """``metric`` of the GPU under each rank of ``$job``, labelled with the job and rank:
+    ``forewarn_rank_info`` carries the GPU (``local_rank`` mapped by the agent)."""
+    return ('max by (node, gpu, job, rank) (forewarn_rank_info{' + JOB
+            + ', node=~"$node", gpu!=""}) * on (node, gpu) group_left '
+            "max by (node, gpu) (" + metric + "{" + G + "})")
 
 
 def predictions() -> dict[str, Any]:
@@ -367,9 +393,10 @@ def predictions() -> dict[str, Any]:
                 ts("Webhook deliveries", "Outbound webhook deliveries by status.", "short",
                    _q("sum by (status) (increase(forewarn_collector_webhook_deliveries_total"
                       + c + "[$__rate_interval]))", "{{status}}"), stack=True),
-                ts("Checkpoint orders from the collector", "Job-wide orders issued.", "short",
-                   _q("sum by (reason) (increase(forewarn_collector_checkpoint_orders_total"
-                      + c + "[$__rate_interval]))", "{{reason}}")),
+                ts("Checkpoint orders from the collector", "Job-wide orders by event (issued, "
+                   "reissued, done, failed).", "short",
+                   _q("sum by (event) (increase(forewarn_collector_checkpoint_orders_total"
+                      + c + "[$__rate_interval]))", "{{event}}")),
             ]),
         ],
     )
