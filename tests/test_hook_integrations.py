@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -94,7 +95,9 @@ def test_lightning_callback_reports_steps_and_saves_at_the_ordered_step(
     pl = pytest.importorskip("pytorch_lightning")
     from forewarn.hook.lightning import ForewarnCallback
 
-    class Tiny(pl.LightningModule):  # type: ignore[misc]
+    base: Any = pl.LightningModule
+
+    class Tiny(base):  # type: ignore[misc]
         def __init__(self) -> None:
             super().__init__()
             self.lin = torch.nn.Linear(4, 1)
