@@ -60,10 +60,10 @@ class Timing:
     @staticmethod
     def of(fast: bool) -> Timing:
         if fast:
-            return Timing(step_seconds=0.05, checkpoint_every=100, storm_start_s=6.0,
-                          storm_s=14.0, settle_s=2.0, give_up_s=40.0)
-        return Timing(step_seconds=0.2, checkpoint_every=150, storm_start_s=25.0,
-                      storm_s=70.0, settle_s=10.0, give_up_s=120.0)
+            return Timing(step_seconds=0.05, checkpoint_every=1000, storm_start_s=15.0,
+                          storm_s=12.0, settle_s=2.0, give_up_s=40.0)
+        return Timing(step_seconds=0.2, checkpoint_every=600, storm_start_s=40.0,
+                      storm_s=80.0, settle_s=10.0, give_up_s=120.0)
 
 
 @dataclasses.dataclass
@@ -258,8 +258,9 @@ class Demo:
             port = free_port()
             self.agent_urls[node] = f"http://127.0.0.1:{port}"
             self.sockets[node] = str(ndir / "agent.sock")
-            argv = [sys.executable, "-m", "forewarn", "agent", "--node", node, "--listen", f"127.0.0.1:{port}", "--socket",
-                    self.sockets[node], "--no-kmsg", "--collector", self.collector_url,
+            argv = [sys.executable, "-m", "forewarn", "agent", "--node", node,
+                    "--listen", f"127.0.0.1:{port}", "--socket", self.sockets[node],
+                    "--no-kmsg", "--collector", self.collector_url,
                     "--token-file", str(self.dir / f"{node}.token"), "--interval", "0.5"]
             if i == 1 and real:
                 argv += ["--source", "nvml"]
@@ -325,7 +326,8 @@ class Demo:
                 if (isinstance(e.get("loss"), float) and math.isnan(e["loss"])
                         and self.result.nan_step is None):
                     self.result.nan_step = step
-            elif kind == "checkpoint" and not e.get("ordered"):
+            elif (kind == "checkpoint" and not e.get("ordered")
+                  and self.result.failure_step is None):
                 self.result.last_periodic_step = max(self.result.last_periodic_step or 0,
                                                      int(e["step"]))
             elif kind in ("rank_exit", "restart", "gave_up"):
@@ -402,10 +404,10 @@ class Demo:
                       == "unhealthy", self.t.storm_s + 30, "the double-bit error")
         sup = self.stack.supervisor
         assert sup is not None
-        r.failure_time = time.time()
         r.failure_step = self.last_step.get(1)
         self.moved = True
         sup.signal_rank(1, signal.SIGKILL)
+        r.failure_time = self._xid_time("demo-node-2", 48) or time.time()
         self.say(f"   the double-bit error killed rank 1 at step {r.failure_step}; "
                  "the supervisor restarts the job on a healthy GPU")
         self.wait_for(lambda: self._resumed(1) is not None, self.t.give_up_s, "the restart")
@@ -414,6 +416,19 @@ class Demo:
             r.resumed_ranks = resumed
             r.resumed_step = min(resumed.values())
             self.say(f"   resumed from step {r.resumed_step} on every rank")
+
+    def _xid_time(self, node: str, code: int) -> float | None:
+        """When the collector recorded XID ``code`` on ``node`` (the failure's own time)."""
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                rows = _get(f"{self.collector_url}/api/v1/xids?node={node}&code={code}")
+            except OSError:
+                rows = []
+            if rows:
+                return float(min(r["time"] for r in rows))
+            time.sleep(0.2)
+        return None
 
     def _resumed(self, attempt: int) -> dict[int, int] | None:
         got = {int(e["rank"]): int(e["step"]) for e in self.events
@@ -476,8 +491,8 @@ class Demo:
 
 
 def summary_lines(r: DemoResult) -> list[str]:
-    def f(x: float | None, unit: str = "s") -> str:
-        return "n/a" if x is None else f"{x:.1f} {unit}"
+    def f(x: float | None, unit: str = "s", digits: int = 1) -> str:
+        return "n/a" if x is None else f"{x:.{digits}f} {unit}"
 
     lines = [
         f"prediction lead time      {f(r.lead_s)} before the double-bit error "
@@ -488,7 +503,7 @@ def summary_lines(r: DemoResult) -> list[str]:
         f"steps lost with forewarn  {r.steps_lost}",
         f"without forewarn          {r.steps_lost_without} steps (back to periodic checkpoint "
         f"{r.last_periodic_step or 0} plus {NCCL_TIMEOUT_S:.0f} s NCCL timeout at "
-        f"{f(r.mean_step_s)}/step)",
+        f"{f(r.mean_step_s, digits=2)}/step)",
         f"hang detected after       {f(r.hang_latency_s)} (NCCL timeout: {NCCL_TIMEOUT_S:.0f} s)",
         f"NaN caught at step        {r.nan_detected_step} (injected at {r.nan_step}), "
         f"rolled back to step {r.nan_resumed_step}",

@@ -97,6 +97,11 @@ def main(argv: list[str] | None = None) -> int:
              skipped=[list(s) for s in loaded.skipped])
     else:
         emit(event="started", rank=rank, world_size=world)
+        # An initial checkpoint proves the checkpoint path works and measures its cost,
+        # which the collector's cost-aware policy weighs against the risk.
+        result = writer.save(0, state)
+        emit(event="checkpoint", rank=rank, step=0, ordered=False, seconds=result.seconds,
+             bytes=result.bytes)
 
     loss_fn = nn.MSELoss()
     global _nan_next

@@ -1,0 +1,87 @@
+"""``forewarn demo --fast`` end to end: its summary's claims hold against what happened,
+and nothing it started is left running (also after Ctrl-C)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+
+def _leftovers(marker: str) -> list[str]:
+    """Processes whose command line mentions ``marker`` (the demo's work dir)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if marker in cmd:
+            found.append(f"{pid}: {cmd}")
+    return found
+
+
+def _wait_gone(marker: str, timeout: float = 10.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while (left := _leftovers(marker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+@pytest.mark.timeout(240)
+def test_demo_fast_claims_hold(tmp_path: Path) -> None:
+    work = tmp_path / "demo"
+    proc = subprocess.run(
+        [sys.executable, "-m", "forewarn", "demo", "--fast", "--workdir", str(work), "--json"],
+        capture_output=True, text=True, timeout=220)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    # Every rank saved the same ordered step, before the failure.
+    steps = set(result["ordered_steps"].values())
+    assert len(result["ordered_steps"]) == 2 and len(steps) == 1, result
+    ckpt = steps.pop()
+    assert result["lead_s"] > 0, "the checkpoint order came after the failure"
+    assert ckpt < result["failure_step"]
+    # The restart resumed every rank from that checkpoint.
+    assert set(result["resumed_ranks"].values()) == {ckpt}
+    assert result["steps_lost"] == result["failure_step"] - ckpt
+    assert result["steps_lost"] < result["steps_lost_without"]
+    # The hang was caught long before NCCL's timeout, and the NaN at its own step.
+    assert 0 < result["hang_latency_s"] < 30
+    assert result["hang_resumed_step"] is not None
+    assert result["nan_detected_step"] == result["nan_step"]
+    assert result["nan_resumed_step"] is not None
+    assert result["nan_resumed_step"] < result["nan_step"]
+    assert result["problems"] == []
+    # The printed summary says what the JSON says.
+    assert f"checkpoint step           {ckpt} on every rank" in out
+    assert f"steps lost with forewarn  {result['steps_lost']}" in out
+    assert _wait_gone(str(work)) == []
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
+    work = tmp_path / "demo"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "forewarn", "demo", "--fast", "--workdir", str(work)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "training job" in line:
+            break
+    time.sleep(2)
+    assert _leftovers(str(work)), "the demo should have started its processes"
+    proc.send_signal(signal.SIGINT)
+    rest = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 130, rest
+    assert "interrupted" in rest
+    assert _wait_gone(str(work)) == []
