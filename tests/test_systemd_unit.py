@@ -77,3 +77,18 @@ def test_unit_settings() -> None:
     for allow in ("DeviceAllow=char-nvidia-frontend rw", "DeviceAllow=/dev/nvidiactl rw",
                   "DeviceAllow=/dev/nvidia-uvm rw", "DeviceAllow=/dev/kmsg r"):
         assert allow in text
+
+
+COLLECTOR_UNIT = UNIT.parent / "forewarn-collector.service"
+
+
+def test_collector_unit_verifies(analyze: str, tmp_path: Path) -> None:
+    binary = forewarn_binary()
+    text = COLLECTOR_UNIT.read_text()
+    assert "ExecStart=/usr/bin/forewarn collector --config /etc/forewarn/collector.toml run" in text
+    unit = tmp_path / "forewarn-collector.service"
+    unit.write_text(text.replace("ExecStart=/usr/bin/forewarn", f"ExecStart={binary}"))
+    r = subprocess.run([analyze, "verify", str(unit)], capture_output=True, text=True,
+                       timeout=60)
+    about = [line for line in (r.stdout + r.stderr).splitlines() if "forewarn-collector" in line]
+    assert r.returncode == 0 and about == [], about
