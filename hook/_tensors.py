@@ -59,13 +59,16 @@ class PendingStep:
 class DeferredValues:
     """A ring of pinned host slots for CUDA loss/grad-norm copies (see module docstring)."""
 
-    def __init__(self, depth: int = 8) -> None:
+    def __init__(self, depth: int = 8, event_factory: Any = None, pin_memory: bool = True) -> None:
+        """``event_factory`` and ``pin_memory`` are the CUDA seam (tests pass a fake event
+        factory and unpinned memory to run the queue logic on a machine without a GPU)."""
         import torch
 
         self._torch = torch
         self.depth = depth
+        self._event = event_factory if event_factory is not None else torch.cuda.Event
         # row i: [loss, grad_norm, has_loss, has_grad_norm] for slot i
-        self._host = torch.zeros((depth, 4), dtype=torch.float64, pin_memory=True)
+        self._host = torch.zeros((depth, 4), dtype=torch.float64, pin_memory=pin_memory)
         self._free = collections.deque(range(depth))
         self._pending: collections.deque[PendingStep] = collections.deque()
         self.values_skipped = 0
@@ -79,7 +82,6 @@ class DeferredValues:
         if not self._free:
             self.values_skipped += 1
             return None, None
-        torch = self._torch
         slot = self._free.popleft()
         row = self._host[slot]
         for col, value in ((0, loss), (1, grad_norm)):
@@ -91,7 +93,7 @@ class DeferredValues:
             else:
                 row[col] = float(value)
                 row[col + 2] = 1.0
-        event = torch.cuda.Event()
+        event = self._event()
         event.record()
         self._pending.append(PendingStep(step, time, step_seconds, extras, slot, event))
         return None

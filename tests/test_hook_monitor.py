@@ -328,3 +328,21 @@ def test_sigterm_without_checkpoint_support_behaves_as_before(
 ) -> None:
     proc = _run_sigterm(tmp_path, agent, "never-checks")
     assert proc.stdout == "" and proc.returncode == -signal.SIGTERM
+
+
+def test_importing_and_stepping_with_floats_loads_no_third_party_framework(sockdir: str) -> None:
+    code = textwrap.dedent(
+        f"""
+        import sys
+        from forewarn.hook import Monitor, CheckpointWriter
+        m = Monitor(job="j", socket_path={os.path.join(sockdir, "none")!r})
+        m.step(0, loss=1.0, grad_norm=2.0); m.should_checkpoint(0); m.close()
+        heavy = [n for n in ("torch", "pytorch_lightning", "lightning", "transformers", "numpy")
+                 if n in sys.modules]
+        print(heavy)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
