@@ -155,7 +155,7 @@ class RankComponent:
             try:
                 now = self.clock()
                 due = self._next_deadline(now)
-                wait = 1.0 if due is None else min(1.0, max(0.005, due - now + 0.005))
+                wait = 1.0 if due is None else min(1.0, max(0.002, due - now + 0.001))
                 self._kick.wait(wait)
                 self._kick.clear()
                 if self._stop.is_set() or self.agent is None:

@@ -16,6 +16,7 @@ registered into the agent's explicit registry by the rank component.
 ``forewarn_rank_hook_dropped_total``               reports the hook could not send (its count)
 ``forewarn_rank_findings_total``                   ``check``: times a rank check fired
 ``forewarn_rank_finding_step``                     ``check``: the step it last fired at
+``forewarn_rank_finding_timestamp_seconds``        ``check``: when it last fired (detection)
 ``forewarn_rank_last_checkpoint_step``             step of the rank's last saved checkpoint
 ``forewarn_checkpoint_duration_seconds``           how long the rank's last save took
 ``forewarn_checkpoint_bytes``                      size of the rank's last save
@@ -139,13 +140,16 @@ class RankCollector:
         at = GaugeMetricFamily("forewarn_rank_finding_step",
                                "Training step at which a rank check last fired.",
                                labels=[*_RANK_LABELS, "check"])
-        for (job, rank, check), (count, step, _t) in sorted(self.table.finding_marks().items()):
+        when = GaugeMetricFamily("forewarn_rank_finding_timestamp_seconds",
+                                 "Unix time at which a rank check last fired (first detection).",
+                                 labels=[*_RANK_LABELS, "check"])
+        for (job, rank, check), (count, step, t) in sorted(self.table.finding_marks().items()):
             labels = [self.node, job, str(rank), check]
             fired.add_metric(labels, count)
+            when.add_metric(labels, t)
             if step is not None:
                 at.add_metric(labels, step)
-        yield fired
-        yield at
+        yield from (fired, at, when)
 
     def _orders(self) -> Iterable[Metric]:
         orders, term = self.orders, self.terminator

@@ -181,7 +181,8 @@ class RankState:
     last_step_wall: float | None = None
     """``time`` of the last step record (the rank's clock)."""
     last_progress: float | None = None
-    """Agent time when ``last_step`` last increased (or first arrived)."""
+    """When ``last_step`` last changed: the record's own time if it arrived promptly (the
+    rank runs on this host's clock), else the arrival time. The hang timer starts here."""
     step_seconds: collections.deque[float] = dataclasses.field(default_factory=collections.deque)
     compute_seconds: collections.deque[float] = dataclasses.field(
         default_factory=collections.deque
@@ -233,7 +234,9 @@ class RankState:
         if compute is not None and math.isfinite(compute) and compute >= 0:
             self._push(self.compute_seconds, compute)
         if prev_step is None or rec.step != prev_step:
-            self.last_progress = now
+            # progress dates from the step itself (same host clock), not from its arrival
+            # (the hook batches reports for up to 10 ms): the hang timer starts on time
+            self.last_progress = rec.time if 0.0 <= now - rec.time < 5.0 else now
         self.last_step, self.last_step_wall = rec.step, rec.time
         if rec.loss is not None:
             self.loss = rec.loss

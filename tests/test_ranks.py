@@ -257,3 +257,34 @@ def test_quantile() -> None:
     assert quantile([], 0.5) is None
     assert quantile([3.0, 1.0, 2.0], 0.5) == 2.0
     assert quantile(range(1, 101), 0.99) == 99
+
+
+def test_rank_metrics_exposition(proc: FakeProcTree) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from forewarn.agent.rank_metrics import RankCollector
+
+    proc.add(100)
+    table = table_for(proc)
+    for i in range(4):
+        table.admit(step(100, i, step_seconds=0.5, loss=math.nan if i == 3 else 1.0,
+                         grad_norm=2.0), cred(100), T0)
+    table.admit(beat(100), cred(100), T0)
+    table.note_finding("j", 0, "nan_loss", 3, T0 + 0.001)
+    reg = CollectorRegistry()
+    reg.register(RankCollector("n1", table, clock=lambda: T0 + 5.0))
+    text = generate_latest(reg).decode()
+    labels = 'job="j",node="n1",rank="0"'
+    for line in (
+        f"forewarn_rank_step{{{labels}}} 3.0",
+        'forewarn_rank_step_seconds{job="j",node="n1",quantile="0.99",rank="0"} 0.5',
+        f"forewarn_rank_step_seconds_count{{{labels}}} 4.0",
+        f"forewarn_rank_loss{{{labels}}} NaN",
+        f"forewarn_rank_grad_norm{{{labels}}} 2.0",
+        f"forewarn_rank_heartbeat_age_seconds{{{labels}}} 5.0",
+        f"forewarn_rank_alive{{{labels}}} 0.0",  # silent for 5 s > 3 beat intervals
+        f'forewarn_rank_findings_total{{check="nan_loss",{labels}}} 1.0',
+        f'forewarn_rank_finding_step{{check="nan_loss",{labels}}} 3.0',
+        "# TYPE forewarn_rank_step_seconds summary",
+    ):
+        assert line in text, line

@@ -419,13 +419,19 @@ def run_c(workroot: Path) -> Iterator[RunC]:
             return None
 
         hang = wait_for(hang_found, 60, "the hang finding")
-        # the last step record rank 1 sent before it stopped
+        # first detection (the finding itself is re-judged every poll) minus the time of
+        # the last step rank 1 reported before it stopped
+        hang_t = agent.metric("forewarn_rank_finding_timestamp_seconds", job="e2e-c",
+                              rank="1", check="rank_hang")
+        nan_t = agent.metric("forewarn_rank_finding_timestamp_seconds", job="e2e-c",
+                             rank="0", check="nan_loss")
+        assert hang_t is not None and nan_t is not None
         last_t = job.losses(1)[HANG_AT - 1][1]
         codes = job.wait(60)  # hang_action=terminate ends both ranks
         signals = {s: agent.metric("forewarn_rank_hang_signals_total", job="e2e-c", signal=s)
                    for s in ("SIGTERM", "SIGKILL")}
-        yield RunC(job, nan_metric, nan, nan["time"] - injected["time"], hang,
-                   hang["time"] - last_t, p99, codes, signals)
+        yield RunC(job, nan_metric, nan, nan_t - injected["time"], hang,
+                   hang_t - last_t, p99, codes, signals)
     finally:
         job.kill()
         agent.stop()
