@@ -21,6 +21,9 @@ dropped, and counted under its reason, when:
   process that does not own it;
 * ``table_full``: more than ``max_ranks`` ranks (bounds memory against a flood).
 
+A beat's ``reply_to`` (where orders go) is taken only when it is an absolute path to a
+socket owned by the sender's kernel-verified uid.
+
 A new pid for a ``(job, rank)`` whose owner is dead (or silent past the gone timeout) is a
 restart: the slot's history is reset and ``restarts`` counts it.
 """
@@ -29,8 +32,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import math
 import os
+import stat
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -60,6 +65,8 @@ __all__ = [
 ]
 
 HookRecord = StepRecord | Beat | CheckpointReport
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,7 +267,8 @@ class RankState:
                 return
             self._push(self.grad_norms, g)
 
-    def apply_beat(self, beat: Beat, now: float, min_interval: float) -> None:
+    def apply_beat(self, beat: Beat, now: float, min_interval: float,
+                   reply_ok: Callable[[str], bool]) -> None:
         self.last_msg = now
         self.beats_total += 1
         if self.last_beat is not None:
@@ -270,7 +278,7 @@ class RankState:
                 gap if self.beat_interval_s is None else 0.8 * self.beat_interval_s + 0.2 * gap
             )
         self.last_beat = now
-        if beat.reply_to:
+        if beat.reply_to and beat.reply_to != self.reply_to and reply_ok(beat.reply_to):
             self.reply_to = beat.reply_to
         self.hook_dropped = beat.dropped
         last = beat.last_step
@@ -491,11 +499,31 @@ class RankTable:
                 st.apply_step(msg, now, self.spike_factor)
                 view = st.view()
             else:
-                st.apply_beat(msg, now, lim.min_beat_interval_s)
+                uid = cred.uid
+                st.apply_beat(msg, now, lim.min_beat_interval_s,
+                              lambda path: self._reply_ok(path, uid))
                 return None
         for fn in self._step_listeners:
             fn(view, msg)
         return None
+
+    @staticmethod
+    def _reply_ok(path: str, uid: int) -> bool:
+        """Orders go only to a socket owned by the rank's own user (kernel-verified uid),
+        so a rank cannot point the agent at another process's socket (journald,
+        NOTIFY_SOCKET, another user's rank)."""
+        if not path.startswith("/"):
+            log.warning("ignoring reply_to %r: not an absolute socket path", path[:100])
+            return False
+        try:
+            st = os.lstat(path)
+        except OSError as exc:
+            log.warning("ignoring reply_to %s: %s", path, exc.strerror)
+            return False
+        if not stat.S_ISSOCK(st.st_mode) or (st.st_uid != uid and uid != 0):
+            log.warning("ignoring reply_to %s: not a socket owned by uid %d", path, uid)
+            return False
+        return True
 
     def _admit_report(self, rep: CheckpointReport, cred: Credentials, now: float) -> str | None:
         with self._lock:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -86,19 +87,29 @@ def test_real_proc_view_knows_this_process() -> None:
     assert view.same_pid_namespace(os.getpid())
 
 
-def test_steps_and_beats_build_rank_state(proc: FakeProcTree) -> None:
+def bound_socket(path: Path) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind(str(path))
+    return s
+
+
+def test_steps_and_beats_build_rank_state(proc: FakeProcTree, tmp_path: Path) -> None:
     proc.add(100)
     table = table_for(proc)
+    reply = bound_socket(tmp_path / "x.sock")
     for i in range(10):
         assert table.admit(step(100, i, t=T0 + i * 0.1, step_seconds=0.1 + i * 0.01,
                                 loss=2.0 - i * 0.1, grad_norm=1.0), cred(100), T0 + i * 0.1) is None
-    assert table.admit(beat(100, t=T0 + 1, reply_to="/tmp/x.sock", dropped=3), cred(100),
+    assert table.admit(beat(100, t=T0 + 1, reply_to=str(tmp_path / "x.sock"), dropped=3),
+                       cred(100, uid=os.getuid()),
                        T0 + 1.0) is None
     v = table.get("j", 0)
     assert v is not None
     assert v.last_step == 9 and v.steps_total == 10 and v.beats_total == 1
     assert v.step_p50() == pytest.approx(0.14) and v.step_p99() == pytest.approx(0.19)
-    assert v.loss == pytest.approx(1.1) and v.reply_to == "/tmp/x.sock" and v.hook_dropped == 3
+    assert v.loss == pytest.approx(1.1) and v.hook_dropped == 3
+    assert v.reply_to == str(tmp_path / "x.sock")
+    reply.close()
     assert v.start_time == 1000 and v.os_pid == 100
     assert v.step_seconds_count == 10 and v.step_seconds_sum == pytest.approx(1.45)
 
@@ -110,6 +121,27 @@ def test_step_time_derived_from_record_times_when_not_sent(proc: FakeProcTree) -
     table.admit(step(100, 12, t=T0 + 1.0), cred(100), T0 + 1.0)
     v = table.get("j", 0)
     assert v is not None and v.step_seconds == (0.5,)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to chown a socket")
+def test_reply_to_must_be_a_socket_of_the_ranks_own_user(proc: FakeProcTree, tmp_path: Path
+                                                         ) -> None:
+    proc.add(100)
+    table = table_for(proc)
+    theirs = bound_socket(tmp_path / "theirs.sock")  # owned by root, not by uid 1000
+    mine = bound_socket(tmp_path / "mine.sock")
+    os.chown(tmp_path / "mine.sock", 1000, 1000)
+    (tmp_path / "file").write_text("")
+    for bad in ("relative.sock", str(tmp_path / "file"), str(tmp_path / "theirs.sock"),
+                str(tmp_path / "missing.sock")):
+        table.admit(beat(100, reply_to=bad), cred(100, uid=1000), T0)
+        v = table.get("j", 0)
+        assert v is not None and v.reply_to == "", bad
+    table.admit(beat(100, reply_to=str(tmp_path / "mine.sock")), cred(100, uid=1000), T0)
+    v = table.get("j", 0)
+    assert v is not None and v.reply_to == str(tmp_path / "mine.sock")
+    theirs.close()
+    mine.close()
 
 
 def test_beat_last_step_counts_as_progress(proc: FakeProcTree) -> None:
