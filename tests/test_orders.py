@@ -347,3 +347,55 @@ def test_healthy_finding_resets_confirmation() -> None:
         p.kill()
         p.wait()
     assert math.isfinite(now)
+
+
+# -- the component inside a real Agent: hardware finding -> local checkpoint order ---------
+
+def test_component_orders_a_checkpoint_for_the_job_on_a_failing_gpu(tmp_path: Path) -> None:
+    from forewarn.agent.checks import default_checks
+    from forewarn.agent.config import AgentConfig
+    from forewarn.agent.daemon import Agent
+    from forewarn.agent.rank_component import RankComponent
+    from forewarn.agent.testing import ScriptedBackend
+    from forewarn.wire import encode
+
+    config = AgentConfig(node="n0", listen="127.0.0.1:0", kmsg=False,
+                         socket_path=tmp_path / "run" / "agent.sock")
+    backend = ScriptedBackend(lambda gpu, t: {"temperature_c": 40.0}, gpus=2)
+    agent = Agent(config, backend, checks=default_checks())
+    comp = RankComponent(config)
+    agent.add_component(comp)
+    agent.start(serve=False)
+    reply = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    reply.bind(str(tmp_path / "reply.sock"))
+    reply.settimeout(20)
+    out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        now = time.time()
+        out.sendto(encode(Beat(job="j", rank=3, local_rank=1, world_size=4, pid=os.getpid(),
+                               host="h", time=now, reply_to=str(tmp_path / "reply.sock"))),
+                   str(config.socket_path))
+        for n in range(5):
+            out.sendto(encode(StepRecord(job="j", rank=3, local_rank=1, world_size=4,
+                                         pid=os.getpid(), host="h", step=n, time=time.time(),
+                                         step_seconds=0.1, loss=1.0, grad_norm=1.0)),
+                       str(config.socket_path))
+        deadline = time.monotonic() + 20
+        while (v := comp.table.get("j", 3)) is None or v.last_step != 4 or not v.reply_to:
+            assert time.monotonic() < deadline, "the ingest thread did not apply the records"
+            time.sleep(0.01)
+        agent.poll_once()
+        assert comp.orders.orders_total == {}
+        backend.queue_xid(79, gpu=0, time=time.time())  # another GPU: not this job's
+        agent.poll_once()
+        assert comp.orders.orders_total == {}
+        backend.queue_xid(79, gpu=1, time=time.time())
+        agent.poll_once()
+        order = decode_order(reply.recv(4096))
+        assert order.job == "j" and order.step > 4 and order.reason.startswith("xid:")
+        assert comp.orders.orders_total == {("j", "xid"): 1}
+    finally:
+        agent.stop()
+        reply.close()
+        out.close()
+    assert not config.socket_path.exists()
