@@ -72,7 +72,7 @@ from forewarn.wire import (
     encode,
 )
 
-__all__ = ["CheckpointOrders", "HangTerminator", "OrderStatus", "choose_step"]
+__all__ = ["CheckpointOrders", "HangTerminator", "OrderStatus", "choose_step", "reason_label"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,14 @@ FAST_PATH_ACTIONS = frozenset({
 
 RANK_FAST_PATH_CHECKS = frozenset({"grad_spike"})
 """Rank findings that order a checkpoint of their job (nan_loss and rank_hang do not)."""
+
+
+def reason_label(reason: str, origin: str) -> str:
+    """A bounded metric label from a free-text reason: its first word (``xid`` from
+    ``xid: ...``), letters, digits and ``_`` only, else the origin."""
+    head = reason.split(":", 1)[0].split(" ", 1)[0].strip().lower()
+    label = "".join(c for c in head if c.isascii() and (c.isalnum() or c == "_"))[:32]
+    return label or origin
 
 
 def choose_step(
@@ -214,7 +222,7 @@ class CheckpointOrders:
                          expected=frozenset(v.rank for v in views),
                          issued_mono=self.monotonic(), reissues=reissues)
         self._orders[rid] = st
-        self.orders_total[(job, reason.split(":", 1)[0] or origin)] += 1
+        self.orders_total[(job, reason_label(reason, origin))] += 1
         data = encode(order)
         for v in views:
             if not self.send(v.reply_to, data):

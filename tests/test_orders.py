@@ -151,7 +151,7 @@ def test_order_reaches_every_rank_and_completes(ranks: Ranks) -> None:
     ranks.report("j", 1, 101, order.request_id, order.step, "done")
     assert not orders.open_orders()
     assert orders.outcomes_total["done"] == 1 and "j" in orders.last_duration
-    assert orders.orders_total[("j", "manual test")] == 1
+    assert orders.orders_total[("j", "manual")] == 1
     assert orders.order_job("nobody-here") is None
 
 
@@ -399,3 +399,14 @@ def test_component_orders_a_checkpoint_for_the_job_on_a_failing_gpu(tmp_path: Pa
         reply.close()
         out.close()
     assert not config.socket_path.exists()
+
+
+def test_reason_labels_are_bounded() -> None:
+    from forewarn.agent.orders import reason_label
+
+    assert reason_label("xid: XID 79 on GPU 3", "local") == "xid"
+    assert reason_label("grad_spike: rank 1 ...", "local") == "grad_spike"
+    assert reason_label("P(fail)=0.93 within 1h", "collector") == "pfail093"
+    assert reason_label("", "collector") == "collector"
+    assert reason_label("💥{}", "manual") == "manual"
+    assert len(reason_label("a" * 500, "x")) == 32
