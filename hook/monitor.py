@@ -15,6 +15,13 @@ Call order in a loop::
                 res = writer.save(step, state)
                 mon.checkpoint_done(step, res.seconds, res.bytes, res.path)
 
+**Transport.** ``step()`` encodes the record (hand-rolled msgpack, :mod:`._pack`) and
+appends it to a deque; the rank's background thread sends queued records to the agent's
+Unix datagram socket every ``flush_interval_s`` (10 ms; at once for NaN/Inf values and
+checkpoint reports), sends a :class:`~forewarn.wire.Beat` every ``beat_interval_s``
+(the first at construction) and receives orders (:mod:`._sender`, :mod:`._channel`).
+The training thread makes no syscall per step.
+
 **Loss and grad norm as tensors.** Python floats and CPU tensors are read at once. A CUDA
 tensor is never read with ``.item()`` (that would sync the device every step): it is
 copied ``non_blocking`` into a pinned host buffer behind a CUDA event, and the step's
@@ -531,9 +538,8 @@ class Monitor:
         self._installed_handler = True
 
     def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
-        if self._preempt != _NO_PREEMPT:
-            return  # already saving for an earlier SIGTERM
-        if not self._checks_seen or self._closed:
+        if self._preempt != _NO_PREEMPT or not self._checks_seen or self._closed:
+            # a second SIGTERM, or a loop that never asks should_checkpoint: as before
             self._exit_as_before(frame)
             return
         self._preempt_step = self._last_step if self._last_step is not None else 0
