@@ -129,12 +129,13 @@ def http_get(url: str, timeout: float = 5) -> tuple[int, bytes]:
         return 0, b""
 
 
-def stop(proc: subprocess.Popen[bytes]) -> int:
-    """SIGTERM, then SIGKILL after 15 s; the exit status."""
+def stop(proc: subprocess.Popen[bytes], timeout: float = 30) -> int:
+    """SIGTERM, then SIGKILL after ``timeout`` s; the exit status. (The collector takes
+    about 8 s to stop on an idle machine, more on a loaded one.)"""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=15)
+            proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()

@@ -43,7 +43,32 @@ function fill(id, rows, render) {
     : [el("tr", {}, el("td", { class: "empty", colSpan: cols }, "none"))]));
 }
 
-function drawFleet(gpus) {
+const SEVERITY = { healthy: 0, unknown: 1, degraded: 2, unhealthy: 3 };
+
+// A GPU's health as the agent judges it (forewarn_gpu_health): the worst of each check's
+// latest finding. The collector's gpus row holds the latest finding of any check, so a
+// later "degraded" from one check would hide an "unhealthy" from another.
+function gpuHealth(gpus, findings) {
+  const latest = new Map();  // subject -> check -> health, newest finding first
+  for (const f of findings) {
+    if (f.subject_kind !== "gpu") continue;
+    const checks = latest.get(f.subject_key) || new Map();
+    latest.set(f.subject_key, checks);
+    const check = f.check_name || f.check || "";
+    if (!checks.has(check)) checks.set(check, f.health);
+  }
+  const out = new Map();
+  for (const g of gpus) {
+    let worst = g.state && g.state !== "ok" ? "unhealthy" : (g.health || "unknown");
+    for (const h of (latest.get(`gpu:${g.node}/${g.gpu}`) || new Map()).values()) {
+      if ((SEVERITY[h] ?? 0) > (SEVERITY[worst] ?? 0)) worst = h;
+    }
+    out.set(`${g.node}/${g.gpu}`, worst);
+  }
+  return out;
+}
+
+function drawFleet(gpus, healthOf) {
   const byNode = new Map();
   for (const g of gpus) {
     if (!byNode.has(g.node)) byNode.set(g.node, []);
@@ -56,7 +81,7 @@ function drawFleet(gpus) {
     return el("div", { class: "node", "data-node": node },
       el("span", { class: "node-name" }, node, sim ? el("span", { class: "sim-badge" }, "SIM") : ""),
       ...list.map((g) => {
-        const health = g.state && g.state !== "ok" ? "unhealthy" : (g.health || "unknown");
+        const health = healthOf.get(`${node}/${g.gpu}`) || "unknown";
         const tip = `${node} GPU ${g.gpu} ${g.name || ""}\n${health}: ${g.health_reason || "no findings"}`
           + (g.temperature_c != null ? `\n${g.temperature_c.toFixed(0)} °C` : "")
           + (g.state && g.state !== "ok" ? `\nstate: ${g.state}` : "");
@@ -66,14 +91,46 @@ function drawFleet(gpus) {
   }));
 }
 
+// Live findings: what is wrong now. A healthy finding is shown only as the recovery of an
+// older non-healthy one of the same subject and check (the first "all fine" of every rank
+// and GPU would otherwise push the problems off the table).
+function liveFindings(findings, limit) {
+  const bad = new Set();
+  const keep = [];
+  for (const f of [...findings].reverse()) {  // oldest first
+    const key = (f.subject_key || "") + "|" + (f.check_name || f.check || "");
+    if (f.health !== "healthy") { bad.add(key); keep.push(f); }
+    else if (bad.has(key)) { bad.delete(key); keep.push({ ...f, recovered: true }); }
+  }
+  return keep.reverse().slice(0, limit);
+}
+
+// An action's detail (a JSON object) as a short line; the whole object is in the tooltip.
+function detailText(text) {
+  let d;
+  try { d = JSON.parse(text); } catch { return String(text || ""); }
+  if (d === null || typeof d !== "object") return String(text);
+  const parts = [];
+  if (d.step != null) parts.push(`step ${d.step}`);
+  if (Array.isArray(d.nodes)) parts.push(`on ${d.nodes.join(", ")}`);
+  if (d.request_id) parts.push(d.request_id);
+  if (d.http_status != null) parts.push(`HTTP ${d.http_status}`);
+  if (d.attempt != null) parts.push(`attempt ${d.attempt}`);
+  if (d.why) parts.push(d.why);
+  if (d.detail) parts.push(String(d.detail));
+  if (!parts.length && d.target) parts.push(String(d.target));
+  return parts.join(" · ");
+}
+
 async function refresh() {
   try {
     const [gpus, jobs, findings, actions, orders, checkpoints] = await Promise.all([
-      api("gpus"), api("jobs"), api("findings?limit=30"), api("actions?limit=30"),
+      api("gpus"), api("jobs"), api("findings?limit=200"), api("actions?limit=30"),
       api("commands/log?limit=30"), api("checkpoints?limit=30"),
     ]);
-    drawFleet(gpus);
-    const bad = gpus.filter((g) => g.health === "unhealthy" || (g.state && g.state !== "ok")).length;
+    const health = gpuHealth(gpus, findings);
+    drawFleet(gpus, health);
+    const bad = [...health.values()].filter((h) => h === "unhealthy").length;
     document.getElementById("summary").textContent =
       `${gpus.length} GPUs · ${bad} unhealthy · ${jobs.length} jobs`;
     const details = await Promise.all(jobs.slice(0, 20).map((j) => api("jobs/" + encodeURIComponent(j.job))));
@@ -83,19 +140,21 @@ async function refresh() {
       el("td", {}, j.last_checkpoint_step != null ? `step ${j.last_checkpoint_step} at ${when(j.last_checkpoint_time)}` : "none"),
       el("td", {}, j.risk != null ? (100 * j.risk).toFixed(1) + " %" : "—"),
       el("td", {}, (j.ranks || []).map((r) => `r${r.rank}@${r.node}/${r.gpu ?? "?"}${r.alive ? "" : " (gone)"}`).join("  "))));
-    fill("findings", findings, (f) => el("tr", {},
-      el("td", {}, when(f.time)), el("td", {}, f.subject_key || ""), el("td", {}, f.check_name || f.check || ""),
-      el("td", {}, badge(f.health)), el("td", { class: "reason" }, f.reason || ""), el("td", {}, f.action || "")));
+    fill("findings", liveFindings(findings, 30), (f) => el("tr", { class: f.recovered ? "recovered" : "" },
+      el("td", { class: "time" }, when(f.time)), el("td", {}, f.subject_key || ""), el("td", {}, f.check_name || f.check || ""),
+      el("td", {}, badge(f.recovered ? "recovered" : f.health)), el("td", { class: "reason" }, f.reason || ""),
+      el("td", {}, f.action && f.action !== "none" ? f.action : "")));
     fill("actions", actions, (a) => el("tr", {},
-      el("td", {}, when(a.time)), el("td", {}, a.kind), el("td", {}, a.subject || a.job || a.node),
-      el("td", {}, badge(a.shadow ? "shadow" : a.status)), el("td", { class: "reason" }, a.detail || "")));
+      el("td", { class: "time" }, when(a.time)), el("td", {}, a.kind), el("td", {}, a.subject || a.job || a.node),
+      el("td", {}, badge(a.shadow ? "shadow" : a.status)),
+      el("td", { class: "reason", title: a.detail || "" }, detailText(a.detail))));
     const ckptOrders = orders.filter((o) => o.kind === "checkpoint");
     fill("orders", ckptOrders, (o) => el("tr", { "data-order": o.id },
-      el("td", {}, when(o.created)), el("td", {}, o.node), el("td", {}, o.command?.order?.job ?? ""),
+      el("td", { class: "time" }, when(o.created)), el("td", {}, o.node), el("td", {}, o.command?.order?.job ?? ""),
       el("td", {}, String(o.command?.order?.step ?? "")), el("td", { class: "reason" }, o.command?.order?.reason ?? ""),
       el("td", {}, badge(o.acked_at ? "ok" : "pending"))));
     fill("checkpoints", checkpoints, (c) => el("tr", {},
-      el("td", {}, when(c.time)), el("td", {}, c.job), el("td", {}, String(c.rank)), el("td", {}, String(c.step)),
+      el("td", { class: "time" }, when(c.time)), el("td", {}, c.job), el("td", {}, String(c.rank)), el("td", {}, String(c.step)),
       el("td", {}, badge(c.phase)), el("td", {}, c.seconds != null ? c.seconds.toFixed(2) : ""),
       el("td", {}, c.bytes != null ? String(c.bytes) : "")));
     document.getElementById("updated").textContent = "updated " + new Date().toLocaleTimeString();
