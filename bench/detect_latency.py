@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import socket
@@ -40,10 +41,17 @@ def _trial(args: argparse.Namespace) -> None:
     rng = random.Random(args.job)
     period = args.step_ms / 1000.0
     event_t = 0.0
+    gaps: list[float] = []
+    prev = None
     for step in range(args.warmup):
         time.sleep(period * rng.uniform(0.9, 1.1))
         event_t = time.time()
+        mono = time.monotonic()
+        if prev is not None:
+            gaps.append(mono - prev)
+        prev = mono
         mon.step(step, loss=1.0, grad_norm=1.0)
+    bound = max(2.0, 3.0 * _pct(gaps, 0.99))  # the agent's rule, from the same step times
     if args.kind == "nan":
         time.sleep(period)
         event_t = time.time()
@@ -51,7 +59,7 @@ def _trial(args: argparse.Namespace) -> None:
         time.sleep(1.0)
     else:
         time.sleep(args.hold_s)  # stuck: no step() while the beat thread keeps beating
-    print(json.dumps({"event_t": event_t}), flush=True)
+    print(json.dumps({"event_t": event_t, "bound": bound}), flush=True)
     mon.close()
 
 
@@ -74,8 +82,9 @@ def _metric(port: int, name: str, labels: dict[str, str]) -> float | None:
 
 
 def _pct(values: list[float], q: float) -> float:
+    """Nearest-rank quantile, as the agent computes it."""
     data = sorted(values)
-    return data[min(len(data) - 1, max(0, round(q * len(data) + 0.5) - 1))]
+    return data[min(len(data) - 1, max(0, math.ceil(q * len(data)) - 1))]
 
 
 def main() -> None:
@@ -112,6 +121,7 @@ def main() -> None:
                 raise SystemExit("agent did not start")
             time.sleep(0.05)
         results: dict[str, list[float]] = {"nan": [], "hang": []}
+        excess: list[float] = []
         check = {"nan": "nan_loss", "hang": "rank_hang"}
         jobs = [(kind, f"{kind}-{i}") for i in range(args.trials) for kind in ("nan", "hang")]
         for start in range(0, len(jobs), args.parallel):
@@ -126,13 +136,16 @@ def main() -> None:
             ]
             for kind, job, p in procs:
                 out, _ = p.communicate(timeout=120)
-                event_t = json.loads(out.strip().splitlines()[-1])["event_t"]
+                res = json.loads(out.strip().splitlines()[-1])
+                event_t = res["event_t"]
                 t = _metric(port, "forewarn_rank_finding_timestamp_seconds",
                             {"job": job, "rank": "0", "check": check[kind]})
                 if t is None:
                     print(f"{job}: not detected", file=sys.stderr)
                     continue
                 results[kind].append(t - event_t)
+                if kind == "hang":
+                    excess.append(t - event_t - res["bound"])
         for kind, values in results.items():
             if not values:
                 continue
@@ -140,6 +153,10 @@ def main() -> None:
                   f"(step {args.step_ms:g} ms): median {statistics.median(values) * 1000:.1f} ms, "
                   f"p99 {_pct(values, 0.99) * 1000:.1f} ms, max {max(values) * 1000:.1f} ms, "
                   f"min {min(values) * 1000:.1f} ms")
+        if excess:
+            med, p99 = statistics.median(excess) * 1000, _pct(excess, 0.99) * 1000
+            print(f"hang detection minus its bound max(2 s, 3 x p99 step): median "
+                  f"{med:+.1f} ms, p99 {p99:+.1f} ms, max {max(excess) * 1000:+.1f} ms")
     finally:
         agent.terminate()
         agent.wait(timeout=30)
