@@ -83,6 +83,7 @@ from forewarn.collector.ingest import (
 )
 from forewarn.collector.jobs import StoreJobView, job_detail, list_jobs
 from forewarn.collector.metrics import CollectorMetrics
+from forewarn.collector.staging import StagingLog
 from forewarn.collector.store import Store
 from forewarn.collector.telemetry import TelemetryWriter
 from forewarn.wire import (
@@ -545,12 +546,15 @@ def create_app(
     tokens = tokens or TokenRegistry(config.tokens_file)
     commands = CommandQueue(store, metrics, redeliver_s=config.command_redeliver_s,
                             ttl_s=config.command_ttl_s, clock=clock)
+    staging = StagingLog(config.data_dir / "staging")
     telemetry = TelemetryWriter(store, config.telemetry_dir, metrics,
-                                retention_days=config.retention_days, clock=clock)
+                                retention_days=config.retention_days, clock=clock,
+                                staging=staging)
     ctx = CollectorContext(
         config=config, store=store, metrics=metrics, commands=commands,
         jobs=StoreJobView(store), telemetry=telemetry,
-        writer=IngestWriter(store, metrics, group_max=config.group_commit_max, clock=clock),
+        writer=IngestWriter(store, metrics, group_max=config.group_commit_max, clock=clock,
+                            staging=staging),
         tokens=tokens, outbound=outbound, policy=policy, clock=clock,
     )
     ctx.writer.on_stored = ctx._on_stored
@@ -562,6 +566,7 @@ def create_app(
         ctx._flush_wanted = asyncio.Event()
         commands.bind_loop(ctx.loop)
         removed = await asyncio.to_thread(telemetry.recover)
+        await asyncio.to_thread(telemetry.drop_segments)
         if removed:
             log.warning("removed %d unrecorded telemetry files left by a crash", len(removed))
         metrics.staged.set(await asyncio.to_thread(telemetry.staged_samples))
@@ -587,6 +592,7 @@ def create_app(
             except Exception:
                 log.exception("final telemetry flush failed; samples stay staged")
             commands.bind_loop(None)
+            staging.close()
 
     routes: list[BaseRoute] = [
         Route("/api/v1/ingest", ingest, methods=["POST"]),

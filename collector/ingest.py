@@ -29,6 +29,7 @@ import msgspec
 
 from forewarn.collector.jobs import apply_checkpoints, apply_ranks
 from forewarn.collector.metrics import CollectorMetrics
+from forewarn.collector.staging import StagingLog
 from forewarn.collector.store import Store
 from forewarn.wire import AgentBatch, Finding, GpuSample, Health, WireError
 
@@ -130,8 +131,10 @@ ON CONFLICT (node) DO UPDATE SET agent_id=excluded.agent_id, last_seen=excluded.
 
 
 def _write_batch(conn: sqlite3.Connection, batch: AgentBatch, body: bytes, received: float,
-                 address: str) -> tuple[bool, int | None]:
-    """Store one batch; (stored, id of its staged_samples row)."""
+                 address: str, ref: tuple[int, int, int] | None = None
+                 ) -> tuple[bool, int | None]:
+    """Store one batch; (stored, id of its staged_samples row). ``ref`` is where the
+    staging log holds the body; without it the body goes into the row."""
     cur = conn.execute(
         "INSERT OR IGNORE INTO batches (agent_id, seq, node, created, received, urgent,"
         " samples, xids, findings, ranks, checkpoints) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
@@ -143,9 +146,12 @@ def _write_batch(conn: sqlite3.Connection, batch: AgentBatch, body: bytes, recei
         return False, None
     staged_id = None
     if batch.samples:
-        staged = conn.execute("INSERT INTO staged_samples (agent_id, seq, samples, body)"
-                     " VALUES (?, ?, ?, ?)",
-                     (batch.agent_id, batch.seq, len(batch.samples), body))
+        segment, offset, length = ref if ref is not None else (None, None, None)
+        staged = conn.execute(
+            "INSERT INTO staged_samples (agent_id, seq, samples, body, segment, offset, length)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (batch.agent_id, batch.seq, len(batch.samples), b"" if ref else body, segment,
+             offset, length))
         staged_id = staged.lastrowid
         latest: dict[int, GpuSample] = {}
         for s in batch.samples:
@@ -194,6 +200,7 @@ class IngestWriter:
         group_max: int = 256,
         on_stored: Callable[[list[AgentBatch]], None] | None = None,
         on_staged: Callable[[list[tuple[int, str, int, list[GpuSample]]]], None] | None = None,
+        staging: StagingLog | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.store = store
@@ -201,6 +208,7 @@ class IngestWriter:
         self.group_max = group_max
         self.on_stored = on_stored
         self.on_staged = on_staged
+        self.staging = staging
         self.clock = clock
         self._queue: collections.deque[_Item] = collections.deque()
         self._cond = threading.Condition()
@@ -248,13 +256,20 @@ class IngestWriter:
         started = time.perf_counter()
         results: list[IngestResult] = []
         staged: list[tuple[int, str, int, list[GpuSample]]] = []
+        refs: dict[int, tuple[int, int, int]] = {}
         try:
+            if self.staging is not None:
+                # Bodies first, one fsync for the group; the transaction then points at them.
+                with_samples = [i for i, item in enumerate(group) if item.batch.samples]
+                written = self.staging.append([group[i].body for i in with_samples])
+                refs = dict(zip(with_samples, written, strict=True))
             with self.store.write() as conn:
-                for item in group:
+                for index, item in enumerate(group):
                     conn.execute("SAVEPOINT b")
                     try:
                         stored, staged_id = _write_batch(conn, item.batch, item.body,
-                                                         item.received, item.address)
+                                                         item.received, item.address,
+                                                         refs.get(index))
                     except sqlite3.IntegrityError as exc:
                         conn.execute("ROLLBACK TO b")
                         conn.execute("RELEASE b")

@@ -106,6 +106,14 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             inputs TEXT NOT NULL)""",
         "CREATE INDEX decisions_time ON decisions (time)",
     ),
+    # 2: staged bodies live in the staging log (forewarn.collector.staging); the row
+    # points at them. ``body`` stays for rows staged before (and is empty otherwise).
+    (
+        "ALTER TABLE staged_samples ADD COLUMN segment INTEGER",
+        "ALTER TABLE staged_samples ADD COLUMN offset INTEGER",
+        "ALTER TABLE staged_samples ADD COLUMN length INTEGER",
+        "CREATE INDEX staged_segment ON staged_samples (segment)",
+    ),
 )
 """Schema migrations in order; never edit a released entry, append a new one."""
 

@@ -6,8 +6,9 @@ agent's replay schema; NVLink counters summed over links) plus ``agent_id`` and 
 the batch that carried the row. This is the data models train on.
 
 Crash safety ("kill -9 during ingest: every batch stored exactly once"): ingest never
-writes Parquet. It stores the batch body in the ``staged_samples`` table in the same SQLite
-transaction that records ``(agent_id, seq)`` and only then acknowledges the agent.
+writes Parquet. It stages the batch body (in the staging log, :mod:`.staging`, fsync'd,
+and a ``staged_samples`` row pointing at it) in the same SQLite transaction that records
+``(agent_id, seq)``, and only then acknowledges the agent.
 :meth:`TelemetryWriter.flush` later writes staged rows ``first..last`` to Parquet (temp
 file, fsync, rename), then in ONE transaction records the file in ``telemetry_files`` and
 deletes the staged rows. A crash before that transaction leaves a file that no table
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import os
 import shutil
 import threading
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from forewarn.collector.metrics import CollectorMetrics
+from forewarn.collector.staging import StagingLog
 from forewarn.collector.store import Store
 from forewarn.wire import GpuSample
 
@@ -114,8 +117,14 @@ def samples_to_columns(samples: Sequence[GpuSample], agent_ids: Sequence[str],
     return cols
 
 
+@functools.lru_cache(maxsize=64)
+def _day_of(day_number: int) -> str:
+    return dt.datetime.fromtimestamp(day_number * 86400, dt.UTC).strftime("%Y-%m-%d")
+
+
 def _day(t: float) -> str:
-    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%d")
+    """UTC date of Unix time ``t`` (``YYYY-MM-DD``), cached per day number."""
+    return _day_of(int(t // 86400))
 
 
 class TelemetryWriter:
@@ -123,13 +132,14 @@ class TelemetryWriter:
 
     def __init__(self, store: Store, root: Path, metrics: CollectorMetrics, *,
                  retention_days: int = 30, clock: Callable[[], float] = time.time,
-                 cache_max_samples: int = 500_000) -> None:
+                 cache_max_samples: int = 500_000, staging: StagingLog | None = None) -> None:
         self.store = store
         self.root = Path(root)
         self.metrics = metrics
         self.retention_days = retention_days
         self.clock = clock
         self.root.mkdir(parents=True, exist_ok=True)
+        self.staging = staging
         self._flush_lock = threading.Lock()
         self._cache_lock = threading.Lock()
         self._cache: dict[int, tuple[str, int, list[GpuSample]]] = {}
@@ -157,6 +167,25 @@ class TelemetryWriter:
         with self._cache_lock:
             for staged_id in [i for i in self._cache if i <= last]:
                 self._cached -= len(self._cache.pop(staged_id)[2])
+
+    def _samples_of(self, row: dict[str, Any]) -> list[GpuSample]:
+        """The samples of one ``staged_samples`` row (body in the row or the staging log)."""
+        if row["segment"] is None:
+            body = bytes(row["body"])
+        elif self.staging is None:
+            raise RuntimeError("staged rows point into a staging log, but none was given")
+        else:
+            body = self.staging.read(int(row["segment"]), int(row["offset"]),
+                                     int(row["length"]))
+        return _staged_decoder.decode(body).samples
+
+    def drop_segments(self) -> list[int]:
+        """Delete staging segments no staged row refers to any more."""
+        if self.staging is None:
+            return []
+        referenced = [r["segment"] for r in self.store.query(
+            "SELECT DISTINCT segment FROM staged_samples WHERE segment IS NOT NULL")]
+        return self.staging.drop_unreferenced(referenced)
 
     def recover(self) -> list[Path]:
         """Delete temp files and Parquet files no ``telemetry_files`` row names (left by a
@@ -206,10 +235,9 @@ class TelemetryWriter:
         for staged_id in ids:
             entry_ = cached.get(staged_id)
             if entry_ is None:  # not decoded in this process (e.g. staged before a restart)
-                row = self.store.query("SELECT agent_id, seq, body FROM staged_samples"
-                                       " WHERE id = ?", (staged_id,))[0]
-                entry_ = (row["agent_id"], int(row["seq"]),
-                          _staged_decoder.decode(row["body"]).samples)
+                row = self.store.query("SELECT agent_id, seq, body, segment, offset, length"
+                                       " FROM staged_samples WHERE id = ?", (staged_id,))[0]
+                entry_ = (row["agent_id"], int(row["seq"]), self._samples_of(row))
             agent_id, seq, samples = entry_
             for s in samples:
                 entry = by_day.setdefault(_day(s.time), ([], [], []))
@@ -249,6 +277,7 @@ class TelemetryWriter:
                 (self.root / rel).unlink(missing_ok=True)
             raise
         self._forget(last)
+        self.drop_segments()
         total = sum(n for _r, _d, n in written)
         self.metrics.telemetry_rows.inc(total)
         self.metrics.flush_seconds.observe(time.perf_counter() - started)
@@ -284,8 +313,9 @@ class TelemetryWriter:
             agents: list[str] = []
             seqs: list[int] = []
             for row in self.store.query(
-                    "SELECT agent_id, seq, body FROM staged_samples ORDER BY id"):
-                got = _staged_decoder.decode(row["body"]).samples
+                    "SELECT agent_id, seq, body, segment, offset, length FROM staged_samples"
+                    " ORDER BY id"):
+                got = self._samples_of(row)
                 samples.extend(got)
                 agents.extend([row["agent_id"]] * len(got))
                 seqs.extend([int(row["seq"])] * len(got))

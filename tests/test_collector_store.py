@@ -12,6 +12,7 @@ import pytest
 
 from forewarn.collector.ingest import IngestResult, IngestWriter
 from forewarn.collector.metrics import CollectorMetrics
+from forewarn.collector.staging import StagingLog
 from forewarn.collector.store import MIGRATIONS, Store, StoreError
 from forewarn.collector.telemetry import COLUMNS, TelemetryWriter
 from forewarn.wire import AgentBatch, GpuSample, NvlinkCounters
@@ -29,7 +30,7 @@ def batch(seq: int, t: float, n: int = 3, node: str = "n1") -> AgentBatch:
 
 
 def ingest(store: Store, tel: TelemetryWriter, *batches: AgentBatch) -> list[IngestResult]:
-    writer = IngestWriter(store, tel.metrics, on_staged=tel.remember)
+    writer = IngestWriter(store, tel.metrics, on_staged=tel.remember, staging=tel.staging)
     writer.start()
     try:
         futures = [writer.submit(b, _encode(b)) for b in batches]
@@ -140,3 +141,28 @@ def test_retention_prunes_old_days_and_rows(parts: tuple[Store, TelemetryWriter]
     assert len(tel.read()) == 3
     counts = store.prune(time.time() + 1)
     assert counts["batches"] == 2
+
+
+def test_staging_log_holds_bodies_until_flushed_then_segments_go(tmp_path: Path) -> None:
+    store = Store(tmp_path / "c.db")
+    log = StagingLog(tmp_path / "staging", segment_bytes=4096)  # a few batches a segment
+    tel = TelemetryWriter(store, tmp_path / "t", CollectorMetrics(), staging=log)
+    for i in range(10):  # one group commit each
+        ingest(store, tel, batch(i, T0 + i))
+    assert store.scalar("SELECT COUNT(*) FROM staged_samples WHERE length(body) > 0") == 0
+    assert len(log.segments()) >= 3
+    # A torn tail (a crash between the body's fsync and the commit) is never read.
+    with open(tmp_path / "staging" / f"seg-{log.segments()[-1]:012d}.log", "ab") as fh:
+        fh.write(b"\x85torn")
+    log.close()
+    # A restarted collector: nothing cached, bodies come back from the log.
+    log2 = StagingLog(tmp_path / "staging", segment_bytes=4096)
+    tel2 = TelemetryWriter(store, tmp_path / "t", CollectorMetrics(), staging=log2)
+    assert tel2.flush(max_rows=12) == 12  # a first part only: its segments may go
+    remaining = set(log2.segments())
+    assert remaining and remaining == {r["segment"] for r in store.query(
+        "SELECT DISTINCT segment FROM staged_samples")}
+    assert tel2.flush() == 18
+    assert log2.segments() == []
+    df = tel2.read()
+    assert len(df) == 30 and sorted(set(df["seq"])) == list(range(10))
