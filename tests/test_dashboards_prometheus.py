@@ -222,7 +222,9 @@ class Stack:
             f'data_dir = "{self.tmp / "data"}"\ntokens_file = "{tokens}"\n'
             'log_level = "warning"\n'
             f'webhook_urls = ["http://127.0.0.1:{self.sink.server_address[1]}/hook"]\n'
-            'checkpoint_default_s = 0.5\norder_safety_s = 2.0\n')
+            'checkpoint_default_s = 0.5\norder_safety_s = 2.0\n'
+            # score every second, on every sample: risk panels fill within the test
+            'predict_interval_s = 1.0\npredict_sample_s = 0\n')
         self.spawn("collector", [sys.executable, "-m", "forewarn", "collector", "--config",
                                  str(config), "run"])
         self.wait_for("collector /healthz",
@@ -386,15 +388,32 @@ def variable_queries() -> list[tuple[str, str, str]]:
     return out
 
 
-def run_panel_query(stack: Stack, expr: str, instant: bool, since: float) -> int:
+def run_panel_query(stack: Stack, expr: str, instant: bool, since: float
+                    ) -> list[dict[str, Any]]:
     """Series the query returns as Grafana runs it: instant at now, or over the range."""
     q = substitute(expr)
     if instant:
-        return len(stack.query(q))
+        return stack.query(q)
     now = time.time()
     data = stack.prom("query_range", query=q, start=f"{since:.3f}", end=f"{now:.3f}",
                       step="1")
-    return len(data["result"])
+    result: list[dict[str, Any]] = data["result"]
+    return result
+
+
+def joined_labels_wrong(expr: str, series: list[dict[str, Any]]) -> str:
+    """Panels that join labels in (the node of an agent's self-metrics, the job and rank
+    over a GPU) must carry the stack's values; '' when they do."""
+    want: dict[str, str] = {}
+    if "group_left(node)" in expr:
+        want["node"] = NODE
+    if "forewarn_rank_info" in expr:
+        want.update(node=NODE, job=JOB)
+    for s in series:
+        got = {k: s["metric"].get(k) for k in want}
+        if got != want or ("forewarn_rank_info" in expr and not s["metric"].get("rank")):
+            return f"series {s['metric']} lacks {want} (or a rank)"
+    return ""
 
 
 EXPECTED_ALERTS: dict[str, dict[str, str]] = {
@@ -461,8 +480,11 @@ def test_every_panel_query_returns_data(stack: Stack) -> None:
     while pending:
         for where, (expr, instant) in list(pending.items()):
             try:
-                if run_panel_query(stack, expr, instant, since):
+                series = run_panel_query(stack, expr, instant, since)
+                if series:
                     del pending[where]
+                    if wrong := joined_labels_wrong(expr, series):
+                        errors[where] = f"{substitute(expr)}\n      error: {wrong}"
             except PromError as exc:
                 errors[where] = f"{substitute(expr)}\n      error: {exc}"
                 del pending[where]
