@@ -30,6 +30,7 @@ restart: the slot's history is reset and ``restarts`` counts it.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import dataclasses
 import logging
@@ -197,6 +198,8 @@ class RankState:
     loss: float | None = None
     grad_norm: float | None = None
     grad_norms: collections.deque[float] = dataclasses.field(default_factory=collections.deque)
+    grad_norms_sorted: list[float] = dataclasses.field(default_factory=list)
+    """The same window kept sorted (bisect), so the median costs no sort per step."""
     last_beat: float | None = None
     beat_interval_s: float | None = None
     reply_to: str = ""
@@ -260,12 +263,21 @@ class RankState:
                     self.nonfinite_grad_step = rec.step
                 return
             self.nonfinite_grad_step, self.nonfinite_grad_streak = None, 0
-            median = quantile(self.grad_norms, 0.5) if len(self.grad_norms) >= 8 else None
+            median = self.grad_median() if len(self.grad_norms) >= 8 else None
             if median is not None and median > 0 and g > spike_factor * median:
                 self.spike_step, self.spike_value, self.spike_median = rec.step, g, median
                 # a spike is not added to the baseline: it would drag the median up
                 return
-            self._push(self.grad_norms, g)
+            self.grad_norms.append(g)
+            bisect.insort(self.grad_norms_sorted, g)
+            while len(self.grad_norms) > self.history:
+                old = self.grad_norms.popleft()
+                del self.grad_norms_sorted[bisect.bisect_left(self.grad_norms_sorted, old)]
+
+    def grad_median(self) -> float | None:
+        """Median (nearest rank, as :func:`quantile`) of the grad-norm window."""
+        data = self.grad_norms_sorted
+        return data[max(0, math.ceil(0.5 * len(data)) - 1)] if data else None
 
     def apply_beat(self, beat: Beat, now: float, min_interval: float,
                    reply_ok: Callable[[str], bool]) -> None:
@@ -305,7 +317,7 @@ class RankState:
             last_msg=self.last_msg, last_step=self.last_step, last_step_wall=self.last_step_wall,
             last_progress=self.last_progress, step_seconds=tuple(self.step_seconds),
             compute_seconds=tuple(self.compute_seconds), loss=self.loss,
-            grad_norm=self.grad_norm, grad_norm_median=quantile(self.grad_norms, 0.5),
+            grad_norm=self.grad_norm, grad_norm_median=self.grad_median(),
             grad_norm_samples=len(self.grad_norms), last_beat=self.last_beat,
             beat_interval_s=self.beat_interval_s, reply_to=self.reply_to,
             hook_dropped=self.hook_dropped, nonfinite_loss_step=self.nonfinite_loss_step,
@@ -412,7 +424,9 @@ class RankTable:
 
     # -- listeners (called on the ingest thread, outside the lock) ------------------------
     def on_step(self, fn: StepListener) -> None:
-        """Call ``fn(view, record)`` for every admitted step record (fast detectors)."""
+        """Call ``fn(view, record)`` for admitted step records that mark an event: a
+        rank's first step, the first step of a non-finite loss or grad norm, a grad-norm
+        spike (the fast detectors). Other steps skip the copy a view costs."""
         self._step_listeners.append(fn)
 
     def on_report(self, fn: ReportListener) -> None:
@@ -497,6 +511,12 @@ class RankTable:
             st.local_rank, st.world_size, st.host = msg.local_rank, msg.world_size, msg.host
             if isinstance(msg, StepRecord):
                 st.apply_step(msg, now, self.spike_factor)
+                if not self._step_listeners or not (
+                    st.steps_total == 1
+                    or msg.step in (st.nonfinite_loss_step, st.nonfinite_grad_step,
+                                    st.spike_step)
+                ):
+                    return None
                 view = st.view()
             else:
                 uid = cred.uid
