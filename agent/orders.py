@@ -34,6 +34,11 @@ finding (cooldown per subject and check), even with no collector:
   an unhealthy node finding with such an action: every job on the node;
 * a grad-norm spike: that job (the state is still finite; see checks/grad_spike.py).
 
+Only jobs whose every rank runs on this node are ordered locally: a job that spans nodes
+saves collectively (torch.distributed.checkpoint), so ranks saving on one node only would
+wait forever for the others. Its finding goes up to the collector (urgent), which orders
+every node at one step; ``deferred_total`` counts these.
+
 Not ordered: NaN/Inf loss (a poisoned state is not worth saving and would rotate a good
 checkpoint out; the finding says restart from the last good one), a hang (a hung job cannot
 save) and a gone rank (its peers will block in the next collective).
@@ -180,6 +185,8 @@ class CheckpointOrders:
         """``(job, reason) -> orders issued`` (reissues included)."""
         self.outcomes_total: collections.Counter[str] = collections.Counter()
         """``done``, ``superseded``, ``failed``, ``expired``."""
+        self.deferred_total: collections.Counter[str] = collections.Counter()
+        """Job -> fast-path orders left to the collector (the job spans nodes)."""
         self.last_duration: dict[str, float] = {}
         """Job -> seconds from the first order of a chain to the last rank's ``done``."""
         table.on_report(self.on_report)
@@ -335,6 +342,15 @@ class CheckpointOrders:
                     continue
                 self._fired[key] = mono
                 for job in jobs:
+                    views = self.table.job_views(job)
+                    world = max((v.world_size for v in views), default=0)
+                    if world > len(views):
+                        self.deferred_total[job] += 1
+                        log.warning("%s: job %s has %d of its %d ranks on this node: its "
+                                    "checkpoint is left to the collector (a one-node save of "
+                                    "a collective checkpoint would hang)", f.check, job,
+                                    len(views), world)
+                        continue
                     order = self._issue(job, None, f"{f.check}: {f.reason}"[:4000], None,
                                         "local", None, 0)
                     if order is not None:

@@ -24,6 +24,7 @@ registered into the agent's explicit registry by the rank component.
 ``forewarn_checkpoint_order_outcomes_total``       ``outcome``: done/superseded/failed/expired
 ``forewarn_checkpoint_orders_open``                ``job``: orders waiting for reports
 ``forewarn_checkpoint_order_seconds``              ``job``: order to last rank done, last order
+``forewarn_checkpoint_orders_deferred_total``      ``job``: fast-path orders left to the collector
 ``forewarn_rank_hangs_confirmed_total``            ``job``
 ``forewarn_rank_hang_signals_total``               ``job``, ``signal`` SIGTERM/SIGKILL/refused
 ``forewarn_agent_datagrams_received_total``        ``kind`` step/beat/checkpoint
@@ -177,7 +178,13 @@ class RankCollector:
                                      labels=["node", "job"])
             for job, s in sorted(orders.last_duration.items()):
                 secs.add_metric([self.node, job], s)
-            yield from (total, outcomes, open_, secs)
+            deferred = CounterMetricFamily(
+                "forewarn_checkpoint_orders_deferred",
+                "Local fast-path orders left to the collector: the job spans nodes.",
+                labels=["node", "job"])
+            for job, n in sorted(orders.deferred_total.items()):
+                deferred.add_metric([self.node, job], n)
+            yield from (total, outcomes, open_, secs, deferred)
         if term is not None:
             conf = CounterMetricFamily("forewarn_rank_hangs_confirmed",
                                        "Confirmed hangs of a job on this node.",

@@ -51,6 +51,7 @@ class Ranks:
         self.sent: list[tuple[str, bytes]] = []
         self.fail_sends = False
         self.local: dict[tuple[str, int], int] = {}
+        self.world: dict[str, int] = {}
 
     def send(self, path: str, data: bytes) -> bool:
         if self.fail_sends:
@@ -63,7 +64,9 @@ class Ranks:
                 return False
         return True
 
-    def add(self, job: str, rank: int, pid: int, local_rank: int | None = None) -> None:
+    def add(self, job: str, rank: int, pid: int, local_rank: int | None = None,
+            world: int = 2) -> None:
+        self.world[job] = world
         path = self.tmp / f"{job}-{rank}.sock"
         s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         s.bind(str(path))
@@ -71,12 +74,13 @@ class Ranks:
         self.sockets[(job, rank)] = s
         lr = rank if local_rank is None else local_rank
         self.local[(job, rank)] = lr
-        b = Beat(job=job, rank=rank, local_rank=lr, world_size=8, pid=pid, host="h",
+        b = Beat(job=job, rank=rank, local_rank=lr, world_size=world, pid=pid, host="h",
                  time=self.clock(), reply_to=str(path))
         assert self.table.admit(b, Credentials(pid, os.getuid(), 0), self.clock()) is None
 
     def step(self, job: str, rank: int, pid: int, n: int, seconds: float = 0.1) -> None:
-        r = StepRecord(job=job, rank=rank, local_rank=self.local[(job, rank)], world_size=8,
+        r = StepRecord(job=job, rank=rank, local_rank=self.local[(job, rank)],
+                       world_size=self.world[job],
                        pid=pid, host="h", step=n, time=self.clock(), step_seconds=seconds)
         assert self.table.admit(r, Credentials(pid, os.getuid(), 0), self.clock()) is None
 
@@ -219,8 +223,8 @@ def rank_finding(check: str, job: str, rank: int) -> Finding:
 
 
 def test_fast_path_orders_jobs_on_the_gpu_once(ranks: Ranks) -> None:
-    ranks.add("a", 0, 100, local_rank=0)
-    ranks.add("b", 0, 200, local_rank=1)
+    ranks.add("a", 0, 100, local_rank=0, world=1)
+    ranks.add("b", 0, 200, local_rank=1, world=1)
     ranks.step("a", 0, 100, 7)
     ranks.step("b", 0, 200, 9)
     mono = Clock(0.0)
@@ -240,8 +244,18 @@ def test_fast_path_orders_jobs_on_the_gpu_once(ranks: Ranks) -> None:
     assert sorted(o.job for o in orders.fast_path([node])) == ["a", "b"]
 
 
+def test_fast_path_leaves_multi_node_jobs_to_the_collector(ranks: Ranks) -> None:
+    ranks.add("big", 0, 100, local_rank=0, world=16)  # 15 more ranks on other nodes
+    ranks.step("big", 0, 100, 7)
+    orders = make_orders(ranks)
+    assert orders.fast_path([gpu_finding(0, SuggestedAction.DRAIN)]) == []
+    assert orders.deferred_total["big"] == 1 and ranks.received("big", 0) == []
+    # the collector, which reaches every node, still can
+    assert orders.order_job("big", step=20, reason="collector", request_id="c-9") is not None
+
+
 def test_fast_path_spike_orders_nan_and_hang_do_not(ranks: Ranks) -> None:
-    ranks.add("a", 0, 100)
+    ranks.add("a", 0, 100, world=1)
     ranks.step("a", 0, 100, 7)
     orders = make_orders(ranks)
     assert orders.fast_path([rank_finding("nan_loss", "a", 0)]) == []
@@ -372,16 +386,16 @@ def test_component_orders_a_checkpoint_for_the_job_on_a_failing_gpu(tmp_path: Pa
     out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     try:
         now = time.time()
-        out.sendto(encode(Beat(job="j", rank=3, local_rank=1, world_size=4, pid=os.getpid(),
+        out.sendto(encode(Beat(job="j", rank=0, local_rank=1, world_size=1, pid=os.getpid(),
                                host="h", time=now, reply_to=str(tmp_path / "reply.sock"))),
                    str(config.socket_path))
         for n in range(5):
-            out.sendto(encode(StepRecord(job="j", rank=3, local_rank=1, world_size=4,
+            out.sendto(encode(StepRecord(job="j", rank=0, local_rank=1, world_size=1,
                                          pid=os.getpid(), host="h", step=n, time=time.time(),
                                          step_seconds=0.1, loss=1.0, grad_norm=1.0)),
                        str(config.socket_path))
         deadline = time.monotonic() + 20
-        while (v := comp.table.get("j", 3)) is None or v.last_step != 4 or not v.reply_to:
+        while (v := comp.table.get("j", 0)) is None or v.last_step != 4 or not v.reply_to:
             assert time.monotonic() < deadline, "the ingest thread did not apply the records"
             time.sleep(0.01)
         agent.poll_once()
