@@ -54,6 +54,8 @@ class CollectorConfig:
     group_commit_max: int = 256
     """Most ingest batches committed in one SQLite transaction (group commit)."""
     log_level: str = "info"
+    http: str = "auto"
+    """uvicorn HTTP parser: auto (httptools when installed, the fast C one), httptools, h11."""
     # -- policy and actions (forewarn.collector.policy / actions / orders) -------------
     policy_shadow: bool = False
     """Global shadow mode: decisions are recorded, no action is taken."""
@@ -97,6 +99,22 @@ class CollectorConfig:
     alert_token: str = ""
     """Bearer token of the Alertmanager/Grafana webhook routes (empty = routes refuse)."""
     alert_token_file: Path | None = None
+    # -- failure predictor and goodput (forewarn.collector.predict / goodput_service) ----
+    predictor_enabled: bool = True
+    """Run the failure predictor on live telemetry (the model loads at start)."""
+    model_path: Path | None = None
+    """A retrained model (skops file from ``forewarn models train``) instead of the shipped one."""
+    predict_interval_s: float = 10.0
+    """Score every GPU (and refresh goodput advice) this often."""
+    predict_sample_s: float = 10.0
+    """Feed the predictor one sample per GPU per this many seconds (0 = every sample);
+    features are per minute, so thinning 1 s samples changes no rate or mean."""
+    predict_refresh_s: float = 300.0
+    """An alarmed GPU's prediction is stored and passed to the policy again after this long
+    (sooner when its health worsens)."""
+    goodput_gpu_mtbf_h: float = 24.0 * 1000.0 / 6.5 * 8
+    """Per-GPU MTBF prior in hours for checkpoint interval advice (Meta, HPCA 2025: 6.5
+    failures per 1,000 node-days of 8 GPUs), updated with the failures observed."""
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")
@@ -124,9 +142,17 @@ class CollectorConfig:
                 f"sqlite_synchronous: must be one of {', '.join(SYNCHRONOUS)}, "
                 f"got {self.sqlite_synchronous!r}"
             )
+        if self.http not in ("auto", "httptools", "h11"):
+            raise ConfigError(f"http: must be auto, httptools or h11, got {self.http!r}")
         if self.log_level not in ("critical", "error", "warning", "info", "debug"):
             raise ConfigError(f"log_level: unknown level {self.log_level!r}")
         _check_policy_keys(self)
+        for key in ("predict_interval_s", "predict_refresh_s", "goodput_gpu_mtbf_h"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"{key}: must be positive, got {getattr(self, key)}")
+        if not self.predict_sample_s >= 0:
+            raise ConfigError(
+                f"predict_sample_s: must not be negative, got {self.predict_sample_s}")
 
     @property
     def host(self) -> str:

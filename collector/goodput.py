@@ -10,6 +10,14 @@ it ever reached. The rest is lost, and broken down:
   (a forewarn hang/gone finding, or the restart itself when nothing did — NCCL's timeout);
 * ``restart``: from detection until the job made progress again.
 
+Progress may come step by step (``step_seconds`` per step) or as summaries (the latest step
+of a rank every few seconds, with its median step time): steps between two observations
+count with the step time given, capped by the wall time between the observations; a
+rollback (the step going back, or ``restarted=True`` when the caller saw the process
+change) resumes from ``resumed_from`` (the checkpoint step) when known. Time the step
+times do not explain (stalls nobody reported, step-time spread) stays in neither bucket:
+``wall_s - useful_s - sum(lost())`` (:meth:`JobGoodput.unaccounted_s`).
+
 Interval advice follows Young: ``T = sqrt(2·C·M)`` with the job's measured checkpoint cost C
 and M the fleet's observed per-GPU failure rate scaled to the job's GPU count, shortened while
 the job is at risk (REFERENCE.md, "Checkpointing").
@@ -56,6 +64,12 @@ class JobGoodput:
         wall = self.wall_s
         return min(1.0, self.useful_s / wall) if wall > 0 else 1.0
 
+    @property
+    def unaccounted_s(self) -> float:
+        """Wall time neither useful nor in a loss bucket (unreported stalls, step-time
+        spread around the median of summaries); never negative."""
+        return max(0.0, self.wall_s - self.useful_s - sum(self.lost().values()))
+
     def lost(self) -> dict[str, float]:
         return {
             "checkpoint": self.checkpoint_s,
@@ -83,38 +97,50 @@ class GoodputTracker:
         g.last_seen = max(g.last_seen, now)
         return g
 
-    def observe_step(self, job: str, step: int, time: float, step_seconds: float | None) -> None:
-        """A rank of ``job`` finished ``step`` at ``time``, the step taking ``step_seconds``."""
+    def observe_step(self, job: str, step: int, time: float, step_seconds: float | None,
+                     *, restarted: bool = False, resumed_from: int | None = None) -> None:
+        """A rank of ``job`` finished ``step`` at ``time``, each step since the previous
+        observation taking ``step_seconds``.
+
+        ``restarted``: the caller knows the job restarted before this step (a new process,
+        a rank's own step going back) even if ``step`` is past the job's last step;
+        ``resumed_from``: the checkpoint step it restarted from, when known (else the
+        restart is placed one step before ``step``).
+        """
         g = self._job(job, time)
         if g.last_step < 0:  # first sight: what ran before we watched is not ours to judge
             g.last_step = g.high_water_step = step
             g.last_progress = time
             return
         secs = step_seconds if step_seconds is not None and math.isfinite(step_seconds) else 0.0
-        began = max(g.last_progress, time - secs)
-        if step < g.last_step:  # rolled back: restarted from a checkpoint before ``step``
-            self._close_outage(g, began)
-            g.last_step = step - 1
-        if step <= g.last_step:
+        secs = max(0.0, secs)
+        if restarted or step < g.last_step:  # rolled back: restarted from a checkpoint
+            base = resumed_from if resumed_from is not None and resumed_from < step else step - 1
+            self._close_outage(g, max(g.last_progress, time - (step - base) * secs),
+                               restart=True)
+            g.last_step = base
+        elif step == g.last_step:
             return  # another rank of the same step
-        if g.failure_noticed is not None:
-            self._close_outage(g, began)
         done = step - g.last_step
-        new = max(0, step - g.high_water_step)
-        g.useful_s += min(new, done) * secs
-        g.rework_s += (done - min(new, done)) * secs
+        if g.failure_noticed is not None:  # progress again without a rollback
+            self._close_outage(g, max(g.last_progress, time - done * secs), restart=False)
+        if time > g.last_progress:  # steps cannot have taken longer than the wall time
+            secs = min(secs, (time - g.last_progress) / done)
+        new = min(done, max(0, step - g.high_water_step))
+        g.useful_s += new * secs
+        g.rework_s += (done - new) * secs
         g.high_water_step = max(g.high_water_step, step)
         g.last_step = step
-        g.last_progress = time
+        g.last_progress = max(g.last_progress, time)
 
-    def _close_outage(self, g: JobGoodput, now: float) -> None:
+    def _close_outage(self, g: JobGoodput, now: float, *, restart: bool) -> None:
         noticed = g.failure_noticed if g.failure_noticed is not None else now
         noticed = min(max(noticed, g.last_progress), now)
         g.detection_s += noticed - g.last_progress
         g.restart_s += now - noticed
-        g.restarts += 1
+        g.restarts += int(restart)
         g.failure_noticed = None
-        g.last_progress = now
+        g.last_progress = max(g.last_progress, now)
 
     def observe_failure(self, job: str, noticed: float) -> None:
         """Something noticed the job failing (hang, dead rank, fatal GPU error)."""
@@ -122,16 +148,25 @@ class GoodputTracker:
         if g.failure_noticed is None:
             g.failure_noticed = noticed
 
-    def observe_checkpoint(self, job: str, request_id: str, seconds: float, now: float) -> None:
-        """A rank reported a finished checkpoint; the slowest rank of an order counts."""
+    def observe_checkpoint(self, job: str, request_id: str, seconds: float, now: float,
+                           *, in_step_time: bool = True) -> None:
+        """A rank reported a finished checkpoint; the slowest rank of an order counts.
+
+        ``in_step_time``: the step durations given to :meth:`observe_step` include the save
+        (per-step reports), so it is taken out of useful time; summaries carrying a median
+        step time do not include it (pass ``False``).
+        """
         g = self._job(job, now)
         key = request_id or f"t{now:.0f}"
         prev = g._checkpoints.get(key, 0.0)
         if seconds > prev:
             g.checkpoint_s += seconds - prev
             g._checkpoints[key] = seconds
-            # The stall is wall time the step clock also saw: take it out of useful time.
-            g.useful_s = max(0.0, g.useful_s - (seconds - prev))
+            if len(g._checkpoints) > 256:
+                g._checkpoints.pop(next(iter(g._checkpoints)))
+            if in_step_time:
+                # The stall is wall time the step clock also saw: take it out of useful time.
+                g.useful_s = max(0.0, g.useful_s - (seconds - prev))
 
     def touch(self, job: str, now: float) -> None:
         """Advance the job's wall clock (a report without progress)."""

@@ -6,7 +6,11 @@
 :class:`~forewarn.collector.config.CollectorConfig` and wires them to the service: the job
 map (``ctx.jobs``), the command queues (``ctx.commands``), the store (decisions and
 actions tables) and the metrics registry. It also mounts the Alertmanager and Grafana
-webhook routes (:mod:`.alerts`).
+webhook routes (:mod:`.alerts`). With them run the live failure predictor
+(:mod:`.predict`: its findings go through the same policy, so the cost-aware checkpoint
+decision uses the predicted probability) and goodput accounting (:mod:`.goodput_service`),
+both fed from the stored batches; every ``predict_interval_s`` a timer scores the fleet and
+refreshes goodput advice on the policy thread.
 
 Threads: the hooks run on the service's single policy thread; the webhook sender runs on
 the event loop (events are handed over with ``call_soon_threadsafe``); drains run on their
@@ -19,7 +23,7 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
@@ -29,8 +33,11 @@ from forewarn.collector.actions import ActionPipeline, store_decisions
 from forewarn.collector.alerts import AlertPayload, alert_findings, alert_routes
 from forewarn.collector.costmodel import CheckpointCostTracker
 from forewarn.collector.drain import DrainRunner, DrainTemplate
+from forewarn.collector.goodput_service import GoodputService
+from forewarn.collector.ingest import store_findings
 from forewarn.collector.orders import OrderBook, OrderSettings
 from forewarn.collector.policy import Decision, Policy, PolicySettings
+from forewarn.collector.predict import PredictorService
 from forewarn.collector.webhooks import Delivery, WebhookEndpoint, WebhookSender
 from forewarn.wire import AgentBatch, CommandAck, Finding
 
@@ -91,6 +98,8 @@ class PolicyService:
         drain: DrainRunner | None = None,
         alert_token: str = "",
         checkpoint_default_s: float = 60.0,
+        predictor: PredictorService | None = None,
+        goodput: GoodputService | None = None,
     ) -> None:
         self.settings = settings
         self.order_settings = orders
@@ -106,6 +115,10 @@ class PolicyService:
         self._drain_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="drain")
         self._alerts: dict[int, tuple[Finding, str]] = {}
         self._alert_decisions: dict[int, list[Decision]] = {}
+        self.predictor = predictor
+        self.goodput = goodput
+        self.policy: Policy | None = None
+        self._ticker: concurrent.futures.Future[None] | None = None
 
     @classmethod
     def from_config(cls, config: CollectorConfig) -> PolicyService:
@@ -128,6 +141,9 @@ class PolicyService:
             drain=drain,
             alert_token=_secret(config.alert_token, config.alert_token_file),
             checkpoint_default_s=config.checkpoint_default_s,
+            predictor=PredictorService.from_config(config),
+            goodput=GoodputService(checkpoint_default_s=config.checkpoint_default_s,
+                                   gpu_mtbf_h=config.goodput_gpu_mtbf_h),
         )
 
     # -- the app's hooks (policy thread) ------------------------------------------------
@@ -158,10 +174,20 @@ class PolicyService:
             policy, orders, send_webhook=send, drain=self.drain, drain_pool=self._drain_pool,
             actions=ctx.store,
         )
+        self.policy = policy
+        for part in (self.predictor, self.goodput):
+            if part is not None:
+                part.register(registry)
+        if (self.predictor is not None or self.goodput is not None) and ctx.loop is not None:
+            interval = self.predictor.interval_s if self.predictor is not None else 10.0
+            self._ticker = asyncio.run_coroutine_threadsafe(
+                _every(interval, ctx, self.tick), ctx.loop)
 
     def stop(self) -> None:
         """Stop the webhook worker and wait for a running drain."""
         ctx = self._ctx
+        if self._ticker is not None:
+            self._ticker.cancel()
         if self.sender is not None and ctx is not None and ctx.loop is not None:
             try:
                 asyncio.run_coroutine_threadsafe(self.sender.stop(), ctx.loop).result(10)
@@ -174,6 +200,8 @@ class PolicyService:
         the command queues, so nothing is returned."""
         if self.pipeline is None:
             return
+        if self.goodput is not None and self._ctx is not None:
+            self.goodput.on_findings(findings, self._ctx.jobs)
         for f in findings:
             alert = self._alerts.pop(id(f), None)
             if alert is not None:
@@ -183,12 +211,19 @@ class PolicyService:
                 self.pipeline.handle_findings([f])
 
     def on_batches(self, batches: Sequence[AgentBatch], now: float) -> None:
-        """Checkpoint reports: measured cost, order progress, reissue on a miss."""
+        """Checkpoint reports: measured cost, order progress, reissue on a miss; samples
+        and XIDs to the predictor, rank summaries to goodput; a scoring when due."""
         if self.pipeline is None:
             return
         for batch in batches:
             for report in batch.checkpoints:
                 self.pipeline.on_report(report)
+        if self.predictor is not None:
+            self.predictor.observe(batches)
+        if self.goodput is not None:
+            self.goodput.on_batches(batches)
+        if self.predictor is not None and self.predictor.due(now):
+            self.tick(now)
 
     def on_ack(self, ack: CommandAck, node: str) -> None:
         """An agent acknowledged a command."""
@@ -196,8 +231,45 @@ class PolicyService:
             self.pipeline.on_ack(ack)
 
     def routes(self) -> list[BaseRoute]:
-        """``POST /api/v1/alerts/alertmanager`` and ``/api/v1/alerts/grafana``."""
-        return list(alert_routes(self._handle_alert, self.alert_token))
+        """``POST /api/v1/alerts/alertmanager`` and ``/api/v1/alerts/grafana``; with the
+        predictor ``GET /api/v1/risk``, with goodput ``GET /api/v1/goodput``."""
+        out: list[BaseRoute] = list(alert_routes(self._handle_alert, self.alert_token))
+        if self.predictor is not None:
+            out += self.predictor.routes()
+        if self.goodput is not None:
+            out += self.goodput.routes(self.refresh_goodput)
+        return out
+
+    def tick(self, now: float) -> None:
+        """Score the fleet when due; predictions through the policy; goodput advice."""
+        if self.predictor is not None and self.predictor.due(now):
+            findings = self.predictor.score(now)
+            if findings:
+                self._predicted(findings, now)
+        self.refresh_goodput(now)
+
+    def refresh_goodput(self, now: float) -> None:
+        """Recompute goodput advice with the job's cost, risk and the fleet failure rate."""
+        ctx, goodput, predictor = self._ctx, self.goodput, self.predictor
+        if ctx is None or goodput is None:
+            return
+        goodput.refresh(
+            now, ctx.jobs, self.policy.tracker if self.policy is not None else None,
+            risk=predictor.scores.job_risk if predictor is not None else None,
+            gpu_mtbf_h=predictor.fleet_gpu_mtbf_h() if predictor is not None else None,
+            horizon_s=predictor.horizon_s if predictor is not None else 3600.0,
+        )
+
+    def _predicted(self, findings: list[Finding], now: float) -> None:
+        """Store the predictor's findings and run them through the policy (this thread)."""
+        ctx = self._ctx
+        if ctx is None or self.pipeline is None:
+            return
+        with ctx.store.write() as conn:
+            store_findings(conn, findings, node="", origin="predictor", received=now)
+        for f in findings:
+            ctx.metrics.findings.labels(f.health.value, "predictor").inc()
+        self.pipeline.handle_findings(findings, "predictor")
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -236,3 +308,16 @@ class PolicyService:
             asyncio.get_running_loop().run_in_executor(None, record)
         except RuntimeError:
             record()
+
+
+async def _every(interval_s: float, ctx: CollectorContext, fn: Callable[[float], None]) -> None:
+    """Run ``fn(now)`` on the policy thread every ``interval_s`` until cancelled."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            await ctx.run_policy(fn, ctx.clock())
+        except RuntimeError:  # the policy thread is gone: the app is stopping
+            return
+        except Exception:
+            ctx.metrics.policy_errors.inc()
+            log.exception("periodic scoring failed")

@@ -1,0 +1,280 @@
+"""Goodput accounting inside the collector: :class:`~.goodput.GoodputTracker` fed from the
+stored batches and findings, exported as metrics and ``GET /api/v1/goodput``.
+
+What the batches carry is not one record per step but, per rank and batch, a
+:class:`~forewarn.wire.RankSummary`: the rank's latest step and its time, its median step
+time and its process id. :class:`GoodputService` turns those into the tracker's calls:
+
+* a rank's step moving forward past the job's furthest step is progress: the steps in
+  between count with the rank's median step time (capped by the wall time between the
+  two observations); a rank lagging behind the job's furthest step says nothing new;
+* a rank's step going back, or its process id changing, is a restart: the job resumed
+  from the checkpoint the rank reports (``last_checkpoint_step``, else the job's last
+  complete checkpoint seen in the reports). The first rank of a job to show a restart
+  counts it; the job's other ranks showing the same restart do not count it again;
+* ``done`` checkpoint reports add the slowest rank's seconds per order to the checkpoint
+  overhead (median step times do not include the save, so useful time is left alone);
+* findings that mean the job stopped -- ``rank_hang`` / ``rank_gone`` about one of its
+  ranks, ``gpu_lost`` or a fatal ``xid`` (unhealthy) on one of its GPUs -- mark when the
+  failure was noticed: detection delay runs from the job's last progress to then, restart
+  downtime from then to the first progress after the restart.
+
+Metrics (rendered from the last :meth:`GoodputService.refresh`, every predictor interval):
+``forewarn_job_goodput_ratio{job}``, ``forewarn_job_lost_seconds_total{job,cause}`` (cause
+``checkpoint``, ``rework``, ``detection``, ``restart``) and
+``forewarn_job_checkpoint_interval_advice_seconds{job}``: Young's interval
+(:func:`~.goodput.advise_interval`) from the job's measured checkpoint cost (the cost
+model's tracker, else what the ranks report, else ``checkpoint_default_s``), its GPU count
+from the job map, the fleet's per-GPU failure rate (prior updated with the failures the
+predictor saw) and the job's current risk (highest failure probability over its GPUs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import CollectorRegistry
+from starlette.requests import Request
+from starlette.routing import BaseRoute
+
+from forewarn.collector.goodput import DEFAULT_GPU_MTBF_H, GoodputTracker, advise_interval
+from forewarn.collector.read_routes import policy_read_route
+from forewarn.wire import AgentBatch, Finding, Health, RankSummary
+
+if TYPE_CHECKING:
+    from forewarn.collector.app import CollectorContext
+    from forewarn.collector.costmodel import CheckpointCostTracker
+    from forewarn.collector.jobview import JobInfo, JobView
+
+__all__ = ["FAILURE_CHECKS", "GoodputService", "JobAdvice"]
+
+FAILURE_CHECKS = frozenset({"rank_hang", "rank_gone", "gpu_lost", "xid"})
+"""Unhealthy findings of these checks mean the job on the subject stopped: a hung or dead
+rank (the agent's rank checks), a GPU off the bus (NVML_ERROR_GPU_IS_LOST, XID 79), or an
+XID the agent rates unhealthy, i.e. the fatal classes of NVIDIA's catalog (REFERENCE.md)."""
+
+CAUSES = ("checkpoint", "rework", "detection", "restart")
+
+FORGET_S = 7 * 86400.0
+"""Jobs with no report for this long are dropped from the accounting."""
+
+
+@dataclasses.dataclass(frozen=True)
+class JobAdvice:
+    """Checkpoint interval advice for one job, with its inputs."""
+
+    interval_s: float
+    checkpoint_s: float
+    checkpoint_source: str
+    gpus: int
+    risk: float
+    risk_gpu: str
+    gpu_mtbf_h: float
+    horizon_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankSeen:
+    pid: int
+    step: int
+    time: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _JobRow:
+    job: str
+    ratio: float
+    lost: dict[str, float]
+    advice: JobAdvice | None
+
+
+class GoodputService:
+    """See the module docstring. Call from the policy thread; the metrics collector reads
+    the snapshot :meth:`refresh` leaves."""
+
+    def __init__(self, *, checkpoint_default_s: float = 60.0,
+                 gpu_mtbf_h: float = DEFAULT_GPU_MTBF_H) -> None:
+        self.tracker = GoodputTracker()
+        self.checkpoint_default_s = checkpoint_default_s
+        self.gpu_mtbf_h = gpu_mtbf_h
+        self._ranks: dict[tuple[str, int], _RankSeen] = {}
+        self._resumed: dict[str, float] = {}
+        """Per job: when progress resumed after the last restart counted."""
+        self._checkpoint_step: dict[str, int] = {}
+        self._rows: tuple[_JobRow, ...] = ()
+        self._advice: dict[str, JobAdvice] = {}
+
+    # -- feeding (policy thread) -------------------------------------------------------
+
+    def on_batches(self, batches: Sequence[AgentBatch]) -> None:
+        """Rank summaries and checkpoint reports of newly stored batches."""
+        for b in batches:
+            for c in b.checkpoints:
+                if c.phase == "done":
+                    if c.seconds is not None and math.isfinite(c.seconds):
+                        self.tracker.observe_checkpoint(c.job, c.request_id, c.seconds,
+                                                        c.time, in_step_time=False)
+                    self._checkpoint_step[c.job] = max(self._checkpoint_step.get(c.job, -1),
+                                                       c.step)
+            for r in b.ranks:
+                self._rank(r, b.created)
+
+    def _rank(self, r: RankSummary, created: float) -> None:
+        key = (r.job, r.rank)
+        prev = self._ranks.get(key)
+        if r.last_step is None or r.last_step_time is None:
+            self.tracker.touch(r.job, created)
+            return
+        step, at = r.last_step, r.last_step_time
+        self._ranks[key] = _RankSeen(r.pid, step, at)
+        restarted = prev is not None and (r.pid != prev.pid or step < prev.step)
+        if restarted and prev is not None and self._resumed.get(r.job, -math.inf) >= prev.time:
+            restarted = False  # the job's restart was already counted from another rank
+        g = self.tracker.jobs.get(r.job)
+        if restarted:
+            ckpt = r.last_checkpoint_step
+            if ckpt is None or ckpt > step:
+                ckpt = self._checkpoint_step.get(r.job)
+            self.tracker.observe_step(r.job, step, at, r.step_seconds_p50, restarted=True,
+                                      resumed_from=ckpt if ckpt is not None and ckpt < step
+                                      else None)
+            job = self.tracker.jobs[r.job]
+            self._resumed[r.job] = job.last_progress
+        elif g is None or step > g.last_step:
+            self.tracker.observe_step(r.job, step, at, r.step_seconds_p50)
+        self.tracker.touch(r.job, max(created, at))
+
+    def on_findings(self, findings: Sequence[Finding], jobs: JobView) -> None:
+        """Findings that mean a job stopped mark when its failure was noticed."""
+        for f in findings:
+            if f.health != Health.UNHEALTHY or f.check not in FAILURE_CHECKS:
+                continue
+            s = f.subject
+            if s.kind in ("rank", "job"):
+                names = [s.job] if s.job else []
+            elif s.node:
+                names = jobs.jobs_on(s.node, s.gpu if s.kind == "gpu" else None)
+            else:
+                names = []
+            for name in names:
+                if name in self.tracker.jobs:
+                    self.tracker.observe_failure(name, noticed=f.time)
+
+    # -- snapshot ----------------------------------------------------------------------
+
+    def refresh(
+        self,
+        now: float,
+        jobs: JobView,
+        cost: CheckpointCostTracker | None = None,
+        risk: Callable[[JobInfo], tuple[float, str]] | None = None,
+        gpu_mtbf_h: float | None = None,
+        horizon_s: float = 3600.0,
+    ) -> None:
+        """Recompute interval advice and the metrics snapshot."""
+        mtbf = gpu_mtbf_h if gpu_mtbf_h is not None else self.gpu_mtbf_h
+        rows = []
+        advice: dict[str, JobAdvice] = {}
+        for name, g in list(self.tracker.jobs.items()):
+            if now - g.last_seen > FORGET_S:
+                self._forget(name)
+                continue
+            info = jobs.job(name)
+            a = None
+            if info is not None:
+                a = self._advise(info, cost, risk, mtbf, horizon_s)
+                advice[name] = a
+            rows.append(_JobRow(name, g.goodput, g.lost(), a))
+        self._advice = advice
+        self._rows = tuple(rows)
+
+    def _advise(self, info: JobInfo, cost: CheckpointCostTracker | None,
+                risk: Callable[[JobInfo], tuple[float, str]] | None, mtbf: float,
+                horizon_s: float) -> JobAdvice:
+        measured = cost.seconds(info.job) if cost is not None else None
+        if measured is not None and measured > 0:
+            ckpt, source = measured, f"measured({cost.samples(info.job) if cost else 0})"
+        elif info.checkpoint_seconds is not None and info.checkpoint_seconds > 0:
+            ckpt, source = info.checkpoint_seconds, "ranks"
+        else:
+            ckpt, source = self.checkpoint_default_s, "default"
+        p, where = risk(info) if risk is not None else (0.0, "")
+        gpus = info.gpu_count
+        return JobAdvice(
+            interval_s=advise_interval(ckpt, gpus, gpu_mtbf_h=mtbf, risk=p, horizon_s=horizon_s),
+            checkpoint_s=ckpt, checkpoint_source=source, gpus=gpus, risk=p, risk_gpu=where,
+            gpu_mtbf_h=mtbf, horizon_s=horizon_s)
+
+    def _forget(self, job: str) -> None:
+        self.tracker.jobs.pop(job, None)
+        self._resumed.pop(job, None)
+        self._checkpoint_step.pop(job, None)
+        for key in [k for k in self._ranks if k[0] == job]:
+            del self._ranks[key]
+
+    def report(self) -> list[dict[str, Any]]:
+        """Per job: goodput ratio, lost time by cause, restarts, advice (JSON-ready)."""
+        out = []
+        for name, g in sorted(self.tracker.jobs.items()):
+            a = self._advice.get(name)
+            out.append({
+                "job": name, "ratio": round(g.goodput, 6), "wall_s": round(g.wall_s, 3),
+                "useful_s": round(g.useful_s, 3),
+                "lost_s": {k: round(v, 3) for k, v in g.lost().items()},
+                "unaccounted_s": round(g.unaccounted_s, 3), "restarts": g.restarts,
+                "high_water_step": g.high_water_step, "last_step": g.last_step,
+                "failure_pending": g.failure_noticed is not None,
+                "advice": dataclasses.asdict(a) if a is not None else None,
+            })
+        return out
+
+    # -- API and metrics ---------------------------------------------------------------
+
+    def routes(self, refresh: Callable[[float], None]) -> list[BaseRoute]:
+        """``GET /api/v1/goodput`` (``refresh(now)`` runs first, on the policy thread)."""
+
+        def goodput(ctx: CollectorContext, request: Request, now: float) -> Any:
+            """Per job goodput, lost time by cause and checkpoint interval advice."""
+            refresh(now)
+            job = request.query_params.get("job")
+            return [row for row in self.report() if job is None or row["job"] == job]
+
+        return [policy_read_route("/api/v1/goodput", goodput)]
+
+    def register(self, registry: CollectorRegistry) -> None:
+        """Add the goodput metrics to ``registry``."""
+        registry.register(_GoodputMetrics(self))
+
+
+class _GoodputMetrics:
+    def __init__(self, svc: GoodputService) -> None:
+        self.svc = svc
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        rows = self.svc._rows
+        ratio = GaugeMetricFamily("forewarn_job_goodput_ratio",
+                                  "Share of the job's wall time spent on new progress.",
+                                  labels=["job"])
+        lost = CounterMetricFamily("forewarn_job_lost_seconds",
+                                   "Job wall time lost, by cause (checkpoint overhead, work "
+                                   "redone, detection delay, restart downtime).",
+                                   labels=["job", "cause"])
+        advice = GaugeMetricFamily("forewarn_job_checkpoint_interval_advice_seconds",
+                                   "Young's checkpoint interval for the job, adjusted by risk.",
+                                   labels=["job"])
+        for row in rows:
+            ratio.add_metric([row.job], row.ratio)
+            for cause in CAUSES:
+                lost.add_metric([row.job, cause], row.lost[cause])
+            if row.advice is not None:
+                advice.add_metric([row.job], row.advice.interval_s)
+        yield ratio
+        yield lost
+        yield advice

@@ -1,0 +1,381 @@
+"""The live failure predictor inside the collector, with shadow scoring.
+
+:class:`PredictorService` holds a :class:`~forewarn.models.live.LiveScorer` around the
+model the collector loads at start (the shipped default, or the operator's retrained skops
+file from ``model_path``). :class:`~forewarn.collector.policy_service.PolicyService` drives
+it from the policy thread:
+
+* :meth:`PredictorService.observe` takes every stored batch's samples and XIDs. One sample
+  per GPU per ``predict_sample_s`` is fed (features live on a 60 s grid of cumulative
+  counters and gauge sums, so fewer samples change neither counter rates nor the gauge
+  means; the shipped model was trained on 60 s samples). A sample reporting the GPU not
+  OK, and every XID, is always fed: those are the failures shadow scoring counts.
+* :meth:`PredictorService.score` runs every ``predict_interval_s``: all GPUs at once
+  (vectorised features and one ``predict_proba`` call), returning the findings to pass to
+  the policy: GPUs at or above the model's threshold (only those are actionable; they carry
+  ``probability`` and ``horizon_s``, so the cost-aware checkpoint decision uses P). An
+  alarmed GPU's finding is passed on again only after ``predict_refresh_s`` or when its
+  health worsens (the policy would drop it as a duplicate anyway).
+
+Metrics (registered on the collector's registry, rendered from the last scoring):
+``forewarn_gpu_failure_probability{node,gpu}`` (every GPU scored),
+``forewarn_collector_prediction_precision``, ``..._recall``, ``..._lead_seconds`` (median
+lead; NaN until defined), counters ``forewarn_collector_prediction_{alarms,true_alarms,
+false_alarms,failures,caught}_total``, ``..._open_alarms``, and the predictor's own
+``forewarn_collector_predictor_{up,gpus,score_seconds,threshold,horizon_seconds}``,
+``forewarn_collector_predictor_samples_total{result}`` (fed, thinned, error).
+
+Route: ``GET /api/v1/risk`` (``node``, ``min``, ``limit``): the model, the latest
+probability per GPU (highest first) and per job (the highest over the job's GPUs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import CollectorRegistry
+from starlette.requests import Request
+from starlette.routing import BaseRoute
+
+from forewarn.collector.read_routes import float_param, int_param, policy_read_route
+from forewarn.config import ConfigError
+from forewarn.wire import AgentBatch, Finding, GpuState, Health
+
+if TYPE_CHECKING:
+    from forewarn.collector.app import CollectorContext
+    from forewarn.collector.config import CollectorConfig
+    from forewarn.collector.jobview import JobInfo
+    from forewarn.models.live import ShadowStats
+    from forewarn.models.predictor import FailurePredictor
+
+__all__ = ["PredictorService", "RiskScores", "load_predictor_model"]
+
+log = logging.getLogger(__name__)
+
+_SEVERITY = {Health.HEALTHY: 0, Health.UNKNOWN: 1, Health.DEGRADED: 2, Health.UNHEALTHY: 3}
+
+DEFAULT_GPU_MTBF_H = 24.0 * 1000.0 / 6.5 * 8
+"""Per-GPU MTBF prior (hours): 6.5 failures per 1,000 node-days of 8 GPUs (Meta, HPCA 2025,
+REFERENCE.md); same figure as :data:`forewarn.collector.goodput.DEFAULT_GPU_MTBF_H`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RiskScores:
+    """The probabilities of one scoring, aligned arrays (read from any thread)."""
+
+    time: float
+    nodes: np.ndarray
+    gpus: np.ndarray
+    probs: np.ndarray
+
+    @functools.cached_property
+    def by_gpu(self) -> dict[tuple[str, int], float]:
+        """(node, gpu) -> probability."""
+        return {(str(n), int(g)): float(p)
+                for n, g, p in zip(self.nodes, self.gpus, self.probs, strict=True)}
+
+    def job_risk(self, job: JobInfo) -> tuple[float, str]:
+        """Highest probability over the job's GPUs and which GPU (``node/gpu``) it is;
+        ``(0.0, "")`` when none of them was scored."""
+        best, where = 0.0, ""
+        for r in job.ranks:
+            if r.gpu is None:
+                continue
+            p = self.by_gpu.get((r.node, r.gpu))
+            if p is not None and p >= best:
+                best, where = p, f"{r.node}/{r.gpu}"
+        return best, where
+
+
+def _empty_scores(now: float) -> RiskScores:
+    return RiskScores(now, np.zeros(0, dtype=object), np.zeros(0, np.int64), np.zeros(0))
+
+
+def load_predictor_model(model_path: Path | None) -> FailurePredictor:
+    """The operator's model (``model_path``) or the shipped default; raises
+    :class:`~forewarn.models.persist.ModelError` (untrusted types, not a model) or
+    ``OSError``."""
+    from forewarn.models.persist import load_default_model, load_model
+
+    return load_model(model_path) if model_path is not None else load_default_model()
+
+
+@dataclasses.dataclass
+class _Recorder:
+    """The probabilities of every live GPU of the last scoring."""
+
+    last: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+
+def _recording(model: FailurePredictor, rec: _Recorder) -> FailurePredictor:
+    """The model, made to hand ``rec`` the probabilities of every GPU it is asked to turn
+    into findings (:meth:`LiveScorer.score` passes it all live GPUs at once)."""
+    from forewarn.models.predictor import FailurePredictor
+
+    class RecordingPredictor(FailurePredictor):
+        def findings(self, nodes: np.ndarray, gpus: np.ndarray, probs: np.ndarray,
+                     now: float, evidence: dict[str, np.ndarray] | None = None
+                     ) -> list[Finding]:
+            rec.last = (nodes, gpus, probs)
+            return super().findings(nodes, gpus, probs, now, evidence)
+
+    fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
+    return RecordingPredictor(**fields)
+
+
+class PredictorService:
+    """See the module docstring. Not thread-safe: call from the policy thread, except
+    :attr:`scores` (an immutable snapshot) and the metrics collector."""
+
+    def __init__(
+        self,
+        model: FailurePredictor | None,
+        *,
+        interval_s: float = 10.0,
+        sample_s: float = 10.0,
+        refresh_s: float = 300.0,
+        source: str = "default",
+        error: str = "",
+        gpu_mtbf_h: float = DEFAULT_GPU_MTBF_H,
+    ) -> None:
+        from forewarn.models.live import LiveScorer
+
+        self.interval_s = interval_s
+        self.sample_s = sample_s
+        self.refresh_s = refresh_s
+        self.source = source
+        self.error = error
+        self.gpu_mtbf_h = gpu_mtbf_h
+        self._rec = _Recorder()
+        self.model = _recording(model, self._rec) if model is not None else None
+        self.scorer = LiveScorer(self.model) if self.model is not None else None
+        self.scores = _empty_scores(0.0)
+        self.shadow_stats: ShadowStats | None = None
+        self.last_score: float | None = None
+        self.score_seconds = 0.0
+        self.gpu_seconds = 0.0
+        """GPU-seconds observed (scored GPUs x time between scorings): the exposure the
+        fleet's failure rate is measured over."""
+        self.samples = {"fed": 0, "thinned": 0, "error": 0}
+        self._fed: dict[tuple[str, int], float] = {}
+        self._submitted: dict[tuple[str, int], tuple[float, Health]] = {}
+
+    @classmethod
+    def from_config(cls, config: CollectorConfig) -> PredictorService | None:
+        """``None`` when ``predictor_enabled`` is off. A ``model_path`` that cannot be
+        loaded is a :class:`~forewarn.config.ConfigError` naming the key; a missing or
+        broken shipped model is logged and leaves the predictor off (``..._up 0``)."""
+        if not config.predictor_enabled:
+            return None
+        kw: dict[str, Any] = {"interval_s": config.predict_interval_s,
+                              "sample_s": config.predict_sample_s,
+                              "refresh_s": config.predict_refresh_s,
+                              "gpu_mtbf_h": config.goodput_gpu_mtbf_h}
+        from forewarn.models.persist import ModelError
+
+        try:
+            model = load_predictor_model(config.model_path)
+        except (ModelError, OSError) as exc:
+            if config.model_path is not None:
+                raise ConfigError(f"model_path: {exc}") from None
+            log.error("failure predictor off: the shipped model could not be loaded: %s", exc)
+            return cls(None, error=str(exc), **kw)
+        source = str(config.model_path) if config.model_path is not None else "default"
+        log.info("failure predictor: model %s (horizon %.0f s, threshold %.2f)", source,
+                 model.horizon_s, model.threshold)
+        return cls(model, source=source, **kw)
+
+    # -- policy thread ---------------------------------------------------------------
+
+    def observe(self, batches: Sequence[AgentBatch]) -> None:
+        """Feed the batches' samples (thinned per GPU) and XIDs to the scorer."""
+        scorer = self.scorer
+        if scorer is None:
+            return
+        fed, thin, counts = self._fed, self.sample_s, self.samples
+        for b in batches:
+            for s in b.samples:
+                key = (s.node, s.gpu)
+                if thin > 0 and s.state == GpuState.OK:
+                    last = fed.get(key)
+                    if last is not None and 0.0 <= s.time - last < thin:
+                        counts["thinned"] += 1
+                        continue
+                fed[key] = s.time
+                try:
+                    scorer.observe(s)
+                    counts["fed"] += 1
+                except Exception:  # bad data never stops the collector
+                    counts["error"] += 1
+                    if counts["error"] <= 10:
+                        log.exception("predictor: sample of %s GPU %s refused", s.node, s.gpu)
+            for x in b.xids:
+                try:
+                    scorer.observe_xid(x)
+                except Exception:
+                    counts["error"] += 1
+
+    def due(self, now: float) -> bool:
+        """Whether a scoring is due at ``now``."""
+        return self.scorer is not None and (
+            self.last_score is None or now - self.last_score >= self.interval_s
+            or now < self.last_score)
+
+    def score(self, now: float) -> list[Finding]:
+        """Score every live GPU; return the findings to pass to the policy now."""
+        scorer, model = self.scorer, self.model
+        if scorer is None or model is None:
+            return []
+        started = time.perf_counter()
+        self._rec.last = None
+        findings = scorer.score(now)
+        last = self._rec.last
+        scores = RiskScores(now, *last) if last is not None else _empty_scores(now)
+        if self.last_score is not None and now > self.last_score:
+            # exposure for the fleet's failure rate; a long pause counts as one stale window
+            self.gpu_seconds += len(scores.probs) * min(now - self.last_score, scorer.stale_s)
+        self.scores = scores
+        self.last_score = now
+        self.shadow_stats = scorer.shadow()
+        self.score_seconds = time.perf_counter() - started
+        return self._to_submit(findings, now)
+
+    def _to_submit(self, findings: list[Finding], now: float) -> list[Finding]:
+        out = []
+        for f in findings:
+            key = (f.subject.node, f.subject.gpu or 0)
+            seen = self._submitted.get(key)
+            if (seen is None or now - seen[0] >= self.refresh_s or now < seen[0]
+                    or _SEVERITY[f.health] > _SEVERITY[seen[1]]):
+                self._submitted[key] = (now, f.health)
+                out.append(f)
+        if len(self._submitted) > 10_000:
+            self._submitted = {k: v for k, v in self._submitted.items()
+                               if now - v[0] < self.refresh_s}
+        return out
+
+    def fleet_gpu_mtbf_h(self) -> float:
+        """Per-GPU MTBF in hours: the prior (:attr:`gpu_mtbf_h`, worth one failure) updated
+        with the failures and GPU-hours observed (the mean of a gamma posterior)."""
+        failures = self.shadow_stats.failures if self.shadow_stats is not None else 0
+        return (self.gpu_mtbf_h + self.gpu_seconds / 3600.0) / (1.0 + failures)
+
+    @property
+    def horizon_s(self) -> float:
+        return self.model.horizon_s if self.model is not None else 3600.0
+
+    # -- API ---------------------------------------------------------------------------
+
+    def routes(self) -> list[BaseRoute]:
+        """``GET /api/v1/risk``."""
+        return [policy_read_route("/api/v1/risk", self._risk)]
+
+    def model_info(self) -> dict[str, Any]:
+        """What the API says about the model."""
+        m = self.model
+        if m is None:
+            return {"loaded": False, "error": self.error}
+        return {"loaded": True, "source": self.source, "horizon_s": m.horizon_s,
+                "threshold": m.threshold, "check": m.check_name,
+                "trained_at": m.metadata.get("trained_at")}
+
+    def _risk(self, ctx: CollectorContext, request: Request, now: float) -> dict[str, Any]:
+        """Latest failure probability per GPU and per job."""
+        node = request.query_params.get("node")
+        floor = float_param(request, "min") or 0.0
+        limit = int_param(request, "limit", 1000, 1, 100_000)
+        sc = self.scores
+        sel = sc.probs >= floor
+        if node is not None:
+            sel &= sc.nodes == node
+        idx = np.nonzero(sel)[0]
+        idx = idx[np.argsort(-sc.probs[idx], kind="stable")][:limit]
+        gpus = [{"node": str(sc.nodes[i]), "gpu": int(sc.gpus[i]),
+                 "probability": round(float(sc.probs[i]), 6)} for i in idx]
+        jobs = []
+        for row in ctx.store.query("SELECT DISTINCT job FROM ranks ORDER BY job"):
+            info = ctx.jobs.job(str(row["job"]))
+            if info is None:
+                continue
+            risk, where = sc.job_risk(info)
+            jobs.append({"job": info.job, "risk": round(risk, 6), "gpu": where,
+                         "gpus": info.gpu_count})
+        return {"model": self.model_info(), "time": sc.time if self.last_score else None,
+                "scored": len(sc.probs), "gpus": gpus, "jobs": jobs}
+
+    # -- metrics -----------------------------------------------------------------------
+
+    def register(self, registry: CollectorRegistry) -> None:
+        """Add the predictor's metrics to ``registry``."""
+        registry.register(_PredictorMetrics(self))
+
+
+def _nan(x: float | None) -> float:
+    return math.nan if x is None else float(x)
+
+
+class _PredictorMetrics:
+    """Renders the last scoring at scrape time (no per-GPU work between scrapes)."""
+
+    def __init__(self, svc: PredictorService) -> None:
+        self.svc = svc
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        svc = self.svc
+        sc = svc.scores
+        prob = GaugeMetricFamily("forewarn_gpu_failure_probability",
+                                 "P(GPU fails within the model's horizon), latest scoring.",
+                                 labels=["node", "gpu"])
+        for n, g, p in zip(sc.nodes, sc.gpus, sc.probs, strict=True):
+            prob.add_metric([str(n), str(int(g))], float(p))
+        yield prob
+        st = svc.shadow_stats
+        p = "forewarn_collector_prediction_"
+        yield GaugeMetricFamily(p + "precision", "Shadow-scored precision of settled alarms "
+                                "(NaN until an alarm settled).",
+                                value=_nan(st.precision if st else None))
+        yield GaugeMetricFamily(p + "recall", "Shadow-scored share of failures an alarm "
+                                "preceded (NaN until a failure).",
+                                value=_nan(st.recall if st else None))
+        yield GaugeMetricFamily(p + "lead_seconds", "Median lead time of caught failures "
+                                "(NaN until one).",
+                                value=_nan(st.lead_time_median_s if st else None))
+        yield GaugeMetricFamily(p + "open_alarms", "Alarm episodes not yet settled.",
+                                value=st.open_alarms if st else 0)
+        for name, attr, text in (
+                ("alarms", "alarms", "Alarm episodes raised."),
+                ("true_alarms", "true_alarms", "Alarm episodes a failure followed."),
+                ("false_alarms", "false_alarms", "Alarm episodes no failure followed."),
+                ("failures", "failures", "GPU failures seen (fatal XID, GPU lost, new "
+                                         "uncorrectable errors)."),
+                ("caught", "caught", "Failures an alarm preceded by the minimum lead.")):
+            yield CounterMetricFamily(p + name, text, value=getattr(st, attr) if st else 0)
+        q = "forewarn_collector_predictor_"
+        yield GaugeMetricFamily(q + "up", "1 when a failure model is loaded.",
+                                value=1.0 if svc.model is not None else 0.0)
+        yield GaugeMetricFamily(q + "gpus", "GPUs scored at the last scoring.",
+                                value=len(sc.probs))
+        yield GaugeMetricFamily(q + "score_seconds", "Duration of the last scoring.",
+                                value=svc.score_seconds)
+        if svc.model is not None:
+            yield GaugeMetricFamily(q + "threshold", "Operating threshold of the model.",
+                                    value=svc.model.threshold)
+            yield GaugeMetricFamily(q + "horizon_seconds", "Prediction horizon of the model.",
+                                    value=svc.model.horizon_s)
+        samples = CounterMetricFamily(q + "samples", "Samples offered to the predictor.",
+                                      labels=["result"])
+        for k, v in svc.samples.items():
+            samples.add_metric([k], v)
+        yield samples

@@ -1,0 +1,77 @@
+"""Read-API routes mounted through the policy seam (``GET /api/v1/risk``,
+``GET /api/v1/goodput``): the same bearer-token rule as the app's own read API
+(``api_token`` when configured) and JSON answers encoded with msgspec.
+
+The handler runs on the policy thread (``ctx.run_policy``), so it reads the policy's state
+without locks; keep it cheap.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from forewarn.collector.auth import parse_bearer
+
+if TYPE_CHECKING:
+    from forewarn.collector.app import CollectorContext
+
+__all__ = ["policy_read_route"]
+
+
+class QueryError(ValueError):
+    """A bad query parameter; answered with 400 and this message."""
+
+
+def float_param(request: Request, name: str) -> float | None:
+    """Query parameter ``name`` as a float (``None`` when absent)."""
+    raw = request.query_params.get(name)
+    if raw is None:
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        raise QueryError(f"query parameter {name}: not a number") from None
+
+
+def int_param(request: Request, name: str, default: int, lo: int, hi: int) -> int:
+    """Query parameter ``name`` as an integer within ``lo..hi``."""
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise QueryError(f"query parameter {name}: not an integer") from None
+    if not lo <= value <= hi:
+        raise QueryError(f"query parameter {name}: must be within {lo}..{hi}")
+    return value
+
+
+def policy_read_route(
+    path: str, fn: Callable[[CollectorContext, Request, float], Any]
+) -> Route:
+    """``GET path`` answering ``fn(ctx, request, now)`` (run on the policy thread) as JSON."""
+
+    async def endpoint(request: Request) -> Response:
+        ctx: CollectorContext = request.app.state.ctx
+        if ctx.config.api_token:
+            token = parse_bearer(request.headers.get("authorization")) or ""
+            if not hmac.compare_digest(token.encode(), ctx.config.api_token.encode()):
+                return JSONResponse({"error": "read API: missing or wrong bearer token"},
+                                    status_code=401)
+        try:
+            data = await ctx.run_policy(fn, ctx, request, ctx.clock())
+        except QueryError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        return Response(msgspec.json.encode(data), media_type="application/json")
+
+    endpoint.__name__ = fn.__name__
+    endpoint.__doc__ = fn.__doc__
+    return Route(path, endpoint, methods=["GET"])

@@ -1,0 +1,338 @@
+"""The live failure predictor inside a real collector (uvicorn on loopback, SQLite): agent
+batches carrying a GPU's precursor become a probability finding that is stored, exported
+as ``forewarn_gpu_failure_probability``, weighed by the cost-aware policy and shown per job
+in ``/api/v1/risk``; the later failure is counted as caught by shadow scoring.
+
+The model is a real skops file loaded through ``model_path`` (a user's retrained model):
+a small gradient-boosting classifier fitted here on a simulated fleet in about a second.
+Which GPU and when it should alarm is decided offline by scoring the batch features of the
+same telemetry (:func:`gpu_features`), so the test checks that the collector's live path
+reproduces the batch path; the shipped default model, when present, gets the same check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pandas as pd
+import pytest
+
+from forewarn.collector.app import create_app
+from forewarn.collector.auth import TokenRegistry
+from forewarn.collector.cli import ServerThread
+from forewarn.collector.config import CollectorConfig
+from forewarn.collector.policy_service import PolicyService
+from forewarn.collector.store import Store
+from forewarn.config import ConfigError
+from forewarn.models.features import FEATURE_NAMES, gpu_features
+from forewarn.models.fleetsim import FleetData, load_params, simulate_fleet
+from forewarn.models.persist import default_model_path, load_model, save_model
+from forewarn.models.predictor import FailurePredictor, fit_table
+from forewarn.wire import (
+    AgentBatch,
+    GpuSample,
+    GpuState,
+    NvlinkCounters,
+    RankSummary,
+    XidEvent,
+    encode,
+)
+
+NODE = "node0000"
+TOKENS = {NODE: "token-node0000-0123456789"}
+JOB = "train-p"
+CHECK = "models.failure_predictor"
+
+
+class Clock:
+    """The collector's clock, moved by the test (simulated telemetry is in the past)."""
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@dataclasses.dataclass
+class Case:
+    """A GPU of the simulated fleet that fails after a precursor the model alarms on."""
+
+    data: FleetData
+    model_path: Path
+    threshold: float
+    gpu: int
+    fail_time: float
+    first_alarm: float
+    start: float
+    gpus: list[int]
+
+
+def _fit_model(d: FleetData, path: Path) -> FailurePredictor:
+    from sklearn.ensemble import HistGradientBoostingClassifier
+
+    f = gpu_features(d.samples, d.xids)
+    fit = fit_table(f, d.labels, 3600.0, neg_stride=10)
+    clf = HistGradientBoostingClassifier(max_iter=30, random_state=0)
+    clf.fit(fit[list(FEATURE_NAMES)].to_numpy(), fit["y"].to_numpy())
+    model = FailurePredictor(classifier=clf, horizon_s=3600.0, threshold=0.5)
+    save_model(model, path)
+    return model
+
+
+def _case(d: FleetData, model: FailurePredictor, model_path: Path) -> Case | None:
+    """The first failure with a precursor that the model alarms on at least 2 minutes ahead,
+    within the (up to) three hours of telemetry the test sends. Live features equal the
+    batch ones once an hour of history is in (or from the start of the simulation)."""
+    scored = model.score(gpu_features(d.samples, d.xids))
+    labels = d.labels[d.labels["had_precursor"] & (d.labels["node"] == NODE)]
+    sim_start = float(d.samples["time"].min())
+    for lab in labels.sort_values("time").itertuples():
+        start = max(sim_start, lab.time - 180 * 60)
+        mine = scored[(scored.node == NODE) & (scored.gpu == lab.gpu)]
+        alarms = mine[(mine.p >= model.threshold) & (mine.time >= _comparable(start, d))
+                      & (mine.time <= lab.time - 120)]
+        if alarms.empty:
+            continue
+        # neighbours that do not fail anywhere near the window (one failure to score)
+        near = d.labels[(d.labels.node == NODE) & (d.labels.time > start - 3600)
+                        & (d.labels.time < lab.time + 3 * 3600)]
+        quiet = [g for g in range(8) if g != lab.gpu and g not in set(near.gpu)][:3]
+        return Case(d, model_path, model.threshold, int(lab.gpu), float(lab.time),
+                    float(alarms.time.min()), start, [int(lab.gpu), *quiet])
+    return None
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory: pytest.TempPathFactory) -> Case:
+    p = load_params().replace(nodes=1, gpus_per_node=8, days=2.0, seed=11,
+                              rate_per_1000_gpu_days=1500.0)
+    d = simulate_fleet(p)
+    path = tmp_path_factory.mktemp("model") / "retrained.skops"
+    c = _case(d, _fit_model(d, path), path)
+    assert c is not None, "the fitted model alarms on none of the simulated failures"
+    return c
+
+
+def _comparable(start: float, d: FleetData) -> float:
+    """From when live features started at ``start`` equal the batch features."""
+    return start if start == float(d.samples["time"].min()) else start + 61 * 60
+
+
+def _samples(rows: pd.DataFrame) -> list[GpuSample]:
+    keys = ("gpu", "uuid", "time", "temperature_c", "slowdown_margin_c", "power_w",
+            "power_limit_w", "throttle_reasons", "ecc_corrected_volatile",
+            "ecc_uncorrected_volatile", "remapped_rows_correctable",
+            "remapped_rows_uncorrectable", "remap_pending", "remap_failure",
+            "retired_pages_sbe", "retired_pages_dbe", "pcie_replay_total", "pcie_link_width",
+            "pcie_link_width_max")
+    out = []
+    for r in rows.to_dict("records"):
+        kw = {k: (r[k].item() if hasattr(r[k], "item") else r[k]) for k in keys}
+        links = tuple(NvlinkCounters(link=k, crc_flit=int(r[f"nvlink{k}_crc_flit"]),
+                                     replay=int(r[f"nvlink{k}_replay"])) for k in range(4))
+        out.append(GpuSample(node=NODE, source="sim", simulated=True,
+                             state=GpuState(str(r["state"])), nvlink=links, **kw))
+    return out
+
+
+@dataclasses.dataclass
+class Service:
+    server: ServerThread
+    store: Store
+    client: httpx.Client
+    clock: Clock
+    seq: int = 0
+
+    def push(self, **kw: Any) -> None:
+        b = AgentBatch(node=NODE, agent_id="agent-0", seq=self.seq, created=self.clock(), **kw)
+        self.seq += 1
+        r = self.client.post("/api/v1/ingest", content=encode(b), headers={
+            "content-type": "application/msgpack", "authorization": f"Bearer {TOKENS[NODE]}"})
+        assert r.status_code == 200, r.text
+
+    def get(self, path: str, **params: Any) -> Any:
+        r = self.client.get(path, params=params)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        """One sample of the exposition (labels matched exactly, in any order)."""
+        for line in self.client.get("/metrics").text.splitlines():
+            m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})? (\S+)$", line)
+            if m is None or m.group(1) != name:
+                continue
+            got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+            if got == labels:
+                return float(m.group(3))
+        return None
+
+
+def wait_for(fn: Any, timeout: float = 20.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.02)
+
+
+def start(tmp_path: Path, clock: Clock, **overrides: Any) -> Service:
+    cfg = CollectorConfig(listen="127.0.0.1:0", data_dir=tmp_path / "data",
+                          tokens_file=tmp_path / "none.toml", flush_interval_s=3600,
+                          **overrides)
+    store = Store(cfg.db_path)
+    app = create_app(cfg, store, policy=PolicyService.from_config(cfg),
+                     tokens=TokenRegistry(tokens=TOKENS), clock=clock)
+    server = ServerThread(app, cfg).start()
+    return Service(server, store, httpx.Client(base_url=server.url, timeout=30), clock)
+
+
+@pytest.fixture
+def running(tmp_path: Path, case: Case) -> Iterator[Service]:
+    # Batches are a minute of telemetry apart, so each one is due for scoring; the real-time
+    # timer (same period) would score between a clock move and its batch: 60 s keeps it out.
+    svc = start(tmp_path, Clock(case.start), model_path=case.model_path,
+                predict_interval_s=60.0)
+    yield svc
+    svc.client.close()
+    svc.server.stop()
+    svc.store.close()
+
+
+def _ranks(gpus: list[int], now: float) -> list[RankSummary]:
+    """The job on the node's GPUs, last checkpointed an hour ago (work at risk)."""
+    return [RankSummary(job=JOB, rank=i, world_size=len(gpus), node=NODE, gpu=g, pid=100 + i,
+                        last_step=int(now - 1.7e9), last_step_time=now, step_seconds_p50=1.0,
+                        last_checkpoint_step=1, last_checkpoint_time=now - 3600,
+                        checkpoint_seconds=30.0) for i, g in enumerate(gpus)]
+
+
+def replay(svc: Service, c: Case, until: float,
+           highest: dict[int, float] | None = None) -> dict[str, Any]:
+    """Send the chosen GPUs' telemetry minute by minute up to ``until``; after each batch
+    the collector's clock is one second past the minute and the batch is scored. Returns
+    the first risk answer in which the failing GPU was at or above threshold; ``highest``
+    collects each GPU's highest probability."""
+    d = c.data
+    s = d.samples[(d.samples.node == NODE) & d.samples.gpu.isin(c.gpus)]
+    x = d.xids[(d.xids.node == NODE) & d.xids.gpu.isin(c.gpus)]
+    first: dict[str, Any] = {}
+    minute = math.floor(c.start / 60) * 60
+    while minute <= until:
+        rows = s[(s.time >= minute) & (s.time < minute + 60) & (s.time <= until)]
+        xr = x[(x.time >= minute) & (x.time < minute + 60) & (x.time <= until)]
+        svc.clock.t = minute + 61.0
+        xids = [XidEvent(node=NODE, gpu=int(r.gpu), code=int(r.xid), time=float(r.time),
+                         source="sim", simulated=True) for r in xr.itertuples()]
+        svc.push(samples=_samples(rows), xids=xids, ranks=_ranks(c.gpus[:2], svc.clock.t))
+        risk = wait_for(lambda: (r := svc.get("/api/v1/risk"))["time"] == svc.clock.t and r)
+        assert risk, f"batch of minute {minute} not scored"
+        mine = [g for g in risk["gpus"] if g["gpu"] == c.gpu]
+        for g in risk["gpus"]:
+            if highest is not None:
+                highest[g["gpu"]] = max(highest.get(g["gpu"], 0.0), g["probability"])
+        comparable = svc.clock.t - 1 >= _comparable(c.start, d)
+        if not first and comparable and mine and mine[0]["probability"] >= c.threshold:
+            first = risk
+        minute += 60
+    return first
+
+
+def test_precursor_becomes_a_stored_exported_probability_finding(running: Service,
+                                                                 case: Case) -> None:
+    svc, c = running, case
+    highest: dict[int, float] = {}
+    first = replay(svc, c, c.fail_time - 60, highest)
+    assert first, "the collector never rated the failing GPU at or above threshold"
+    # the live path alarms when the batch features do (same minute, give or take one)
+    assert abs(first["time"] - 1 - c.first_alarm) <= 120, (first["time"], c.first_alarm)
+    assert first["model"]["source"] == str(c.model_path)
+
+    # stored as a finding from the predictor, with probability and horizon
+    rows = svc.get("/api/v1/findings", check_name=CHECK)
+    mine = [f for f in rows if f["subject_key"] == f"gpu:{NODE}/{c.gpu}"]
+    assert mine, rows
+    assert all(f["origin"] == "predictor" and f["probability"] >= c.threshold
+               and f["horizon_s"] == 3600.0 for f in mine)
+    # only GPUs at or above the threshold become findings
+    quiet = {g for g, p in highest.items() if p < c.threshold}
+    assert not [f for f in rows if f["gpu"] in quiet], (highest, rows)
+    # re-submitted at most every predict_refresh_s (300 s) while it stays alarmed
+    assert len(mine) <= (c.fail_time - c.first_alarm) / 300 + 2
+
+    # exported per GPU; every GPU scored has a series
+    p = svc.metric("forewarn_gpu_failure_probability", node=NODE, gpu=str(c.gpu))
+    assert p is not None and p >= c.threshold
+    for g in c.gpus:
+        assert svc.metric("forewarn_gpu_failure_probability", node=NODE, gpu=str(g)) is not None
+
+    # the cost-aware policy used P: a checkpoint decision for the job on that GPU
+    decisions = [{**d, "inputs": json.loads(d["inputs"])}
+                 for d in svc.get("/api/v1/decisions", job=JOB)
+                 if d["decision"].startswith("checkpoint:")]
+    decisions = [d for d in decisions if d["inputs"]["check"] == CHECK]
+    assert decisions, "no checkpoint decision on the prediction"
+    assert all(d["inputs"]["source"] == "predictor" for d in decisions)
+    assert all(d["inputs"]["probability_source"] == "finding" for d in decisions)
+    assert all(d["inputs"]["probability"] >= c.threshold for d in decisions)
+    assert "checkpoint:act" in {d["decision"] for d in decisions}
+    orders = svc.get("/api/v1/commands/log", node=NODE)
+    assert any(o["kind"] == "checkpoint" for o in orders)
+
+    # job risk: the highest over the job's GPUs (the failing GPU is rank 0's)
+    risk = svc.get("/api/v1/risk")
+    job = next(j for j in risk["jobs"] if j["job"] == JOB)
+    assert job["gpu"] == f"{NODE}/{c.gpu}" and job["risk"] >= c.threshold
+
+    # goodput advice shortens with that risk
+    goodput = svc.get("/api/v1/goodput", job=JOB)
+    assert goodput and goodput[0]["advice"]["risk"] >= c.threshold
+    assert goodput[0]["advice"]["gpus"] == 2
+
+    # then the GPU fails: shadow scoring counts it as caught, with the lead time
+    assert svc.metric("forewarn_collector_prediction_failures_total") == 0
+    replay_from = dataclasses.replace(c, start=c.fail_time - 60)
+    replay(svc, replay_from, c.fail_time)
+    assert svc.metric("forewarn_collector_prediction_failures_total") == 1
+    assert svc.metric("forewarn_collector_prediction_caught_total") == 1
+    assert svc.metric("forewarn_collector_prediction_recall") == 1.0
+    lead = svc.metric("forewarn_collector_prediction_lead_seconds")
+    assert lead is not None and abs(lead - (c.fail_time - (first["time"]))) <= 120, lead
+    assert svc.metric("forewarn_collector_predictor_up") == 1.0
+    assert svc.metric("forewarn_collector_predictor_gpus") == len(c.gpus)
+    assert svc.metric("forewarn_collector_predictor_samples_total", result="error") == 0
+
+
+def test_bad_model_path_is_a_config_error_naming_the_key(tmp_path: Path) -> None:
+    bad = tmp_path / "model.skops"
+    bad.write_bytes(b"not a skops file")
+    with pytest.raises(ConfigError, match=r"model_path: .*not a readable skops model"):
+        PolicyService.from_config(CollectorConfig(data_dir=tmp_path, model_path=bad))
+    with pytest.raises(ConfigError, match="predict_interval_s: must be positive"):
+        CollectorConfig(predict_interval_s=0)
+
+
+def test_predictor_can_be_turned_off(tmp_path: Path) -> None:
+    svc = PolicyService.from_config(CollectorConfig(data_dir=tmp_path, predictor_enabled=False))
+    assert svc.predictor is None and svc.goodput is not None
+
+
+@pytest.mark.skipif(not default_model_path().exists(), reason="no shipped default model yet")
+def test_shipped_model_loads_by_default(tmp_path: Path) -> None:
+    svc = PolicyService.from_config(CollectorConfig(data_dir=tmp_path))
+    assert svc.predictor is not None and svc.predictor.model is not None
+    assert svc.predictor.source == "default"
+    shipped = load_model(default_model_path())
+    assert svc.predictor.model.threshold == shipped.threshold
+    probs = svc.predictor.model.predict_proba(np.zeros((1, len(FEATURE_NAMES))))
+    assert probs.shape == (1,)
