@@ -154,6 +154,8 @@ def main() -> int:
     p.add_argument("--collector-core", type=int, default=0)
     p.add_argument("--client-core", type=int, default=1)
     p.add_argument("--synchronous", default="FULL", choices=["FULL", "NORMAL"])
+    p.add_argument("--http", default="auto", choices=["auto", "httptools", "h11"],
+                   help="the collector's HTTP parser (config key http)")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.add_argument("--profile", type=Path, default=None,
                    help="run the collector under cProfile (event-loop thread) into this file")
@@ -168,7 +170,7 @@ def main() -> int:
     (tmp / "collector.toml").write_text(
         f'listen = "127.0.0.1:{port}"\ndata_dir = "{tmp / "data"}"\n'
         f'tokens_file = "{tmp / "tokens.toml"}"\nlog_level = "warning"\n'
-        f'sqlite_synchronous = "{args.synchronous}"\n')
+        f'sqlite_synchronous = "{args.synchronous}"\nhttp = "{args.http}"\n')
     cmd = [sys.executable, "-m", "forewarn", "collector", "--config", str(tmp / "collector.toml")]
     if args.profile:
         # uvicorn re-raises SIGTERM after its shutdown: dump the profile in that handler.
@@ -207,7 +209,7 @@ def main() -> int:
     assert stored >= result["acked_batches"], "an acknowledged batch is missing"
     shutil.rmtree(tmp, ignore_errors=True)
     config = {"agents": args.agents, "gpus": args.gpus, "samples_per_gpu": args.samples,
-              "synchronous": args.synchronous, "cpus": os.cpu_count()}
+              "synchronous": args.synchronous, "http": args.http, "cpus": os.cpu_count()}
     if args.json:
         print(json.dumps({**config, **result}))
     else:

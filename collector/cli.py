@@ -112,7 +112,7 @@ def uvicorn_config(app: Starlette, config: CollectorConfig, **kw: Any) -> uvicor
         tls = {"ssl_certfile": str(config.certfile), "ssl_keyfile": str(config.keyfile)}
     return uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                           access_log=False, lifespan="on", timeout_keep_alive=75,
-                          **tls, **kw)
+                          http=config.http, **tls, **kw)
 
 
 def _run(args: argparse.Namespace) -> int:
