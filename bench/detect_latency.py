@@ -23,6 +23,7 @@ import json
 import math
 import os
 import random
+import shutil
 import socket
 import statistics
 import subprocess
@@ -160,6 +161,7 @@ def main() -> None:
     finally:
         agent.terminate()
         agent.wait(timeout=30)
+        shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
