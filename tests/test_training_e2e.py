@@ -304,7 +304,7 @@ def test_training_untouched_while_agent_is_away_and_hook_reconnects(run_a: RunA)
         assert stats["dropped"] > 0  # reports nobody received while the agent was dead
         assert stats["connected"] is True
     assert len(run_a.outage_steps) >= 30
-    assert run_a.outage_max_step_s < 2.0, "a step stalled while the agent was away"
+    assert run_a.outage_max_step_s < 5.0, "a step stalled while the agent was away"
     assert run_a.seen_by_new_agent is not None and run_a.seen_by_new_agent > run_a.killed_at
 
 
