@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -190,3 +190,36 @@ def test_goodput_api_honours_the_read_token(tmp_path: Path) -> None:
         svc.client.close()
         svc.server.stop()
         svc.store.close()
+
+
+@pytest.mark.timeout(120)
+def test_status_page_shows_goodput_and_advice(running: Any,
+                                              require_binary: Callable[[str], str]) -> None:
+    """The jobs table of the status page (headless Chromium) shows the job's goodput, lost
+    time by cause and advised interval from ``/api/v1/goodput``."""
+    chromium = require_binary("chromium")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    svc = running
+    for b in timeline():
+        svc.clock.t = b.created
+        svc.push(**{k: getattr(b, k) for k in ("urgent", "ranks", "checkpoints", "findings")})
+    assert helpers.wait_for(lambda: (r := svc.get("/api/v1/goodput", job=JOB))
+                            and r[0]["last_step"] == 120)
+    args = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update"]
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, args=args)
+        try:
+            page = browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(svc.server.url + "/")
+            row = page.locator(f'#jobs tr[data-job="{JOB}"]')
+            row.locator("td.goodput").wait_for(timeout=30_000)
+            assert row.locator("td.goodput").inner_text() == f"{100 * USEFUL / WALL:.1f} %"
+            assert "50 s / 30 s / 1.0 min" in row.inner_text()  # rework / detection / restart
+            want = advise_interval(4.0, 2, gpu_mtbf_h=MTBF_H) / 3600
+            assert row.locator("td.advice").inner_text() == f"{want:.1f} h"
+            assert not errors, errors
+        finally:
+            browser.close()

@@ -36,6 +36,25 @@ async function api(path) {
   return r.json();
 }
 
+// Routes of the predictor and goodput services: absent when the collector runs without them.
+async function optional(path) {
+  try { return await api(path); } catch (err) { return null; }
+}
+
+function secs(s) {
+  if (s === null || s === undefined) return "";
+  if (s >= 3600) return (s / 3600).toFixed(1) + " h";
+  if (s >= 60) return (s / 60).toFixed(1) + " min";
+  return s.toFixed(0) + " s";
+}
+
+function riskCell(r) {
+  if (r === undefined || r === null) return el("td", {}, "—");
+  const cls = r.risk >= 0.5 ? "unhealthy" : r.risk >= 0.1 ? "degraded" : "healthy";
+  return el("td", { class: "risk", title: r.gpu ? `highest on ${r.gpu}` : "" },
+    el("span", { class: "badge " + cls }, (100 * r.risk).toFixed(1) + " %"));
+}
+
 function fill(id, rows, render) {
   const body = document.querySelector("#" + id + " tbody");
   const cols = document.querySelectorAll("#" + id + " thead th").length;
@@ -134,11 +153,21 @@ async function refresh() {
     document.getElementById("summary").textContent =
       `${gpus.length} GPUs · ${bad} unhealthy · ${jobs.length} jobs`;
     const details = await Promise.all(jobs.slice(0, 20).map((j) => api("jobs/" + encodeURIComponent(j.job))));
+    const [risk, goodput] = await Promise.all([optional("risk?limit=1"), optional("goodput")]);
+    const riskOf = new Map(((risk && risk.jobs) || []).map((r) => [r.job, r]));
+    const goodputOf = new Map((goodput || []).map((g) => [g.job, g]));
     fill("jobs", details, (j) => el("tr", { "data-job": j.job },
       el("td", {}, j.job), el("td", {}, `${(j.ranks || []).length} / ${j.world_size ?? "?"}`),
       el("td", {}, String(j.last_step ?? "")),
       el("td", {}, j.last_checkpoint_step != null ? `step ${j.last_checkpoint_step} at ${when(j.last_checkpoint_time)}` : "none"),
-      el("td", {}, j.risk != null ? (100 * j.risk).toFixed(1) + " %" : "—"),
+      riskCell(riskOf.get(j.job)),
+      el("td", { class: "goodput" }, goodputOf.has(j.job)
+        ? (100 * goodputOf.get(j.job).ratio).toFixed(1) + " %" : "—"),
+      el("td", {}, goodputOf.has(j.job)
+        ? ["checkpoint", "rework", "detection", "restart"]
+          .map((c) => secs(goodputOf.get(j.job).lost_s[c])).join(" / ") : ""),
+      el("td", { class: "advice" }, goodputOf.get(j.job)?.advice
+        ? secs(goodputOf.get(j.job).advice.interval_s) : ""),
       el("td", {}, (j.ranks || []).map((r) => `r${r.rank}@${r.node}/${r.gpu ?? "?"}${r.alive ? "" : " (gone)"}`).join("  "))));
     fill("findings", liveFindings(findings, 30), (f) => el("tr", { class: f.recovered ? "recovered" : "" },
       el("td", { class: "time" }, when(f.time)), el("td", {}, f.subject_key || ""), el("td", {}, f.check_name || f.check || ""),
