@@ -570,6 +570,10 @@ def create_app(
         if removed:
             log.warning("removed %d unrecorded telemetry files left by a crash", len(removed))
         metrics.staged.set(await asyncio.to_thread(telemetry.staged_samples))
+        if not tokens.nodes():
+            log.warning("no agent tokens enrolled (%s): every ingest will be refused; "
+                        "enrol nodes with `forewarn collector token add NODE`",
+                        config.tokens_file)
         ctx.writer.start()
         start = getattr(policy, "start", None)
         if start is not None:
