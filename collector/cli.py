@@ -131,7 +131,7 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     try:
         app = create_app(config, store, policy=_default_policy(config))
-    except AuthError as exc:
+    except (AuthError, ConfigError) as exc:  # ConfigError: e.g. model_path unusable
         print(f"forewarn collector: {exc}", file=sys.stderr)
         store.close()
         return 2
