@@ -60,6 +60,7 @@ import contextlib
 import dataclasses
 import hmac
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -105,6 +106,9 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+POLICY_BACKLOG_MAX = 20_000
+"""Batches waiting for the policy thread beyond which sample-only batches skip it."""
+
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 
 
@@ -137,6 +141,8 @@ class CollectorContext:
             1, thread_name_prefix="forewarn-policy"))
     _flush_wanted: asyncio.Event | None = None
     _staged: int = 0
+    _policy_backlog: int = 0
+    _backlog_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     async def run_policy(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the policy thread (serialised with every hook call)."""
@@ -176,6 +182,9 @@ class CollectorContext:
                 self.commands.enqueue(item.node, item.command)
 
     def _policy_batches(self, batches: list[AgentBatch]) -> None:
+        with self._backlog_lock:
+            self._policy_backlog -= len(batches)
+            self.metrics.policy_backlog.set(self._policy_backlog)
         hook = getattr(self.policy, "on_batches", None)
         if hook is not None:
             try:
@@ -197,7 +206,18 @@ class CollectorContext:
     def _on_stored(self, batches: list[AgentBatch]) -> None:
         """Writer thread: hand stored batches to the policy thread; maybe wake the flush."""
         if self.policy is not None:
-            self._policy_pool.submit(self._policy_batches, batches)
+            if self._policy_backlog > POLICY_BACKLOG_MAX:
+                # The policy thread is behind: keep what it must see (findings, ranks,
+                # checkpoint reports), skip batches that carry only samples (counted).
+                kept = [b for b in batches if b.findings or b.ranks or b.checkpoints or b.xids]
+                self.metrics.policy_skipped.inc(len(batches) - len(kept))
+                batches_for_policy = kept
+            else:
+                batches_for_policy = batches
+            if batches_for_policy:
+                with self._backlog_lock:
+                    self._policy_backlog += len(batches_for_policy)
+                self._policy_pool.submit(self._policy_batches, batches_for_policy)
         loop, event = self.loop, self._flush_wanted
         if loop is not None and event is not None and not loop.is_closed():
             self._staged += sum(len(b.samples) for b in batches)

@@ -13,7 +13,9 @@ Names (all prefixed ``forewarn_collector_``):
   ``delivered``, ``acked``, ``failed``), ``commands_pending``, ``long_polls``.
 * ``telemetry_staged_samples``, ``telemetry_rows_total``, ``telemetry_flush_seconds``,
   ``telemetry_flush_errors_total``.
-* ``policy_errors_total``: exceptions raised by the policy hook (counted, never fatal).
+* ``policy_errors_total``: exceptions raised by the policy hook (counted, never fatal);
+  ``policy_backlog_batches`` and ``policy_skipped_batches_total`` (sample-only batches
+  not handed to a policy that fell behind).
 
 The policy and actions modules add their own metrics to :attr:`CollectorMetrics.registry`.
 """
@@ -71,6 +73,11 @@ class CollectorMetrics:
                                     registry=r)
         self.policy_errors = Counter(P + "policy_errors", "Exceptions raised by the policy.",
                                      registry=r)
+        self.policy_backlog = Gauge(P + "policy_backlog_batches",
+                                    "Stored batches waiting for the policy thread.", registry=r)
+        self.policy_skipped = Counter(
+            P + "policy_skipped_batches",
+            "Sample-only batches not handed to a policy that fell behind.", registry=r)
 
     def exposition(self) -> bytes:
         """The registry in the Prometheus text format."""

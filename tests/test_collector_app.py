@@ -363,3 +363,52 @@ def test_token_add_cli_enrols_a_node(tmp_path: Path) -> None:
     os.utime(tokens, (time.time() + 1, time.time() + 1))
     assert reg.authenticate(f"Bearer {out2.stdout.strip()}") == "node.b"
     assert reg.nodes() == ["gpu-node-7", "node.b"]
+
+
+class FailingPolicy:
+    """A policy whose hook raises, and which can be held up to build a backlog."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.batches = 0
+
+    def on_batches(self, batches: Sequence[AgentBatch], now: float) -> None:
+        self.release.wait(30)
+        self.batches += len(batches)
+
+    def on_findings(self, findings: Sequence[Finding], store: Store, now: float) -> None:
+        raise RuntimeError("policy bug")
+
+
+def test_a_failing_or_slow_policy_never_blocks_ingest(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import forewarn.collector.app as app_module
+
+    monkeypatch.setattr(app_module, "POLICY_BACKLOG_MAX", 2)
+    policy = FailingPolicy()
+    server, svc = start(tmp_path, policy=policy)
+    try:
+        finding = Finding(check="ecc", health=Health.UNHEALTHY, reason="x",
+                          subject=Subject(kind="gpu", node="node1", gpu=0), time=time.time())
+        for seq in range(8):  # the policy thread is stuck: these must still be stored
+            found = [finding] if seq == 7 else []
+            assert svc.post(batch("node1", seq, findings=found)).status_code == 200
+        assert svc.count("batches") == 8
+        policy.release.set()
+        deadline = time.monotonic() + 20
+        text = ""
+        while time.monotonic() < deadline:
+            text = svc.client.get("/metrics").text
+            if "forewarn_collector_policy_errors_total 1.0" in text:
+                break
+            time.sleep(0.05)
+        assert "forewarn_collector_policy_errors_total 1.0" in text
+        skipped = [line for line in text.splitlines()
+                   if line.startswith("forewarn_collector_policy_skipped_batches_total")]
+        assert skipped and float(skipped[0].split()[1]) >= 1
+        # The batch with a finding was never skipped.
+        assert policy.batches + float(skipped[0].split()[1]) == 8
+    finally:
+        svc.client.close()
+        server.stop()
+        svc.store.close()
