@@ -544,6 +544,7 @@ async def _periodic_flush(ctx: CollectorContext) -> None:
                 last_prune = time.monotonic()
                 cutoff = ctx.clock() - ctx.config.retention_days * 86400.0
                 await asyncio.to_thread(ctx.telemetry.prune)
+                await asyncio.to_thread(ctx.telemetry.compact_old_days)
                 await asyncio.to_thread(ctx.store.prune, cutoff)
         except Exception:
             log.exception("telemetry flush failed; staged samples are kept and retried")

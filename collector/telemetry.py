@@ -1,6 +1,7 @@
 """Telemetry history: GPU samples in Parquet, partitioned by day, with retention.
 
-Layout: ``<data_dir>/telemetry/date=YYYY-MM-DD/part-<first>-<last>.parquet``, one row per
+Layout: ``<data_dir>/telemetry/date=YYYY-MM-DD/part-<first>-<last>.parquet`` (merged into
+one ``compact-...parquet`` per day once the day is over), one row per
 GPU per sample time, columns named as :class:`~forewarn.wire.GpuSample` fields (the
 agent's replay schema; NVLink counters summed over links) plus ``agent_id`` and ``seq`` of
 the batch that carried the row. This is the data models train on.
@@ -289,14 +290,61 @@ class TelemetryWriter:
         now = self.clock() if now is None else now
         cutoff = _day(now - self.retention_days * 86400.0)
         removed = []
-        for folder in sorted(self.root.glob("date=*")):
-            day = folder.name.removeprefix("date=")
-            if day < cutoff:
-                with self.store.write() as conn:
-                    conn.execute("DELETE FROM telemetry_files WHERE day = ?", (day,))
-                shutil.rmtree(folder, ignore_errors=True)
-                removed.append(day)
+        with self._flush_lock:
+            for folder in sorted(self.root.glob("date=*")):
+                day = folder.name.removeprefix("date=")
+                if day < cutoff:
+                    with self.store.write() as conn:
+                        conn.execute("DELETE FROM telemetry_files WHERE day = ?", (day,))
+                    shutil.rmtree(folder, ignore_errors=True)
+                    removed.append(day)
         return removed
+
+    def compact(self, day: str) -> int:
+        """Merge a day's files into one (streamed file by file: memory stays at one file);
+        returns the files merged (0: nothing to do).
+
+        Crash-safe like :meth:`flush`: the merged file is written and renamed, then ONE
+        transaction swaps the recorded names; files left unrecorded either way are
+        removed by :meth:`recover`.
+        """
+        import pyarrow.parquet as pq
+
+        with self._flush_lock:
+            rows = self.store.query("SELECT name, first_id, last_id, rows FROM telemetry_files"
+                                    " WHERE day = ? ORDER BY first_id, name", (day,))
+            if len(rows) < 2:
+                return 0
+            first = min(int(r["first_id"]) for r in rows)
+            last = max(int(r["last_id"]) for r in rows)
+            name = f"date={day}/compact-{first:012d}-{last:012d}-{len(rows)}.parquet"
+            target = self.root / name
+            tmp = target.with_name(target.name + ".tmp")
+            schema = self._schema()
+            with pq.ParquetWriter(tmp, schema, compression="zstd") as out:
+                for r in rows:
+                    out.write_table(pq.read_table(self.root / r["name"], schema=schema))
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
+            os.replace(tmp, target)
+            with self.store.write() as conn:
+                conn.executemany("DELETE FROM telemetry_files WHERE name = ?",
+                                 [(r["name"],) for r in rows])
+                conn.execute(
+                    "INSERT OR REPLACE INTO telemetry_files (name, day, first_id, last_id, rows,"
+                    " created) VALUES (?, ?, ?, ?, ?, ?)",
+                    (name, day, first, last, sum(int(r["rows"]) for r in rows), self.clock()))
+            for r in rows:
+                (self.root / r["name"]).unlink(missing_ok=True)
+            return len(rows)
+
+    def compact_old_days(self, now: float | None = None) -> dict[str, int]:
+        """:meth:`compact` every day before today that has more than one file."""
+        today = _day(self.clock() if now is None else now)
+        days = [r["day"] for r in self.store.query(
+            "SELECT day FROM telemetry_files WHERE day < ? GROUP BY day HAVING COUNT(*) > 1"
+            " ORDER BY day", (today,))]
+        return {day: self.compact(day) for day in days}
 
     def read(self, *, start: float | None = None, end: float | None = None,
              node: str | None = None, include_staged: bool = True) -> pd.DataFrame:

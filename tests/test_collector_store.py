@@ -166,3 +166,22 @@ def test_staging_log_holds_bodies_until_flushed_then_segments_go(tmp_path: Path)
     assert log2.segments() == []
     df = tel2.read()
     assert len(df) == 30 and sorted(set(df["seq"])) == list(range(10))
+
+
+def test_compaction_merges_a_finished_day_into_one_file(
+        parts: tuple[Store, TelemetryWriter]) -> None:
+    store, tel = parts
+    for i in range(4):  # four flushes, four files for the same day
+        ingest(store, tel, batch(i, T0 + i))
+        tel.flush()
+    ingest(store, tel, batch(9, T0 + 9 * DAY))  # "today" (the clock is T0 + 10 days)
+    tel.flush()
+    assert len(list(tel.root.glob("date=2023-11-14/*.parquet"))) == 4
+    before = tel.read().sort_values(["seq", "gpu"]).reset_index(drop=True)
+    assert tel.compact_old_days(now=T0 + 9 * DAY) == {"2023-11-14": 4}
+    files = list(tel.root.glob("date=2023-11-14/*.parquet"))
+    assert [f.name for f in files] == ["compact-000000000001-000000000004-4.parquet"]
+    assert tel.recover() == []  # the new file is recorded, the old ones are gone
+    after = tel.read().sort_values(["seq", "gpu"]).reset_index(drop=True)
+    assert after.equals(before)
+    assert tel.compact("2023-11-14") == 0
