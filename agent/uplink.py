@@ -513,6 +513,9 @@ def build(config: AgentConfig) -> Uplink | None:
     if config.spool_max_bytes < 4096:
         raise ConfigError(f"spool_max_bytes: must be at least 4096, got "
                           f"{config.spool_max_bytes}")
+    if not config.token and config.token_file is None:
+        raise ConfigError("token: the collector needs this node's token (token or token_file;"
+                          " enrol with `forewarn collector token add NODE`)")
     if config.collector_ca_file is not None and not config.collector_ca_file.is_file():
         raise ConfigError(f"collector_ca_file: no such file {config.collector_ca_file}")
     return Uplink(config)

@@ -260,6 +260,11 @@ def test_build_is_off_without_collector_url_and_checks_config(tmp_path: Path) ->
     assert build(AgentConfig(node="a", spool_dir=tmp_path)) is None
     with pytest.raises(ConfigError, match="collector_url"):
         build(AgentConfig(node="a", collector_url="ftp://x", spool_dir=tmp_path))
+    with pytest.raises(ConfigError, match="token"):
+        build(AgentConfig(node="a", collector_url="http://127.0.0.1:1", spool_dir=tmp_path))
+    with pytest.raises(ConfigError, match="token_file"):
+        build(AgentConfig(node="a", collector_url="http://127.0.0.1:1", spool_dir=tmp_path,
+                          token_file=tmp_path / "missing"))
     token_file = tmp_path / "tok"
     token_file.write_text("  secret-token\n")
     up = build(AgentConfig(node="a", collector_url="http://127.0.0.1:1", spool_dir=tmp_path,
