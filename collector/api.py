@@ -1,0 +1,302 @@
+"""HTTP helpers shared by the collector's routes, the read API, ``/metrics``, ``/healthz``
+and the OpenAPI document. The routes are mounted by :func:`forewarn.collector.app.create_app`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from forewarn.collector.auth import parse_bearer
+from forewarn.collector.ingest import IngestError, finding_rows_json
+from forewarn.collector.jobs import job_detail, list_jobs
+from forewarn.wire import AgentBatch, Command, CommandAck, Finding
+
+if TYPE_CHECKING:
+    from forewarn.collector.app import CollectorContext
+
+__all__ = [
+    "agent_node",
+    "ctx_of",
+    "error_response",
+    "float_param",
+    "handled",
+    "json_response",
+    "openapi_schema",
+    "read_limited",
+    "read_routes",
+]
+
+
+# -- helpers ---------------------------------------------------------------------------
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def json_response(data: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(data), status_code=status,
+                    media_type="application/json")
+
+
+async def read_limited(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise IngestError(400, "decode", "Content-Length: not a number")
+        if int(declared) > limit:
+            raise IngestError(413, "too_large",
+                              f"body of {declared} bytes exceeds the limit of {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise IngestError(413, "too_large", f"body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def ctx_of(request: Request) -> CollectorContext:
+    ctx: CollectorContext = request.app.state.ctx
+    return ctx
+
+
+def agent_node(ctx: CollectorContext, request: Request) -> str:
+    node = ctx.tokens.authenticate(request.headers.get("authorization"))
+    if node is None:
+        missing = "authorization" not in request.headers
+        raise IngestError(401, "auth", "missing bearer token" if missing
+                          else "token not recognised")
+    return node
+
+
+def check_reader(ctx: CollectorContext, request: Request) -> None:
+    if not ctx.config.api_token:
+        return
+    token = parse_bearer(request.headers.get("authorization")) or ""
+    if not hmac.compare_digest(token.encode(), ctx.config.api_token.encode()):
+        raise IngestError(401, "auth", "read API: missing or wrong bearer token")
+
+
+def int_param(request: Request, name: str, default: int, lo: int, hi: int) -> int:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise IngestError(400, "decode", f"query parameter {name}: not an integer") from None
+    if not lo <= value <= hi:
+        raise IngestError(400, "decode", f"query parameter {name}: must be within {lo}..{hi}")
+    return value
+
+
+def float_param(request: Request, name: str) -> float | None:
+    raw = request.query_params.get(name)
+    if raw is None:
+        return None
+    try:
+        return float(raw)
+    except ValueError:
+        raise IngestError(400, "decode", f"query parameter {name}: not a number") from None
+
+
+def handled(fn: Callable[[Request], Any]) -> Callable[[Request], Any]:
+    """Turn :class:`IngestError` into a JSON 4xx/5xx and count it."""
+
+    async def wrapper(request: Request) -> Response:
+        try:
+            response: Response = await fn(request)
+            return response
+        except IngestError as exc:
+            ctx_of(request).metrics.rejected.labels(exc.reason).inc()
+            if request.url.path == "/api/v1/ingest":
+                ctx_of(request).metrics.batches.labels("rejected").inc()
+            return error_response(exc.status, str(exc))
+
+    wrapper.__name__ = fn.__name__
+    wrapper.__doc__ = fn.__doc__
+    return wrapper
+
+
+# -- read API --------------------------------------------------------------------------
+
+
+def reader(sql_fn: Callable[[CollectorContext, Request], Any]) -> Callable[[Request], Any]:
+    async def endpoint(request: Request) -> Response:
+        ctx = ctx_of(request)
+        check_reader(ctx, request)
+        data = await asyncio.to_thread(sql_fn, ctx, request)
+        if data is None:
+            return error_response(404, f"not found: {request.url.path}")
+        return json_response(data)
+
+    endpoint.__name__ = sql_fn.__name__
+    endpoint.__doc__ = sql_fn.__doc__
+    return handled(endpoint)
+
+
+def filtered(table: str, order: str, filters: Sequence[str], time_col: str | None = "time"
+              ) -> Callable[[CollectorContext, Request], Any]:
+    def fn(ctx: CollectorContext, request: Request) -> Any:
+        where: list[str] = []
+        params: list[Any] = []
+        for name in filters:
+            value = request.query_params.get(name)
+            if value is not None:
+                where.append(f"{name} = ?")
+                params.append(value)
+        if time_col is not None:
+            since = float_param(request, "since")
+            if since is not None:
+                where.append(f"{time_col} >= ?")
+                params.append(since)
+        limit = int_param(request, "limit", 500, 1, 10_000)
+        sql = f"SELECT * FROM {table}"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += f" ORDER BY {order} LIMIT ?"
+        rows = ctx.store.query(sql, [*params, limit])
+        return finding_rows_json(rows) if table == "findings" else rows
+
+    fn.__name__ = table
+    return fn
+
+
+def _nodes(ctx: CollectorContext, request: Request) -> Any:
+    """Nodes that have sent batches, with their last batch."""
+    return ctx.store.query("SELECT * FROM nodes ORDER BY node")
+
+
+def _jobs(ctx: CollectorContext, request: Request) -> Any:
+    """Jobs in the job map."""
+    return list_jobs(ctx.store)
+
+
+def _job(ctx: CollectorContext, request: Request) -> Any:
+    """One job with its ranks (node, GPU) and checkpoints."""
+    return job_detail(ctx.store, request.path_params["job"])
+
+
+def _command_log(ctx: CollectorContext, request: Request) -> Any:
+    """Commands with delivery and acknowledgement state."""
+    return ctx.commands.list(node=request.query_params.get("node"),
+                             limit=int_param(request, "limit", 500, 1, 10_000))
+
+
+async def metrics_endpoint(request: Request) -> Response:
+    ctx = ctx_of(request)
+    ctx.metrics.staged.set(await asyncio.to_thread(ctx.telemetry.staged_samples))
+    return Response(ctx.metrics.exposition(),
+                    media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+async def healthz(request: Request) -> Response:
+    ctx = ctx_of(request)
+    try:
+        await asyncio.to_thread(ctx.store.scalar, "SELECT 1")
+    except Exception as exc:  # the database is gone: say so, do not die
+        return error_response(503, f"store: {exc}")
+    return json_response({"ok": True, "schema": ctx.store.schema_version})
+
+
+def openapi_schema() -> dict[str, Any]:
+    """The OpenAPI 3.1 document (record schemas generated from :mod:`forewarn.wire`)."""
+    (batch, command, ack, finding), components = msgspec.json.schema_components(
+        [AgentBatch, Command, CommandAck, Finding], ref_template="#/components/schemas/{name}")
+    err = {"description": "refused; the message names the problem",
+           "content": {"application/json": {"schema": {
+               "type": "object", "properties": {"error": {"type": "string"}}}}}}
+    rows = {"description": "rows", "content": {"application/json": {"schema": {
+        "type": "array", "items": {"type": "object"}}}}}
+    listing = {"limit": "int, default 500", "since": "Unix time"}
+
+    def read(summary: str, params: Sequence[str] = ()) -> dict[str, Any]:
+        return {"get": {"summary": summary, "parameters": [
+            {"name": p, "in": "query", "required": False, "schema": {"type": "string"},
+             "description": listing.get(p, "")} for p in params],
+            "responses": {"200": rows, "401": err}}}
+
+    paths: dict[str, Any] = {
+        "/api/v1/ingest": {"post": {
+            "summary": "Agent batch (msgpack), exactly once per (agent_id, seq)",
+            "security": [{"agentToken": []}],
+            "requestBody": {"required": True,
+                            "content": {"application/msgpack": {"schema": batch}}},
+            "responses": {"200": {"description": "stored or duplicate"}, "400": err,
+                          "401": err, "403": err, "413": err, "415": err}}},
+        "/api/v1/commands": {"get": {
+            "summary": "Long poll for this node's commands",
+            "security": [{"agentToken": []}],
+            "parameters": [{"name": "node", "in": "query", "schema": {"type": "string"}},
+                           {"name": "wait", "in": "query", "schema": {"type": "number"}}],
+            "responses": {"200": {"description": "commands", "content": {
+                "application/json": {"schema": {"type": "array", "items": command}}}},
+                "401": err, "403": err}}},
+        "/api/v1/commands/{id}/ack": {"post": {
+            "summary": "Acknowledge a command", "security": [{"agentToken": []}],
+            "parameters": [{"name": "id", "in": "path", "required": True,
+                            "schema": {"type": "string"}}],
+            "requestBody": {"content": {"application/json": {"schema": ack}}},
+            "responses": {"200": {"description": "acked or already"}, "404": err}}},
+        "/api/v1/nodes": read("Nodes"),
+        "/api/v1/gpus": read("GPUs with their latest sample and health", ["node"]),
+        "/api/v1/jobs": read("Jobs"),
+        "/api/v1/jobs/{job}": read("One job: ranks on nodes/GPUs, checkpoints"),
+        "/api/v1/findings": read("Findings",
+                                 ["node", "job", "health", "check_name", "since", "limit"]),
+        "/api/v1/xids": read("XID events", ["node", "code", "since", "limit"]),
+        "/api/v1/actions": read("Actions", ["kind", "job", "node", "since", "limit"]),
+        "/api/v1/decisions": read("Policy decisions with inputs", ["job", "since", "limit"]),
+        "/api/v1/checkpoints": read("Checkpoint reports", ["job", "node", "since", "limit"]),
+        "/api/v1/commands/log": read("Commands and their acknowledgements", ["node", "limit"]),
+        "/metrics": {"get": {"summary": "Prometheus metrics",
+                             "responses": {"200": {"description": "text exposition"}}}},
+        "/healthz": {"get": {"summary": "Liveness", "responses": {"200": {"description": "ok"}}}},
+    }
+    components["Finding"] = components.get("Finding", finding)
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "forewarn collector", "version": "1"},
+        "paths": paths,
+        "components": {"schemas": components, "securitySchemes": {
+            "agentToken": {"type": "http", "scheme": "bearer"}}},
+    }
+
+
+async def openapi(request: Request) -> Response:
+    return json_response(openapi_schema())
+
+
+def read_routes() -> list[Route]:
+    """The read API, ``/openapi.json``, ``/metrics`` and ``/healthz``."""
+    return [
+        Route("/api/v1/commands/log", reader(_command_log), methods=["GET"]),
+        Route("/api/v1/nodes", reader(_nodes), methods=["GET"]),
+        Route("/api/v1/gpus", reader(filtered("gpus", "node, gpu", ["node"], None)),
+              methods=["GET"]),
+        Route("/api/v1/jobs", reader(_jobs), methods=["GET"]),
+        Route("/api/v1/jobs/{job}", reader(_job), methods=["GET"]),
+        Route("/api/v1/findings", reader(filtered(
+            "findings", "time DESC, id DESC", ["node", "job", "health", "check_name"])),
+            methods=["GET"]),
+        Route("/api/v1/xids", reader(filtered("xids", "time DESC, id DESC",
+                                                ["node", "code"])), methods=["GET"]),
+        Route("/api/v1/actions", reader(filtered("actions", "time DESC, id DESC",
+                                                   ["kind", "job", "node"])), methods=["GET"]),
+        Route("/api/v1/decisions", reader(filtered("decisions", "time DESC, id DESC",
+                                                     ["job"])), methods=["GET"]),
+        Route("/api/v1/checkpoints", reader(filtered("checkpoints", "time DESC, id DESC",
+                                                       ["job", "node"])), methods=["GET"]),
+        Route("/openapi.json", openapi, methods=["GET"]),
+        Route("/metrics", metrics_endpoint, methods=["GET"]),
+        Route("/healthz", healthz, methods=["GET"]),
+    ]
