@@ -28,7 +28,9 @@ Metrics: ``forewarn_uplink_spool_bytes``, ``forewarn_uplink_spool_batches``,
 ``forewarn_uplink_dropped_batches_total``, ``forewarn_uplink_rejected_batches_total``,
 ``forewarn_uplink_push_errors_total``, ``forewarn_uplink_batches_sent_total``,
 ``forewarn_uplink_last_success_timestamp_seconds``, ``forewarn_uplink_commands_total
-{kind,result}``, ``forewarn_uplink_command_poll_errors_total``.
+{kind,result}``, ``forewarn_uplink_command_poll_errors_total``,
+``forewarn_uplink_spool_write_errors_total`` (disk full: records stay in memory, bounded,
+and are sealed again later), ``forewarn_uplink_dropped_samples_total``.
 
 Transport (``httpx.BaseTransport``) and clock are injectable for tests.
 """
@@ -75,6 +77,9 @@ __all__ = ["Spool", "Uplink", "build"]
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^(\d{20})\.(u|n)\.msgpack$")
+MAX_BUFFERED_SAMPLES = 100_000
+"""Samples kept in memory while the spool cannot be written (disk full); the oldest
+beyond this are dropped and counted (``forewarn_uplink_dropped_samples_total``)."""
 MAX_SAMPLES_PER_BATCH = 10_000
 """Seal early past this many samples (the collector's default list limit is 20,000)."""
 _FATAL = frozenset({400, 403, 413, 415, 422})
@@ -205,6 +210,12 @@ class _Metrics:
                                   registry=r)
         self.commands = Counter("forewarn_uplink_commands", "Commands from the collector.",
                                 ["kind", "result"], registry=r)
+        self.spool_errors = Counter("forewarn_uplink_spool_write_errors",
+                                    "Batches that could not be written to the spool (kept in"
+                                    " memory and retried).", registry=r)
+        self.dropped_samples = Counter("forewarn_uplink_dropped_samples",
+                                       "Samples dropped from memory while the spool could"
+                                       " not be written.", registry=r)
         self.poll_errors = Counter("forewarn_uplink_command_poll_errors",
                                    "Failed command long polls.", registry=r)
 
@@ -253,6 +264,7 @@ class Uplink:
         self._samples: list[GpuSample] = []
         self._xids: list[XidEvent] = []
         self._findings: list[Finding] = []
+        self._unsent_reports: list[CheckpointReport] = []
         self._urgent = False
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -327,6 +339,8 @@ class Uplink:
         not ``force``)."""
         ranks, reports = self._ranks_data()
         with self._lock:
+            reports = self._unsent_reports + reports
+            self._unsent_reports = []
             samples = self._samples[:MAX_SAMPLES_PER_BATCH]
             del self._samples[:MAX_SAMPLES_PER_BATCH]
             xids, self._xids = self._xids, []
@@ -336,9 +350,27 @@ class Uplink:
         if not (force or samples or xids or findings or ranks or reports):
             return None
         now = self.clock()
-        batch = self.spool.append(lambda agent_id, seq: AgentBatch(
-            node=self.node, agent_id=agent_id, seq=seq, created=now, urgent=urgent,
-            samples=samples, xids=xids, findings=findings, ranks=ranks, checkpoints=reports))
+        try:
+            batch = self.spool.append(lambda agent_id, seq: AgentBatch(
+                node=self.node, agent_id=agent_id, seq=seq, created=now, urgent=urgent,
+                samples=samples, xids=xids, findings=findings, ranks=ranks,
+                checkpoints=reports))
+        except OSError:
+            # Disk full or unwritable: keep the records (bounded) for the next seal.
+            with self._lock:
+                self._samples[:0] = samples
+                self._xids[:0] = xids
+                self._findings[:0] = findings
+                self._unsent_reports[:0] = reports
+                self._urgent = self._urgent or urgent
+                excess = len(self._samples) - MAX_BUFFERED_SAMPLES
+                if excess > 0:
+                    del self._samples[:excess]
+            if excess > 0 and self.metrics is not None:
+                self.metrics.dropped_samples.inc(excess)
+            if self.metrics is not None:
+                self.metrics.spool_errors.inc()
+            raise
         self._update_gauges()
         return batch
 

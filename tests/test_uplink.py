@@ -271,3 +271,30 @@ def test_build_is_off_without_collector_url_and_checks_config(tmp_path: Path) ->
                            token_file=token_file))
     assert up is not None and up.token == "secret-token"
     assert threading.active_count() >= 1
+
+
+def test_an_unwritable_spool_keeps_records_in_memory_until_it_works(tmp_path: Path) -> None:
+    reg = CollectorRegistry()
+    up = Uplink(agent_config(tmp_path, 1), registry=reg)
+    from forewarn.agent import uplink as uplink_module
+
+    up.metrics = uplink_module._Metrics(reg)  # driven by hand: no threads started
+    up.add(samples=samples("a", 1.0), findings=[Finding(
+        check="ecc", health=Health.UNHEALTHY, reason="x", subject=Subject(kind="gpu", node="a",
+                                                                          gpu=0), time=1.0)])
+    spool_dir = tmp_path / "spool"
+    real_append = up.spool.append
+
+    def full(*_a: Any, **_k: Any) -> AgentBatch:
+        raise OSError(28, "No space left on device")
+
+    up.spool.append = full  # type: ignore[method-assign]
+    with pytest.raises(OSError):
+        up.seal()
+    assert metric(reg, "forewarn_uplink_spool_write_errors_total") == 1
+    assert not list(spool_dir.glob("*.msgpack"))
+    up.spool.append = real_append  # type: ignore[method-assign]
+    up.add(samples=samples("a", 2.0))
+    got = up.seal()
+    assert got is not None and got.urgent
+    assert [s.time for s in got.samples] == [1.0] * 4 + [2.0] * 4 and len(got.findings) == 1
