@@ -72,7 +72,7 @@ def gpu_days(scored: pd.DataFrame, step_s: float = 60.0) -> float:
     return len(scored) * step_s / 86400.0
 
 
-def alarm_episodes(scored: pd.DataFrame, threshold: float, merge_gap_s: float = 1800.0
+def alarm_episodes(scored: pd.DataFrame, threshold: float, merge_gap_s: float = 3600.0
                    ) -> pd.DataFrame:
     """Alarm episodes from rows ``node, gpu, time, p``: columns ``node, gpu, start, end``."""
     a = scored.loc[scored["p"] >= threshold, ["node", "gpu", "time"]]
@@ -89,7 +89,7 @@ def alarm_episodes(scored: pd.DataFrame, threshold: float, merge_gap_s: float = 
 
 
 def evaluate_scores(scored: pd.DataFrame, labels: pd.DataFrame, threshold: float, *,
-                    horizon_s: float, lead_min_s: float = 60.0, merge_gap_s: float = 1800.0,
+                    horizon_s: float, lead_min_s: float = 60.0, merge_gap_s: float = 3600.0,
                     step_s: float = 60.0) -> EvalResult:
     """Judge alarms from ``scored`` (``node, gpu, time, p``) against failure ``labels``."""
     ep = alarm_episodes(scored, threshold, merge_gap_s)

@@ -86,7 +86,7 @@ def _feature_names() -> tuple[str, ...]:
     names: list[str] = []
     for c in _RATE_COUNTERS:
         names += [f"{c}_d5", f"{c}_d15", f"{c}_d60", f"{c}_accel"]
-    names += [f"{c}_active{w}" for c in ACTIVE for w in (15, 60)]
+    names += [f"{c}_{k}" for c in ACTIVE for k in ("active15", "active60", "conc15")]
     names += ["remap_c_total", "remap_u_total", "ret_sbe_total", "pending_frac60",
               "temp_mean5", "temp_slope", "temp_excursion", "margin_mean5", "margin_last",
               "thr_thermal_frac15", "thr_thermal_frac60", "thr_power_frac15",
@@ -125,6 +125,10 @@ def derive(now: Mapping[str, np.ndarray], lag: Mapping[int, Mapping[str, np.ndar
     for c in ACTIVE:
         out[f"{c}_active15"] = np.maximum(now[f"{c}_active"] - l15[f"{c}_active"], 0.0)
         out[f"{c}_active60"] = np.maximum(now[f"{c}_active"] - l60[f"{c}_active"], 0.0)
+        # Concentration: errors per active minute. A burst packs many errors into a few
+        # minutes; a precursor spreads a growing rate over many.
+        d15 = np.maximum(now[c] - l15[c], 0.0)
+        out[f"{c}_conc15"] = np.log1p(d15 / np.maximum(out[f"{c}_active15"], 1.0))
     out["remap_c_total"] = np.log1p(np.maximum(now["remap_c"], 0.0))
     out["remap_u_total"] = np.log1p(np.maximum(now["remap_u"], 0.0))
     out["ret_sbe_total"] = np.log1p(np.maximum(now["ret_sbe"], 0.0))

@@ -63,6 +63,21 @@ class ShadowStats:
     lead_time_median_s: float | None
     lead_times_s: tuple[float, ...]
 
+    def as_metrics(self) -> dict[str, float]:
+        """Gauge values for the collector's exporter (None values left out):
+        ``forewarn_model_shadow_{alarms,true_alarms,false_alarms,open_alarms,failures,
+        caught}_total`` and ``forewarn_model_shadow_{precision,recall,
+        lead_time_median_seconds}``."""
+        out = {f"forewarn_model_shadow_{k}_total": float(getattr(self, k))
+               for k in ("alarms", "true_alarms", "false_alarms", "open_alarms", "failures",
+                         "caught")}
+        for k, name in (("precision", "precision"), ("recall", "recall"),
+                        ("lead_time_median_s", "lead_time_median_seconds")):
+            v = getattr(self, k)
+            if v is not None:
+                out[f"forewarn_model_shadow_{name}"] = float(v)
+        return out
+
 
 @dataclasses.dataclass
 class _Episode:
@@ -85,7 +100,7 @@ class LiveScorer:
     """
 
     def __init__(self, model: FailurePredictor, *, stale_s: float = 180.0,
-                 merge_gap_s: float = 1800.0, lead_min_s: float = 60.0,
+                 merge_gap_s: float = 3600.0, lead_min_s: float = 60.0,
                  capacity: int = 256) -> None:
         self.model = model
         self.stale_s = stale_s

@@ -97,14 +97,18 @@ def label_rows(features: pd.DataFrame, labels: pd.DataFrame, horizon_s: float
 
 def _tune_threshold(scored: pd.DataFrame, labels: pd.DataFrame, horizon_s: float,
                     target_false_alarms: float) -> float:
-    best = 0.99
-    for thr in np.round(np.arange(0.05, 0.99, 0.01), 2)[::-1]:
+    """Among thresholds 0.05..0.95 (step 0.05) whose false alarms stay under the target
+    with precision >= 0.9, the one with the most recall (ties: the higher threshold);
+    when none qualifies, the one with the fewest false alarms (ties: most recall)."""
+    rows = []
+    for thr in np.round(np.arange(0.05, 0.96, 0.05), 2):
         r = evaluate_scores(scored, labels, float(thr), horizon_s=horizon_s)
-        if r.false_alarms_per_1000_gpu_days <= target_false_alarms and r.precision >= 0.9:
-            best = float(thr)
-        else:
-            break
-    return best
+        rows.append((float(thr), r.false_alarms_per_1000_gpu_days, r.precision,
+                     r.recall_precursor))
+    good = [r for r in rows if r[1] <= target_false_alarms and r[2] >= 0.9]
+    if good:
+        return max(good, key=lambda r: (r[3], r[0]))[0]
+    return min(rows, key=lambda r: (r[1], -r[3], -r[0]))[0]
 
 
 def fit_table(features: pd.DataFrame, labels: pd.DataFrame, horizon_s: float,
