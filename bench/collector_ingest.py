@@ -10,7 +10,8 @@ Reported: acknowledged GPU-samples/s over the measuring window, batches/s, reque
 p50/p99, and the collector's CPU use in that window (from /proc; ~100% means the one core
 is the limit). At the end every acknowledged batch is checked to be in the database.
 
-    python bench/collector_ingest.py --agents 100 --gpus 8 --samples 10 --seconds 20
+    python bench/collector_ingest.py --agents 100 --gpus 8 --samples 5 --seconds 20
+    python bench/collector_ingest.py --samples 5 --rate 20000   # latency at 20k samples/s
 
 Goal (issue 4): >= 20,000 GPU-samples/s on one core (a 20k-GPU fleet at 1 s resolution).
 """
@@ -80,15 +81,24 @@ class Stats:
 
 
 async def agent(host: str, port: int, node: str, token: str, gpus: int, per_gpu: int,
-                stats: Stats, stop: asyncio.Event, acked: list[tuple[str, int]]) -> None:
+                stats: Stats, stop: asyncio.Event, acked: list[tuple[str, int]],
+                interval: float = 0.0) -> None:
+    """One simulated agent: closed loop, or one batch every ``interval`` s (open loop)."""
     reader, writer = await asyncio.open_connection(host, port)
     samples = make_samples(node, gpus, per_gpu, time.time())
     encoder = msgspec.msgpack.Encoder()
     head = (f"POST /api/v1/ingest HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {token}"
             "\r\nContent-Type: application/msgpack\r\nContent-Length: ").encode()
     seq = 0
+    loop = asyncio.get_running_loop()
+    next_send = loop.time() + (interval * (hash(node) % 1000) / 1000.0)
     try:
         while not stop.is_set():
+            if interval > 0:
+                delay = next_send - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                next_send += interval
             body = encoder.encode(AgentBatch(node=node, agent_id=node, seq=seq,
                                              created=time.time(), samples=samples))
             started = time.perf_counter()
@@ -119,8 +129,10 @@ async def drive(args: argparse.Namespace, port: int, pid: int, tokens: dict[str,
     stats = Stats()
     stop = asyncio.Event()
     acked: list[tuple[str, int]] = []
+    per_batch = args.gpus * args.samples
+    interval = len(tokens) * per_batch / args.rate if args.rate > 0 else 0.0
     tasks = [asyncio.create_task(agent("127.0.0.1", port, node, tok, args.gpus, args.samples,
-                                       stats, stop, acked))
+                                       stats, stop, acked, interval))
              for node, tok in tokens.items()]
     await asyncio.sleep(args.warmup)
     stats.measuring = True
@@ -150,12 +162,17 @@ def main() -> int:
     p.add_argument("--gpus", type=int, default=8)
     p.add_argument("--samples", type=int, default=10, help="samples per GPU per batch")
     p.add_argument("--seconds", type=float, default=20.0)
+    p.add_argument("--rate", type=float, default=0.0,
+                   help="offered GPU-samples/s in total (open loop: latency at a given load);"
+                        " 0 = closed loop, as fast as acknowledged (throughput)")
     p.add_argument("--warmup", type=float, default=3.0)
     p.add_argument("--collector-core", type=int, default=0)
     p.add_argument("--client-core", type=int, default=1)
     p.add_argument("--synchronous", default="FULL", choices=["FULL", "NORMAL"])
     p.add_argument("--http", default="auto", choices=["auto", "httptools", "h11"],
                    help="the collector's HTTP parser (config key http)")
+    p.add_argument("--flush-samples", type=int, default=None,
+                   help="the collector's flush_samples (staged samples per Parquet flush)")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.add_argument("--profile", type=Path, default=None,
                    help="run the collector under cProfile (event-loop thread) into this file")
@@ -170,7 +187,8 @@ def main() -> int:
     (tmp / "collector.toml").write_text(
         f'listen = "127.0.0.1:{port}"\ndata_dir = "{tmp / "data"}"\n'
         f'tokens_file = "{tmp / "tokens.toml"}"\nlog_level = "warning"\n'
-        f'sqlite_synchronous = "{args.synchronous}"\nhttp = "{args.http}"\n')
+        f'sqlite_synchronous = "{args.synchronous}"\nhttp = "{args.http}"\n'
+        + (f"flush_samples = {args.flush_samples}\n" if args.flush_samples else ""))
     cmd = [sys.executable, "-m", "forewarn", "collector", "--config", str(tmp / "collector.toml")]
     if args.profile:
         # uvicorn re-raises SIGTERM after its shutdown: dump the profile in that handler.
@@ -209,7 +227,8 @@ def main() -> int:
     assert stored >= result["acked_batches"], "an acknowledged batch is missing"
     shutil.rmtree(tmp, ignore_errors=True)
     config = {"agents": args.agents, "gpus": args.gpus, "samples_per_gpu": args.samples,
-              "synchronous": args.synchronous, "http": args.http, "cpus": os.cpu_count()}
+              "synchronous": args.synchronous, "http": args.http, "rate": args.rate,
+              "cpus": os.cpu_count()}
     if args.json:
         print(json.dumps({**config, **result}))
     else:

@@ -47,8 +47,9 @@ class CollectorConfig:
     """Days of telemetry (Parquet partitions), findings and seen-batch records kept."""
     flush_interval_s: float = 10.0
     """Staged telemetry is compacted to Parquet at least this often ..."""
-    flush_samples: int = 200_000
-    """... or when this many samples are staged, and at shutdown."""
+    flush_samples: int = 50_000
+    """... or when this many samples are staged, and at shutdown. Smaller flushes keep
+    ingest latency smooth (a flush is a burst of CPU); finished days are compacted."""
     sqlite_synchronous: str = "FULL"
     """SQLite ``synchronous``: FULL survives power loss, NORMAL survives a process crash."""
     group_commit_max: int = 256
