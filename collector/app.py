@@ -15,7 +15,7 @@ Routes
 ``GET /api/v1/...``: ``nodes``, ``gpus``, ``jobs``, ``jobs/{job}``, ``findings``, ``xids``,
     ``actions``, ``decisions``, ``checkpoints``, ``commands/log``.
     Read API (JSON; ``api_token`` when configured). ``GET /openapi.json``, ``/metrics``,
-    ``/healthz``.
+    ``/healthz``. These live in :mod:`forewarn.collector.api`.
 
 The seam for the policy and actions (``policy=``)
 -------------------------------------------------
