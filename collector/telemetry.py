@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import functools
+import logging
 import os
 import shutil
 import threading
@@ -33,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from forewarn.collector.metrics import CollectorMetrics
-from forewarn.collector.staging import StagingLog
+from forewarn.collector.staging import StagingError, StagingLog
 from forewarn.collector.store import Store
 from forewarn.wire import GpuSample
 
@@ -41,6 +42,8 @@ if TYPE_CHECKING:
     import pandas as pd
 
 __all__ = ["COLUMNS", "TelemetryWriter", "samples_to_columns"]
+
+log = logging.getLogger(__name__)
 
 
 class _SamplesOnly(msgspec.Struct):
@@ -238,7 +241,16 @@ class TelemetryWriter:
             if entry_ is None:  # not decoded in this process (e.g. staged before a restart)
                 row = self.store.query("SELECT agent_id, seq, body, segment, offset, length"
                                        " FROM staged_samples WHERE id = ?", (staged_id,))[0]
-                entry_ = (row["agent_id"], int(row["seq"]), self._samples_of(row))
+                try:
+                    got = self._samples_of(row)
+                except (StagingError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    # Unreadable (a damaged staging segment): say which batch, count it,
+                    # skip it, so one bad row never stalls every later flush.
+                    log.error("staged batch %s/%s unreadable, its samples are lost: %s",
+                              row["agent_id"], row["seq"], exc)
+                    self.metrics.flush_errors.inc()
+                    got = []
+                entry_ = (row["agent_id"], int(row["seq"]), got)
             agent_id, seq, samples = entry_
             for s in samples:
                 entry = by_day.setdefault(_day(s.time), ([], [], []))

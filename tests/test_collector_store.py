@@ -185,3 +185,23 @@ def test_compaction_merges_a_finished_day_into_one_file(
     after = tel.read().sort_values(["seq", "gpu"]).reset_index(drop=True)
     assert after.equals(before)
     assert tel.compact("2023-11-14") == 0
+
+
+def test_a_damaged_staging_segment_is_skipped_counted_and_never_stalls_flushes(
+        tmp_path: Path) -> None:
+    store = Store(tmp_path / "c.db")
+    log = StagingLog(tmp_path / "staging", segment_bytes=4096)
+    metrics = CollectorMetrics()
+    tel = TelemetryWriter(store, tmp_path / "t", metrics, staging=log)
+    for i in range(6):
+        ingest(store, tel, batch(i, T0 + i))
+    log.close()
+    first = tmp_path / "staging" / f"seg-{log.segments()[0]:012d}.log"
+    first.write_bytes(b"\x00" * 10)  # damaged: truncated and zeroed
+    restarted = TelemetryWriter(store, tmp_path / "t", metrics,
+                                staging=StagingLog(tmp_path / "staging", segment_bytes=4096))
+    written = restarted.flush()
+    lost = metrics.registry.get_sample_value("forewarn_collector_telemetry_flush_errors_total")
+    assert lost is not None and lost >= 1
+    assert written == 3 * (6 - int(lost))
+    assert restarted.staged_samples() == 0 and restarted.flush() == 0
