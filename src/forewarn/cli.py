@@ -16,6 +16,7 @@ SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("agent", "forewarn.agent.cli"),
     ("collector", "forewarn.collector.cli"),
     ("demo", "forewarn.demo.run"),
+    ("chaos", "forewarn.chaos.cli"),
     ("simulate", "forewarn.simulate"),
     ("dashboards", "forewarn.dashboards.cli"),
     ("models", "forewarn.models.cli"),

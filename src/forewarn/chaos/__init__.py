@@ -1,0 +1,15 @@
+"""Fault injection against a real forewarn stack on one machine (``forewarn chaos``).
+
+* :mod:`forewarn.chaos.scenarios`: the scenario registry (``SCENARIOS``), each a fault, a
+  stated expectation and the check of it, returning an ``Outcome``;
+* :mod:`forewarn.chaos.lab`: the real processes they run against (collectors, agents on
+  simulated nodes, training jobs) and :mod:`forewarn.chaos.procs` (process groups, a
+  cuttable TCP proxy);
+* :mod:`forewarn.chaos.workload`: the training ranks, with faults injected by a control
+  file;
+* :mod:`forewarn.chaos.accounting`: telemetry produced by an agent against stored by its
+  collector;
+* :mod:`forewarn.chaos.cli`: the command (table, JSON, exit status).
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,239 @@
+"""Processes and wires for the chaos suite: start, kill -9 and restart real daemons, and a
+loopback TCP proxy that can cut an agent off its collector.
+
+Everything started here is recorded in a :class:`Procs` so that one ``close()`` (also on
+Ctrl-C) ends every process group it started, and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import selectors
+import signal
+import socket
+import struct
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Procs", "TcpProxy", "get_json", "scrape", "wait_http", "wait_until"]
+
+
+def get_json(url: str, timeout: float = 2.0) -> Any:
+    """GET ``url`` and decode its JSON body."""
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def scrape(url: str, name: str, labels: dict[str, str] | None = None,
+           timeout: float = 2.0) -> float | None:
+    """Sum of the samples named ``name`` (with these ``labels``) at a Prometheus
+    ``/metrics`` URL; None when there is none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        text = r.read().decode()
+    total = None
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
+                total = (total or 0.0) + s.value
+    return total
+
+
+def wait_until(cond: Callable[[], Any], timeout: float, step: float = 0.1) -> Any:
+    """Poll ``cond`` until it returns something truthy (returned) or ``timeout`` passes
+    (None). Exceptions from ``cond`` count as not yet."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            got = cond()
+        except Exception:
+            got = None
+        if got:
+            return got
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(step)
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes], log: Path) -> None:
+    """Wait until ``url`` answers; fail early, with the log's tail, if ``proc`` exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} did not start (exit {proc.returncode}); log {log}:\n"
+                               f"{log.read_text(errors='replace')[-2000:]}")
+        try:
+            urllib.request.urlopen(url, timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"{url} did not answer within {timeout:.0f} s; see {log}")
+
+
+class Procs:
+    """Named daemon processes, each in its own process group."""
+
+    def __init__(self) -> None:
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._all: list[subprocess.Popen[bytes]] = []
+
+    def spawn(self, name: str, argv: list[str], log: Path,
+              env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """Start ``argv`` (no shell) with stdout and stderr appended to ``log``."""
+        with log.open("ab") as out:
+            p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                 start_new_session=True)
+        self.procs[name] = p
+        self._all.append(p)
+        return p
+
+    def kill9(self, name: str) -> float:
+        """``kill -9`` the process group of ``name``; returns the time of the kill."""
+        p = self.procs[name]
+        t = time.time()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=10)
+        return t
+
+    def stop(self, name: str, timeout: float = 30.0) -> int | None:
+        """SIGTERM ``name`` and wait (SIGKILL after ``timeout``); returns its exit code."""
+        p = self.procs[name]
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=5)
+        return p.returncode
+
+    def close(self) -> None:
+        """End everything started here: SIGTERM, then SIGKILL after 10 s."""
+        live = [p for p in self._all if p.poll() is None]
+        for p in live:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for p in live:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=5)
+
+
+class TcpProxy:
+    """A loopback TCP proxy between an agent and its collector, with a cut.
+
+    ``cut()`` models a network partition: open connections are dropped, new ones are
+    accepted and then hang with no answer (as when packets are lost on the way: the agent
+    sees timeouts, not a polite refusal). ``cut(refuse=True)`` resets new connections at
+    once instead (the collector's host is up, its port closed). ``restore()`` lets traffic
+    through again.
+    """
+
+    def __init__(self, target: tuple[str, int]) -> None:
+        self.target = target
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._listener.getsockname()[1])
+        self._cut = threading.Event()
+        self._refuse = False
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._conns: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._accept, name="chaos-proxy", daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def cut(self, refuse: bool = False) -> None:
+        self._refuse = refuse
+        self._cut.set()
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for c in conns:
+            with contextlib.suppress(OSError):
+                c.shutdown(socket.SHUT_RDWR)
+            c.close()
+
+    def restore(self) -> None:
+        self._cut.clear()
+
+    def close(self) -> None:
+        self._stop.set()
+        self.cut()
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            with self._lock:
+                self._conns.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        if self._cut.is_set():
+            if self._refuse:
+                # RST, not FIN: linger on with a zero timeout
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                conn.close()
+            else:
+                self._blackhole(conn)
+            return
+        try:
+            upstream = socket.create_connection(self.target, timeout=5)
+        except OSError:
+            conn.close()
+            return
+        with self._lock:
+            self._conns.append(upstream)
+        sel = selectors.DefaultSelector()
+        sel.register(conn, selectors.EVENT_READ, upstream)
+        sel.register(upstream, selectors.EVENT_READ, conn)
+        try:
+            while not self._cut.is_set():
+                for key, _ in sel.select(timeout=0.2):
+                    src: socket.socket = key.fileobj  # type: ignore[assignment]
+                    data = src.recv(65536)
+                    if not data:
+                        return
+                    key.data.sendall(data)
+        except OSError:
+            return
+        finally:
+            sel.close()
+            for s in (conn, upstream):
+                with contextlib.suppress(OSError):
+                    s.close()
+
+    def _blackhole(self, conn: socket.socket) -> None:
+        """Read and discard until the cut ends or the peer gives up; never answer."""
+        conn.settimeout(0.2)
+        try:
+            while self._cut.is_set() and not self._stop.is_set():
+                try:
+                    if not conn.recv(65536):
+                        return
+                except TimeoutError:
+                    continue
+        except OSError:
+            return
+        finally:
+            conn.close()

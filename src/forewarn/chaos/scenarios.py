@@ -1,0 +1,708 @@
+"""The chaos scenarios: each injects one fault into the real stack of the
+:class:`~forewarn.chaos.lab.Lab`, states what must happen, and checks it.
+
+Every scenario returns an :class:`Outcome`: what was detected (which check, on what),
+how fast (seconds from the fault to the finding, by the agent's own finding time), what
+action ran, and what was lost (telemetry: batches and samples, which must be none;
+training: steps since the checkpoint the job resumed from). ``passed`` is the check of
+the stated expectation; ``problems`` says what did not hold.
+
+The registry :data:`SCENARIOS` is an explicit list, in the order they run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from forewarn.chaos.accounting import Account, account
+from forewarn.chaos.lab import HW_FAULTS, TRAIN_JOB, HardwareRig, Lab, TelemetryRig
+from forewarn.chaos.procs import wait_until
+
+__all__ = ["SCENARIOS", "Outcome", "Scenario", "by_name"]
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What one scenario saw (see the module docstring)."""
+
+    name: str
+    expected: str
+    passed: bool = False
+    detected: str = ""
+    detection_s: float | None = None
+    action: str = ""
+    lost: str = ""
+    figures: dict[str, Any] = dataclasses.field(default_factory=dict)
+    problems: list[str] = dataclasses.field(default_factory=list)
+
+    def expect(self, ok: bool, problem: str) -> bool:
+        """Record ``problem`` unless ``ok``; returns ``ok``."""
+        if not ok:
+            self.problems.append(problem)
+        return ok
+
+    def finish(self) -> Outcome:
+        self.passed = not self.problems
+        return self
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """A fault, the rig it runs on, its stated expectation, and the function that runs it."""
+
+    name: str
+    rig: str
+    """training, hardware or telemetry."""
+    expected: str
+    run: Callable[[Lab, Outcome], None]
+
+
+def _r(x: float | None, nd: int = 2) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+# --------------------------------------------------------------------------- training
+
+NODE1 = "chaos-node-1"
+
+
+def _first_finding(lab: Lab, node: str, check: str, since: float, timeout: float,
+                   match: Callable[[dict[str, Any]], bool] = lambda f: True,
+                   health: tuple[str, ...] = ("unhealthy", "degraded")
+                   ) -> dict[str, Any] | None:
+    """The collector's first stored ``check`` finding on ``node`` at or after ``since``
+    with one of ``health`` that ``match`` accepts (the finding body, with its row time)."""
+    c = lab.main_collector()
+
+    def look() -> dict[str, Any] | None:
+        for row in c.findings(node, check, since):
+            f = row.get("finding") or {}
+            if f.get("health") in health and match(f):
+                return dict(f)
+        return None
+
+    got: dict[str, Any] | None = wait_until(look, timeout, step=0.2)
+    return got
+
+
+def _is_rank(rank: int) -> Callable[[dict[str, Any]], bool]:
+    def m(f: dict[str, Any]) -> bool:
+        s = f.get("subject", {})
+        return bool(s.get("job") == TRAIN_JOB and s.get("rank") == rank)
+    return m
+
+
+def _job_f(f: dict[str, Any]) -> bool:
+    return bool(f.get("subject", {}).get("job") == TRAIN_JOB)
+
+
+def _restart_report(lab: Lab, out: Outcome, attempt: int, failure_step: int,
+                    expect_step: int | None) -> int | None:
+    """Wait for the job to come back after ``attempt``; check it resumed from
+    ``expect_step`` on both ranks; record the loss. Returns the resumed step."""
+    tr = lab.training()
+    got = tr.resumed(attempt)
+    if not out.expect(got is not None, "the job did not restart on both ranks"):
+        return None
+    assert got is not None
+    steps = {r: int(e.get("step", 0)) for r, e in got.items()}
+    resumed = min(steps.values())
+    out.expect(len(set(steps.values())) == 1, f"ranks resumed from different steps {steps}")
+    if expect_step is not None:
+        out.expect(resumed == expect_step, f"resumed from step {resumed}, expected the "
+                   f"newest good checkpoint, step {expect_step}")
+    lost = failure_step - resumed
+    out.figures.update(failure_step=failure_step, resumed_step=resumed, steps_lost=lost)
+    out.lost = (f"{lost} steps (failure at step {failure_step}, resumed from checkpoint "
+                f"{resumed})")
+    return resumed
+
+
+def rank_killed(lab: Lab, out: Outcome) -> None:
+    tr = lab.training()
+    o = lab.options
+    attempt = tr.ready(new_steps=o.checkpoint_every + 5)
+    newest = max(tr.complete_checkpoints(), default=None)
+    failure_step = tr.last_step(1) or 0
+    t0 = time.time()
+    tr.signal_rank(1, signal.SIGKILL)
+    f = _first_finding(lab, NODE1, "rank_gone", t0, 30, _is_rank(1))
+    if out.expect(f is not None, "no rank_gone finding for rank 1"):
+        assert f is not None
+        out.detection_s = _r(float(f["time"]) - t0)
+        out.detected = f"rank_gone {f['health']}: {f['reason']}"
+    newest = max([s for s in tr.complete_checkpoints() if s <= failure_step + 1],
+                 default=newest)
+    out.action = "supervisor restarted the job (as torchrun --max-restarts) from its newest " \
+        "checkpoint"
+    _restart_report(lab, out, attempt, failure_step, newest)
+
+
+def rank_hung(lab: Lab, out: Outcome) -> None:
+    tr = lab.training()
+    attempt = tr.ready(new_steps=30)
+    fid = tr.inject(0, "hang")
+    applied = tr.fault_applied(fid)
+    if not out.expect(applied is not None, "the hang was not applied"):
+        return
+    assert applied is not None
+    t0 = float(applied["time"])
+    hang_step = int(applied["step"]) - 1
+    f = _first_finding(lab, NODE1, "rank_hang", t0, 60, _job_f, health=("unhealthy",))
+    if out.expect(f is not None, "no rank_hang finding"):
+        assert f is not None
+        out.detection_s = _r(float(f["time"]) - t0)
+        ev = f.get("evidence", {})
+        out.detected = f"rank_hang unhealthy: {f['reason']}"
+        out.figures["hang_timeout_s"] = ev.get("timeout_s")
+        out.figures["nccl_timeout_s"] = 600
+    exits = wait_until(lambda: [e for e in tr.select("rank_exit", attempt=attempt)], 60)
+    if out.expect(bool(exits), "the hung job's ranks were not ended"):
+        assert exits
+        # The agent ends them (hang_action = terminate): the harness sent no signal.
+        out.action = ("agent ended the hung job's ranks (SIGTERM, SIGKILL after grace); "
+                      f"exit codes {sorted({int(e['code']) for e in exits})}; supervisor "
+                      "restarted it from its newest checkpoint")
+        out.figures["ended_after_s"] = _r(float(exits[0]["time"]) - t0)
+    newest = max([s for s in tr.complete_checkpoints() if s <= hang_step], default=None)
+    _restart_report(lab, out, attempt, hang_step, newest)
+
+
+def nan_loss(lab: Lab, out: Outcome) -> None:
+    tr = lab.training()
+    attempt = tr.ready(new_steps=10)
+    fid = tr.inject(1, "nan")
+    applied = tr.fault_applied(fid)
+    if not out.expect(applied is not None, "the NaN was not applied"):
+        return
+    assert applied is not None
+    nan_step = int(applied["step"])
+    step_ev = wait_until(lambda: tr.select("step", rank=1, step=nan_step, attempt=attempt), 20)
+    t0 = float(step_ev[0]["time"]) if step_ev else float(applied["time"])
+    f = _first_finding(lab, NODE1, "nan_loss", t0 - 1, 30, _is_rank(1), health=("unhealthy",))
+    if out.expect(f is not None, "no nan_loss finding for rank 1"):
+        assert f is not None
+        bad = f.get("evidence", {}).get("bad_step")
+        out.detection_s = _r(max(0.0, float(f["time"]) - t0))
+        out.detected = f"nan_loss unhealthy at step {bad} (NaN at step {nan_step})"
+        out.figures.update(nan_step=nan_step, reported_step=bad)
+        out.expect(bad == nan_step, f"NaN reported at step {bad}, injected at {nan_step}")
+        out.action = (f"suggested {f.get('action')}: the job (its launcher, here the chaos "
+                      "harness) restarts from the last checkpoint before the NaN")
+    failure_step = tr.last_step(1) or nan_step
+    tr.signal_rank(1, signal.SIGKILL)
+    before = max([s for s in tr.complete_checkpoints() if s < nan_step], default=None)
+    resumed = _restart_report(lab, out, attempt, failure_step, before)
+    if resumed is not None:
+        out.expect(resumed < nan_step, f"resumed from step {resumed}, not before the NaN "
+                   f"at {nan_step}")
+        ok = wait_until(lambda: [e for e in tr.select("step", rank=1)
+                                 if int(e.get("attempt", 0)) > attempt and e.get("loss")
+                                 is not None], 60)
+        out.expect(bool(ok), "no finite loss after the rollback")
+
+
+def grad_explosion(lab: Lab, out: Outcome) -> None:
+    tr = lab.training()
+    attempt = tr.ready(new_steps=20)
+
+    def local_orders() -> float:
+        return tr.agent.metric("forewarn_checkpoint_orders_total", job=TRAIN_JOB,
+                               reason="grad_spike") or 0.0
+
+    local0 = local_orders()
+    fid = tr.inject(1, "grad", factor=1000.0)
+    applied = tr.fault_applied(fid)
+    if not out.expect(applied is not None, "the gradient explosion was not applied"):
+        return
+    assert applied is not None
+    k = int(applied["step"])
+    step_ev = wait_until(lambda: tr.select("step", rank=1, step=k, attempt=attempt), 20)
+    t0 = float(step_ev[0]["time"]) if step_ev else float(applied["time"])
+    f = _first_finding(lab, NODE1, "grad_spike", t0 - 1, 30, _job_f, health=("unhealthy",))
+    if out.expect(f is not None, "no grad_spike finding"):
+        assert f is not None
+        ev = f.get("evidence", {})
+        out.detection_s = _r(max(0.0, float(f["time"]) - t0))
+        out.detected = (f"grad_spike at step {ev.get('bad_step')}: {ev.get('ratio')}x the "
+                        "rolling median")
+        out.expect(ev.get("bad_step") == k, f"spike reported at step {ev.get('bad_step')}, "
+                   f"injected at {k}")
+    fast = wait_until(lambda: local_orders() > local0, 10)
+    out.expect(fast is not None, "the agent did not order a checkpoint on its own (fast path)")
+    saved = wait_until(lambda: _ordered_after(tr, k, attempt), 30)
+    if out.expect(bool(saved), "no ordered checkpoint saved by both ranks after the spike"):
+        log = lab.main_collector().get("/api/v1/commands/log?limit=200")
+        central = [(r["command"]["order"]["step"], float(r["created"])) for r in log
+                   if r.get("kind") == "checkpoint" and float(r.get("created", 0)) >= t0 - 1
+                   and (r.get("command") or {}).get("order", {}).get("job") == TRAIN_JOB]
+        by_collector = any(step == saved for step, _t in central)
+        out.action = (f"the agent ordered a checkpoint on its own (fast path); both ranks saved "
+                      f"step {saved}" + (" — the step of the collector's later order for the "
+                                         "same finding, which superseded the agent's nearer "
+                                         "one" if by_collector else ""))
+        out.figures.update(ordered_step=saved, spike_step=k, fast_path_order=fast is not None,
+                           saved_step_from="collector" if by_collector else "agent")
+    out.expect(tr.sup.attempt == attempt, "the job restarted")
+    out.lost = "0 steps (training went on; the newest finite state was saved)"
+    out.figures["steps_lost"] = 0
+
+
+def _ordered_after(tr: Any, k: int, attempt: int) -> int | None:
+    by_step: dict[int, set[int]] = {}
+    for e in tr.select("checkpoint", attempt=attempt):
+        if e.get("ordered") and int(e["step"]) >= k:
+            by_step.setdefault(int(e["step"]), set()).add(int(e["rank"]))
+    both = [s for s, r in by_step.items() if r == {0, 1}]
+    return min(both) if both else None
+
+
+def straggler(lab: Lab, out: Outcome) -> None:
+    tr = lab.training()
+    o = lab.options
+    attempt = tr.ready(new_steps=20)
+    fid = tr.inject(1, "slow", seconds=3 * o.step_seconds + 0.05)
+    applied = tr.fault_applied(fid)
+    if not out.expect(applied is not None, "the slowdown was not applied"):
+        return
+    assert applied is not None
+    t0 = float(applied["time"])
+    f = _first_finding(lab, NODE1, "straggler", t0, 60, _is_rank(1))
+    tr.inject(1, "slow", seconds=0.0)
+    if out.expect(f is not None, "no straggler finding for rank 1"):
+        assert f is not None
+        out.detection_s = _r(float(f["time"]) - t0)
+        out.detected = f"straggler {f['health']}: {f['reason']}"
+        out.action = f"suggested {f.get('action')} (the collector compares across nodes)"
+    ok = tr.ready(new_steps=10)
+    out.expect(ok == attempt, "the job restarted")
+    out.lost = "0 steps (slower steps while it lasted; the job went on)"
+    out.figures["steps_lost"] = 0
+
+
+def corrupt_checkpoint(lab: Lab, out: Outcome) -> None:
+    tr = lab.training()
+    o = lab.options
+
+    def two_good() -> bool:
+        return len([s for s in tr.complete_checkpoints()
+                    if (tr.ckpt / f"step-{s:09d}").is_dir()]) >= 2
+
+    attempt = tr.ready(new_steps=5)
+    if not out.expect(wait_until(two_good, 60 + 4 * o.checkpoint_every * o.step_seconds)
+                      is not None, "fewer than two checkpoints on disk"):
+        return
+    # Right after a checkpoint lands, so no newer one appears before the crash.
+    n0 = len(tr.select("checkpoint", rank=0))
+    wait_until(lambda: len(tr.select("checkpoint", rank=0)) > n0 and
+               len(tr.complete_checkpoints()) > 0 and two_good(), 60)
+    on_disk = sorted(int(p.name.split("-")[1]) for p in tr.ckpt.glob("step-*") if p.is_dir())
+    newest, previous = on_disk[-1], on_disk[-2]
+    victim = max((p for p in (tr.ckpt / f"step-{newest:09d}").iterdir()
+                  if p.is_file() and p.name != "manifest.json"), key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    for i in range(len(data) // 2, min(len(data), len(data) // 2 + 64)):
+        data[i] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    failure_step = tr.last_step(0) or newest
+    tr.signal_rank(0, signal.SIGKILL)
+    t_kill = time.time()
+    out.figures.update(corrupted=f"{victim.parent.name}/{victim.name}", newest=newest,
+                       previous_good=previous)
+    resumed = _restart_report(lab, out, attempt, failure_step, previous)
+    got = tr.resumed(attempt, timeout=1) or {}
+    skipped = [s for e in got.values() for s in e.get("skipped", [])]
+    if out.expect(any(f"step-{newest:09d}" in s[0] for s in skipped),
+                  f"the corrupt checkpoint {newest} was not reported skipped: {skipped}"):
+        reason = next(s[1] for s in skipped if f"step-{newest:09d}" in s[0])
+        out.detected = f"on load: step {newest} skipped ({reason})"
+        first = min(float(e["time"]) for e in got.values())
+        out.detection_s = _r(first - t_kill)
+    if resumed is not None:
+        out.action = f"loaded the previous good checkpoint, step {resumed}"
+
+
+# --------------------------------------------------------------------------- hardware
+
+NODE2 = HardwareRig.NODE
+
+
+def _xid_time(lab: Lab, code: int, gpu: int) -> float | None:
+    rows = lab.main_collector().get(f"/api/v1/xids?node={NODE2}&code={code}")
+    times = [float(r["time"]) for r in rows if r.get("gpu") == gpu]
+    return min(times) if times else None
+
+
+def _gpu_match(gpu: int) -> Callable[[dict[str, Any]], bool]:
+    def m(f: dict[str, Any]) -> bool:
+        return bool(f.get("subject", {}).get("gpu") == gpu
+                    and not f.get("subject", {}).get("job"))
+    return m
+
+
+def _hardware(lab: Lab, out: Outcome, gpu: int, xid: int, terminal_checks: tuple[str, ...],
+              precursor_checks: tuple[str, ...]) -> None:
+    hw = lab.hardware()
+    o = lab.options
+    t_end = wait_until(lambda: _xid_time(lab, xid, gpu), hw.agent.started + o.hw_window_s +
+                       60 - time.time(), step=0.5)
+    if not out.expect(t_end is not None, f"no XID {xid} on GPU {gpu} reached the collector"):
+        return
+    assert t_end is not None
+    terminal = None
+    for check in terminal_checks:
+        terminal = _first_finding(lab, NODE2, check, t_end - 1, 20, _gpu_match(gpu),
+                                  health=("unhealthy",))
+        if terminal is not None:
+            break
+    if out.expect(terminal is not None, f"no unhealthy {'/'.join(terminal_checks)} finding "
+                  f"on GPU {gpu} after XID {xid}"):
+        assert terminal is not None
+        out.detection_s = _r(max(0.0, float(terminal["time"]) - t_end))
+        out.detected = f"{terminal['check']} unhealthy: {terminal['reason'][:120]}"
+    _precursor_and_orders(lab, out, hw, gpu, t_end, precursor_checks)
+
+
+def _precursor_and_orders(lab: Lab, out: Outcome, hw: HardwareRig, gpu: int, t_end: float,
+                          precursor_checks: tuple[str, ...]) -> None:
+    pre = [f for check in precursor_checks
+           for f in [_first_finding(lab, NODE2, check, 0, 0.1, _gpu_match(gpu))] if f]
+    first_pre = min(pre, key=lambda f: float(f["time"])) if pre else None
+    if out.expect(first_pre is not None and float(first_pre["time"]) < t_end,
+                  f"no precursor finding ({'/'.join(precursor_checks)}) before the failure"):
+        assert first_pre is not None
+        lead = t_end - float(first_pre["time"])
+        out.figures["precursor"] = f"{first_pre['check']} {first_pre['health']}"
+        out.figures["precursor_lead_s"] = _r(lead)
+    events = hw.events(gpu)
+    at_end = max((int(e["step"]) for e in events
+                  if e.get("event") == "step" and float(e["time"]) <= t_end), default=0)
+    ordered = [e for e in events if e.get("event") == "checkpoint" and e.get("ordered")]
+    before = [e for e in ordered if float(e["time"]) <= t_end]
+    saved = max((int(e["step"]) for e in events if e.get("event") == "checkpoint"
+                 and float(e["time"]) <= t_end), default=0)
+    out.figures.update(step_at_failure=at_end, last_checkpoint_before=saved,
+                       steps_lost=at_end - saved)
+    out.lost = (f"{at_end - saved} steps of job {hw.job(gpu)} (step {at_end} at the failure, "
+                f"checkpoint {saved}); telemetry: see the telemetry scenarios")
+    if out.expect(bool(before), f"no checkpoint was ordered for job {hw.job(gpu)} before "
+                  "the failure"):
+        first = before[0]
+        out.action = (f"checkpoint ordered, saved at step {first['step']} "
+                      f"{t_end - float(first['time']):.1f} s before the failure"
+                      + (f" ({len(before)} ordered saves before it, the last at step "
+                         f"{before[-1]['step']})" if len(before) > 1 else ""))
+        out.figures["order_lead_s"] = _r(t_end - float(first["time"]))
+        out.figures["ordered_before"] = len(before)
+
+
+def ecc_storm_dbe(lab: Lab, out: Outcome) -> None:
+    _hardware(lab, out, HW_FAULTS.index("ecc_storm"), 48, ("ecc", "xid"), ("ecc", "xid"))
+
+
+def xid79_off_bus(lab: Lab, out: Outcome) -> None:
+    _hardware(lab, out, HW_FAULTS.index("pcie_replay"), 79, ("gpu_lost", "xid"), ("pcie",))
+
+
+def row_remap_failure(lab: Lab, out: Outcome) -> None:
+    _hardware(lab, out, HW_FAULTS.index("remap_growth"), 64, ("remap", "xid"),
+              ("remap", "xid"))
+
+
+def thermal_runaway(lab: Lab, out: Outcome) -> None:
+    """No XID ends a thermal runaway: the event is the slowdown margin falling under
+    5 °C (SW thermal slowdown starts), found from the scenario itself."""
+    from forewarn.agent.sources.sim import SimBackend, parse_scenario
+
+    hw = lab.hardware()
+    o = lab.options
+    gpu = HW_FAULTS.index("thermal_runaway")
+    # The sim clock's origin, exactly: XID 48 on GPU 0 is stamped at its scripted time.
+    t48 = wait_until(lambda: _xid_time(lab, 48, HW_FAULTS.index("ecc_storm")),
+                     hw.agent.started + o.hw_window_s + 60 - time.time(), step=0.5)
+    if not out.expect(t48 is not None, "cannot place the sim clock (no XID 48 on GPU 0)"):
+        return
+    assert t48 is not None
+    opened = t48 - (o.hw_fault_start_s + o.hw_fault_duration_s) / o.hw_sim_speed
+    sim = SimBackend(parse_scenario(hw.scenario), node=NODE2, speed=o.hw_sim_speed,
+                     clock=lambda: opened)
+    sim.open()
+    onset = hw_slow = None
+    t = o.hw_fault_start_s
+    while t < o.hw_fault_start_s + o.hw_fault_duration_s and hw_slow is None:
+        s = sim.gpu_sample(gpu, t, sim.wall_time(t))
+        margin = s.slowdown_margin_c if s.slowdown_margin_c is not None else 99.0
+        if onset is None and margin < 5.0:
+            onset = sim.wall_time(t)
+        if margin <= 0.0:
+            hw_slow = sim.wall_time(t)
+        t += 0.1
+    if not out.expect(onset is not None, "the scenario never brings the margin under 5 °C"):
+        return
+    assert onset is not None
+    f = _first_finding(lab, NODE2, "thermal", 0, 30, _gpu_match(gpu))
+    if out.expect(f is not None, f"no thermal finding on GPU {gpu}"):
+        assert f is not None
+        out.detection_s = _r(float(f["time"]) - onset)
+        out.detected = f"thermal {f['health']}: {f['reason'][:120]}"
+        out.action = f"suggested {f.get('action')}; the collector notifies (webhook)"
+        out.expect(float(f["time"]) >= onset - 0.5, "thermal finding before the onset")
+        if hw_slow is not None:
+            out.figures["hw_slowdown_lead_s"] = _r(hw_slow - float(f["time"]))
+    out.lost = "0 steps (the GPU throttles, the job slows, nothing dies)"
+    events = hw.events(gpu)
+    out.expect(any(e.get("event") == "step" and float(e["time"]) > (hw_slow or onset)
+                   for e in events), "the job on the hot GPU stopped stepping")
+    out.figures["steps_lost"] = 0
+
+
+# --------------------------------------------------------------------------- telemetry
+
+def _settle(rig: TelemetryRig, out: Outcome, what: str, timeout: float = 60.0) -> float | None:
+    """Wait until the agent's spool is empty; returns how long that took."""
+    t0 = time.time()
+    ok = wait_until(rig.spool_empty, timeout, step=0.1)
+    out.expect(ok is not None, f"the spool did not drain {what}")
+    return _r(time.time() - t0) if ok else None
+
+
+def _finish_telemetry(lab: Lab, rig: TelemetryRig, out: Outcome,
+                      excused: list[tuple[float, float]], expect_drops: bool = False
+                      ) -> Account:
+    o = lab.options
+    dropped = rig.agent.metric("forewarn_uplink_dropped_batches_total") or 0.0
+    rig.agent.stop()  # gracefully: it seals what it holds and sends it
+    # kill -9, not SIGTERM: a graceful stop waits out open long polls, and what the
+    # collector acknowledged is durable anyway (that is what is being checked).
+    rig.collector.kill9()
+    acc = account(rig.agent.spool, rig.collector.data,
+                  allowed_gap_s=3 * o.telemetry_interval_s + 0.5, excused=excused)
+    out.figures.update(acc.as_dict())
+    out.figures.pop("excused_gaps")
+    out.figures["gaps"] = len(acc.gaps)
+    out.figures["dropped_counted"] = int(dropped)
+    out.expect(acc.samples_in_batches == acc.samples_stored,
+               f"{acc.samples_in_batches} samples in stored batches, {acc.samples_stored} in "
+               "the telemetry history")
+    out.expect(acc.duplicate_samples == 0, f"{acc.duplicate_samples} samples stored twice")
+    out.expect(acc.spooled_left == 0, f"{acc.spooled_left} batches left in the spool")
+    if expect_drops:
+        out.expect(acc.lost_batches == int(dropped),
+                   f"{acc.lost_batches} batches missing but {int(dropped)} counted as dropped")
+        miss = acc.missing_seqs
+        out.expect(not miss or miss == list(range(miss[0], miss[-1] + 1)),
+                   "dropped batches are not one run of the oldest: "
+                   f"{acc.as_dict()['missing_seqs']}")
+        out.expect(not miss or miss[-1] < acc.produced_batches - 1,
+                   "the newest batches were not kept")
+        out.expect(dropped > 0, "the spool never overflowed (bound too large for the cut?)")
+        out.lost = (f"{acc.lost_batches} of {acc.produced_batches} batches, every one "
+                    f"counted in forewarn_uplink_dropped_batches_total")
+    else:
+        out.expect(acc.lost_batches == 0, f"batches lost: {acc.as_dict()['missing_seqs']}")
+        out.expect(not acc.gaps, f"sample gaps over {3 * o.telemetry_interval_s + 0.5:.1f} s: "
+                   f"{acc.gaps[:3]}")
+        out.lost = (f"nothing: {acc.stored_batches}/{acc.produced_batches} batches, "
+                    f"{acc.samples_stored} samples, each stored once")
+    return acc
+
+
+def agent_restart(lab: Lab, out: Outcome) -> None:
+    o = lab.options
+    rig = lab.telemetry("agent-kill")
+    wait_until(lambda: rig.stored_batches() >= 5, 30)
+    t_kill = rig.agent.kill9()
+    time.sleep(1.0)
+    rig.agent.start()
+    t_back = time.time()
+    drained = _settle(rig, out, "after the restart")
+    got = wait_until(lambda: rig.stored_batches(), 1)
+    out.detected = ("collector: agent's batches resume after its restart; spool replayed "
+                    f"{drained} s after the agent was back")
+    out.detection_s = drained
+    out.action = "agent restarted on the same spool (same agent_id, seq goes on), replayed"
+    wait_until(lambda: rig.stored_batches() >= (got or 0) + 4, 30)
+    acc = _finish_telemetry(lab, rig, out,
+                            excused=[(t_kill - o.push_interval_s - 1.0, t_back + 1.0)])
+    # What a kill -9 cannot save: samples polled but not yet sealed into a batch.
+    before = [a for a, _b in acc.excused_gaps] if acc else []
+    unsealed = _r(t_kill - max(before)) if before else None
+    out.figures.update(unsealed_at_kill_s=unsealed, unsealed_bound_s=o.push_interval_s,
+                       downtime_s=_r(t_back - t_kill))
+    out.expect(unsealed is not None and unsealed <= o.push_interval_s + 0.5,
+               f"{unsealed} s of samples before the kill are missing (bound "
+               f"{o.push_interval_s} s + 0.5 s)")
+    out.lost += (f"; the last {unsealed} s of samples before the kill -9 were polled but not "
+                 f"yet sealed (bound: push_interval_s = {o.push_interval_s:g} s)")
+
+
+def collector_restart(lab: Lab, out: Outcome) -> None:
+    rig = lab.telemetry("collector-kill")
+    wait_until(lambda: rig.stored_batches() >= 5, 30)
+    t_kill = rig.collector.kill9()
+    grew = wait_until(lambda: (rig.agent.metric("forewarn_uplink_spool_batches") or 0) > 0, 20)
+    out.expect(grew is not None, "the agent did not spool while the collector was down")
+    time.sleep(1.5)
+    rig.collector.start()
+    t_back = time.time()
+    drained = _settle(rig, out, "after the collector came back")
+    out.detected = ("agent: push errors, batches held in the spool; replayed "
+                    f"{drained} s after the collector was back")
+    out.detection_s = drained
+    out.action = "kill -9 collector, restarted on the same data; agent replayed its spool"
+    out.figures["downtime_s"] = _r(t_back - t_kill)
+    n = rig.stored_batches()
+    wait_until(lambda: rig.stored_batches() >= n + 4, 30)
+    _finish_telemetry(lab, rig, out, excused=[])
+
+
+def agent_cut_off(lab: Lab, out: Outcome) -> None:
+    o = lab.options
+    rig = lab.telemetry("cut-off")
+    wait_until(lambda: rig.stored_batches() >= 5, 30)
+    rig.proxy.cut()
+    t_cut = time.time()
+    errors0 = rig.agent.metric("forewarn_uplink_push_errors_total") or 0.0
+    peak = 0.0
+    while time.time() - t_cut < o.cutoff_s:
+        peak = max(peak, rig.agent.metric("forewarn_uplink_spool_batches") or 0.0)
+        time.sleep(min(1.0, o.cutoff_s / 10))
+    errors = (rig.agent.metric("forewarn_uplink_push_errors_total") or 0.0) - errors0
+    rig.proxy.restore()
+    drained = _settle(rig, out, "after the cut ended", timeout=60 + o.cutoff_s)
+    out.expect(peak > 0, "nothing was spooled during the cut")
+    out.detected = (f"agent: {int(errors)} failed pushes, spool peaked at {int(peak)} batches; "
+                    f"replayed {drained} s after the link came back")
+    out.detection_s = drained
+    out.action = f"spooled for {o.cutoff_s:g} s (network cut at a proxy), replayed in order"
+    out.figures.update(cutoff_s=o.cutoff_s, spool_peak_batches=int(peak))
+    n = rig.stored_batches()
+    wait_until(lambda: rig.stored_batches() >= n + 4, 30)
+    _finish_telemetry(lab, rig, out, excused=[])
+
+
+def _sizes(path: Path, pattern: str) -> list[int]:
+    out = []
+    for p in path.glob(pattern):
+        with contextlib.suppress(OSError):  # sent and deleted meanwhile
+            out.append(p.stat().st_size)
+    return out
+
+
+def spool_full(lab: Lab, out: Outcome) -> None:
+    o = lab.options
+    bound = o.spool_max_bytes
+    rig = lab.telemetry("spool-full", spool_max_bytes=bound)
+    wait_until(lambda: rig.stored_batches() >= 5, 30)
+    rig.proxy.cut(refuse=True)
+    t_cut = time.time()
+    peak = 0.0
+    biggest = 0
+    dropped = 0.0
+    cut_s = max(8.0, min(o.cutoff_s, 30.0))
+    while time.time() - t_cut < cut_s:
+        sizes = _sizes(rig.agent.spool, "*.msgpack")
+        peak = max(peak, sum(sizes))
+        biggest = max([biggest, *sizes])
+        dropped = rig.agent.metric("forewarn_uplink_dropped_batches_total") or 0.0
+        time.sleep(0.5)
+    rig.proxy.restore()
+    drained = _settle(rig, out, "after the cut ended")
+    # The spool keeps the newest batch even when it alone is over the bound, so it may
+    # pass the bound by one batch between a seal and the drop.
+    out.expect(peak <= bound + biggest, f"spool reached {int(peak)} bytes, bound {bound} "
+               f"plus one batch ({biggest})")
+    out.detected = (f"agent: spool held at its bound ({int(peak)} of {bound} bytes peak), "
+                    f"{int(dropped)} oldest batches dropped and counted")
+    out.detection_s = drained
+    out.action = ("oldest batches dropped at the spool bound (spool_max_bytes: the agent's "
+                  "defense against filling the disk), newest kept and replayed")
+    out.figures.update(spool_max_bytes=bound, spool_peak_bytes=int(peak), cut_s=cut_s,
+                       batch_bytes=biggest)
+    n = rig.stored_batches()
+    wait_until(lambda: rig.stored_batches() >= n + 4, 30)
+    _finish_telemetry(lab, rig, out, excused=[], expect_drops=True)
+
+
+# --------------------------------------------------------------------------- registry
+
+SCENARIOS: tuple[Scenario, ...] = (
+    Scenario("rank_killed", "training",
+             "kill -9 one rank: the agent reports it gone, the launcher restarts the job "
+             "from its newest checkpoint; lost = steps since that checkpoint", rank_killed),
+    Scenario("rank_hung", "training",
+             "one rank stops stepping (beats go on): the agent calls it hung within "
+             "max(3 x p99 step time, 2 s), ends the job's ranks, the job restarts from its "
+             "newest checkpoint", rank_hung),
+    Scenario("nan_loss", "training",
+             "a NaN loss at step k is reported at step k; the job is rolled back to the "
+             "last checkpoint before k", nan_loss),
+    Scenario("grad_explosion", "training",
+             "a 1000x gradient (real, through DDP) is reported at its step and the agent "
+             "orders a checkpoint that both ranks save at the same step; nothing lost",
+             grad_explosion),
+    Scenario("straggler", "training",
+             "one rank computes 4x slower: reported as a straggler against its peer; the "
+             "job goes on", straggler),
+    Scenario("corrupt_checkpoint", "training",
+             "the newest checkpoint is corrupted on disk and the job crashes: the sha256 "
+             "check skips it and the previous good checkpoint is loaded", corrupt_checkpoint),
+    Scenario("ecc_storm_dbe", "hardware",
+             "correctable-ECC storm ending in a double-bit error (XID 48): the storm is "
+             "seen first, a checkpoint is ordered before the DBE, the DBE is unhealthy",
+             ecc_storm_dbe),
+    Scenario("xid79_off_bus", "hardware",
+             "PCIe replays grow until the GPU falls off the bus (XID 79): replays seen "
+             "first, a checkpoint is ordered before, the loss is unhealthy", xid79_off_bus),
+    Scenario("row_remap_failure", "hardware",
+             "row remaps grow until remapping fails (XID 64): pending remaps seen first, a "
+             "checkpoint is ordered before, the failure is unhealthy", row_remap_failure),
+    Scenario("thermal_runaway", "hardware",
+             "temperature climbs to slowdown and stays: found degraded as the margin falls "
+             "under 5 °C, before hardware slowdown; the job slows but lives", thermal_runaway),
+    Scenario("agent_restart", "telemetry",
+             "kill -9 the agent and start it again: every batch it sealed is stored exactly "
+             "once; only samples not yet sealed (< push_interval_s) die with it",
+             agent_restart),
+    Scenario("collector_restart", "telemetry",
+             "kill -9 the collector during ingest and restart it: every batch and sample "
+             "stored exactly once, no gap", collector_restart),
+    Scenario("agent_cut_off", "telemetry",
+             "the network between agent and collector is cut (a blackholing proxy) for "
+             "minutes: the agent spools, then replays in order; nothing lost, no gap",
+             agent_cut_off),
+    Scenario("spool_full", "telemetry",
+             "a cut-off longer than the spool can hold: the spool stays at its bound, the "
+             "oldest batches are dropped and every drop is counted; the newest arrive",
+             spool_full),
+)
+
+
+def by_name(names: list[str] | None = None) -> list[Scenario]:
+    """The selected scenarios in registry order (all when ``names`` is empty)."""
+    if not names:
+        return list(SCENARIOS)
+    known = {s.name: s for s in SCENARIOS}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown scenario(s) {', '.join(unknown)}; known: "
+                         f"{', '.join(known)}")
+    return [s for s in SCENARIOS if s.name in names]
+
+
+def run_one(lab: Lab, scenario: Scenario) -> Outcome:
+    """Run one scenario; an exception becomes a failed outcome naming it."""
+    out = Outcome(scenario.name, scenario.expected)
+    t0 = time.monotonic()
+    try:
+        scenario.run(lab, out)
+    except Exception as exc:  # a broken scenario is a failed one, with the reason
+        out.problems.append(f"{type(exc).__name__}: {exc}")
+    out.figures["scenario_s"] = round(time.monotonic() - t0, 1)
+    return out.finish()
