@@ -74,8 +74,13 @@ def test_isolation_forest_finds_the_failing_gpu() -> None:
     feats = gpu_features(simulate_fleet(p).samples)
     det = IsolationForestDetector(contamination=0.001, n_estimators=50).fit(feats)
     odd = feats.tail(1).copy()
-    odd["ecc_d5"], odd["ecc_d60"], odd["remap_c_total"] = 6.0, 8.0, 2.0
-    odd["pcie_d15"], odd["pcie_d60"], odd["temp_mean5"], odd["margin_mean5"] = 5.0, 6.0, 95, -5
+    # A GPU in the last minutes of an HBM failure: ECC at ~1,000/h for an hour, rows
+    # remapped, hot and throttling, PCIe link degraded.
+    for col in ("ecc_d5", "ecc_d15", "ecc_d60", "ecc_conc15", "pcie_d15", "pcie_d60"):
+        odd[col] = 6.0
+    odd["ecc_active15"], odd["ecc_active60"], odd["pcie_active60"] = 15.0, 60.0, 60.0
+    odd["remap_c_total"], odd["pending_frac60"], odd["xid_memory_60"] = 2.0, 0.5, 4.0
+    odd["temp_mean5"], odd["margin_mean5"], odd["margin_last"] = 95.0, -5.0, -5.0
     odd["thr_thermal_frac15"], odd["thr_thermal_frac60"], odd["width_ratio"] = 1.0, 1.0, 0.5
     assert det.scores(odd)[0] < det.cutoff
     f = det.findings(odd, now=1.0)
