@@ -79,6 +79,13 @@ def check_batch(body: bytes, *, node: str, max_items: int) -> AgentBatch:
                 raise IngestError(403, "node_mismatch",
                                   f"$.{name}[{i}].node: {item.node!r} is not this agent's "
                                   f"node {node!r}")
+    # An agent speaks for its own node only: a finding about another node's GPU would let
+    # one compromised agent order checkpoints or drains elsewhere.
+    for i, f in enumerate(batch.findings):
+        if f.subject.node not in ("", node):
+            raise IngestError(403, "node_mismatch",
+                              f"$.findings[{i}].subject.node: {f.subject.node!r} is not this "
+                              f"agent's node {node!r}")
     return batch
 
 
@@ -87,6 +94,13 @@ _FINDING_INSERT = (
     " subject_key, subject_node, gpu, job, rank, reason, action, probability, horizon_s,"
     " simulated, body) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
+
+
+_WORST_HEALTH = (
+    "SELECT f.health, f.reason, f.time FROM findings f JOIN (SELECT MAX(id) AS id FROM findings"
+    " WHERE subject_key = ? GROUP BY check_name) m ON f.id = m.id WHERE f.health != 'unknown'"
+)
+_RANK = {Health.HEALTHY.value: 0, Health.DEGRADED.value: 1, Health.UNHEALTHY.value: 2}
 
 
 def store_findings(conn: sqlite3.Connection, findings: Sequence[Finding], *, node: str,
@@ -101,13 +115,16 @@ def store_findings(conn: sqlite3.Connection, findings: Sequence[Finding], *, nod
          msgspec.json.encode(f).decode())
         for f in findings
     ])
-    for f in findings:
-        if f.subject.kind == "gpu" and f.subject.gpu is not None and f.health != Health.UNKNOWN:
-            conn.execute(
-                "UPDATE gpus SET health = ?, health_reason = ?, health_time = ?"
-                " WHERE node = ? AND gpu = ? AND (health_time IS NULL OR health_time <= ?)",
-                (f.health.value, f.reason, f.time, f.subject.node or node, f.subject.gpu,
-                 f.time))
+    gpus = {(f.subject.node or node, f.subject.gpu, f.subject.key()) for f in findings
+            if f.subject.kind == "gpu" and f.subject.gpu is not None}
+    for gpu_node, gpu, key in gpus:
+        # A GPU is as healthy as its worst current check: the newest finding of each check
+        # (``unknown`` = that check cannot tell, so it does not count).
+        rows = conn.execute(_WORST_HEALTH, (key,)).fetchall()
+        worst = max(rows, key=lambda r: (_RANK.get(r[0], 0), r[2]), default=None)
+        if worst is not None:
+            conn.execute("UPDATE gpus SET health = ?, health_reason = ?, health_time = ?"
+                         " WHERE node = ? AND gpu = ?", (*worst, gpu_node, gpu))
 
 
 _GPU_UPSERT = """

@@ -188,6 +188,11 @@ def test_bad_requests_get_4xx_naming_the_problem_and_store_nothing(svc: Running)
     forged = msgspec.structs.replace(b, samples=[*b.samples, sample("node2", 0, time.time())])
     r = svc.post(forged)
     assert r.status_code == 403 and "$.samples[4].node" in r.json()["error"]
+    # A finding about another node's GPU (it would order checkpoints or drains there).
+    alien = Finding(check="xid", health=Health.UNHEALTHY, reason="XID 79", time=time.time(),
+                    subject=Subject(kind="gpu", node="node2", gpu=0))
+    r = svc.post(batch("node1", 4, findings=[alien]))
+    assert r.status_code == 403 and "$.findings[0].subject.node" in r.json()["error"]
     for table in ("batches", "staged_samples", "nodes", "gpus", "findings", "xids"):
         assert svc.count(table) == 0, table
     metrics = svc.client.get("/metrics").text
@@ -412,3 +417,23 @@ def test_a_failing_or_slow_policy_never_blocks_ingest(tmp_path: Path,
         svc.client.close()
         server.stop()
         svc.store.close()
+
+
+def test_gpu_health_is_its_worst_current_check(svc: Running) -> None:
+    now = time.time()
+
+    def finding(check: str, health: Health, t: float) -> Finding:
+        return Finding(check=check, health=health, reason=f"{check} {health.value}", time=t,
+                       subject=Subject(kind="gpu", node="node1", gpu=1))
+
+    assert svc.post(batch("node1", 1, findings=[
+        finding("xid", Health.UNHEALTHY, now), finding("thermal", Health.HEALTHY, now + 1),
+        finding("pcie", Health.UNKNOWN, now + 2)])).status_code == 200
+    gpu = {g["gpu"]: g for g in svc.client.get("/api/v1/gpus").json()}[1]
+    assert (gpu["health"], gpu["health_reason"]) == ("unhealthy", "xid unhealthy")
+    # The XID check clears; the degraded ECC finding is now the worst.
+    assert svc.post(batch("node1", 2, findings=[
+        finding("ecc", Health.DEGRADED, now + 3), finding("xid", Health.HEALTHY, now + 4)])
+    ).status_code == 200
+    gpu = {g["gpu"]: g for g in svc.client.get("/api/v1/gpus").json()}[1]
+    assert (gpu["health"], gpu["health_reason"]) == ("degraded", "ecc degraded")
