@@ -62,32 +62,13 @@ function fill(id, rows, render) {
     : [el("tr", {}, el("td", { class: "empty", colSpan: cols }, "none"))]));
 }
 
-const SEVERITY = { healthy: 0, unknown: 1, degraded: 2, unhealthy: 3 };
-
-// A GPU's health as the agent judges it (forewarn_gpu_health): the worst of each check's
-// latest finding. The collector's gpus row holds the latest finding of any check, so a
-// later "degraded" from one check would hide an "unhealthy" from another.
-function gpuHealth(gpus, findings) {
-  const latest = new Map();  // subject -> check -> health, newest finding first
-  for (const f of findings) {
-    if (f.subject_kind !== "gpu") continue;
-    const checks = latest.get(f.subject_key) || new Map();
-    latest.set(f.subject_key, checks);
-    const check = f.check_name || f.check || "";
-    if (!checks.has(check)) checks.set(check, f.health);
-  }
-  const out = new Map();
-  for (const g of gpus) {
-    let worst = g.state && g.state !== "ok" ? "unhealthy" : (g.health || "unknown");
-    for (const h of (latest.get(`gpu:${g.node}/${g.gpu}`) || new Map()).values()) {
-      if ((SEVERITY[h] ?? 0) > (SEVERITY[worst] ?? 0)) worst = h;
-    }
-    out.set(`${g.node}/${g.gpu}`, worst);
-  }
-  return out;
+// A GPU's health: the collector keeps the worst of its checks' current findings; a GPU
+// that stopped answering is unhealthy whatever the checks last said.
+function gpuHealth(g) {
+  return g.state && g.state !== "ok" ? "unhealthy" : (g.health || "unknown");
 }
 
-function drawFleet(gpus, healthOf) {
+function drawFleet(gpus) {
   const byNode = new Map();
   for (const g of gpus) {
     if (!byNode.has(g.node)) byNode.set(g.node, []);
@@ -100,7 +81,7 @@ function drawFleet(gpus, healthOf) {
     return el("div", { class: "node", "data-node": node },
       el("span", { class: "node-name" }, node, sim ? el("span", { class: "sim-badge" }, "SIM") : ""),
       ...list.map((g) => {
-        const health = healthOf.get(`${node}/${g.gpu}`) || "unknown";
+        const health = gpuHealth(g);
         const tip = `${node} GPU ${g.gpu} ${g.name || ""}\n${health}: ${g.health_reason || "no findings"}`
           + (g.temperature_c != null ? `\n${g.temperature_c.toFixed(0)} °C` : "")
           + (g.state && g.state !== "ok" ? `\nstate: ${g.state}` : "");
@@ -147,9 +128,8 @@ async function refresh() {
       api("gpus"), api("jobs"), api("findings?limit=200"), api("actions?limit=30"),
       api("commands/log?limit=30"), api("checkpoints?limit=30"),
     ]);
-    const health = gpuHealth(gpus, findings);
-    drawFleet(gpus, health);
-    const bad = [...health.values()].filter((h) => h === "unhealthy").length;
+    drawFleet(gpus);
+    const bad = gpus.filter((g) => gpuHealth(g) === "unhealthy").length;
     document.getElementById("summary").textContent =
       `${gpus.length} GPUs · ${bad} unhealthy · ${jobs.length} jobs`;
     const details = await Promise.all(jobs.slice(0, 20).map((j) => api("jobs/" + encodeURIComponent(j.job))));
