@@ -35,8 +35,9 @@ def register(sub: Any) -> None:
 
     t = ms.add_parser("train", help="train a failure predictor (data in, model out)")
     t.add_argument("--data", action="append", default=[],
-                   help="directory with samples (.parquet/.csv or a Parquet store), xids and "
-                        "labels.csv; repeatable")
+                   help="directory with samples.parquet/.csv or a telemetry/ Parquet store "
+                        "(the collector's), optional xids and labels.csv (without one, "
+                        "failures are found in the telemetry); repeatable")
     t.add_argument("--simulate", action="store_true",
                    help="train on the built-in simulated training suite instead")
     t.add_argument("--scale", type=float, default=1.0, help="size of the simulated suite")
@@ -93,15 +94,25 @@ def _load_dir(d: str) -> tuple[Any, Any, Any]:
     return samples, xids, labels
 
 
+def _labels_or_derived(d: str, samples: Any, xids: Any, labels: Any) -> Any:
+    """The directory's labels.csv, or failures found in its own telemetry."""
+    if labels is not None:
+        return labels
+    from forewarn.models.labels import labels_from_telemetry
+
+    derived = labels_from_telemetry(samples, xids)
+    print(f"{d}: no labels.csv; {len(derived)} failure(s) found in the telemetry "
+          "(fatal XIDs, lost GPUs, uncorrectable errors)", file=sys.stderr)
+    return derived
+
+
 def _features_from_dirs(dirs: list[str]) -> list[tuple[str, Any, Any]]:
     from forewarn.models.features import gpu_features
-    from forewarn.models.schema import DataError
 
     out = []
     for d in dirs:
         samples, xids, labels = _load_dir(d)
-        if labels is None:
-            raise DataError(f"{d}: labels.csv is required here")
+        labels = _labels_or_derived(d, samples, xids, labels)
         out.append((d, gpu_features(samples, xids), labels))
     return out
 

@@ -82,17 +82,37 @@ class FailurePredictor:
         return out
 
 
-def label_rows(features: pd.DataFrame, labels: pd.DataFrame, horizon_s: float
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """``(y, keep)``: y = 1 when the GPU fails within ``horizon_s`` after the row; rows at
-    or after the GPU's failure are not kept (the failure itself is no prediction)."""
-    fail = labels.groupby(["node", "gpu"])["time"].min().rename("fail")
-    f = features[["node", "gpu", "time"]].join(fail, on=["node", "gpu"])
-    t, ft = f["time"].to_numpy(), f["fail"].to_numpy()
-    has = ~np.isnan(ft)
-    keep = ~has | (t < ft)
-    y = has & (t < ft) & (ft - t <= horizon_s)
-    return y.astype(np.int8), keep
+def label_rows(features: pd.DataFrame, labels: pd.DataFrame, horizon_s: float,
+               settle_s: float = 3600.0) -> tuple[np.ndarray, np.ndarray]:
+    """``(y, keep)``: y = 1 when the GPU's next failure is within ``horizon_s`` after the
+    row. Rows at a failure and for ``settle_s`` after it are not kept (the failure itself
+    is no prediction, and a repaired GPU starts afresh); a GPU may fail more than once."""
+    n = len(features)
+    if n == 0:
+        return np.zeros(0, np.int8), np.zeros(0, bool)
+    key = features["node"].astype(str) + "/" + features["gpu"].astype(str)
+    rows = pd.DataFrame({"key": key.to_numpy(), "time": features["time"].to_numpy(
+        dtype=np.float64), "i": np.arange(n)}).sort_values("time", kind="stable")
+    lab = pd.DataFrame({"key": (labels["node"].astype(str) + "/"
+                                + labels["gpu"].astype(str)).to_numpy(),
+                        "fail": labels["time"].to_numpy(dtype=np.float64)})
+    lab = lab.sort_values("fail", kind="stable")
+    nxt = pd.merge_asof(rows, lab.rename(columns={"fail": "time_f"}).assign(
+        nxt=lambda d: d["time_f"]), left_on="time", right_on="time_f", by="key",
+        direction="forward", allow_exact_matches=False)
+    prv = pd.merge_asof(rows, lab.rename(columns={"fail": "time_f"}).assign(
+        prv=lambda d: d["time_f"]), left_on="time", right_on="time_f", by="key",
+        direction="backward", allow_exact_matches=True)
+    t = rows["time"].to_numpy()
+    nx = nxt["nxt"].to_numpy(dtype=np.float64)
+    pv = prv["prv"].to_numpy(dtype=np.float64)
+    y_sorted = ~np.isnan(nx) & (nx - t <= horizon_s)
+    keep_sorted = np.isnan(pv) | (t - pv > settle_s)
+    y = np.zeros(n, np.int8)
+    keep = np.zeros(n, bool)
+    y[rows["i"].to_numpy()] = y_sorted
+    keep[rows["i"].to_numpy()] = keep_sorted
+    return y, keep
 
 
 def _tune_threshold(scored: pd.DataFrame, labels: pd.DataFrame, horizon_s: float,

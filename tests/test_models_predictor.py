@@ -183,3 +183,24 @@ def test_cli_errors_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFixtu
     data.labels.drop(columns="cause").to_csv(d / "labels.csv", index=False)
     assert main(["models", "eval", "--data", str(d), "--report", str(tmp_path / "r")]) == 2
     assert "cause" in capsys.readouterr().err
+
+
+def test_cli_retrains_on_a_collector_style_store_and_ranks_events(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from forewarn.models.lemon import simulate_events
+
+    data = simulate_fleet(_params(seed=61, nodes=3))
+    day = tmp_path / "store" / "telemetry" / "date=2026-01-01"
+    day.mkdir(parents=True)
+    data.samples.to_parquet(day / "part-0.parquet", index=False)
+    data.xids.to_parquet(tmp_path / "store" / "xids.parquet", index=False)
+    assert main(["models", "train", "--data", str(tmp_path / "store"), "--out",
+                 str(tmp_path / "own.skops"), "--threshold", "0.5"]) == 0
+    assert "found in the telemetry" in capsys.readouterr().err
+    assert load_model(tmp_path / "own.skops").threshold == 0.5
+    events = tmp_path / "events.csv"
+    simulate_events(nodes=16, days=120, seed=1).to_csv(events, index=False)
+    assert main(["models", "rank", "--events", str(events), "--days", "14", "--top", "5",
+                 "--out", str(tmp_path / "ranked.csv")]) == 0
+    out = capsys.readouterr().out
+    assert "risk of a hard failure in 14 days" in out and "nodes:" in out

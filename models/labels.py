@@ -1,0 +1,55 @@
+"""Failure labels from a fleet's own telemetry, for retraining without a failure log.
+
+A failure is the first of: a fatal XID (48 double-bit ECC, 64 remap failure, 74 NVLink,
+79 off the bus, 95 uncontained ECC, 119/120 GSP; REFERENCE.md XID classes), a sample whose
+``state`` is not ``ok`` (GPU lost / reset required), or a new uncorrectable ECC error or
+uncorrectable row remap. Events on one GPU within ``dedup_s`` of a kept one are the same
+failure. ``had_precursor`` is unknown for real data and set true (it only splits recall).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import numpy as np
+import pandas as pd
+
+from forewarn.models.schema import validate_samples, validate_xids
+
+__all__ = ["FATAL_XIDS", "labels_from_telemetry"]
+
+FATAL_XIDS: Final = (48, 64, 74, 79, 95, 119, 120)
+
+
+def labels_from_telemetry(samples: pd.DataFrame, xids: pd.DataFrame | None = None,
+                          dedup_s: float = 86400.0) -> pd.DataFrame:
+    """Failure labels (``node, gpu, time, cause, had_precursor``) found in telemetry."""
+    s = validate_samples(samples).sort_values(["node", "gpu", "time"], kind="stable")
+    parts = []
+    if "state" in s.columns:
+        bad = s[s["state"].astype(str) != "ok"]
+        parts.append(bad[["node", "gpu", "time"]].assign(cause="gpu_" + bad["state"].astype(str)))
+    for col, cause in (("ecc_uncorrected_volatile", "dbe"),
+                       ("remapped_rows_uncorrectable", "remap_uncorrectable")):
+        if col in s.columns:
+            v = pd.to_numeric(s[col], errors="coerce")
+            inc = v.groupby([s["node"], s["gpu"]]).diff() > 0
+            parts.append(s.loc[inc, ["node", "gpu", "time"]].assign(cause=cause))
+    if xids is not None and len(xids):
+        x = validate_xids(xids)
+        x = x[x["code"].isin(FATAL_XIDS)]
+        parts.append(x[["node", "gpu", "time"]].assign(cause="xid:" + x["code"].astype(str)))
+    ev = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(
+        columns=["node", "gpu", "time", "cause"])
+    if ev.empty:
+        return ev.assign(had_precursor=pd.Series(dtype=bool))
+    ev = ev.sort_values(["node", "gpu", "time"], kind="stable", ignore_index=True)
+    # Keep an event when it is the GPU's first or comes dedup_s after the last kept one.
+    kept = np.zeros(len(ev), bool)
+    last: dict[tuple[str, int], float] = {}
+    for i, (node, gpu, t) in enumerate(zip(ev["node"], ev["gpu"], ev["time"], strict=True)):
+        k = (str(node), int(gpu))
+        if k not in last or t - last[k] > dedup_s:
+            kept[i] = True
+            last[k] = float(t)
+    return ev.loc[kept].assign(had_precursor=True).reset_index(drop=True)
