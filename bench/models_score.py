@@ -69,6 +69,8 @@ def bench_scoring(model_path: str | None, gpus: int, minutes: int) -> dict[str, 
         "cpu_share_observe_one_sample_per_gpu_per_10s":
             round(observe_s / (gpus * minutes) * gpus / 10.0, 4),
         "findings_last_call": len(findings),
+        "scorer_state_mib": round((scorer._ring.nbytes + scorer._cur.nbytes
+                                   + scorer._first.nbytes) / 2**20, 1),
     }
 
 
