@@ -140,6 +140,17 @@ def test_separate_xid_file_and_node_selection(tmp_path: Path) -> None:
     assert [(x.code, x.gpu, x.pci_bus_id, x.text) for x in xids] == [
         (79, None, "0000:3b:00", ""), (48, 1, "", "DBE")]
     assert not backend.simulated and xids[0].source == "replay"
+    # An events file with no events for this node (or none at all) means no XIDs, not an error.
+    pd.DataFrame([{"node": "x", "gpu": 0, "time": REC0, "xid": 13},
+                  {"node": "y", "gpu": 0, "time": REC0, "xid": 13}]).to_csv(
+        tmp_path / "other.xid.csv", index=False)
+    pd.DataFrame(columns=["node", "gpu", "time", "xid"]).to_csv(tmp_path / "empty.xid.csv",
+                                                               index=False)
+    for events in ("other.xid.csv", "empty.xid.csv"):
+        quiet = ReplayBackend(tmp_path / "two.csv", node="b", xid_path=tmp_path / events,
+                              retime=False, clock=StepClock(NOW0))
+        quiet.open()
+        assert len(quiet.sample(NOW0 + 10)) == 6 and quiet.drain_xids() == []
 
 
 def test_unknown_columns_are_ignored_and_listed(tmp_path: Path) -> None:

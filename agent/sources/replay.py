@@ -317,8 +317,10 @@ class ReplayBackend:
         self._cursor = self._xid_cursor = 0
         return [infos[g] for g in sorted(infos)]
 
-    def _select_node(self, df: Any, path: Path) -> Any:
+    def _select_node(self, df: Any, path: Path, *, events: bool = False) -> Any:
         nodes = sorted({str(x) for x in df["node"].dropna().unique()})
+        if events and self.node is not None and self.node not in nodes and len(nodes) != 1:
+            return df.iloc[0:0]  # an events file with none for this node: no XIDs, no error
         if self.node is not None:
             if self.node not in nodes and len(nodes) == 1:
                 # A one-node recording is played as this node (the agent passes its name).
@@ -345,7 +347,9 @@ class ReplayBackend:
 
     def _file_xids(self, path: Path) -> list[tuple[float, int | None, int, str, str]]:
         df = read_recording(path, required=("node", "time", "xid"))
-        df = self._select_node(df, path)
+        df = self._select_node(df, path, events=True)
+        if len(df) == 0:
+            return []
         keep = [c for c in ("node", "gpu", "time", "xid", "xid_text", "pci_bus_id")
                 if c in df.columns]
         csv = not path.name.lower().endswith((".parquet", ".pq"))
