@@ -51,6 +51,8 @@ class Options:
     spool_max_bytes: int = 128 * 1024
     """Spool bound in the spool-full scenario: a few batches (4 simulated GPUs with 18
     NVLinks each make batches of ~40 KB at the default intervals), so a cut overflows it."""
+    disk_full_s: float = 3.0
+    """How long the spool's file system refuses writes in the spool-full scenario."""
     step_seconds: float = 0.04
     """Padding per training step (the job's compute stand-in)."""
     checkpoint_every: int = 40
@@ -169,6 +171,10 @@ class _Agent:
 
     def stop(self) -> int | None:
         return self.lab.procs.stop(self.name)
+
+    @property
+    def pid(self) -> int:
+        return self.lab.procs.procs[self.name].pid
 
     def metric(self, name: str, **labels: str) -> float | None:
         return scrape(self.url + "/metrics", name, labels)

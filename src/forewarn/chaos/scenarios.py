@@ -501,6 +501,7 @@ def _finish_telemetry(lab: Lab, rig: TelemetryRig, out: Outcome,
                    f"{acc.as_dict()['missing_seqs']}")
         out.expect(not miss or miss[-1] < acc.produced_batches - 1,
                    "the newest batches were not kept")
+        out.expect(not acc.gaps, f"sample gaps outside the overflow: {acc.gaps[:3]}")
         out.expect(dropped > 0, "the spool never overflowed (bound too large for the cut?)")
         out.lost = (f"{acc.lost_batches} of {acc.produced_batches} batches, every one "
                     f"counted in forewarn_uplink_dropped_batches_total")
@@ -596,10 +597,18 @@ def _sizes(path: Path, pattern: str) -> list[int]:
 
 
 def spool_full(lab: Lab, out: Outcome) -> None:
+    """Two ways a spool fills. (1) The bound: a cut-off longer than ``spool_max_bytes``
+    holds (the agent's own defense against filling the disk). (2) The file system
+    refuses writes: the agent process gets ``RLIMIT_FSIZE`` 0 (every write that grows a
+    file fails with EFBIG, the same ``OSError`` path as ENOSPC on a full disk; no root or
+    tiny tmpfs needed), then its limit is lifted again."""
+    import resource
+
     o = lab.options
     bound = o.spool_max_bytes
     rig = lab.telemetry("spool-full", spool_max_bytes=bound)
     wait_until(lambda: rig.stored_batches() >= 5, 30)
+    # (1) the bound
     rig.proxy.cut(refuse=True)
     t_cut = time.time()
     peak = 0.0
@@ -613,21 +622,43 @@ def spool_full(lab: Lab, out: Outcome) -> None:
         dropped = rig.agent.metric("forewarn_uplink_dropped_batches_total") or 0.0
         time.sleep(0.5)
     rig.proxy.restore()
+    t_restored = time.time()
     drained = _settle(rig, out, "after the cut ended")
     # The spool keeps the newest batch even when it alone is over the bound, so it may
     # pass the bound by one batch between a seal and the drop.
     out.expect(peak <= bound + biggest, f"spool reached {int(peak)} bytes, bound {bound} "
                f"plus one batch ({biggest})")
+    # (2) the file system refuses writes
+    pid = rig.agent.pid
+    soft, hard = resource.prlimit(pid, resource.RLIMIT_FSIZE)
+    errors0 = rig.agent.metric("forewarn_uplink_spool_write_errors_total") or 0.0
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (0, hard))
+    t_full = time.time()
+    time.sleep(o.disk_full_s)
+    resource.prlimit(pid, resource.RLIMIT_FSIZE, (soft, hard))
+    t_free = time.time()
+    write_errors = (rig.agent.metric("forewarn_uplink_spool_write_errors_total") or 0.0) - errors0
+    out.expect(write_errors > 0, "no spool write failed while the file system refused writes")
+    _settle(rig, out, "after the file system took writes again")
+    lost_samples = rig.agent.metric("forewarn_uplink_dropped_samples_total") or 0.0
+    out.expect(lost_samples == 0, f"{lost_samples} samples dropped from memory")
     out.detected = (f"agent: spool held at its bound ({int(peak)} of {bound} bytes peak), "
-                    f"{int(dropped)} oldest batches dropped and counted")
+                    f"{int(dropped)} oldest batches dropped and counted; then "
+                    f"{int(write_errors)} spool writes failed (EFBIG) and were retried")
     out.detection_s = drained
-    out.action = ("oldest batches dropped at the spool bound (spool_max_bytes: the agent's "
-                  "defense against filling the disk), newest kept and replayed")
+    out.action = ("(1) oldest batches dropped at the spool bound (spool_max_bytes), newest "
+                  "kept and replayed; (2) records kept in memory while the disk refused "
+                  "writes, sealed and sent once it took them again")
     out.figures.update(spool_max_bytes=bound, spool_peak_bytes=int(peak), cut_s=cut_s,
-                       batch_bytes=biggest)
+                       batch_bytes=biggest, disk_full_s=_r(t_free - t_full),
+                       spool_write_errors=int(write_errors),
+                       samples_dropped_from_memory=int(lost_samples))
     n = rig.stored_batches()
     wait_until(lambda: rig.stored_batches() >= n + 4, 30)
-    _finish_telemetry(lab, rig, out, excused=[], expect_drops=True)
+    _finish_telemetry(lab, rig, out, excused=[(t_cut - 1.0, t_restored + 1.0)],
+                      expect_drops=True)
+    out.lost += ("; nothing while the disk refused writes (no sample gap outside the "
+                 "cut-off)")
 
 
 # --------------------------------------------------------------------------- registry
@@ -679,7 +710,8 @@ SCENARIOS: tuple[Scenario, ...] = (
              agent_cut_off),
     Scenario("spool_full", "telemetry",
              "a cut-off longer than the spool can hold: the spool stays at its bound, the "
-             "oldest batches are dropped and every drop is counted; the newest arrive",
+             "oldest batches are dropped and every drop is counted, the newest arrive; then "
+             "the file system refuses writes (EFBIG): records wait in memory, none lost",
              spool_full),
 )
 
