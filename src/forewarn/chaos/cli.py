@@ -8,7 +8,8 @@ checks it; the table says what was detected, how fast, what action ran and what 
 The exit status is 1 if any scenario failed its expectation.
 
 The agent cut-off lasts ``--cutoff-s`` (default 120 s: "minutes"); the whole default run
-takes about four minutes. Ctrl-C stops everything it started.
+takes about four and a half minutes (4 min 24 s measured on 2 shared cores), about two
+and a half with ``--cutoff-s 12``. Ctrl-C stops everything it started.
 """
 
 from __future__ import annotations
