@@ -7,34 +7,19 @@ the token file path replaced, so the example is what gets tested.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
 import pytest
 
-
-def _load_alert_helpers() -> ModuleType:
-    """The service helpers of test_alerts.py (tests are not a package: load by path)."""
-    path = Path(__file__).with_name("test_alerts.py")
-    spec = importlib.util.spec_from_file_location("forewarn_tests_alerts", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-helpers = _load_alert_helpers()
+from support.collector import ALERT_TOKEN, ranks_on, start_service, stop_service
 
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or "/usr/bin/prometheus-alertmanager"
 EXAMPLE = Path(__file__).resolve().parent.parent / "deploy" / "alertmanager.yml"
@@ -52,9 +37,9 @@ def free_port() -> int:
 
 @pytest.fixture
 def alertmanager(tmp_path: Path) -> Iterator[tuple[str, Any]]:
-    svc = helpers.start_service(tmp_path)
+    svc = start_service(tmp_path)
     token_file = tmp_path / "forewarn-alert-token"
-    token_file.write_text(helpers.ALERT_TOKEN + "\n")
+    token_file.write_text(ALERT_TOKEN + "\n")
     token_file.chmod(0o600)
     config = EXAMPLE.read_text()
     assert "http://forewarn-collector:9404" in config
@@ -91,14 +76,14 @@ def alertmanager(tmp_path: Path) -> Iterator[tuple[str, Any]]:
             proc.kill()
             proc.wait()
         log.close()
-        helpers.stop_service(svc)
+        stop_service(svc)
 
 
 def test_alertmanager_alert_becomes_checkpoint_order(alertmanager: tuple[str, Any]) -> None:
     url, svc = alertmanager
     now = time.time()
-    svc.push("node1", ranks=helpers.ranks_on("node1", 0, now))
-    svc.push("node2", ranks=helpers.ranks_on("node2", 2, now))
+    svc.push("node1", ranks=ranks_on("node1", 0, now))
+    svc.push("node2", ranks=ranks_on("node2", 2, now))
     svc.push("node3")
     alert = [{
         "labels": {"alertname": "ForewarnGpuXidFatal", "node": "node2", "gpu": "1",

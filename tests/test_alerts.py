@@ -3,29 +3,19 @@ service (uvicorn on loopback, SQLite) to checkpoint orders on every node of the 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from forewarn.collector.alerts import alert_findings, parse_alerts
-from forewarn.collector.app import create_app
-from forewarn.collector.auth import TokenRegistry
-from forewarn.collector.cli import ServerThread
-from forewarn.collector.config import CollectorConfig
 from forewarn.collector.jobview import RankTable, node_of_instance
-from forewarn.collector.policy_service import PolicyService
-from forewarn.collector.store import Store
-from forewarn.wire import AgentBatch, CheckpointReport, Health, RankSummary, encode
+from forewarn.wire import CheckpointReport, Health, RankSummary
 
-ALERT_TOKEN = "alert-token-0123456789"
-TOKENS = {"node1": "token-one-0123456789", "node2": "token-two-0123456789",
-          "node3": "token-three-0123456789"}
+from support.collector import ALERT_TOKEN, Service, ranks_on, start_service, stop_service
 
 
 def am_payload(*alerts: dict[str, Any], status: str = "firing") -> dict[str, Any]:
@@ -88,60 +78,6 @@ def test_malformed_bodies(body: bytes) -> None:
 
 
 # -- through the service ---------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Service:
-    server: ServerThread
-    store: Store
-    client: httpx.Client
-    seq: dict[str, int]
-
-    def push(self, node: str, **kw: Any) -> None:
-        seq = self.seq.get(node, 0)
-        self.seq[node] = seq + 1
-        b = AgentBatch(node=node, agent_id=f"agent-{node}", seq=seq, created=time.time(), **kw)
-        r = self.client.post("/api/v1/ingest", content=encode(b), headers={
-            "content-type": "application/msgpack", "authorization": f"Bearer {TOKENS[node]}"})
-        assert r.status_code == 200, r.text
-
-    def commands(self, node: str, wait: float = 0.0) -> list[dict[str, Any]]:
-        r = self.client.get("/api/v1/commands", params={"node": node, "wait": wait},
-                            headers={"authorization": f"Bearer {TOKENS[node]}"})
-        assert r.status_code == 200, r.text
-        result: list[dict[str, Any]] = r.json()
-        return result
-
-    def alert(self, path: str = "alertmanager", token: str | None = ALERT_TOKEN,
-              **kw: Any) -> httpx.Response:
-        headers = {} if token is None else {"authorization": f"Bearer {token}"}
-        return self.client.post(f"/api/v1/alerts/{path}", headers=headers, **kw)
-
-
-def start_service(tmp_path: Path, **overrides: Any) -> Service:
-    cfg = CollectorConfig(listen="127.0.0.1:0", data_dir=tmp_path / "data",
-                          tokens_file=tmp_path / "none.toml", flush_interval_s=3600,
-                          **{"alert_token": ALERT_TOKEN, **overrides})
-    store = Store(cfg.db_path)
-    app = create_app(cfg, store, policy=PolicyService.from_config(cfg),
-                     tokens=TokenRegistry(tokens=TOKENS))
-    server = ServerThread(app, cfg).start()
-    return Service(server, store, httpx.Client(base_url=server.url, timeout=30), {})
-
-
-def stop_service(svc: Service) -> None:
-    svc.client.close()
-    svc.server.stop()
-    svc.store.close()
-
-
-def ranks_on(node: str, first_rank: int, now: float) -> list[RankSummary]:
-    """Two ranks of job train-1 on ``node``, last checkpointed an hour ago."""
-    return [RankSummary(job="train-1", rank=first_rank + g, world_size=4, node=node, gpu=g,
-                        pid=100 + first_rank + g, last_step=500, last_step_time=now,
-                        step_seconds_p50=0.2, last_checkpoint_step=100,
-                        last_checkpoint_time=now - 3600, checkpoint_seconds=30.0)
-            for g in range(2)]
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ webhook reaches a test receiver and its signature verifies.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -19,7 +18,6 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import httpx
@@ -27,6 +25,8 @@ import pytest
 
 from forewarn.collector.auth import add_token
 from forewarn.collector.webhooks import WebhookVerifier
+
+from support.webhooks import Receiver
 
 SECRET = "e2e-webhook-secret"
 JOB = "e2e-job"
@@ -61,16 +61,6 @@ FAILING = ('name = "gpu1-off-the-bus"\ngpus = 2\nseed = 2\n\n[[faults]]\ngpu = 1
            'kind = "sudden"\nxid = 79\nstart_s = {start}\nduration_s = 1\n')
 
 
-def _load(name: str) -> ModuleType:
-    path = Path(__file__).with_name(name)
-    spec = importlib.util.spec_from_file_location(f"forewarn_tests_{path.stem}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -90,7 +80,7 @@ def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
 
 @pytest.mark.timeout(180)
 def test_failure_on_node2_gpu1_checkpoints_every_rank_at_one_step(tmp_path: Path) -> None:
-    receiver = _load("test_webhooks.py").Receiver()
+    receiver = Receiver()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     tokens = tmp_path / "tokens.toml"

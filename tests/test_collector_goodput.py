@@ -6,12 +6,9 @@ rank, resume step)."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -29,21 +26,10 @@ from forewarn.wire import (
     SuggestedAction,
 )
 
-
-def _load(name: str) -> ModuleType:
-    path = Path(__file__).with_name(name)
-    spec = importlib.util.spec_from_file_location(f"forewarn_tests_{path.stem}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-helpers = _load("test_collector_predict.py")  # the service on loopback with a test clock
+from support.collector import NODE, Clock, start_clocked, stop_service
+from support.polling import poll
 
 JOB = "train-g"
-NODE = helpers.NODE
 T0 = 1_767_225_600.0
 MTBF_H = 20_000.0
 
@@ -134,12 +120,10 @@ def test_checkpoint_in_summaries_is_not_taken_out_of_useful_time() -> None:
 
 @pytest.fixture
 def running(tmp_path: Path) -> Iterator[Any]:
-    svc = helpers.start(tmp_path, helpers.Clock(T0), predictor_enabled=False,
+    svc = start_clocked(tmp_path, Clock(T0), predictor_enabled=False,
                         goodput_gpu_mtbf_h=MTBF_H)
     yield svc
-    svc.client.close()
-    svc.server.stop()
-    svc.store.close()
+    stop_service(svc)
 
 
 def test_rollback_and_restart_through_the_collector(running: Any) -> None:
@@ -152,7 +136,7 @@ def test_rollback_and_restart_through_the_collector(running: Any) -> None:
         rows: list[dict[str, object]] = svc.get("/api/v1/goodput", job=JOB)
         return rows if rows and rows[0]["last_step"] == 120 else None
 
-    rows = helpers.wait_for(settled)
+    rows = poll(settled)
     assert rows, svc.get("/api/v1/goodput")
     row = rows[0]
     assert row["lost_s"] == pytest.approx(EXPECTED)
@@ -179,7 +163,7 @@ def test_rollback_and_restart_through_the_collector(running: Any) -> None:
 
 
 def test_goodput_api_honours_the_read_token(tmp_path: Path) -> None:
-    svc = helpers.start(tmp_path, helpers.Clock(T0), predictor_enabled=False,
+    svc = start_clocked(tmp_path, Clock(T0), predictor_enabled=False,
                         api_token="reader-token-0123")
     try:
         assert svc.client.get("/api/v1/goodput").status_code == 401
@@ -187,9 +171,7 @@ def test_goodput_api_honours_the_read_token(tmp_path: Path) -> None:
                            headers={"authorization": "Bearer reader-token-0123"})
         assert r.status_code == 200 and r.json() == []
     finally:
-        svc.client.close()
-        svc.server.stop()
-        svc.store.close()
+        stop_service(svc)
 
 
 @pytest.mark.timeout(120)
@@ -203,8 +185,8 @@ def test_status_page_shows_goodput_and_advice(running: Any,
     for b in timeline():
         svc.clock.t = b.created
         svc.push(**{k: getattr(b, k) for k in ("urgent", "ranks", "checkpoints", "findings")})
-    assert helpers.wait_for(lambda: (r := svc.get("/api/v1/goodput", job=JOB))
-                            and r[0]["last_step"] == 120)
+    assert poll(lambda: (r := svc.get("/api/v1/goodput", job=JOB))
+                and r[0]["last_step"] == 120)
     args = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
             "--disable-background-networking", "--disable-component-update"]
     with sync_api.sync_playwright() as pw:

@@ -15,52 +15,34 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import pandas as pd
 import pytest
 
-from forewarn.collector.app import create_app
-from forewarn.collector.auth import TokenRegistry
-from forewarn.collector.cli import ServerThread
 from forewarn.collector.config import CollectorConfig
 from forewarn.collector.policy_service import PolicyService
-from forewarn.collector.store import Store
 from forewarn.config import ConfigError
 from forewarn.models.features import FEATURE_NAMES, gpu_features
 from forewarn.models.fleetsim import FleetData, load_params, simulate_fleet
 from forewarn.models.persist import default_model_path, load_model, save_model
 from forewarn.models.predictor import FailurePredictor, fit_table
 from forewarn.wire import (
-    AgentBatch,
     GpuSample,
     GpuState,
     NvlinkCounters,
     RankSummary,
     XidEvent,
-    encode,
 )
 
-NODE = "node0000"
-TOKENS = {NODE: "token-node0000-0123456789"}
+from support.collector import NODE, Clock, ClockedService, start_clocked, stop_service
+from support.polling import poll
+
 JOB = "train-p"
 CHECK = "models.failure_predictor"
-
-
-class Clock:
-    """The collector's clock, moved by the test (simulated telemetry is in the past)."""
-
-    def __init__(self, t: float) -> None:
-        self.t = t
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @dataclasses.dataclass
@@ -145,68 +127,14 @@ def _samples(rows: pd.DataFrame) -> list[GpuSample]:
     return out
 
 
-@dataclasses.dataclass
-class Service:
-    server: ServerThread
-    store: Store
-    client: httpx.Client
-    clock: Clock
-    seq: int = 0
-
-    def push(self, **kw: Any) -> None:
-        b = AgentBatch(node=NODE, agent_id="agent-0", seq=self.seq, created=self.clock(), **kw)
-        self.seq += 1
-        r = self.client.post("/api/v1/ingest", content=encode(b), headers={
-            "content-type": "application/msgpack", "authorization": f"Bearer {TOKENS[NODE]}"})
-        assert r.status_code == 200, r.text
-
-    def get(self, path: str, **params: Any) -> Any:
-        r = self.client.get(path, params=params)
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    def metric(self, name: str, **labels: str) -> float | None:
-        """One sample of the exposition (labels matched exactly, in any order)."""
-        for line in self.client.get("/metrics").text.splitlines():
-            m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})? (\S+)$", line)
-            if m is None or m.group(1) != name:
-                continue
-            got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-            if got == labels:
-                return float(m.group(3))
-        return None
-
-
-def wait_for(fn: Any, timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.02)
-
-
-def start(tmp_path: Path, clock: Clock, **overrides: Any) -> Service:
-    cfg = CollectorConfig(listen="127.0.0.1:0", data_dir=tmp_path / "data",
-                          tokens_file=tmp_path / "none.toml", flush_interval_s=3600,
-                          **overrides)
-    store = Store(cfg.db_path)
-    app = create_app(cfg, store, policy=PolicyService.from_config(cfg),
-                     tokens=TokenRegistry(tokens=TOKENS), clock=clock)
-    server = ServerThread(app, cfg).start()
-    return Service(server, store, httpx.Client(base_url=server.url, timeout=30), clock)
-
-
 @pytest.fixture
-def running(tmp_path: Path, case: Case) -> Iterator[Service]:
+def running(tmp_path: Path, case: Case) -> Iterator[ClockedService]:
     # Batches are a minute of telemetry apart, so each one is due for scoring; the real-time
     # timer (same period) would score between a clock move and its batch: 60 s keeps it out.
-    svc = start(tmp_path, Clock(case.start), model_path=case.model_path,
-                predict_interval_s=60.0)
+    svc = start_clocked(tmp_path, Clock(case.start), model_path=case.model_path,
+                        predict_interval_s=60.0)
     yield svc
-    svc.client.close()
-    svc.server.stop()
-    svc.store.close()
+    stop_service(svc)
 
 
 def _ranks(gpus: list[int], now: float) -> list[RankSummary]:
@@ -217,7 +145,7 @@ def _ranks(gpus: list[int], now: float) -> list[RankSummary]:
                         checkpoint_seconds=30.0) for i, g in enumerate(gpus)]
 
 
-def replay(svc: Service, c: Case, until: float,
+def replay(svc: ClockedService, c: Case, until: float,
            highest: dict[int, float] | None = None) -> dict[str, Any]:
     """Send the chosen GPUs' telemetry minute by minute up to ``until``; after each batch
     the collector's clock is one second past the minute and the batch is scored. Returns
@@ -235,7 +163,8 @@ def replay(svc: Service, c: Case, until: float,
         xids = [XidEvent(node=NODE, gpu=int(r.gpu), code=int(r.xid), time=float(r.time),
                          source="sim", simulated=True) for r in xr.itertuples()]
         svc.push(samples=_samples(rows), xids=xids, ranks=_ranks(c.gpus[:2], svc.clock.t))
-        risk = wait_for(lambda: (r := svc.get("/api/v1/risk"))["time"] == svc.clock.t and r)
+        risk = poll(lambda: (r := svc.get("/api/v1/risk"))["time"] == svc.clock.t and r,
+                    interval=0.02)
         assert risk, f"batch of minute {minute} not scored"
         mine = [g for g in risk["gpus"] if g["gpu"] == c.gpu]
         for g in risk["gpus"]:
@@ -248,7 +177,7 @@ def replay(svc: Service, c: Case, until: float,
     return first
 
 
-def test_precursor_becomes_a_stored_exported_probability_finding(running: Service,
+def test_precursor_becomes_a_stored_exported_probability_finding(running: ClockedService,
                                                                  case: Case) -> None:
     svc, c = running, case
     highest: dict[int, float] = {}

@@ -4,32 +4,19 @@ and a drain command run as an argument list; deliveries and actions are stored."
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
-from typing import Any
 
 from forewarn.collector.webhooks import WebhookVerifier
 from forewarn.wire import Finding, Health, Subject, SuggestedAction
 
+from support.collector import ranks_on, start_service, stop_service
+from support.polling import poll
+from support.webhooks import Receiver
+
 SECRET = "webhook-secret-for-tests"
-
-
-def _load(name: str) -> ModuleType:
-    path = Path(__file__).with_name(name)
-    spec = importlib.util.spec_from_file_location(f"forewarn_tests_{path.stem}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-alerts = _load("test_alerts.py")  # service helpers
-hooks = _load("test_webhooks.py")  # the loopback webhook receiver
 
 
 def recorder(tmp_path: Path) -> tuple[str, ...]:
@@ -42,26 +29,17 @@ def recorder(tmp_path: Path) -> tuple[str, ...]:
     return (sys.executable, str(script), "nodename={node}", "reason={reason}")
 
 
-def wait_for(fn: Any, timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = fn()
-        if value or time.monotonic() > deadline:
-            return value
-        time.sleep(0.05)
-
-
 def test_finding_to_orders_signed_webhook_and_drain(tmp_path: Path) -> None:
-    receiver = hooks.Receiver()
-    svc = alerts.start_service(
+    receiver = Receiver()
+    svc = start_service(
         tmp_path, webhook_urls=(receiver.url,), webhook_slack_urls=(receiver.url + "/slack",),
         webhook_secret=SECRET, drain_command=recorder(tmp_path), drain_enabled=True,
         policy_breaker_drain_share=1.0,
     )
     try:
         now = time.time()
-        svc.push("node1", ranks=alerts.ranks_on("node1", 0, now))
-        svc.push("node2", ranks=alerts.ranks_on("node2", 2, now))
+        svc.push("node1", ranks=ranks_on("node1", 0, now))
+        svc.push("node2", ranks=ranks_on("node2", 2, now))
         bad = Finding(check="gpu_lost", health=Health.UNHEALTHY, action=SuggestedAction.DRAIN,
                       subject=Subject(kind="gpu", node="node2", gpu=1), time=now,
                       reason="GPU 1 lost (NVML_ERROR_GPU_IS_LOST); $(reboot)")
@@ -71,7 +49,7 @@ def test_finding_to_orders_signed_webhook_and_drain(tmp_path: Path) -> None:
         assert len(orders) == 2 and len({(o["request_id"], o["step"]) for o in orders}) == 1
 
         # webhooks: the signed JSON verifies, names the order; the Slack form arrives too
-        assert wait_for(lambda: len(receiver.requests) >= 2)
+        assert poll(lambda: len(receiver.requests) >= 2)
         by_path = {("blocks" in json.loads(b)): (h, b) for h, b in receiver.requests}
         headers, body = by_path[False]
         WebhookVerifier(SECRET.encode()).verify(body, headers)
@@ -82,7 +60,7 @@ def test_finding_to_orders_signed_webhook_and_drain(tmp_path: Path) -> None:
 
         # the drain ran as an argument list, with the reason sanitised
         drained = tmp_path / "drained.jsonl"
-        assert wait_for(drained.exists)
+        assert poll(drained.exists)
         assert [json.loads(line) for line in drained.read_text().splitlines()] == [
             ["nodename=node2", "reason=GPU 1 lost NVML_ERROR_GPU_IS_LOST reboot"]]
 
@@ -92,8 +70,8 @@ def test_finding_to_orders_signed_webhook_and_drain(tmp_path: Path) -> None:
                 out.setdefault(a["kind"], []).append(a["status"])
             return out
 
-        assert wait_for(lambda: statuses().get("webhook_delivery") == ["delivered"] * 2
-                        and statuses().get("drain") == ["done"])
+        assert poll(lambda: statuses().get("webhook_delivery") == ["delivered"] * 2
+                    and statuses().get("drain") == ["done"])
         got = statuses()
         assert got["checkpoint"] == ["ordered"] and got["webhook"] == ["queued"]
         metrics = svc.client.get("/metrics").text
@@ -101,36 +79,36 @@ def test_finding_to_orders_signed_webhook_and_drain(tmp_path: Path) -> None:
         assert 'forewarn_collector_decisions_total{action="drain",outcome="act"} 1.0' in metrics
         assert 'forewarn_collector_checkpoint_orders_total{event="issued"} 1.0' in metrics
     finally:
-        alerts.stop_service(svc)
+        stop_service(svc)
         receiver.close()
 
 
 def test_injected_node_name_in_a_finding_runs_nothing(tmp_path: Path) -> None:
-    svc = alerts.start_service(tmp_path, drain_command=recorder(tmp_path), drain_enabled=True,
-                               policy_breaker_drain_share=1.0)
+    svc = start_service(tmp_path, drain_command=recorder(tmp_path), drain_enabled=True,
+                        policy_breaker_drain_share=1.0)
     try:
         evil = Finding(check="gpu_lost", health=Health.UNHEALTHY, action=SuggestedAction.DRAIN,
                        subject=Subject(kind="node", node="node1;reboot"), time=time.time(),
                        reason="x")
         svc.push("node1", urgent=True, findings=[evil])
-        actions = wait_for(lambda: [a for a in svc.client.get("/api/v1/actions").json()
-                                    if a["kind"] == "drain"])
+        actions = poll(lambda: [a for a in svc.client.get("/api/v1/actions").json()
+                                if a["kind"] == "drain"])
         assert [a["status"] for a in actions] == ["rejected"]
         assert "invalid node name" in actions[0]["detail"]
         assert not (tmp_path / "drained.jsonl").exists()
     finally:
-        alerts.stop_service(svc)
+        stop_service(svc)
 
 
 def test_shadow_mode_records_and_does_nothing(tmp_path: Path) -> None:
-    svc = alerts.start_service(tmp_path, policy_shadow=True, drain_command=recorder(tmp_path))
+    svc = start_service(tmp_path, policy_shadow=True, drain_command=recorder(tmp_path))
     try:
         now = time.time()
-        svc.push("node1", ranks=alerts.ranks_on("node1", 0, now))
+        svc.push("node1", ranks=ranks_on("node1", 0, now))
         f = Finding(check="gpu_lost", health=Health.UNHEALTHY, action=SuggestedAction.DRAIN,
                     subject=Subject(kind="gpu", node="node1", gpu=0), time=now, reason="lost")
         svc.push("node1", urgent=True, findings=[f])
-        assert wait_for(lambda: len(svc.client.get("/api/v1/decisions").json()) >= 3)
+        assert poll(lambda: len(svc.client.get("/api/v1/decisions").json()) >= 3)
         decisions = svc.client.get("/api/v1/decisions").json()
         assert {d["decision"] for d in decisions} == {
             "checkpoint:shadow", "webhook:shadow", "drain:shadow"}
@@ -140,4 +118,4 @@ def test_shadow_mode_records_and_does_nothing(tmp_path: Path) -> None:
         assert svc.commands("node1") == []
         assert not (tmp_path / "drained.jsonl").exists()
     finally:
-        alerts.stop_service(svc)
+        stop_service(svc)

@@ -8,32 +8,18 @@ screenshot is saved and checked for size.
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import struct
-import sys
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from support.stack import JOB, NODE, running_stack
 
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
                  "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
-
-
-def _load(name: str) -> ModuleType:
-    path = Path(__file__).with_name(name)
-    spec = importlib.util.spec_from_file_location(f"forewarn_tests_{path.stem}", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-stack_mod = _load("test_dashboards_prometheus.py")
 
 
 def png_size(data: bytes) -> tuple[int, int]:
@@ -51,10 +37,10 @@ def test_status_page_shows_unhealthy_gpu_and_checkpoint_order(
     chromium = require_binary("chromium")
     sync_api = pytest.importorskip("playwright.sync_api")
     shot = tmp_path / "status-page.png"
-    node, job = stack_mod.NODE, stack_mod.JOB
+    node, job = NODE, JOB
     # Three healthy ranks on GPUs 0..2; GPU 1's ECC storm ends in a double-bit error, GPU 2
     # runs hot: the collector's policy orders the job to checkpoint.
-    with stack_mod.running_stack(tmp_path, ranks=3, nan_rank=None, hang_rank=None) as stack, \
+    with running_stack(tmp_path, ranks=3, nan_rank=None, hang_rank=None) as stack, \
             sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
         try:

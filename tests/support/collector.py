@@ -1,0 +1,147 @@
+"""A real collector service for tests: the Starlette app under uvicorn on loopback
+(:class:`~forewarn.collector.cli.ServerThread`) with a real SQLite store, and a client that
+posts agent batches with a node's token.
+
+Two flavours: :class:`Service` (several nodes, wall clock, alert token set) and
+:class:`ClockedService` (one node, :data:`NODE`, on a :class:`Clock` moved by the test, for
+replaying simulated telemetry from the past)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from forewarn.collector.app import create_app
+from forewarn.collector.auth import TokenRegistry
+from forewarn.collector.cli import ServerThread
+from forewarn.collector.config import CollectorConfig
+from forewarn.collector.policy_service import PolicyService
+from forewarn.collector.store import Store
+from forewarn.wire import AgentBatch, RankSummary, encode
+
+__all__ = ["ALERT_TOKEN", "NODE", "NODE_TOKENS", "TOKENS", "Clock", "ClockedService",
+           "Service", "ranks_on", "serve", "start_clocked", "start_service", "stop_service"]
+
+ALERT_TOKEN = "alert-token-0123456789"
+TOKENS = {"node1": "token-one-0123456789", "node2": "token-two-0123456789",
+          "node3": "token-three-0123456789"}
+"""Agent tokens of :class:`Service`'s nodes."""
+NODE = "node0000"
+NODE_TOKENS = {NODE: "token-node0000-0123456789"}
+"""The agent token of :class:`ClockedService`'s one node."""
+
+
+def serve(tmp_path: Path, tokens: Mapping[str, str], clock: Callable[[], float] = time.time,
+          **overrides: Any) -> tuple[ServerThread, Store, httpx.Client]:
+    """The collector (data under ``tmp_path/data``, no periodic flush) with its policy,
+    started on a free loopback port, and a client for it."""
+    cfg = CollectorConfig(listen="127.0.0.1:0", data_dir=tmp_path / "data",
+                          tokens_file=tmp_path / "none.toml", flush_interval_s=3600,
+                          **overrides)
+    store = Store(cfg.db_path)
+    app = create_app(cfg, store, policy=PolicyService.from_config(cfg),
+                     tokens=TokenRegistry(tokens=dict(tokens)), clock=clock)
+    server = ServerThread(app, cfg).start()
+    return server, store, httpx.Client(base_url=server.url, timeout=30)
+
+
+@dataclasses.dataclass
+class Service:
+    server: ServerThread
+    store: Store
+    client: httpx.Client
+    seq: dict[str, int]
+
+    def push(self, node: str, **kw: Any) -> None:
+        seq = self.seq.get(node, 0)
+        self.seq[node] = seq + 1
+        b = AgentBatch(node=node, agent_id=f"agent-{node}", seq=seq, created=time.time(), **kw)
+        r = self.client.post("/api/v1/ingest", content=encode(b), headers={
+            "content-type": "application/msgpack", "authorization": f"Bearer {TOKENS[node]}"})
+        assert r.status_code == 200, r.text
+
+    def commands(self, node: str, wait: float = 0.0) -> list[dict[str, Any]]:
+        r = self.client.get("/api/v1/commands", params={"node": node, "wait": wait},
+                            headers={"authorization": f"Bearer {TOKENS[node]}"})
+        assert r.status_code == 200, r.text
+        result: list[dict[str, Any]] = r.json()
+        return result
+
+    def alert(self, path: str = "alertmanager", token: str | None = ALERT_TOKEN,
+              **kw: Any) -> httpx.Response:
+        headers = {} if token is None else {"authorization": f"Bearer {token}"}
+        return self.client.post(f"/api/v1/alerts/{path}", headers=headers, **kw)
+
+
+def start_service(tmp_path: Path, **overrides: Any) -> Service:
+    server, store, client = serve(tmp_path, TOKENS,
+                                  **{"alert_token": ALERT_TOKEN, **overrides})
+    return Service(server, store, client, {})
+
+
+def stop_service(svc: Service | ClockedService) -> None:
+    svc.client.close()
+    svc.server.stop()
+    svc.store.close()
+
+
+def ranks_on(node: str, first_rank: int, now: float) -> list[RankSummary]:
+    """Two ranks of job train-1 on ``node``, last checkpointed an hour ago."""
+    return [RankSummary(job="train-1", rank=first_rank + g, world_size=4, node=node, gpu=g,
+                        pid=100 + first_rank + g, last_step=500, last_step_time=now,
+                        step_seconds_p50=0.2, last_checkpoint_step=100,
+                        last_checkpoint_time=now - 3600, checkpoint_seconds=30.0)
+            for g in range(2)]
+
+
+class Clock:
+    """The collector's clock, moved by the test (simulated telemetry is in the past)."""
+
+    def __init__(self, t: float) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@dataclasses.dataclass
+class ClockedService:
+    server: ServerThread
+    store: Store
+    client: httpx.Client
+    clock: Clock
+    seq: int = 0
+
+    def push(self, **kw: Any) -> None:
+        b = AgentBatch(node=NODE, agent_id="agent-0", seq=self.seq, created=self.clock(), **kw)
+        self.seq += 1
+        r = self.client.post("/api/v1/ingest", content=encode(b), headers={
+            "content-type": "application/msgpack",
+            "authorization": f"Bearer {NODE_TOKENS[NODE]}"})
+        assert r.status_code == 200, r.text
+
+    def get(self, path: str, **params: Any) -> Any:
+        r = self.client.get(path, params=params)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        """One sample of the exposition (labels matched exactly, in any order)."""
+        for line in self.client.get("/metrics").text.splitlines():
+            m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})? (\S+)$", line)
+            if m is None or m.group(1) != name:
+                continue
+            got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+            if got == labels:
+                return float(m.group(3))
+        return None
+
+
+def start_clocked(tmp_path: Path, clock: Clock, **overrides: Any) -> ClockedService:
+    return ClockedService(*serve(tmp_path, NODE_TOKENS, clock, **overrides), clock)
