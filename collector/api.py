@@ -5,7 +5,6 @@ and the OpenAPI document. The routes are mounted by :func:`forewarn.collector.ap
 from __future__ import annotations
 
 import asyncio
-import hmac
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -14,9 +13,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from forewarn.collector.auth import parse_bearer
 from forewarn.collector.ingest import IngestError, finding_rows_json
 from forewarn.collector.jobs import job_detail, list_jobs
+from forewarn.collector.read_routes import check_reader, float_param, int_param
 from forewarn.wire import AgentBatch, Command, CommandAck, Finding
 
 if TYPE_CHECKING:
@@ -76,37 +75,6 @@ def agent_node(ctx: CollectorContext, request: Request) -> str:
         raise IngestError(401, "auth", "missing bearer token" if missing
                           else "token not recognised")
     return node
-
-
-def check_reader(ctx: CollectorContext, request: Request) -> None:
-    if not ctx.config.api_token:
-        return
-    token = parse_bearer(request.headers.get("authorization")) or ""
-    if not hmac.compare_digest(token.encode(), ctx.config.api_token.encode()):
-        raise IngestError(401, "auth", "read API: missing or wrong bearer token")
-
-
-def int_param(request: Request, name: str, default: int, lo: int, hi: int) -> int:
-    raw = request.query_params.get(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise IngestError(400, "decode", f"query parameter {name}: not an integer") from None
-    if not lo <= value <= hi:
-        raise IngestError(400, "decode", f"query parameter {name}: must be within {lo}..{hi}")
-    return value
-
-
-def float_param(request: Request, name: str) -> float | None:
-    raw = request.query_params.get(name)
-    if raw is None:
-        return None
-    try:
-        return float(raw)
-    except ValueError:
-        raise IngestError(400, "decode", f"query parameter {name}: not a number") from None
 
 
 def handled(fn: Callable[[Request], Any]) -> Callable[[Request], Any]:

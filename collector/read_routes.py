@@ -1,6 +1,7 @@
 """Read-API routes mounted through the policy seam (``GET /api/v1/risk``,
 ``GET /api/v1/goodput``): the same bearer-token rule as the app's own read API
-(``api_token`` when configured) and JSON answers encoded with msgspec.
+(``api_token`` when configured) and JSON answers encoded with msgspec. The query-parameter
+and read-token helpers here serve the app's own read API too (:mod:`forewarn.collector.api`).
 
 The handler runs on the policy thread (``ctx.run_policy``), so it reads the policy's state
 without locks; keep it cheap.
@@ -18,15 +19,29 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from forewarn.collector.auth import parse_bearer
+from forewarn.collector.ingest import IngestError
 
 if TYPE_CHECKING:
     from forewarn.collector.app import CollectorContext
 
-__all__ = ["policy_read_route"]
+__all__ = ["QueryError", "check_reader", "float_param", "int_param", "policy_read_route"]
 
 
-class QueryError(ValueError):
-    """A bad query parameter; answered with 400 and this message."""
+class QueryError(IngestError):
+    """A bad query parameter; answered with 400 and this message (counted as a ``decode``
+    rejection where the app's :func:`~forewarn.collector.api.handled` answers it)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(400, "decode", message)
+
+
+def check_reader(ctx: CollectorContext, request: Request) -> None:
+    """Refuse (401) a read without the configured ``api_token`` as bearer token."""
+    if not ctx.config.api_token:
+        return
+    token = parse_bearer(request.headers.get("authorization")) or ""
+    if not hmac.compare_digest(token.encode(), ctx.config.api_token.encode()):
+        raise IngestError(401, "auth", "read API: missing or wrong bearer token")
 
 
 def float_param(request: Request, name: str) -> float | None:
@@ -61,15 +76,14 @@ def policy_read_route(
 
     async def endpoint(request: Request) -> Response:
         ctx: CollectorContext = request.app.state.ctx
-        if ctx.config.api_token:
-            token = parse_bearer(request.headers.get("authorization")) or ""
-            if not hmac.compare_digest(token.encode(), ctx.config.api_token.encode()):
-                return JSONResponse({"error": "read API: missing or wrong bearer token"},
-                                    status_code=401)
+        try:
+            check_reader(ctx, request)
+        except IngestError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=exc.status)
         try:
             data = await ctx.run_policy(fn, ctx, request, ctx.clock())
         except QueryError as exc:
-            return JSONResponse({"error": str(exc)}, status_code=400)
+            return JSONResponse({"error": str(exc)}, status_code=exc.status)
         return Response(msgspec.json.encode(data), media_type="application/json")
 
     endpoint.__name__ = fn.__name__
