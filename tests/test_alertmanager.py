@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ import httpx
 import pytest
 
 from support.collector import ALERT_TOKEN, ranks_on, start_service, stop_service
+from support.polling import free_port
 
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or "/usr/bin/prometheus-alertmanager"
 EXAMPLE = Path(__file__).resolve().parent.parent / "deploy" / "alertmanager.yml"
@@ -27,12 +27,6 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "deploy" / "alertmanager.yml"
 pytestmark = pytest.mark.skipif(
     not Path(ALERTMANAGER).exists(), reason="prometheus-alertmanager is not installed"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

@@ -7,11 +7,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -21,6 +19,8 @@ from forewarn.collector.auth import add_token
 from forewarn.collector.metrics import CollectorMetrics
 from forewarn.collector.store import Store
 from forewarn.collector.telemetry import TelemetryWriter
+
+from support.polling import free_port, wait_for
 
 PRODUCER = r'''
 import sys, time
@@ -47,20 +47,6 @@ while len(up.spool):  # cut off at the end? keep trying until the collector took
     up.stop()
 print("done", up.spool.next_seq, flush=True)
 '''
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 60.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.mark.timeout(240)

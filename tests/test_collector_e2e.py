@@ -12,11 +12,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +23,7 @@ import pytest
 from forewarn.collector.auth import add_token
 from forewarn.collector.webhooks import WebhookVerifier
 
+from support.polling import free_port, wait_for
 from support.webhooks import Receiver
 
 SECRET = "e2e-webhook-secret"
@@ -59,23 +57,6 @@ m.close()
 HEALTHY = 'name = "healthy"\ngpus = 2\nseed = {seed}\n'
 FAILING = ('name = "gpu1-off-the-bus"\ngpus = 2\nseed = 2\n\n[[faults]]\ngpu = 1\n'
            'kind = "sudden"\nxid = 79\nstart_s = {start}\nduration_s = 1\n')
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 @pytest.mark.timeout(180)

@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -24,15 +23,9 @@ from forewarn.collector.config import CollectorConfig
 from forewarn.collector.store import Store
 from forewarn.wire import CheckpointOrder, GpuSample
 
+from support.polling import wait_for
+
 TOKEN = "sim-node-token-0123456789"
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 60.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.mark.timeout(180)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from support.polling import free_port
 
 SCENARIO = """
 name = "itest"
@@ -31,12 +32,6 @@ kind = "pcie_replay"
 start_s = 0
 duration_s = 20
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def get(url: str, timeout: float = 5) -> tuple[int, bytes]:

@@ -31,12 +31,14 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from support.polling import free_port, wait_for
 
 pytest.importorskip("torch")
 
@@ -58,23 +60,6 @@ def workroot() -> Iterator[Path]:
     yield root
     if not os.environ.get("FOREWARN_E2E_KEEP"):  # set it to inspect a failed run
         shutil.rmtree(root, ignore_errors=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_for(cond: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.05)
 
 
 class AgentProc:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -33,26 +32,14 @@ from forewarn.wire import (
     decode,
 )
 
+from support.polling import free_port, wait_for
+
 TOKEN = "node-a-token-0123456789"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def samples(node: str, t: float, gpus: int = 4) -> list[GpuSample]:
     return [GpuSample(node=node, gpu=g, time=t, source="sim", simulated=True,
                       temperature_c=50.0) for g in range(gpus)]
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.02)
 
 
 def metric(registry: CollectorRegistry, name: str, labels: dict[str, str] | None = None

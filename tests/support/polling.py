@@ -1,12 +1,21 @@
-"""Polling helpers for tests that wait on real processes and servers."""
+"""Helpers for tests that run real processes and servers on loopback: a free port, and
+polling until a condition holds."""
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["poll"]
+__all__ = ["free_port", "poll", "wait_for"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def poll(fn: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05) -> Any:
@@ -17,4 +26,18 @@ def poll(fn: Callable[[], Any], timeout: float = 20.0, interval: float = 0.05) -
         value = fn()
         if value or time.monotonic() > deadline:
             return value
+        time.sleep(interval)
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = 60.0, what: str = "a condition",
+             interval: float = 0.05) -> Any:
+    """Call ``cond`` every ``interval`` s until it returns something truthy, and return
+    that; fail naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
         time.sleep(interval)

@@ -14,7 +14,6 @@ import http.server
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from forewarn.collector.auth import add_token
+
+from support.polling import free_port
 
 __all__ = ["CLUSTER", "DASHBOARDS", "JOB", "NODE", "RULES", "PromError", "Stack",
            "http_get", "running_stack", "stop"]
@@ -103,12 +104,6 @@ while True:
         (out / f"rank{rank}-step{step}.ckpt").write_bytes(b"x" * 4096)
         m.checkpoint_done(step, time.monotonic() - t0 + 0.01, 4096, str(out))
 '''
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def http_get(url: str, timeout: float = 5) -> tuple[int, bytes]:
