@@ -24,6 +24,8 @@ from forewarn.models.persist import (
 from forewarn.models.predictor import FailurePredictor, label_rows, train_predictor
 from forewarn.wire import GpuSample, NvlinkCounters
 
+from support.images import check_png
+
 pytestmark = pytest.mark.timeout(600)
 
 
@@ -150,26 +152,13 @@ def test_cli_simulate_train_eval_backtest(tmp_path: Path) -> None:
     assert main(["models", "eval", "--model", str(model_path), "--data", str(test_dir),
                  "--report", str(report)]) == 0
     for name in ("pr_curve.png", "lead_times.png"):
-        _check_png(report / name)
+        check_png(report / name)
     assert "baseline" in (report / "report.md").read_text()
     alarms = tmp_path / "alarms.csv"
     assert main(["models", "backtest", "--model", str(model_path), "--samples",
                  str(test_dir / "samples.parquet"), "--xids", str(test_dir / "xids.parquet"),
                  "--labels", str(test_dir / "labels.csv"), "--out", str(alarms)]) == 0
     assert alarms.exists()
-
-
-def _check_png(path: Path) -> None:
-    import matplotlib.image as mpimg
-
-    assert path.stat().st_size > 10_000
-    img = mpimg.imread(path)
-    assert img.shape[0] >= 400 and img.shape[1] >= 500
-    rgb = img[..., :3]
-    # Plotted content: many distinct colours, and coloured (not grey) pixels of the series.
-    colourful = (np.abs(rgb[..., 0] - rgb[..., 2]) > 0.2).mean()
-    assert colourful > 0.002
-    assert len(np.unique(rgb.reshape(-1, 3).round(2), axis=0)) > 20
 
 
 def test_cli_errors_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFixture[str]

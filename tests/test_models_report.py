@@ -11,12 +11,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from forewarn.models.persist import load_default_model
 from forewarn.models.report import evaluate_model, write_report
 from forewarn.models.suites import heldout_suite, iter_features
+
+from support.images import check_png
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(600)
@@ -30,7 +31,7 @@ def test_shipped_model_reproduces_the_documented_figures(tmp_path: Path) -> None
     assert report["sets"] == golden["sets"]
     paths = write_report(report, tmp_path)
     for key in ("pr_curve", "lead_times"):
-        _check_png(paths[key])
+        check_png(paths[key])
     docs = (ROOT / "docs/models.md").read_text()
     small = (ROOT / "docs/models_eval_small/report.md").read_text()
     assert small.strip() in docs, "docs/models.md must quote the small-scale table verbatim"
@@ -40,16 +41,4 @@ def test_shipped_model_reproduces_the_documented_figures(tmp_path: Path) -> None
 
 @pytest.mark.parametrize("name", ["pr_curve.png", "lead_times.png"])
 def test_checked_in_report_pngs_have_content(name: str) -> None:
-    _check_png(ROOT / "docs/models_eval" / name)
-
-
-def _check_png(path: Path) -> None:
-    import matplotlib.image as mpimg
-
-    assert path.stat().st_size > 10_000
-    img = mpimg.imread(path)
-    assert img.shape[0] >= 400 and img.shape[1] >= 500
-    rgb = img[..., :3]
-    colourful = (np.abs(rgb[..., 0] - rgb[..., 2]) > 0.2).mean()
-    assert colourful > 0.002, "no plotted series"
-    assert len(np.unique(rgb.reshape(-1, 3).round(2), axis=0)) > 20
+    check_png(ROOT / "docs/models_eval" / name)
