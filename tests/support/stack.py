@@ -27,7 +27,7 @@ from typing import Any
 
 from forewarn.collector.auth import add_token
 
-from support.polling import free_port
+from support.polling import free_port, wait_for
 
 __all__ = ["CLUSTER", "DASHBOARDS", "JOB", "NODE", "RULES", "PromError", "Stack",
            "http_get", "running_stack", "stop"]
@@ -181,18 +181,14 @@ class Stack:
                  every: float = 0.25) -> Any:
         """Poll ``probe`` until it returns something truthy; fail naming ``what`` (and
         any stack process that died, with its log)."""
-        deadline = time.monotonic() + timeout
-        while True:
+        def alive_and_probe() -> Any:
             for name, proc in self.procs.items():
                 if proc.poll() is not None:
                     raise AssertionError(f"{what}: {name} exited with {proc.returncode}:\n"
                                          + self.log_tail(name))
-            result = probe()
-            if result:
-                return result
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-            time.sleep(every)
+            return probe()
+
+        return wait_for(alive_and_probe, timeout, what, every)
 
     def start(self) -> None:
         """Collector, agent and the job's ranks (started, not yet heard)."""
