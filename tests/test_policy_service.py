@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 from forewarn.collector.webhooks import WebhookVerifier
-from forewarn.wire import Finding, Health, Subject, SuggestedAction
+from forewarn.wire import AgentBatch, Finding, Health, Subject, SuggestedAction, encode
 
-from support.collector import ranks_on, start_service, stop_service
+from support.collector import TOKENS, ranks_on, start_service, stop_service
 from support.polling import poll
 from support.webhooks import Receiver
 
@@ -84,17 +84,22 @@ def test_finding_to_orders_signed_webhook_and_drain(tmp_path: Path) -> None:
 
 
 def test_injected_node_name_in_a_finding_runs_nothing(tmp_path: Path) -> None:
+    """A finding naming another (here: a shell-injection) node is refused at ingest, before
+    the policy; the drain layer's own refusal of such names is tested in test_drain.py."""
     svc = start_service(tmp_path, drain_command=recorder(tmp_path), drain_enabled=True,
                         policy_breaker_drain_share=1.0)
     try:
         evil = Finding(check="gpu_lost", health=Health.UNHEALTHY, action=SuggestedAction.DRAIN,
                        subject=Subject(kind="node", node="node1;reboot"), time=time.time(),
                        reason="x")
-        svc.push("node1", urgent=True, findings=[evil])
-        actions = poll(lambda: [a for a in svc.client.get("/api/v1/actions").json()
-                                if a["kind"] == "drain"])
-        assert [a["status"] for a in actions] == ["rejected"]
-        assert "invalid node name" in actions[0]["detail"]
+        batch = AgentBatch(node="node1", agent_id="agent-node1", seq=0, created=time.time(),
+                           urgent=True, findings=[evil])
+        r = svc.client.post("/api/v1/ingest", content=encode(batch), headers={
+            "content-type": "application/msgpack", "authorization": f"Bearer {TOKENS['node1']}"})
+        assert r.status_code == 403 and "subject.node" in r.json()["error"]
+        time.sleep(0.5)
+        assert svc.client.get("/api/v1/findings").json() == []
+        assert [a for a in svc.client.get("/api/v1/actions").json() if a["kind"] == "drain"] == []
         assert not (tmp_path / "drained.jsonl").exists()
     finally:
         stop_service(svc)
