@@ -73,6 +73,7 @@ from forewarn.wire import (
     CheckpointReport,
     Finding,
     Health,
+    IntervalAdvice,
     SuggestedAction,
     encode,
 )
@@ -207,6 +208,15 @@ class CheckpointOrders:
         """
         with self._lock:
             return self._issue(job, step, reason, request_id, origin, root=None, reissues=0)
+
+    def advise_job(self, advice: IntervalAdvice) -> int:
+        """Pass the collector's interval advice to every live local rank of its job;
+        returns how many ranks it reached (hooks opted in with ``follow_advice`` obey it)."""
+        with self._lock:
+            now = self.clock()
+            data = encode(advice)
+            views = [v for v in self.table.job_views(advice.job) if self.table.alive(v, now)]
+            return sum(1 for v in views if self.send(v.reply_to, data))
 
     def _issue(self, job: str, step: int | None, reason: str, request_id: str | None,
                origin: str, root: str | None, reissues: int) -> CheckpointOrder | None:

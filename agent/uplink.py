@@ -485,6 +485,13 @@ class Uplink:
                 sent = orders.order_job(o.job, o.step, o.reason, o.request_id)
                 result = (True, f"ordered step {o.step}" if sent is not None
                           else f"no live rank of job {o.job!r} on this node")
+        elif command.kind == "advice" and command.advice is not None:
+            orders = getattr(self.ranks, "orders", None)
+            if orders is None:
+                result = (False, "no ranks component on this agent")
+            else:
+                reached = orders.advise_job(command.advice)
+                result = (True, f"advice passed to {reached} rank(s) of {command.advice.job!r}")
         else:
             result = (False, f"unknown command kind {command.kind!r}")
         self._seen_commands[command.id] = result

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator, Sequence
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -41,16 +42,18 @@ from prometheus_client.registry import CollectorRegistry
 from starlette.requests import Request
 from starlette.routing import BaseRoute
 
+from forewarn.collector.commands import NodeCommand
 from forewarn.collector.goodput import DEFAULT_GPU_MTBF_H, GoodputTracker, advise_interval
+from forewarn.collector.orders import OrderSettings, choose_step
 from forewarn.collector.read_routes import policy_read_route
-from forewarn.wire import AgentBatch, Finding, Health, RankSummary
+from forewarn.wire import AgentBatch, Command, Finding, Health, IntervalAdvice, RankSummary
 
 if TYPE_CHECKING:
     from forewarn.collector.app import CollectorContext
     from forewarn.collector.costmodel import CheckpointCostTracker
     from forewarn.collector.jobview import JobInfo, JobView
 
-__all__ = ["FAILURE_CHECKS", "GoodputService", "JobAdvice"]
+__all__ = ["FAILURE_CHECKS", "AdviceSender", "GoodputService", "JobAdvice"]
 
 FAILURE_CHECKS = frozenset({"rank_hang", "rank_gone", "gpu_lost", "xid"})
 """Unhealthy findings of these checks mean the job on the subject stopped: a hung or dead
@@ -192,6 +195,11 @@ class GoodputService:
         self._advice = advice
         self._rows = tuple(rows)
 
+    @property
+    def advice(self) -> dict[str, JobAdvice]:
+        """The latest interval advice per job."""
+        return dict(self._advice)
+
     def _advise(self, info: JobInfo, cost: CheckpointCostTracker | None,
                 risk: Callable[[JobInfo], tuple[float, str]] | None, mtbf: float,
                 horizon_s: float) -> JobAdvice:
@@ -278,3 +286,47 @@ class _GoodputMetrics:
         yield ratio
         yield lost
         yield advice
+
+
+ADVICE_MIN_GAP_S = 300.0
+"""Advice for a job is sent to its agents at most this often ..."""
+ADVICE_CHANGE = 0.2
+"""... and only when the advised step count moved by more than this share."""
+
+
+class AdviceSender:
+    """Turns a job's interval advice into :class:`~forewarn.wire.IntervalAdvice` commands
+    for every node of the job, so hooks with ``follow_advice`` save at the advised steps.
+
+    The interval becomes a step count from the job's median step time, and ``from_step`` is
+    chosen as a checkpoint order's step is (ahead of the fastest rank), so every rank counts
+    the same steps."""
+
+    def __init__(self, settings: OrderSettings) -> None:
+        self.settings = settings
+        self._sent: dict[str, tuple[int, float]] = {}  # job -> (every_steps, when)
+
+    def due(self, advice: Mapping[str, JobAdvice], jobs: JobView, now: float
+            ) -> list[NodeCommand]:
+        out: list[NodeCommand] = []
+        for name, a in advice.items():
+            info = jobs.job(name)
+            if info is None or not info.step_seconds_p50 or not info.nodes:
+                continue
+            every = max(1, round(a.interval_s / info.step_seconds_p50))
+            last = self._sent.get(name)
+            if last is not None and (now - last[1] < ADVICE_MIN_GAP_S
+                                     or abs(every - last[0]) <= ADVICE_CHANGE * last[0]):
+                continue
+            start, _ = choose_step(info, now, self.settings)
+            msg = IntervalAdvice(
+                job=name, every_steps=every, from_step=start, interval_s=a.interval_s,
+                reason=(f"Young: checkpoint {a.checkpoint_s:.1f} s ({a.checkpoint_source}), "
+                        f"{a.gpus} GPUs, per-GPU MTBF {a.gpu_mtbf_h:.0f} h, risk {a.risk:.2f}"),
+                issued=now)
+            rid = f"adv-{uuid.uuid4().hex[:12]}"
+            for node in info.nodes:
+                out.append(NodeCommand(node=node, command=Command(
+                    id=f"{rid}@{node}", kind="advice", advice=msg, issued=now)))
+            self._sent[name] = (every, now)
+        return out

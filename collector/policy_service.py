@@ -33,7 +33,7 @@ from forewarn.collector.actions import ActionPipeline, store_decisions
 from forewarn.collector.alerts import AlertPayload, alert_findings, alert_routes
 from forewarn.collector.costmodel import CheckpointCostTracker
 from forewarn.collector.drain import DrainRunner, DrainTemplate
-from forewarn.collector.goodput_service import GoodputService
+from forewarn.collector.goodput_service import AdviceSender, GoodputService
 from forewarn.collector.ingest import store_findings
 from forewarn.collector.orders import OrderBook, OrderSettings
 from forewarn.collector.policy import Decision, Policy, PolicySettings
@@ -100,9 +100,11 @@ class PolicyService:
         checkpoint_default_s: float = 60.0,
         predictor: PredictorService | None = None,
         goodput: GoodputService | None = None,
+        advise_hooks: bool = False,
     ) -> None:
         self.settings = settings
         self.order_settings = orders
+        self.advice_sender = AdviceSender(orders) if advise_hooks else None
         self.endpoints = list(endpoints)
         self.webhook_max_attempts = webhook_max_attempts
         self.webhook_backoff_s = webhook_backoff_s
@@ -144,6 +146,7 @@ class PolicyService:
             predictor=PredictorService.from_config(config),
             goodput=GoodputService(checkpoint_default_s=config.checkpoint_default_s,
                                    gpu_mtbf_h=config.goodput_gpu_mtbf_h),
+            advise_hooks=config.advise_hooks,
         )
 
     # -- the app's hooks (policy thread) ------------------------------------------------
@@ -259,6 +262,9 @@ class PolicyService:
             gpu_mtbf_h=predictor.fleet_gpu_mtbf_h() if predictor is not None else None,
             horizon_s=predictor.horizon_s if predictor is not None else 3600.0,
         )
+        if self.advice_sender is not None:
+            # Hooks that follow the advice save at the advised steps: tell the job's agents.
+            ctx.commands.enqueue_many(self.advice_sender.due(goodput.advice, ctx.jobs, now))
 
     def _predicted(self, findings: list[Finding], now: float) -> None:
         """Store the predictor's findings and run them through the policy (this thread)."""

@@ -139,6 +139,10 @@ class Monitor:
             ``/run/forewarn/agent.sock``.
         beat_interval_s: liveness beat period of the background thread.
         agree_every: opt-in agreement mode (see module docstring); 0 = off.
+        follow_advice: also save at the periodic interval the collector advises (Young's
+            interval from the job's measured checkpoint cost, the fleet's failure rate and
+            current risk; :class:`forewarn.wire.IntervalAdvice`). Every rank of the job then
+            saves at the same advised steps. Off by default: the job keeps its own schedule.
         handle_sigterm: install the preemption handler (main thread only).
         preempt_grace_steps: steps after SIGTERM within which a checkpoint must start.
         cuda_depth: pinned slots for in-flight CUDA values.
@@ -159,6 +163,7 @@ class Monitor:
         beat_interval_s: float = 1.0,
         *,
         agree_every: int = 0,
+        follow_advice: bool = False,
         handle_sigterm: bool = True,
         preempt_grace_steps: int = 3,
         cuda_depth: int = 8,
@@ -194,6 +199,8 @@ class Monitor:
         self._special = agree_every > 0  # step() runs _special_step when True
         # orders and checkpoints
         self._order: tuple[int, str, str] | None = None  # (step, request_id, reason)
+        self.follow_advice = follow_advice
+        self._advice: wire.IntervalAdvice | None = None
         self._agree_pending: tuple[int, str, str] | None = None
         self._active: tuple[str, str] | None = None  # (request_id, reason) being saved
         self._seen_requests: collections.deque[str] = collections.deque(maxlen=64)
@@ -366,6 +373,12 @@ class Monitor:
                     self._preempt = _PREEMPT_SAVING
                 self._start(step, _PREEMPT_REQUEST, "preempted")
                 return True
+            advice = self._advice
+            if (self.follow_advice and advice is not None and step >= advice.from_step
+                    and (step - advice.from_step) % advice.every_steps == 0
+                    and (order is None or order[0] != step)):
+                self._start(step, "advised", "advised interval")
+                return True
             if order is None or step < order[0]:
                 return False
             with self._lock:
@@ -517,12 +530,21 @@ class Monitor:
 
     def _on_datagram(self, data: bytes) -> None:
         try:
-            order = wire.decode_order(data)
+            message = wire.decode_agent_message(data)
         except wire.WireError as exc:
             self._orders_invalid += 1
             self._log.warning("order", "ignored an undecodable order: %s", exc)
             return
-        self._on_order(order)
+        if isinstance(message, wire.IntervalAdvice):
+            if message.job == self.job:
+                self._advice = message
+            return
+        self._on_order(message)
+
+    @property
+    def advice(self) -> wire.IntervalAdvice | None:
+        """The collector's latest interval advice for this job (None until one arrives)."""
+        return self._advice
 
     def _on_thread_error(self, exc: BaseException) -> None:
         self._log.warning("thread", "background thread error: %r", exc)

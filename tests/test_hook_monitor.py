@@ -167,6 +167,31 @@ def test_order_makes_should_checkpoint_true_at_that_step(agent: FakeAgent) -> No
     assert (done.seconds, done.bytes, done.path) == (0.25, 1234, "/ckpt/step-3")
 
 
+def _send_advice(reply_to: str, job: str, every: int, start: int) -> None:
+    advice = wire.IntervalAdvice(job=job, every_steps=every, from_step=start,
+                                 interval_s=every * 0.5, reason="young", issued=time.time())
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.sendto(wire.encode(advice), reply_to)
+
+
+def test_advised_interval_is_followed_only_when_asked(agent: FakeAgent) -> None:
+    for follow in (True, False):
+        with _monitor(agent.path, follow_advice=follow) as mon:
+            beat = agent.beat()
+            _send_advice(beat.reply_to, "other-job", 2, 0)  # not ours: ignored
+            _send_advice(beat.reply_to, "job-a", 4, 6)
+            _wait(lambda: mon.advice is not None)
+            assert mon.advice is not None and mon.advice.every_steps == 4
+            hits = []
+            for s in range(1, 16):
+                mon.step(s, loss=1.0, grad_norm=1.0)
+                if mon.should_checkpoint(s):
+                    hits.append(s)
+                    mon.checkpoint_done(s, 0.1, 10)
+            # every rank counts the same steps: from_step, then every `every_steps`
+            assert hits == ([6, 10, 14] if follow else [])
+
+
 def test_order_for_a_passed_step_is_reported_missed(agent: FakeAgent) -> None:
     with _monitor(agent.path) as mon:
         beat = agent.beat()

@@ -24,9 +24,11 @@ from forewarn.wire import (
     CheckpointReport,
     Finding,
     Health,
+    IntervalAdvice,
     StepRecord,
     Subject,
     SuggestedAction,
+    decode_agent_message,
     decode_order,
 )
 
@@ -424,3 +426,17 @@ def test_reason_labels_are_bounded() -> None:
     assert reason_label("", "collector") == "collector"
     assert reason_label("💥{}", "manual") == "manual"
     assert len(reason_label("a" * 500, "x")) == 32
+
+
+def test_interval_advice_reaches_every_live_rank_of_the_job(ranks: Ranks) -> None:
+    ranks.add("j", 0, 100)
+    ranks.add("j", 1, 101)
+    ranks.add("other", 0, 200)
+    advice = IntervalAdvice(job="j", every_steps=50, from_step=120, interval_s=10.0,
+                            issued=ranks.clock())
+    assert make_orders(ranks).advise_job(advice) == 2
+    for rank in (0, 1):
+        got = decode_agent_message(ranks.sockets[("j", rank)].recv(4096))
+        assert got == advice
+    with pytest.raises(BlockingIOError):
+        ranks.sockets[("other", 0)].recv(4096)

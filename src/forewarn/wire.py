@@ -24,6 +24,7 @@ from msgspec import Meta, Struct, field
 __all__ = [
     "WIRE_VERSION",
     "AgentBatch",
+    "AgentMessage",
     "Beat",
     "CheckpointOrder",
     "CheckpointReport",
@@ -34,6 +35,7 @@ __all__ = [
     "GpuState",
     "Health",
     "HookMessage",
+    "IntervalAdvice",
     "NvlinkCounters",
     "RankSummary",
     "StepRecord",
@@ -42,6 +44,7 @@ __all__ = [
     "WireError",
     "XidEvent",
     "decode",
+    "decode_agent_message",
     "decode_hook_message",
     "decode_json",
     "decode_order",
@@ -273,7 +276,7 @@ HookMessage = StepRecord | Beat | CheckpointReport
 """Everything a rank sends to its agent."""
 
 
-class CheckpointOrder(Struct, frozen=True, kw_only=True):
+class CheckpointOrder(Struct, frozen=True, kw_only=True, tag="order"):
     """agent -> hook, collector -> agent: every rank of ``job`` saves at ``step``."""
 
     v: Version = WIRE_VERSION
@@ -282,6 +285,28 @@ class CheckpointOrder(Struct, frozen=True, kw_only=True):
     step: NonNegInt
     reason: Text = ""
     issued: UnixTime
+
+
+class IntervalAdvice(Struct, frozen=True, kw_only=True, tag="advice"):
+    """collector -> agent -> hook: the advised periodic checkpoint interval of ``job``.
+
+    Young's interval (``interval_s``) converted by the collector into steps, so that every
+    rank of the job counts the same steps: a rank that follows the advice saves at
+    ``from_step + k * every_steps`` (k = 0, 1, ...). ``from_step`` lies ahead of the job's
+    fastest rank, chosen as a checkpoint order's step is, so all ranks switch together.
+    """
+
+    v: Version = WIRE_VERSION
+    job: Name
+    every_steps: Annotated[int, Meta(ge=1)]
+    from_step: NonNegInt
+    interval_s: Annotated[float, Meta(gt=0.0)]
+    reason: Text = ""
+    issued: UnixTime
+
+
+AgentMessage = CheckpointOrder | IntervalAdvice
+"""Everything an agent sends to a rank."""
 
 
 class RankSummary(Struct, frozen=True, kw_only=True):
@@ -326,12 +351,14 @@ class AgentBatch(Struct, frozen=True, kw_only=True):
 
 
 class Command(Struct, frozen=True, kw_only=True):
-    """collector -> agent over the long poll. ``kind``: ``checkpoint`` or ``probe``."""
+    """collector -> agent over the long poll. ``kind``: ``checkpoint`` (with ``order``),
+    ``advice`` (with ``advice``) or ``probe``."""
 
     v: Version = WIRE_VERSION
     id: Annotated[str, Meta(min_length=1, max_length=128)]
-    kind: Annotated[str, Meta(pattern="^(checkpoint|probe)$")]
+    kind: Annotated[str, Meta(pattern="^(checkpoint|probe|advice)$")]
     order: CheckpointOrder | None = None
+    advice: IntervalAdvice | None = None
     issued: UnixTime
 
 
@@ -354,6 +381,9 @@ _hook_decoder: msgspec.msgpack.Decoder[StepRecord | Beat | CheckpointReport] = (
     msgspec.msgpack.Decoder(HookMessage)
 )
 _order_decoder = msgspec.msgpack.Decoder(CheckpointOrder)
+_agent_decoder: msgspec.msgpack.Decoder[CheckpointOrder | IntervalAdvice] = (
+    msgspec.msgpack.Decoder(AgentMessage)
+)
 
 
 def encode(record: Any) -> bytes:
@@ -392,6 +422,14 @@ def decode_hook_message(data: bytes) -> StepRecord | Beat | CheckpointReport:
         return _hook_decoder.decode(data)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
         raise _wrap(exc, "hook message") from None
+
+
+def decode_agent_message(data: bytes) -> CheckpointOrder | IntervalAdvice:
+    """Decode one agent -> hook datagram (an order or interval advice)."""
+    try:
+        return _agent_decoder.decode(data)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise _wrap(exc, "agent message") from None
 
 
 def decode_order(data: bytes) -> CheckpointOrder:
