@@ -17,6 +17,7 @@ import pytest
 
 from forewarn.collector.auth import add_token
 from forewarn.collector.metrics import CollectorMetrics
+from forewarn.collector.staging import StagingLog
 from forewarn.collector.store import Store
 from forewarn.collector.telemetry import TelemetryWriter
 
@@ -129,7 +130,10 @@ def test_kill_9_collector_and_agent_lose_nothing_and_store_nothing_twice(
 
     store = Store(data / "collector.db")
     try:
-        telemetry = TelemetryWriter(store, data / "telemetry", CollectorMetrics())
+        # Opened as the collector opens it: staged batches may still sit in the staging log
+        # (the collector was killed before its next Parquet flush).
+        telemetry = TelemetryWriter(store, data / "telemetry", CollectorMetrics(),
+                                    staging=StagingLog(data / "staging"))
         telemetry.recover()  # what a restart does: drop files a crash left unrecorded
         seqs = [r["seq"] for r in store.query(
             "SELECT seq FROM batches WHERE agent_id = ? ORDER BY seq", (agent_id,))]
