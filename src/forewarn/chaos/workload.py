@@ -105,6 +105,12 @@ def _torch_rank(args: argparse.Namespace) -> int:
              skipped=[list(s) for s in loaded.skipped])
     else:
         emit(event="started", rank=rank)
+        if args.initial_checkpoint:
+            # Proves the checkpoint path works and measures its cost, which the collector's
+            # cost-aware policy weighs against the risk.
+            result = writer.save(0, state)
+            emit(event="checkpoint", rank=rank, step=0, ordered=False, path=result.path,
+                 seconds=result.seconds, bytes=result.bytes)
 
     hang = nan_next = False
     grad_factor = 1.0
@@ -202,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--steps", type=int, default=10**9)
     t.add_argument("--step-seconds", type=float, default=0.04)
     t.add_argument("--checkpoint-every", type=int, default=40)
+    t.add_argument("--initial-checkpoint", action="store_true",
+                   help="save step 0 at a fresh start (measures the checkpoint cost early)")
     lt = sub.add_parser("light", help="a hook-only rank on one simulated GPU (no torch)")
     lt.add_argument("--job", required=True)
     lt.add_argument("--gpu", type=int, required=True)

@@ -25,7 +25,6 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import math
 import os
 import queue
 import shutil
@@ -283,10 +282,13 @@ class Demo:
         self.agents_started = time.time()
 
     def start_job(self) -> None:
+        self.control = self.dir / "control"
+        self.control.mkdir()
         argv = python_module(
-            "forewarn.demo.train", "--job", JOB, "--checkpoint-dir", str(self.dir / "ckpt"),
+            "forewarn.chaos.workload", "torch", "--job", JOB,
+            "--checkpoint-dir", str(self.dir / "ckpt"), "--control-dir", str(self.control),
             "--step-seconds", str(self.t.step_seconds),
-            "--checkpoint-every", str(self.t.checkpoint_every))
+            "--checkpoint-every", str(self.t.checkpoint_every), "--initial-checkpoint")
         placements = [Placement("demo-node-1", self.sockets["demo-node-1"], 0),
                       Placement("demo-node-2", self.sockets["demo-node-2"], 0)]
         self.moved = False
@@ -323,8 +325,7 @@ class Demo:
                 self.last_step[rank] = step
                 if prev is not None and step == prev + 1 and rank == 0:
                     self.step_times.append(e["time"])
-                if (isinstance(e.get("loss"), float) and math.isnan(e["loss"])
-                        and self.result.nan_step is None):
+                if e.get("nan") and self.result.nan_step is None:
                     self.result.nan_step = step
             elif (kind == "checkpoint" and not e.get("ordered")
                   and self.result.failure_step is None):
@@ -430,6 +431,15 @@ class Demo:
             time.sleep(0.2)
         return None
 
+    def inject(self, rank: int, fault: str) -> None:
+        """Fault injection through the rank's control file (forewarn.chaos.workload)."""
+        path = self.control / f"control-r{rank}.json"
+        entries = json.loads(path.read_text()) if path.exists() else []
+        entries.append({"id": f"{fault}-{len(entries)}", "fault": fault})
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(entries))
+        tmp.replace(path)
+
     def _resumed(self, attempt: int) -> dict[int, int] | None:
         got = {int(e["rank"]): int(e["step"]) for e in self.events
                if e.get("event") == "resumed" and int(e.get("attempt", -1)) >= attempt}
@@ -444,7 +454,7 @@ class Demo:
                  "live on, as a rank stuck in a collective)")
         attempt = sup.attempt
         r.hang_injected = time.time()
-        sup.signal_rank(0, signal.SIGUSR1)
+        self.inject(0, "hang")
         if self.wait_for(lambda: self._finding("demo-node-1", "rank_hang", job=JOB) is not None,
                          30, "hang detection"):
             r.hang_detected = time.time()
@@ -465,7 +475,7 @@ class Demo:
         self.say("[bold]3. The loss turns NaN[/bold] on rank 1")
         attempt = sup.attempt
         injected = time.time()
-        sup.signal_rank(1, signal.SIGUSR2)
+        self.inject(1, "nan")
         if self.wait_for(lambda: self._finding("demo-node-2", "nan_loss", job=JOB) is not None,
                          20, "NaN detection"):
             f = self._finding("demo-node-2", "nan_loss", job=JOB) or {}
