@@ -287,6 +287,19 @@ class CheckpointWriter:
                 _log.info("forewarn: removing incomplete checkpoint %s", p)
                 shutil.rmtree(p, ignore_errors=True)
 
+    def close(self) -> None:
+        """Wait for a save still in flight and release the background save's process
+        group. Call before ``torch.distributed.destroy_process_group()``: a gloo group whose
+        threads are still alive at interpreter exit aborts the process."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+        if self._async_group is not None:
+            dist = _dist()
+            if dist is not None:
+                dist.destroy_process_group(self._async_group)
+            self._async_group = None
+
     def checkpoints(self) -> list[tuple[int, Path]]:
         """Complete checkpoint directories, oldest first (not verified)."""
         if not self.directory.is_dir():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -143,16 +144,29 @@ _DCP_SCRIPT = textwrap.dedent(
     target = {"w": torch.zeros(4), "step": torch.tensor(0)}
     got = w.load_latest(target)
     print("loaded", got.step, int(target["step"]), target["w"].tolist(), flush=True)
+    w.close()
     dist.destroy_process_group()
     """
 )
+
+
+_TORCH_EXIT_ABORT = "terminate called without an active exception"
+"""torch 2.13 (CPU, gloo): after any ``torch.distributed.checkpoint.save`` a process aborts
+with this at interpreter exit in about 1 run in 15, with or without forewarn (reproduced with
+a bare ``dcp.save`` + ``destroy_process_group``). Everything was saved and loaded by then;
+the test still checks every line each rank printed."""
 
 
 @pytest.mark.parametrize("use_async", ["0", "1"])
 def test_dcp_two_ranks_save_the_same_step_and_load(tmp_path: Path, use_async: str) -> None:
     script = tmp_path / "dcp.py"
     script.write_text(_DCP_SCRIPT)
-    init = f"file://{tmp_path / 'rdzv'}"
+    # TCP rendezvous, as torchrun's: with a file:// store a rank that exits while its peer
+    # still tears down its FileStore can abort in C++ ("terminate called...").
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    init = f"tcp://127.0.0.1:{port}"
     out = tmp_path / "ck"
     procs = [
         subprocess.Popen([sys.executable, str(script), str(r), "2", init, str(out), use_async],
@@ -160,7 +174,9 @@ def test_dcp_two_ranks_save_the_same_step_and_load(tmp_path: Path, use_async: st
         for r in range(2)
     ]
     outs = [p.communicate(timeout=240) for p in procs]
-    for p, (_so, se) in zip(procs, outs, strict=True):
+    for p, (so, se) in zip(procs, outs, strict=True):
+        if p.returncode == -6 and se.strip() == _TORCH_EXIT_ABORT and "loaded 6 6" in so:
+            continue  # torch's own exit-time abort after DCP, once the work is all done
         assert p.returncode == 0, se[-3000:]
     for so, _ in outs:
         lines = so.splitlines()
