@@ -431,6 +431,14 @@ class Demo:
             time.sleep(0.2)
         return None
 
+    def _nan_finding(self, since: float) -> dict[str, Any] | None:
+        try:
+            rows = _get(f"{self.collector_url}/api/v1/findings?job={JOB}&check_name=nan_loss"
+                        f"&health=unhealthy&since={since - 1.0}")
+        except OSError:
+            return None
+        return min(rows, key=lambda row: row["time"]) if rows else None
+
     def inject(self, rank: int, fault: str) -> None:
         """Fault injection through the rank's control file (forewarn.chaos.workload)."""
         path = self.control / f"control-r{rank}.json"
@@ -476,11 +484,12 @@ class Demo:
         attempt = sup.attempt
         injected = time.time()
         self.inject(1, "nan")
-        if self.wait_for(lambda: self._finding("demo-node-2", "nan_loss", job=JOB) is not None,
-                         20, "NaN detection"):
-            f = self._finding("demo-node-2", "nan_loss", job=JOB) or {}
-            r.nan_detected_latency_s = time.time() - injected
-            step = f.get("evidence", {}).get("step")
+        # The finding clears at the next finite step (the NaN update was skipped), so read
+        # it from the collector's finding history rather than the agent's current findings.
+        if self.wait_for(lambda: self._nan_finding(injected) is not None, 20, "NaN detection"):
+            f = self._nan_finding(injected) or {}
+            r.nan_detected_latency_s = float(f["time"]) - injected
+            step = f.get("finding", {}).get("evidence", {}).get("step")
             r.nan_detected_step = int(step) if step is not None else None
             self.say(f"   NaN caught at step {r.nan_detected_step} (injected at step "
                      f"{r.nan_step}); rolling back to the last good checkpoint")
