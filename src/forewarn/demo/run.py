@@ -21,7 +21,6 @@ since the last periodic checkpoint plus NCCL's timeout for each failure.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import itertools
 import json
@@ -29,14 +28,13 @@ import os
 import queue
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
+from forewarn.chaos.procs import Procs, get_json, wait_http
 from forewarn.demo.supervisor import Placement, Supervisor, free_port, python_module
 
 __all__ = ["DemoResult", "register", "run_demo"]
@@ -122,54 +120,17 @@ class DemoResult:
         return self.hang_detected - self.hang_injected
 
 
-class Stack:
+class Stack(Procs):
     """Every process the demo starts, so that Ctrl-C (or any error) stops them all."""
 
     def __init__(self) -> None:
-        self.procs: list[subprocess.Popen[bytes]] = []
+        super().__init__()
         self.supervisor: Supervisor | None = None
-
-    def spawn(self, argv: list[str], log: Path, env: dict[str, str] | None = None
-              ) -> subprocess.Popen[bytes]:
-        with log.open("wb") as out:
-            p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                 start_new_session=True)
-        self.procs.append(p)
-        return p
 
     def close(self) -> None:
         if self.supervisor is not None:
             self.supervisor.stop()
-        for p in self.procs:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for p in self.procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=5)
-
-
-def _get(url: str, timeout: float = 2.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
-def _wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} did not start; its log {log}:\n{log.read_text()[-2000:]}")
-        try:
-            urllib.request.urlopen(url, timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"{url} did not answer within {timeout:.0f} s; see {log}")
+        super().close()
 
 
 def _nvml_present() -> bool:
@@ -245,8 +206,9 @@ class Demo:
             path.chmod(0o600)
         log = self.dir / "collector.log"
         proc = self.stack.spawn(
+            "collector",
             [sys.executable, "-m", "forewarn", "collector", "--config", str(config), "run"], log)
-        _wait_http(self.collector_url + "/healthz", 30, proc, log)
+        wait_http(self.collector_url + "/healthz", 30, proc, log)
         self.result.url = self.collector_url + "/"
 
     def start_agents(self) -> None:
@@ -277,8 +239,8 @@ class Demo:
                        FOREWARN_AGENT_HANG_ACTION="terminate",
                        FOREWARN_AGENT_HANG_GRACE_S="1.0")
             log = ndir / "agent.log"
-            proc = self.stack.spawn(argv, log, env)
-            _wait_http(self.agent_urls[node] + "/healthz", 30, proc, log)
+            proc = self.stack.spawn(node, argv, log, env)
+            wait_http(self.agent_urls[node] + "/healthz", 30, proc, log)
         self.agents_started = time.time()
 
     def start_job(self) -> None:
@@ -352,7 +314,7 @@ class Demo:
 
     def _agent_findings(self, node: str) -> list[dict[str, Any]]:
         try:
-            data = _get(self.agent_urls[node] + "/api/v1/findings")
+            data = get_json(self.agent_urls[node] + "/api/v1/findings")
         except OSError:
             return []
         items = data.get("findings", data) if isinstance(data, dict) else data
@@ -374,7 +336,7 @@ class Demo:
 
     def _order_issued(self) -> tuple[float, str] | None:
         try:
-            rows = _get(self.collector_url + "/api/v1/commands/log?limit=50")
+            rows = get_json(self.collector_url + "/api/v1/commands/log?limit=50")
         except OSError:
             return None
         orders = [r for r in rows if r.get("kind") == "checkpoint"]
@@ -423,7 +385,7 @@ class Demo:
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
             try:
-                rows = _get(f"{self.collector_url}/api/v1/xids?node={node}&code={code}")
+                rows = get_json(f"{self.collector_url}/api/v1/xids?node={node}&code={code}")
             except OSError:
                 rows = []
             if rows:
@@ -433,7 +395,7 @@ class Demo:
 
     def _nan_finding(self, since: float) -> dict[str, Any] | None:
         try:
-            rows = _get(f"{self.collector_url}/api/v1/findings?job={JOB}&check_name=nan_loss"
+            rows = get_json(f"{self.collector_url}/api/v1/findings?job={JOB}&check_name=nan_loss"
                         f"&health=unhealthy&since={since - 1.0}")
         except OSError:
             return None
