@@ -59,6 +59,8 @@ from __future__ import annotations
 import dataclasses
 import http.server
 import logging
+import os
+import selectors
 import threading
 import urllib.parse
 from collections.abc import Callable, Iterable, Mapping
@@ -471,6 +473,7 @@ class MetricsServer:
         self._httpd = http.server.ThreadingHTTPServer((host, port), Handler)
         self._httpd.daemon_threads = True
         self._thread: threading.Thread | None = None
+        self._wake_r = self._wake_w = -1
 
     @property
     def address(self) -> tuple[str, int]:
@@ -478,15 +481,34 @@ class MetricsServer:
         return str(host), int(port)
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._httpd.serve_forever,
-                                        name="forewarn-metrics", daemon=True)
+        self._wake_r, self._wake_w = os.pipe()
+        self._thread = threading.Thread(target=self._serve, name="forewarn-metrics",
+                                        daemon=True)
         self._thread.start()
 
+    def _serve(self) -> None:
+        """Accept requests until :meth:`close`: blocks in select on the listening socket
+        and a wake-up pipe, so an idle agent is not woken (socketserver's serve_forever
+        polls twice a second; in a VM each wake-up costs a measurable share of the
+        agent's CPU budget, bench/agent_poll.py)."""
+        self._httpd.timeout = 0.0  # handle_request: never block on a vanished connection
+        with selectors.DefaultSelector() as sel:
+            sel.register(self._httpd, selectors.EVENT_READ)
+            sel.register(self._wake_r, selectors.EVENT_READ)
+            while True:
+                ready = sel.select()
+                if any(key.fileobj == self._wake_r for key, _ in ready):
+                    return
+                self._httpd.handle_request()
+
     def close(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
         if self._thread is not None:
+            os.write(self._wake_w, b"x")
             self._thread.join(timeout=5)
+            self._thread = None
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+        self._httpd.server_close()
 
     def _handle(self, req: http.server.BaseHTTPRequestHandler) -> None:
         path = urllib.parse.urlsplit(req.path).path

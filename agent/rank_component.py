@@ -70,6 +70,8 @@ class RankComponent:
         self._hang = RankHangCheck()
         self._stop = threading.Event()
         self._kick = threading.Event()
+        self._idle = False
+        """The hang watcher sleeps until kicked (no rank known)."""
         self._watcher: threading.Thread | None = None
         self.table.on_step(self._on_step)
 
@@ -104,6 +106,8 @@ class RankComponent:
         self.terminator.on_findings(poll.findings, now)
         self.terminator.tick()
         self.orders.tick(now)
+        if self._idle and len(self.table):
+            self._kick.set()
         for gone in self.table.evict(now):
             log.info("forgot rank %d of job %s (silent %.0fs)", gone.rank, gone.job,
                      now - gone.last_msg)
@@ -155,8 +159,16 @@ class RankComponent:
             try:
                 now = self.clock()
                 due = self._next_deadline(now)
-                wait = 1.0 if due is None else min(1.0, max(0.002, due - now + 0.001))
-                self._kick.wait(wait)
+                if due is not None:
+                    self._kick.wait(min(1.0, max(0.002, due - now + 0.001)))
+                elif len(self.table):
+                    self._kick.wait(1.0)  # hung or idle ranks: look again for recovery
+                else:
+                    # No rank at all: sleep until one speaks (a first step kicks, and the
+                    # poll loop kicks once a rank appears by any message).
+                    self._idle = True
+                    self._kick.wait()
+                    self._idle = False
                 self._kick.clear()
                 if self._stop.is_set() or self.agent is None:
                     break

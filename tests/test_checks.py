@@ -8,20 +8,23 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from forewarn.agent.backend import GpuInfo
 from forewarn.agent.checks import ALL_CHECKS, default_checks
 from forewarn.agent.checks.base import run_checks
+from forewarn.agent.checks.common import WindowFraction, counter_delta
 from forewarn.agent.checks.ecc import EccCheck
 from forewarn.agent.checks.gpu_lost import GpuLostCheck
-from forewarn.agent.checks.nvlink import NvlinkCheck
+from forewarn.agent.checks.nvlink import NvlinkCheck, _link_deltas, _reader
 from forewarn.agent.checks.pcie import PcieCheck
 from forewarn.agent.checks.power_brake import PowerBrakeCheck
 from forewarn.agent.checks.remap import RemapCheck
 from forewarn.agent.checks.retired_pages import RetiredPagesCheck
 from forewarn.agent.checks.thermal import ThermalCheck
 from forewarn.agent.checks.xid import XidCheck, classify_xid
-from forewarn.agent.state import AgentState
+from forewarn.agent.state import AgentState, GpuHistory
 from forewarn.wire import (
     Finding,
     GpuSample,
@@ -332,3 +335,107 @@ def test_runner_turns_a_raising_check_into_unknown() -> None:
     assert runs[0].findings[0].health == Health.UNKNOWN
     assert "ZeroDivisionError" in runs[0].findings[0].reason
     assert runs[0].seconds == 0.25 and runs[1].seconds == 0.5
+
+
+# -- the incremental paths agree with a plain walk over the window ------------------------
+
+_opt_count = st.none() | st.integers(min_value=0, max_value=50)
+
+
+@st.composite
+def _nvlink_history(draw: st.DrawFn) -> list[tuple[float, tuple[NvlinkCounters, ...]]]:
+    """Samples with links that come and go, counters that reset and fields unsupported."""
+    out = []
+    t = T0
+    for _ in range(draw(st.integers(min_value=0, max_value=40))):
+        t += draw(st.sampled_from([0.5, 1.0, 7.0, 30.0]))
+        ids = draw(st.lists(st.integers(min_value=0, max_value=3), unique=True, max_size=4))
+        out.append((t, tuple(
+            NvlinkCounters(link=k, crc_flit=draw(_opt_count), crc_data=draw(_opt_count),
+                           replay=draw(_opt_count), recovery=draw(_opt_count))
+            for k in ids)))
+    return out
+
+
+@given(_nvlink_history(), st.sampled_from([10.0, 60.0, 300.0]))
+@settings(max_examples=300, deadline=None)
+def test_nvlink_link_deltas_equal_counter_delta(
+        samples: list[tuple[float, tuple[NvlinkCounters, ...]]], window_s: float) -> None:
+    state = AgentState(node="n1")
+    for t, links in samples:
+        state.add_samples([GpuSample(node="n1", gpu=0, time=t, source="scripted",
+                                     nvlink=links)])
+    if not samples:
+        return
+    hist = state.gpus[0]
+    last = hist.samples[-1]
+    now = last.time
+    for link_id, kind, got in _link_deltas(hist, last, now, window_s):
+        assert got == counter_delta(hist, _reader(link_id, kind), now, window_s), (
+            link_id, kind)
+
+
+def _naive_fraction(hist: GpuHistory, test: Callable[[GpuSample], bool | None], now: float,
+                    window_s: float) -> tuple[float, int]:
+    hits = judged = 0
+    for s in reversed(hist.samples):
+        if s.time < now - window_s:
+            break
+        v = test(s)
+        if v is not None:
+            judged += 1
+            hits += bool(v)
+    return (hits / judged if judged else 0.0), judged
+
+
+@given(st.lists(st.tuples(st.sampled_from([1.0, 1.0, 5.0, 40.0, -3.0, -70.0, 1000.0]),
+                          st.integers(min_value=0, max_value=4), st.booleans(),
+                          st.sampled_from([0.0, 0.0, 0.5, -2.0, -90.0])),
+                max_size=120),
+       st.sampled_from([60.0, 1200.0]))
+@settings(max_examples=300, deadline=None)
+def test_window_fraction_equals_a_walk_over_the_window(
+        steps: list[tuple[float, int, bool, float]], window_s: float) -> None:
+    """Polls with samples added in between (the clock sometimes stepping back, gaps
+    longer than the history, a history replaced, ``now`` off the newest sample): every
+    answer is the plain walk's."""
+    def test(s: GpuSample) -> bool | None:
+        return None if s.throttle_reasons is None else bool(s.throttle_reasons & 0x40)
+
+    fraction = WindowFraction(test, window_s)
+    state = AgentState(node="n1")
+    state.add_inventory([GpuInfo(index=0)])
+    t = T0
+    for dt, added, replace, skew in steps:
+        if replace and added == 4:
+            state.gpus[0] = GpuHistory(info=GpuInfo(index=0))
+        for k in range(added):
+            t += dt
+            reasons = None if k == 3 else (0x40 if (int(t) + k) % 3 == 0 else 0)
+            state.add_samples([GpuSample(node="n1", gpu=0, time=t, source="scripted",
+                                         throttle_reasons=reasons)])
+        hist = state.gpus[0]
+        if hist.samples:
+            assert fraction(hist, t + skew) == _naive_fraction(hist, test, t + skew, window_s)
+
+
+def test_window_fraction_tests_only_new_samples_once_the_clock_is_steady_again() -> None:
+    calls: list[float] = []
+
+    def test(s: GpuSample) -> bool:
+        calls.append(s.time)
+        return True
+
+    fraction = WindowFraction(test, 10.0)
+    state = AgentState(node="n1")
+    state.add_inventory([GpuInfo(index=0)])
+    for t in [1.0, 2.0, 3.0, 2.5, 4.0]:  # the clock steps back once
+        state.add_samples([GpuSample(node="n1", gpu=0, time=T0 + t, source="scripted")])
+        fraction(state.gpus[0], T0 + t)
+    for t in range(5, 30):  # the step back leaves the window, then one test per poll
+        state.add_samples([GpuSample(node="n1", gpu=0, time=T0 + t, source="scripted")])
+        calls.clear()
+        got = fraction(state.gpus[0], T0 + t)
+        assert got == _naive_fraction(state.gpus[0], lambda s: True, T0 + t, 10.0)
+        if t >= 14:  # 2.5 s (the step back) is out of the window from t = 13 on
+            assert calls == [T0 + t]

@@ -4,13 +4,15 @@ over a window of a GPU's recent samples."""
 from __future__ import annotations
 
 import bisect
+import collections
 import itertools
+import math
 from collections.abc import Callable, Iterator
 
 from forewarn.agent.state import AgentState, GpuHistory
 from forewarn.wire import Evidence, Finding, GpuSample, GpuState, Health, Subject, SuggestedAction
 
-__all__ = ["counter_delta", "flag_fraction", "gpu_finding", "live_gpus", "window_start"]
+__all__ = ["WindowFraction", "counter_delta", "gpu_finding", "live_gpus", "window_start"]
 
 
 def gpu_finding(
@@ -98,18 +100,87 @@ def _time(s: GpuSample) -> float:
     return s.time
 
 
-def flag_fraction(
-    hist: GpuHistory, test: Callable[[GpuSample], bool | None], now: float, window_s: float
-) -> tuple[float, int]:
-    """Share of the samples in the last ``window_s`` where ``test`` is true (samples where
-    it is None are left out), and how many samples were judged."""
-    hits = judged = 0
-    for s in reversed(hist.samples):
-        if s.time < now - window_s:
-            break
-        v = test(s)
-        if v is None:
-            continue
-        judged += 1
-        hits += bool(v)
-    return (hits / judged if judged else 0.0), judged
+class WindowFraction:
+    """Share of each GPU's samples in the last ``window_s`` where ``test`` is true
+    (samples where it is None are left out), and how many samples were judged: walking
+    back from the newest sample to the first one older than ``now - window_s``.
+
+    Kept incrementally per GPU: a call tests only the samples added since the previous
+    call and forgets those that left the window, so a poll costs O(new samples) instead
+    of a walk over the window for every GPU (the thermal and power-brake checks ask for
+    every GPU every second). While the clock has stepped back (a sample older than the
+    one before it is still counted, or ``now`` is earlier than a previous call's) the
+    answer comes from the plain walk, so it is the same in every case.
+    """
+
+    def __init__(self, test: Callable[[GpuSample], bool | None], window_s: float) -> None:
+        self.test = test
+        self.window_s = window_s
+        self._tallies: dict[int, _Tally] = {}
+
+    def __call__(self, hist: GpuHistory, now: float) -> tuple[float, int]:
+        samples = hist.samples
+        index = hist.info.index
+        tally = self._tallies.get(index)
+        fresh: list[GpuSample] = []
+        if tally is None:
+            tally = self._tallies[index] = _Tally()
+        # New samples: those after the newest one counted (all of them when it was pruned
+        # or the history replaced; forget_before then drops what the history no longer has).
+        for s in reversed(samples):
+            if s is tally.newest:
+                break
+            fresh.append(s)
+        for s in reversed(fresh):
+            tally.add(s, self.test(s))
+        tally.newest = samples[-1] if samples else None
+        # Forget what left the window, and what the history itself pruned.
+        tally.forget_before(max(now - self.window_s, samples[0].time if samples else now))
+        if tally.descents or now < tally.latest_now:
+            tally.latest_now = max(tally.latest_now, now)
+            return self._walk(hist, now)
+        tally.latest_now = now
+        return (tally.hits / tally.judged if tally.judged else 0.0), tally.judged
+
+    def _walk(self, hist: GpuHistory, now: float) -> tuple[float, int]:
+        hits = judged = 0
+        for s in reversed(hist.samples):
+            if s.time < now - self.window_s:
+                break
+            v = self.test(s)
+            if v is None:
+                continue
+            judged += 1
+            hits += bool(v)
+        return (hits / judged if judged else 0.0), judged
+
+
+class _Tally:
+    """The samples of one GPU still in the window, with their test results, in order."""
+
+    def __init__(self) -> None:
+        self.newest: GpuSample | None = None
+        self.items: collections.deque[tuple[float, bool | None]] = collections.deque()
+        self.hits = 0
+        self.judged = 0
+        self.descents = 0
+        """Neighbouring items whose time goes down (the clock stepped back)."""
+        self.latest_now = -math.inf
+
+    def add(self, s: GpuSample, v: bool | None) -> None:
+        if self.items and s.time < self.items[-1][0]:
+            self.descents += 1
+        self.items.append((s.time, v))
+        if v is not None:
+            self.judged += 1
+            self.hits += bool(v)
+
+    def forget_before(self, t: float) -> None:
+        items = self.items
+        while items and items[0][0] < t:
+            old, v = items.popleft()
+            if items and old > items[0][0]:
+                self.descents -= 1
+            if v is not None:
+                self.judged -= 1
+                self.hits -= bool(v)

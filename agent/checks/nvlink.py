@@ -10,42 +10,63 @@ link named.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from forewarn.agent.checks.common import counter_delta, gpu_finding, live_gpus, window_start
-from forewarn.agent.state import AgentState
-from forewarn.wire import Finding, GpuSample, Health, SuggestedAction
+from forewarn.agent.state import AgentState, GpuHistory
+from forewarn.wire import Finding, GpuSample, Health, NvlinkCounters, SuggestedAction
 
 __all__ = ["NvlinkCheck"]
 
 
-_GETTERS: dict[tuple[int, int, str], Callable[[GpuSample], int | None]] = {}
+_KINDS = ("crc", "replay", "recovery")
 
 
-def _counter(pos: int, link: int, kind: str) -> Callable[[GpuSample], int | None]:
-    """Reader of one link's counter. Links sit at the same position in every sample of a
-    GPU, so the reader looks there first (O(1)) and searches only if the layout changed.
-    Readers are cached: the check asks for 4 counters x 18 links x every GPU each poll."""
-    key = (pos, link, kind)
-    found = _GETTERS.get(key)
-    if found is not None:
-        return found
-
-    def get(s: GpuSample) -> int | None:
-        links = s.nvlink
-        c = links[pos] if pos < len(links) and links[pos].link == link else next(
-            (x for x in links if x.link == link), None)
-        if c is None:
+def _value(c: NvlinkCounters, kind: str) -> int | None:
+    """One link's counter of a kind; CRC is flit + data errors."""
+    if kind == "crc":
+        if c.crc_flit is None and c.crc_data is None:
             return None
-        if kind == "crc":
-            if c.crc_flit is None and c.crc_data is None:
-                return None
-            return (c.crc_flit or 0) + (c.crc_data or 0)
-        v: int | None = getattr(c, kind)
-        return v
+        return (c.crc_flit or 0) + (c.crc_data or 0)
+    v: int | None = getattr(c, kind)
+    return v
 
-    _GETTERS[key] = get
+
+def _reader(link: int, kind: str) -> Callable[[GpuSample], int | None]:
+    """Reader of one link's counter in any sample, for :func:`counter_delta`."""
+    def get(s: GpuSample) -> int | None:
+        c = next((x for x in s.nvlink if x.link == link), None)
+        return None if c is None else _value(c, kind)
     return get
+
+
+def _link_deltas(hist: GpuHistory, last: GpuSample, now: float, window_s: float
+                 ) -> Iterator[tuple[int, str, tuple[int, float] | None]]:
+    """(link, kind, :func:`counter_delta`) for every link of ``last`` and every kind.
+
+    The usual case costs one comparison per counter: the window's base sample carries
+    the same links and no counter went down, so the delta is last minus base. Anything
+    else (a link missing from the base, a reset) takes :func:`counter_delta`'s full path.
+    The check reads 3 kinds x 18 links x every GPU each poll (bench/agent_poll.py).
+    """
+    samples = hist.samples
+    start = window_start(hist, now, window_s)
+    base = samples[start] if len(samples) >= 2 else last
+    span = last.time - base.time
+    base_links = {c.link: c for c in base.nvlink} if base is not last else {}
+    for c in sorted(last.nvlink, key=lambda x: x.link):
+        b = base_links.get(c.link)
+        for kind in _KINDS:
+            v_last = _value(c, kind)
+            if v_last is None:
+                yield c.link, kind, None
+                continue
+            v_base = None if b is None else _value(b, kind)
+            if v_base is not None and v_last >= v_base:
+                yield c.link, kind, (v_last - v_base, span)
+            else:
+                yield c.link, kind, counter_delta(hist, _reader(c.link, kind), now, window_s,
+                                                  start=start)
 
 
 class NvlinkCheck:
@@ -81,20 +102,15 @@ class NvlinkCheck:
             over: list[str] = []
             evidence: dict[str, float | int | str | bool | None] = {"links": len(last.nvlink)}
             worst_recovery = 0
-            start = window_start(hist, now, self.window_s)
-            for pos, link in sorted(((i, c.link) for i, c in enumerate(last.nvlink)),
-                                    key=lambda t: t[1]):
-                for kind, limit in self.thresholds.items():
-                    d = counter_delta(hist, _counter(pos, link, kind), now, self.window_s,
-                                      start=start)
-                    if d is None:
-                        continue
-                    if d[0] > 0:
-                        evidence[f"link{link}_{kind}"] = d[0]
-                    if kind == "recovery":
-                        worst_recovery = max(worst_recovery, d[0])
-                    if d[0] >= limit:
-                        over.append(f"link {link}: {d[0]} {kind} errors in {d[1]:.0f} s")
+            for link, kind, d in _link_deltas(hist, last, now, self.window_s):
+                if d is None:
+                    continue
+                if d[0] > 0:
+                    evidence[f"link{link}_{kind}"] = d[0]
+                if kind == "recovery":
+                    worst_recovery = max(worst_recovery, d[0])
+                if d[0] >= self.thresholds[kind]:
+                    over.append(f"link {link}: {d[0]} {kind} errors in {d[1]:.0f} s")
             if worst_recovery >= self.recovery_unhealthy:
                 out.append(gpu_finding(
                     self.name, state, hist, now, Health.UNHEALTHY,

@@ -10,7 +10,7 @@ REFERENCE.md).
 
 from __future__ import annotations
 
-from forewarn.agent.checks.common import flag_fraction, gpu_finding, live_gpus
+from forewarn.agent.checks.common import WindowFraction, gpu_finding, live_gpus
 from forewarn.agent.state import AgentState
 from forewarn.wire import Finding, Health, SuggestedAction
 
@@ -35,6 +35,9 @@ class PowerBrakeCheck:
         self.window_s = window_s
         self.degraded_fraction = degraded_fraction
         self.unhealthy_fraction = unhealthy_fraction
+        self._brake = WindowFraction(
+            lambda s: None if s.throttle_reasons is None else bool(
+                s.throttle_reasons & HW_POWER_BRAKE_SLOWDOWN), window_s)
 
     def applies(self, state: AgentState) -> bool:
         return True
@@ -44,9 +47,7 @@ class PowerBrakeCheck:
         for hist, last in live_gpus(state):
             if last.throttle_reasons is None:
                 continue
-            frac, judged = flag_fraction(
-                hist, lambda s: None if s.throttle_reasons is None else bool(
-                    s.throttle_reasons & HW_POWER_BRAKE_SLOWDOWN), now, self.window_s)
+            frac, judged = self._brake(hist, now)
             evidence: dict[str, float | int | str | bool | None] = {
                 "brake_fraction": round(frac, 3), "samples": judged,
                 "power_w": last.power_w, "power_limit_w": last.power_limit_w,

@@ -12,7 +12,7 @@ margin and a growing share of time in HW slowdown.
 
 from __future__ import annotations
 
-from forewarn.agent.checks.common import flag_fraction, gpu_finding, live_gpus
+from forewarn.agent.checks.common import WindowFraction, gpu_finding, live_gpus
 from forewarn.agent.state import AgentState
 from forewarn.wire import Finding, Health, SuggestedAction
 
@@ -51,6 +51,9 @@ class ThermalCheck:
         self.window_s = window_s
         self.degraded_fraction = degraded_fraction
         self.unhealthy_fraction = unhealthy_fraction
+        self._slowdown = WindowFraction(
+            lambda s: None if s.throttle_reasons is None else _hw_thermal(s.throttle_reasons),
+            window_s)
 
     def applies(self, state: AgentState) -> bool:
         return True
@@ -60,10 +63,7 @@ class ThermalCheck:
         for hist, last in live_gpus(state):
             if last.slowdown_margin_c is None and last.throttle_reasons is None:
                 continue
-            frac, judged = flag_fraction(
-                hist, lambda s: None if s.throttle_reasons is None else _hw_thermal(
-                    s.throttle_reasons),
-                now, self.window_s)
+            frac, judged = self._slowdown(hist, now)
             thermal_now = bool((last.throttle_reasons or 0) & HW_THERMAL_SLOWDOWN)
             margin = last.slowdown_margin_c
             evidence: dict[str, float | int | str | bool | None] = {

@@ -31,12 +31,15 @@
  * <key> was asked (to check that unsupported fields are not re-queried each poll).
  */
 
+#include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/inotify.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 typedef int nvmlReturn_t;
 
@@ -641,13 +644,61 @@ nvmlReturn_t nvmlDeviceRegisterEvents(fake_gpu *dev, unsigned long long types, f
 
 /* Emit the next scripted XID whose GPU is registered in the set; otherwise sleep in
  * steps of up to 100 ms (watching the config file) until the timeout passes. */
+/* Sleep until the config file's directory changes (a test scripting an XID rewrites the
+ * file) or ms pass. Like the real driver, which blocks on its device file, an idle wait
+ * costs no CPU: the agent's benchmark measures the agent, not wake-ups of this fake. */
+static void wait_for_config_change(int watch_fd, long long ms) {
+    if (watch_fd < 0) {
+        struct timespec nap = {ms / 1000, (ms % 1000) * 1000000L};
+        nanosleep(&nap, NULL);
+        return;
+    }
+    struct pollfd pfd = {watch_fd, POLLIN, 0};
+    if (poll(&pfd, 1, (int)ms) > 0) {
+        char buf[4096];
+        while (read(watch_fd, buf, sizeof buf) > 0) {}
+    }
+}
+
+static int watch_config_dir(void) {
+    const char *path = getenv("FAKE_NVML_CONFIG");
+    if (!path) return -1;
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s", path);
+    char *slash = strrchr(dir, '/');
+    if (slash == dir) slash[1] = '\0';
+    else if (slash) *slash = '\0';
+    else snprintf(dir, sizeof dir, ".");
+    int fd = inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+    if (fd < 0) return -1;
+    if (inotify_add_watch(fd, dir, IN_CLOSE_WRITE | IN_MOVED_TO | IN_CREATE | IN_MODIFY) < 0) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+static long long now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (long long)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
 nvmlReturn_t nvmlEventSetWait_v2(fake_event_set *set, nvmlEventData_t *data, unsigned int timeoutms) {
     if (!set || !data) return NVML_ERROR_INVALID_ARGUMENT;
-    long long left_ms = timeoutms;
+    /* Watch before the first look at the config, so no change slips in between. */
+    int watch_fd = watch_config_dir();
+    long long deadline = now_ms() + timeoutms;
+    nvmlReturn_t result = NVML_ERROR_TIMEOUT;
     for (;;) {
         pthread_mutex_lock(&lock);
-        if (!initialized) LEAVE(NVML_ERROR_UNINITIALIZED);
+        if (!initialized) {
+            result = NVML_ERROR_UNINITIALIZED;
+            pthread_mutex_unlock(&lock);
+            break;
+        }
         reload(0);
+        int found = 0;
         while (xid_emitted < cfg.nxid) {
             int i = xid_emitted++;
             int gpu = cfg.xid_gpu[i];
@@ -656,13 +707,19 @@ nvmlReturn_t nvmlEventSetWait_v2(fake_event_set *set, nvmlEventData_t *data, uns
             data->device = &handles[gpu];
             data->eventType = EVENT_XID;
             data->eventData = cfg.xid_code[i];
-            LEAVE(NVML_SUCCESS);
+            found = 1;
+            break;
         }
         pthread_mutex_unlock(&lock);
-        if (left_ms <= 0) return NVML_ERROR_TIMEOUT;
-        long long step = left_ms < 100 ? left_ms : 100;
-        struct timespec nap = {step / 1000, (step % 1000) * 1000000L};
-        nanosleep(&nap, NULL);
-        left_ms -= step;
+        if (found) {
+            result = NVML_SUCCESS;
+            break;
+        }
+        long long left = deadline - now_ms();
+        if (left <= 0) break;
+        /* Without a watch (no config file), look again every 100 ms as before. */
+        wait_for_config_change(watch_fd, watch_fd < 0 && left > 100 ? 100 : left);
     }
+    if (watch_fd >= 0) close(watch_fd);
+    return result;
 }
