@@ -22,6 +22,7 @@ import pytest
 
 from forewarn import wire
 from forewarn.agent.backend import SourceUnavailable
+from forewarn.agent.sources import nvml as nvml_source
 from forewarn.agent.sources.nvml import NvmlBackend
 from forewarn.wire import GpuSample, GpuState, NvlinkCounters
 
@@ -171,6 +172,24 @@ def test_values_are_read_and_converted(script: Script, opened: Callable[..., Nvm
     assert samples[1].temperature_c == 55.0
     # the sample is a valid wire record
     assert wire.decode(wire.encode(s), GpuSample) == s
+
+
+def test_reused_field_request_reads_fresh_values_like_the_public_call(
+        script: Script, opened: Callable[..., NvmlBackend], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The per-GPU field-value request is built once and reused: every poll still reads
+    the current values, the same as nvidia-ml-py's own nvmlDeviceGetFieldValues."""
+    script(FULL)
+    backend = opened()
+    first = backend.sample(1000.0)[0]
+    script(FULL.replace("*.ecc_sbe_vol 7", "*.ecc_sbe_vol 8").replace(
+        "0.nvlink_crc_flit.2 99", "0.nvlink_crc_flit.2 100"))
+    reused = backend.sample(1001.0)[0]
+    assert (first.ecc_corrected_volatile, reused.ecc_corrected_volatile) == (7, 8)
+    assert (first.nvlink[2].crc_flit, reused.nvlink[2].crc_flit) == (99, 100)
+    monkeypatch.setattr(nvml_source, "_DIRECT_FIELDS", False)
+    public = backend.sample(1001.0)[0]
+    assert public == reused
 
 
 def test_inventory(script: Script, fake_lib: Path) -> None:
