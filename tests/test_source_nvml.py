@@ -192,6 +192,19 @@ def test_reused_field_request_reads_fresh_values_like_the_public_call(
     assert public == reused
 
 
+def test_unchanged_nvlink_counters_share_the_previous_records(
+        script: Script, opened: Callable[..., NvmlBackend]) -> None:
+    """15 minutes of samples are kept: unchanged link records are stored once."""
+    script(FULL)
+    backend = opened()
+    a = backend.sample(1.0)[0].nvlink
+    b = backend.sample(2.0)[0].nvlink
+    assert b is a
+    script(FULL.replace("0.nvlink_crc_flit.2 99", "0.nvlink_crc_flit.2 100"))
+    c = backend.sample(3.0)[0].nvlink
+    assert c is not a and c[2].crc_flit == 100 and c[:2] == a[:2]
+
+
 def test_inventory(script: Script, fake_lib: Path) -> None:
     script(FULL)
     backend = NvmlBackend("node1", library_path=fake_lib)
@@ -301,6 +314,28 @@ def test_gpu_lost_at_start_is_sampled_as_lost(
     script("count 2\n")  # it came back (after a reset)
     s0, _ = backend.sample(2.0)
     assert s0.state is GpuState.OK and s0.uuid.startswith("GPU-fake")
+
+
+@pytest.mark.parametrize("lost", ["0", "*"])
+def test_gpu_back_after_start_is_registered_for_xid_events(
+    script: Script, opened: Callable[..., NvmlBackend], lost: str
+) -> None:
+    """A GPU that did not answer at open() and comes back reports its XIDs (with every
+    GPU lost at start, the event thread starts when the first one answers)."""
+    script(f"count 2\n{lost}.lost 1\n")
+    backend = opened()
+    assert backend.sample(1.0)[0].state is GpuState.LOST
+    script("count 2\n")
+    assert [s.state for s in backend.sample(2.0)] == [GpuState.OK, GpuState.OK]
+    script("count 2\nxid 0 79\n")
+    got: list[wire.XidEvent] = []
+
+    def one_event() -> bool:
+        got.extend(backend.drain_xids())
+        return bool(got)
+
+    assert _wait_for(one_event)
+    assert [(e.gpu, e.code) for e in got] == [(0, 79)]
 
 
 def test_driver_not_loaded_is_source_unavailable(script: Script, fake_lib: Path) -> None:

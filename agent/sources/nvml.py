@@ -270,6 +270,8 @@ class _Gpu:
     link_counters: list[tuple[int, str, int]] = dataclasses.field(default_factory=list)
     """(link, attribute, NVML_NVLINK_ERROR_DL_*) read one by one (links >= 12)."""
     nvlinks: int = 0
+    last_nvlink: tuple[NvlinkCounters, ...] = ()
+    """The NVLink counters of the previous sample (reused while they do not change)."""
 
     def mark_unsupported(self, *names: str) -> None:
         new = set(self.unsupported).union(names)
@@ -467,7 +469,7 @@ class NvmlBackend:
         links: dict[int, dict[str, int]] = {}
         try:
             if gpu.handle is None:
-                self._attach(gpu)
+                self._attach_late(gpu)
             h = gpu.handle
             for getter in _GETTERS:
                 if getter[0] not in gpu.skip:
@@ -479,9 +481,15 @@ class NvmlBackend:
             return self._vanished_sample(gpu, now, exc)
         values.update(gpu.static)
         if gpu.nvlinks:
-            values["nvlink"] = tuple(
+            counters = tuple(
                 NvlinkCounters(link=link, **links.get(link, {})) for link in range(gpu.nvlinks)
             )
+            # Unchanged counters (the usual case) share the previous sample's records: the
+            # agent keeps 15 minutes of samples, and 18 links' records are most of each.
+            if counters == gpu.last_nvlink:
+                counters = gpu.last_nvlink
+            gpu.last_nvlink = counters
+            values["nvlink"] = counters
         info = gpu.info
         return GpuSample(
             node=self.node, gpu=gpu.index, uuid=info.uuid, pci_bus_id=info.pci_bus_id,
@@ -615,33 +623,46 @@ class NvmlBackend:
     # -- XID events ------------------------------------------------------------------
 
     def _start_events(self) -> None:
+        """Create the XID event set, register every attached GPU and start the thread."""
         try:
             self._event_set = pynvml.nvmlEventSetCreate()
         except pynvml.NVMLError as exc:
             log.warning("nvml: no event set, XIDs only from the kernel log: %s", exc)
             return
-        registered = 0
-        for gpu in self._gpus:
-            if gpu.handle is None:
-                continue
-            try:
-                if not pynvml.nvmlDeviceGetSupportedEventTypes(gpu.handle) & _XID_EVENT:
-                    gpu.mark_unsupported("xid_events")
-                    continue
-                pynvml.nvmlDeviceRegisterEvents(gpu.handle, _XID_EVENT, self._event_set)
-                registered += 1
-            except pynvml.NVMLError as exc:
-                if exc.value in _UNSUPPORTED:
-                    gpu.mark_unsupported("xid_events")
-                else:
-                    log.warning("nvml: GPU %d: XID events not registered: %s", gpu.index, exc)
-        if not registered:
+        registered = [self._register_events(gpu) for gpu in self._gpus
+                      if gpu.handle is not None]
+        if not any(registered):
             pynvml.nvmlEventSetFree(self._event_set)
             self._event_set = None
             return
         self._stop.clear()
         self._thread = threading.Thread(target=self._xid_loop, name="nvml-xid", daemon=True)
         self._thread.start()
+
+    def _register_events(self, gpu: _Gpu) -> bool:
+        """Ask for this GPU's XID events on the event set; False where it has none."""
+        try:
+            if not pynvml.nvmlDeviceGetSupportedEventTypes(gpu.handle) & _XID_EVENT:
+                gpu.mark_unsupported("xid_events")
+                return False
+            pynvml.nvmlDeviceRegisterEvents(gpu.handle, _XID_EVENT, self._event_set)
+            return True
+        except pynvml.NVMLError as exc:
+            if exc.value in _UNSUPPORTED:
+                gpu.mark_unsupported("xid_events")
+            else:
+                log.warning("nvml: GPU %d: XID events not registered: %s", gpu.index, exc)
+            return False
+
+    def _attach_late(self, gpu: _Gpu) -> None:
+        """A GPU that did not answer at :meth:`open` is back: attach it and register it
+        for XID events (starting the event thread if no GPU had it before)."""
+        self._attach(gpu)
+        log.info("nvml: GPU %d answers again", gpu.index)
+        if self._event_set is None:
+            self._start_events()
+        else:
+            self._register_events(gpu)
 
     def _xid_loop(self) -> None:
         event_set = self._event_set
