@@ -22,12 +22,14 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import socket
+
     import uvicorn
     from starlette.applications import Starlette
 
     from forewarn.collector.config import CollectorConfig
 
-__all__ = ["ServerThread", "main", "register", "uvicorn_config"]
+__all__ = ["ServerThread", "collector_server", "main", "register", "uvicorn_config"]
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +117,22 @@ def uvicorn_config(app: Starlette, config: CollectorConfig, **kw: Any) -> uvicor
                           http=config.http, **tls, **kw)
 
 
+def collector_server(app: Starlette, config: CollectorConfig) -> uvicorn.Server:
+    """The uvicorn server for ``app``. On shutdown it first answers the agents' open long
+    polls, which uvicorn would otherwise wait out (up to ``long_poll_max_s``) before it
+    stops; agents reconnect to the next collector process."""
+    import uvicorn
+
+    commands = app.state.ctx.commands
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            commands.release_polls()
+            await super().shutdown(sockets)
+
+    return Server(uvicorn_config(app, config))
+
+
 def _run(args: argparse.Namespace) -> int:
     from forewarn.collector.app import create_app
     from forewarn.collector.auth import AuthError
@@ -135,9 +153,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"forewarn collector: {exc}", file=sys.stderr)
         store.close()
         return 2
-    import uvicorn
-
-    server = uvicorn.Server(uvicorn_config(app, config))
+    server = collector_server(app, config)
     try:
         server.run()
     finally:
@@ -163,10 +179,8 @@ class ServerThread:
     """
 
     def __init__(self, app: Starlette, config: CollectorConfig) -> None:
-        import uvicorn
-
         self.config = config
-        self.server = uvicorn.Server(uvicorn_config(app, config))
+        self.server = collector_server(app, config)
         self._thread = threading.Thread(target=self._serve, name="forewarn-collector",
                                         daemon=True)
         self._error: BaseException | None = None

@@ -52,11 +52,20 @@ class CommandQueue:
         self.clock = clock
         self._loop: asyncio.AbstractEventLoop | None = None
         self._events: dict[str, asyncio.Event] = {}
+        self._closing = False
         self._refresh_pending()
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop | None) -> None:
         """Tell the queue which event loop runs the long polls (set at app start-up)."""
         self._loop = loop
+
+    def release_polls(self) -> None:
+        """The server is stopping: every open long poll answers now (with what is due,
+        usually nothing) instead of holding its connection until ``wait`` runs out. Call
+        on the event loop."""
+        self._closing = True
+        for event in self._events.values():
+            event.set()
 
     # -- producing ------------------------------------------------------------------------
 
@@ -141,7 +150,7 @@ class CommandQueue:
             while True:
                 event.clear()
                 commands = await asyncio.to_thread(self.take, node)
-                if commands:
+                if commands or self._closing:
                     return commands
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:

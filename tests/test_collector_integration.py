@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -103,3 +104,35 @@ def test_tls_when_a_certificate_is_configured(tmp_path: Path) -> None:
             up.stop()
         assert reg.get_sample_value("forewarn_uplink_push_errors_total") == 0
     store.close()
+
+
+@pytest.mark.timeout(120)
+def test_stopping_answers_open_long_polls_instead_of_waiting_them_out(tmp_path: Path) -> None:
+    cfg = CollectorConfig(listen="127.0.0.1:0", data_dir=tmp_path / "c",
+                          tokens_file=tmp_path / "none.toml", long_poll_max_s=300.0)
+    store = Store(cfg.db_path)
+    app = create_app(cfg, store, tokens=TokenRegistry(tokens={"a": TOKEN}))
+    server = ServerThread(app, cfg).start()
+    answers: list[httpx.Response | BaseException] = []
+
+    def long_poll() -> None:
+        try:
+            answers.append(httpx.get(server.url + "/api/v1/commands",
+                                     params={"wait": 300},
+                                     headers={"Authorization": f"Bearer {TOKEN}"},
+                                     timeout=300))
+        except BaseException as exc:  # noqa: BLE001 - reported by the assertion below
+            answers.append(exc)
+
+    poller = threading.Thread(target=long_poll)
+    poller.start()
+    registry = app.state.ctx.metrics.registry
+    wait_for(lambda: (registry.get_sample_value("forewarn_collector_long_polls") or 0) >= 1,
+             what="the long poll open at the collector")
+    server.stop(timeout=60)
+    poller.join(timeout=60)
+    store.close()
+    # The server stopped well inside the poll's 300 s, and the poll got its (empty) answer.
+    assert not server._thread.is_alive()
+    assert len(answers) == 1 and isinstance(answers[0], httpx.Response), answers
+    assert answers[0].status_code == 200 and answers[0].json() == []
