@@ -31,10 +31,13 @@ record is sent by a later ``step()`` once the event has completed (see
 **Checkpoint orders** ("every rank of job J saves at step S") arrive from the agent on the
 rank's own socket. If this rank has not reported step S yet, :meth:`should_checkpoint`
 returns True at step S. If S has already passed, the rank reports ``missed`` with its
-current step and the agent issues a new S. With ``agree_every=k`` the ranks instead
-``all_reduce(MAX)`` the pending order step every k steps over the default process group
-so that all of them agree; this adds one tiny collective (and, on NCCL, one device sync)
-every k steps and is off by default.
+current step and the agent issues a new S. Orders never replace each other: with several
+pending (the agent's fast path and the collector can both order a job for one finding),
+the rank saves at each order's step, and one save serves every order for the same step.
+So every rank that received the same orders before their steps saves at the same steps.
+With ``agree_every=k`` the ranks instead ``all_reduce(MAX)`` the pending order step every
+k steps over the default process group so that all of them agree; this adds one tiny
+collective (and, on NCCL, one device sync) every k steps and is off by default.
 
 **Preemption.** A SIGTERM handler (main thread only; ``handle_sigterm=False`` opts out)
 turns SIGTERM into a checkpoint request at the next :meth:`should_checkpoint` call
@@ -198,11 +201,12 @@ class Monitor:
         self._deferred: DeferredValues | None = None
         self._special = agree_every > 0  # step() runs _special_step when True
         # orders and checkpoints
-        self._order: tuple[int, str, str] | None = None  # (step, request_id, reason)
+        self._due: dict[int, list[tuple[str, str]]] = {}  # step -> [(request_id, reason)]
+        self._next_due: int | None = None  # min(self._due): the hot path reads only this
         self.follow_advice = follow_advice
         self._advice: wire.IntervalAdvice | None = None
         self._agree_pending: tuple[int, str, str] | None = None
-        self._active: tuple[str, str] | None = None  # (request_id, reason) being saved
+        self._active: tuple[tuple[str, ...], str] | None = None  # (request_ids, reason)
         self._seen_requests: collections.deque[str] = collections.deque(maxlen=64)
         self._checks_seen = False
         self._orders = self._orders_ignored = self._orders_invalid = 0
@@ -366,42 +370,48 @@ class Monitor:
         """True when this rank must save now, at ``step`` (call after :meth:`step`)."""
         try:
             self._checks_seen = True
-            order = self._order
             if self._preempt == _PREEMPT_PENDING and not self._agreeing():
                 with self._lock:
-                    self._order = None
+                    self._due.clear()  # the preemption save comes first, then the exit
+                    self._next_due = None
                     self._preempt = _PREEMPT_SAVING
-                self._start(step, _PREEMPT_REQUEST, "preempted")
+                self._start(step, (_PREEMPT_REQUEST,), "preempted")
                 return True
+            next_due = self._next_due
             advice = self._advice
             if (self.follow_advice and advice is not None and step >= advice.from_step
                     and (step - advice.from_step) % advice.every_steps == 0
-                    and (order is None or order[0] != step)):
-                self._start(step, "advised", "advised interval")
+                    and next_due != step):
+                self._start(step, ("advised",), "advised interval")
                 return True
-            if order is None or step < order[0]:
+            if next_due is None or step < next_due:
                 return False
             with self._lock:
-                if self._order is not order:
-                    return False
-                self._order = None
-            target, rid, reason = order
-            if step == target:
-                if self._preempt == _PREEMPT_PENDING and reason == "preempted":
-                    # the agreed preemption save: checkpoint_done() then exits the process
-                    self._preempt = _PREEMPT_SAVING
-                self._start(step, rid, reason)
-                return True
-            self._report_missed(step, rid)
-            return False
+                passed = sorted(s for s in self._due if s < step)
+                missed = [(s, rid) for s in passed for rid, _ in self._due.pop(s)]
+                now = self._due.pop(step, [])
+                self._next_due = min(self._due, default=None)
+            for _target, rid in missed:
+                self._report_missed(step, rid)
+            if not now:
+                return False
+            rids = tuple(rid for rid, _ in now)
+            reason = now[0][1]
+            if self._preempt == _PREEMPT_PENDING and any(r == "preempted" for _, r in now):
+                # the agreed preemption save: checkpoint_done() then exits the process
+                self._preempt = _PREEMPT_SAVING
+                reason = "preempted"
+            self._start(step, rids, reason)
+            return True
         except Exception as exc:
             self._failures += 1
             self._log.warning("should_checkpoint", "should_checkpoint() failed: %r", exc)
             return False
 
-    def _start(self, step: int, request_id: str, reason: str) -> None:
-        self._active = (request_id, reason)
-        self._report(step, "started", request_id)
+    def _start(self, step: int, request_ids: tuple[str, ...], reason: str) -> None:
+        self._active = (request_ids, reason)
+        for rid in request_ids:
+            self._report(step, "started", rid)
 
     def checkpoint_done(self, step: int, seconds: float, bytes: int, path: str = "") -> None:
         """Report a finished checkpoint (ordered or not): the policy learns its cost.
@@ -410,11 +420,12 @@ class Monitor:
         handler would have.
         """
         try:
-            rid = self._active[0] if self._active is not None else ""
+            rids = self._active[0] if self._active is not None else ("",)
             self._active = None
             self._checkpoints += 1
-            self._report(step, "done", rid, seconds=max(0.0, float(seconds)),
-                         nbytes=max(0, int(bytes)), path=str(path)[:4096])
+            for rid in rids:
+                self._report(step, "done", rid, seconds=max(0.0, float(seconds)),
+                             nbytes=max(0, int(bytes)), path=str(path)[:4096])
         except Exception as exc:
             self._failures += 1
             self._log.warning("checkpoint", "checkpoint_done() failed: %r", exc)
@@ -424,9 +435,10 @@ class Monitor:
     def checkpoint_failed(self, step: int, reason: str = "") -> None:
         """Report a checkpoint that could not be written (a preempted process still exits)."""
         try:
-            rid = self._active[0] if self._active is not None else ""
+            rids = self._active[0] if self._active is not None else ("",)
             self._active = None
-            self._report(step, "failed", rid, path=str(reason)[:4096])
+            for rid in rids:
+                self._report(step, "failed", rid, path=str(reason)[:4096])
         except Exception as exc:
             self._failures += 1
             self._log.warning("checkpoint", "checkpoint_failed() failed: %r", exc)
@@ -466,7 +478,7 @@ class Monitor:
                 return
             last = self._last_step
             if last is None or last < order.step:
-                self._order = entry
+                self._add_due(order.step, order.request_id, order.reason)
                 self._orders += 1
                 return
         self._report_missed(last if last is not None else 0, order.request_id)
@@ -514,7 +526,12 @@ class Monitor:
         if self._preempt == _PREEMPT_PENDING:
             rid, reason = rid or _PREEMPT_REQUEST, "preempted"
         with self._lock:
-            self._order = (target, rid, reason)
+            self._add_due(target, rid, reason)
+
+    def _add_due(self, step: int, request_id: str, reason: str) -> None:
+        """Hold an order until its step (caller holds the lock)."""
+        self._due.setdefault(step, []).append((request_id, reason))
+        self._next_due = step if self._next_due is None else min(self._next_due, step)
 
     # ------------------------------------------------------------------ beats
 

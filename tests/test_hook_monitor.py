@@ -167,6 +167,35 @@ def test_order_makes_should_checkpoint_true_at_that_step(agent: FakeAgent) -> No
     assert (done.seconds, done.bytes, done.path) == (0.25, 1234, "/ckpt/step-3")
 
 
+def test_pending_orders_are_each_obeyed_and_one_save_serves_a_shared_step(
+        agent: FakeAgent) -> None:
+    """The agent's fast path and the collector may both order the job: a later order
+    never replaces a nearer one; every order's step gets its save, reported under each
+    request id; a step a rank passed without asking is reported missed."""
+    with _monitor(agent.path) as mon:
+        beat = agent.beat()
+        mon.step(0, loss=1.0, grad_norm=1.0)
+        for step, rid in ((8, "collector"), (4, "fast-path"), (8, "alert"), (6, "skipped")):
+            agent.order(beat.reply_to, "job-a", step, rid)
+        _wait(lambda: mon.stats.orders == 4)
+        hits = []
+        for s in range(1, 11):
+            mon.step(s, loss=1.0, grad_norm=1.0)
+            if s != 6 and mon.should_checkpoint(s):  # the loop does not ask at step 6
+                hits.append(s)
+                mon.checkpoint_done(s, 0.5, 99)
+        assert hits == [4, 8]
+        reports = [agent.wait_for(lambda m: isinstance(m, wire.CheckpointReport))
+                   for _ in range(7)]
+    got = [(r.phase, r.step, r.request_id) for r in reports
+           if isinstance(r, wire.CheckpointReport)]
+    assert got == [("started", 4, "fast-path"), ("done", 4, "fast-path"),
+                   ("missed", 7, "skipped"),
+                   ("started", 8, "collector"), ("started", 8, "alert"),
+                   ("done", 8, "collector"), ("done", 8, "alert")]
+    assert mon.stats.checkpoints == 2 and mon.stats.missed == 1
+
+
 def _send_advice(reply_to: str, job: str, every: int, start: int) -> None:
     advice = wire.IntervalAdvice(job=job, every_steps=every, from_step=start,
                                  interval_s=every * 0.5, reason="young", issued=time.time())
