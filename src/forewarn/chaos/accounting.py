@@ -65,6 +65,7 @@ def account(spool_dir: Path, data_dir: Path, *, allowed_gap_s: float,
     data ``data_dir`` stored (both stopped). Gaps that overlap an ``excused`` window (the
     agent was not running) are not counted."""
     from forewarn.collector.metrics import CollectorMetrics
+    from forewarn.collector.staging import StagingLog
     from forewarn.collector.store import Store
     from forewarn.collector.telemetry import TelemetryWriter
 
@@ -73,7 +74,10 @@ def account(spool_dir: Path, data_dir: Path, *, allowed_gap_s: float,
     left = len(list(spool_dir.glob("*.msgpack")))
     store = Store(data_dir / "collector.db")
     try:
-        telemetry = TelemetryWriter(store, data_dir / "telemetry", CollectorMetrics())
+        # Rows the collector staged but had not yet written to Parquet when it was killed
+        # live in its staging log: read them there, as the restarted collector would.
+        telemetry = TelemetryWriter(store, data_dir / "telemetry", CollectorMetrics(),
+                                    staging=StagingLog(data_dir / "staging"))
         telemetry.recover()
         rows = store.query("SELECT seq, samples FROM batches WHERE agent_id = ? ORDER BY seq",
                            (agent_id,))
