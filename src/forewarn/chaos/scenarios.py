@@ -478,8 +478,8 @@ def _finish_telemetry(lab: Lab, rig: TelemetryRig, out: Outcome,
     o = lab.options
     dropped = rig.agent.metric("forewarn_uplink_dropped_batches_total") or 0.0
     rig.agent.stop()  # gracefully: it seals what it holds and sends it
-    # kill -9, not SIGTERM: a graceful stop waits out open long polls, and what the
-    # collector acknowledged is durable anyway (that is what is being checked).
+    # kill -9, not SIGTERM: what the collector acknowledged must be durable without a
+    # graceful stop (that is what is being checked).
     rig.collector.kill9()
     acc = account(rig.agent.spool, rig.collector.data,
                   allowed_gap_s=3 * o.telemetry_interval_s + 0.5, excused=excused)
