@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from forewarn.chaos.accounting import Account, account
-from forewarn.chaos.lab import HW_FAULTS, TRAIN_JOB, HardwareRig, Lab, TelemetryRig
+from forewarn.chaos.lab import HW_FAULTS, TRAIN_JOB, HardwareRig, Lab, TelemetryRig, TrainingRig
 from forewarn.chaos.procs import wait_until
 
 __all__ = ["SCENARIOS", "Outcome", "Scenario", "by_name"]
@@ -144,14 +144,21 @@ def rank_killed(lab: Lab, out: Outcome) -> None:
     _restart_report(lab, out, attempt, failure_step, newest)
 
 
+def _inject(tr: TrainingRig, out: Outcome, what: str, rank: int, kind: str,
+            **params: float) -> dict[str, Any] | None:
+    """Inject a fault into ``rank`` and wait until the training program applied it (its
+    ``fault`` event); None, with the problem recorded, when it never did."""
+    applied: dict[str, Any] | None = tr.fault_applied(tr.inject(rank, kind, **params))
+    out.expect(applied is not None, f"the {what} was not applied")
+    return applied
+
+
 def rank_hung(lab: Lab, out: Outcome) -> None:
     tr = lab.training()
     attempt = tr.ready(new_steps=30)
-    fid = tr.inject(0, "hang")
-    applied = tr.fault_applied(fid)
-    if not out.expect(applied is not None, "the hang was not applied"):
+    applied = _inject(tr, out, "hang", 0, "hang")
+    if applied is None:
         return
-    assert applied is not None
     t0 = float(applied["time"])
     hang_step = int(applied["step"]) - 1
     f = _first_finding(lab, NODE1, "rank_hang", t0, 60, _job_f, health=("unhealthy",))
@@ -177,11 +184,9 @@ def rank_hung(lab: Lab, out: Outcome) -> None:
 def nan_loss(lab: Lab, out: Outcome) -> None:
     tr = lab.training()
     attempt = tr.ready(new_steps=10)
-    fid = tr.inject(1, "nan")
-    applied = tr.fault_applied(fid)
-    if not out.expect(applied is not None, "the NaN was not applied"):
+    applied = _inject(tr, out, "NaN", 1, "nan")
+    if applied is None:
         return
-    assert applied is not None
     nan_step = int(applied["step"])
     step_ev = wait_until(lambda: tr.select("step", rank=1, step=nan_step, attempt=attempt), 20)
     t0 = float(step_ev[0]["time"]) if step_ev else float(applied["time"])
@@ -217,11 +222,9 @@ def grad_explosion(lab: Lab, out: Outcome) -> None:
                                reason="grad_spike") or 0.0
 
     local0 = local_orders()
-    fid = tr.inject(1, "grad", factor=1000.0)
-    applied = tr.fault_applied(fid)
-    if not out.expect(applied is not None, "the gradient explosion was not applied"):
+    applied = _inject(tr, out, "gradient explosion", 1, "grad", factor=1000.0)
+    if applied is None:
         return
-    assert applied is not None
     k = int(applied["step"])
     step_ev = wait_until(lambda: tr.select("step", rank=1, step=k, attempt=attempt), 20)
     t0 = float(step_ev[0]["time"]) if step_ev else float(applied["time"])
@@ -267,11 +270,9 @@ def straggler(lab: Lab, out: Outcome) -> None:
     tr = lab.training()
     o = lab.options
     attempt = tr.ready(new_steps=20)
-    fid = tr.inject(1, "slow", seconds=3 * o.step_seconds + 0.05)
-    applied = tr.fault_applied(fid)
-    if not out.expect(applied is not None, "the slowdown was not applied"):
+    applied = _inject(tr, out, "slowdown", 1, "slow", seconds=3 * o.step_seconds + 0.05)
+    if applied is None:
         return
-    assert applied is not None
     t0 = float(applied["time"])
     f = _first_finding(lab, NODE1, "straggler", t0, 60, _is_rank(1))
     tr.inject(1, "slow", seconds=0.0)
