@@ -467,6 +467,21 @@ class Uplink:
 
     # -- commands ---------------------------------------------------------------------
 
+    def _to_ranks(self, command: Command) -> tuple[bool, str]:
+        """Pass a checkpoint order or interval advice to this node's ranks of the job."""
+        orders = getattr(self.ranks, "orders", None)
+        if orders is None:
+            return False, "no ranks component on this agent"
+        if command.kind == "checkpoint":
+            o = command.order
+            assert o is not None
+            sent = orders.order_job(o.job, o.step, o.reason, o.request_id)
+            return True, (f"ordered step {o.step}" if sent is not None
+                          else f"no live rank of job {o.job!r} on this node")
+        assert command.advice is not None
+        reached = orders.advise_job(command.advice)
+        return True, f"advice passed to {reached} rank(s) of {command.advice.job!r}"
+
     def handle(self, command: Command) -> tuple[bool, str]:
         """Carry out ``command`` once (a redelivered id gets the first answer again)."""
         done = self._seen_commands.get(command.id)
@@ -476,22 +491,9 @@ class Uplink:
             result = self.on_command(command)
         elif command.kind == "probe":
             result = (True, "alive")
-        elif command.kind == "checkpoint" and command.order is not None:
-            orders = getattr(self.ranks, "orders", None)
-            if orders is None:
-                result = (False, "no ranks component on this agent")
-            else:
-                o = command.order
-                sent = orders.order_job(o.job, o.step, o.reason, o.request_id)
-                result = (True, f"ordered step {o.step}" if sent is not None
-                          else f"no live rank of job {o.job!r} on this node")
-        elif command.kind == "advice" and command.advice is not None:
-            orders = getattr(self.ranks, "orders", None)
-            if orders is None:
-                result = (False, "no ranks component on this agent")
-            else:
-                reached = orders.advise_job(command.advice)
-                result = (True, f"advice passed to {reached} rank(s) of {command.advice.job!r}")
+        elif (command.kind == "checkpoint" and command.order is not None) or (
+                command.kind == "advice" and command.advice is not None):
+            result = self._to_ranks(command)
         else:
             result = (False, f"unknown command kind {command.kind!r}")
         self._seen_commands[command.id] = result

@@ -78,11 +78,8 @@ def policy_read_route(
         ctx: CollectorContext = request.app.state.ctx
         try:
             check_reader(ctx, request)
-        except IngestError as exc:
-            return JSONResponse({"error": str(exc)}, status_code=exc.status)
-        try:
             data = await ctx.run_policy(fn, ctx, request, ctx.clock())
-        except QueryError as exc:
+        except IngestError as exc:  # a refused token (401) or a QueryError (400)
             return JSONResponse({"error": str(exc)}, status_code=exc.status)
         return Response(msgspec.json.encode(data), media_type="application/json")
 

@@ -388,10 +388,10 @@ class Monitor:
                 return False
             with self._lock:
                 passed = sorted(s for s in self._due if s < step)
-                missed = [(s, rid) for s in passed for rid, _ in self._due.pop(s)]
+                missed = [rid for s in passed for rid, _ in self._due.pop(s)]
                 now = self._due.pop(step, [])
                 self._next_due = min(self._due, default=None)
-            for _target, rid in missed:
+            for rid in missed:
                 self._report_missed(step, rid)
             if not now:
                 return False

@@ -136,10 +136,10 @@ class WindowFraction:
         tally.newest = samples[-1] if samples else None
         # Forget what left the window, and what the history itself pruned.
         tally.forget_before(max(now - self.window_s, samples[0].time if samples else now))
-        if tally.descents or now < tally.latest_now:
-            tally.latest_now = max(tally.latest_now, now)
+        stepped_back = tally.descents > 0 or now < tally.latest_now
+        tally.latest_now = max(tally.latest_now, now)
+        if stepped_back:
             return self._walk(hist, now)
-        tally.latest_now = now
         return (tally.hits / tally.judged if tally.judged else 0.0), tally.judged
 
     def _walk(self, hist: GpuHistory, now: float) -> tuple[float, int]:

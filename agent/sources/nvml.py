@@ -204,10 +204,10 @@ class _FieldRequest:
     nvidia-ml-py's nvmlDeviceGetFieldValues allocates the nvmlFieldValue_t array and sets
     fieldId and scopeId on it entry by entry (through its Structure ``__setattr__``) on
     every call: for 13 counters and 48 NVLink fields on 8 GPUs, ~1,000 attribute writes a
-    second, the largest share of the poll. Here the filled-in array is kept as bytes,
-    copied back over the answer array before each call (NVML writes into the same
-    array), and passed to the binding's own function pointer and return check. Where the
-    binding lacks those helpers, its public call is used.
+    second, over a quarter of the source's poll in a profile. Here the filled-in array is
+    kept as bytes, copied back over the answer array before each call (NVML writes into
+    the same array), and passed to the binding's own function pointer and return check.
+    Where the binding lacks those helpers, its public call is used.
     """
 
     def __init__(self, fields: list[tuple[int, int]]) -> None:
@@ -261,12 +261,12 @@ class _Gpu:
     slowdown_threshold_c: float | None = None
     margin_api: bool = True
     """nvmlDeviceGetMarginTemperature works; else margin = slowdown threshold - temp."""
-    fields: list[tuple[int, int]] = dataclasses.field(default_factory=list)
-    """(NVML_FI_DEV_* id, scope) pairs asked with nvmlDeviceGetFieldValues."""
     request: _FieldRequest | None = None
-    """``fields`` as a reusable request; None until the next poll builds it."""
+    """The (NVML_FI_DEV_* id, scope) pairs asked with nvmlDeviceGetFieldValues, as a
+    reusable request; None when no field is left to ask."""
     targets: list[tuple[str, int]] = dataclasses.field(default_factory=list)
-    """Per entry of ``fields``: sample field (or NvlinkCounters attribute) and link (-1)."""
+    """Per entry of ``request.fields``: sample field (or NvlinkCounters attribute) and link
+    (-1)."""
     link_counters: list[tuple[int, str, int]] = dataclasses.field(default_factory=list)
     """(link, attribute, NVML_NVLINK_ERROR_DL_*) read one by one (links >= 12)."""
     nvlinks: int = 0
@@ -443,17 +443,17 @@ class NvmlBackend:
         return min(int(_field_value(fv)), int(pynvml.NVML_NVLINK_MAX_LINKS))
 
     def _build_fields(self, gpu: _Gpu) -> None:
-        gpu.fields = [(fid, 0) for _, fid in _FIELDS]
-        gpu.request = None
+        fields = [(fid, 0) for _, fid in _FIELDS]
         gpu.targets = [(name, -1) for name, _ in _FIELDS]
         gpu.link_counters = []
         for link in range(gpu.nvlinks):
             for attr, stem, counter in _NVLINK_COUNTERS:
                 if link < _NVLINK_FIELD_LINKS:
-                    gpu.fields.append((_nvlink_field_id(stem, link), 0))
+                    fields.append((_nvlink_field_id(stem, link), 0))
                     gpu.targets.append((attr, link))
                 else:
                     gpu.link_counters.append((link, attr, counter))
+        gpu.request = _FieldRequest(fields)
 
     # -- polling ---------------------------------------------------------------------
 
@@ -555,11 +555,9 @@ class NvmlBackend:
 
     def _read_fields(self, gpu: _Gpu, h: Any, values: dict[str, Any], errors: list[str],
                      links: dict[int, dict[str, int]]) -> None:
-        if not gpu.fields:
+        if gpu.request is None:
             return
         try:
-            if gpu.request is None:
-                gpu.request = _FieldRequest(gpu.fields)
             results = gpu.request.read(h)
         except pynvml.NVMLError as exc:
             self._classify(gpu, "field_values", ("field_values",), exc, errors)
@@ -593,8 +591,9 @@ class NvmlBackend:
         """Stop asking fields answered NOT_SUPPORTED; report the ones now never read."""
         gone = set(dropped)
         names = [gpu.targets[i] for i in dropped]
-        gpu.fields = [f for i, f in enumerate(gpu.fields) if i not in gone]
-        gpu.request = None
+        assert gpu.request is not None  # only fields that were asked are dropped
+        fields = [f for i, f in enumerate(gpu.request.fields) if i not in gone]
+        gpu.request = _FieldRequest(fields) if fields else None
         gpu.targets = [t for i, t in enumerate(gpu.targets) if i not in gone]
         still = {name for name, link in gpu.targets if link >= 0}
         still.update(attr for _, attr, _ in gpu.link_counters)
