@@ -38,7 +38,8 @@ labels; ``simulated="true"`` marks made-up data from the sim source):
 ``forewarn_gpu_health``                        worst health of the GPU over all checks
 ``forewarn_gpu_check_health``                  ``check``: that check's health of the GPU
 ``forewarn_finding_active``                    1 per non-healthy finding: ``subject``, ``check``,
-                                               ``health``, ``action`` (gpu/job/rank when relevant)
+                                               ``health``, ``action``, and ``gpu``,
+                                               ``training_job``, ``rank`` when relevant
 ``forewarn_agent_check_success``               ``check``: 1 when it ran without raising
 ``forewarn_agent_check_duration_seconds``      ``check``
 ``forewarn_agent_source_up``                   ``source``: 1 when the last poll worked
@@ -348,7 +349,7 @@ class AgentExporter:
         active = GaugeMetricFamily(
             "forewarn_finding_active",
             "1 for every current non-healthy finding, with its suggested action.",
-            labels=["node", "subject", "gpu", "job", "rank", "check", "health", "action",
+            labels=["node", "subject", "gpu", "training_job", "rank", "check", "health", "action",
                     "simulated"])
         findings = sorted(snap.findings, key=lambda f: (f.subject.key(), f.check))
         for f in findings:

@@ -20,19 +20,21 @@ registered into the agent's explicit registry by the rank component.
 ``forewarn_rank_last_checkpoint_step``             step of the rank's last saved checkpoint
 ``forewarn_checkpoint_duration_seconds``           how long the rank's last save took
 ``forewarn_checkpoint_bytes``                      size of the rank's last save
-``forewarn_checkpoint_orders_total``               ``job``, ``reason``: orders issued
+``forewarn_checkpoint_orders_total``               ``training_job``, ``reason``: orders issued
 ``forewarn_checkpoint_order_outcomes_total``       ``outcome``: done/superseded/failed/expired
-``forewarn_checkpoint_orders_open``                ``job``: orders waiting for reports
-``forewarn_checkpoint_order_seconds``              ``job``: order to last rank done, last order
-``forewarn_checkpoint_orders_deferred_total``      ``job``: fast-path orders left to the collector
-``forewarn_rank_hangs_confirmed_total``            ``job``
-``forewarn_rank_hang_signals_total``               ``job``, ``signal`` SIGTERM/SIGKILL/refused
+``forewarn_checkpoint_orders_open``                ``training_job``: orders waiting for reports
+``forewarn_checkpoint_order_seconds``              ``training_job``: order to last rank done
+``forewarn_checkpoint_orders_deferred_total``      ``training_job``: fast-path orders left to
+                                                   the collector
+``forewarn_rank_hangs_confirmed_total``            ``training_job``
+``forewarn_rank_hang_signals_total``               ``training_job``, ``signal``
+                                                   SIGTERM/SIGKILL/refused
 ``forewarn_agent_datagrams_received_total``        ``kind`` step/beat/checkpoint
 ``forewarn_agent_datagrams_dropped_total``         ``reason`` (see ingest.DROP_REASONS)
 ``forewarn_agent_orders_sent_total``               datagrams sent to ranks; ``_errors_total``
 =================================================  ===========================================
 
-Rank series carry ``node``, ``job`` and ``rank`` labels.
+Rank series carry ``node``, ``training_job`` and ``rank`` labels.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from forewarn.agent.ranks import RankTable, quantile
 
 __all__ = ["RankCollector"]
 
-_RANK_LABELS = ["node", "job", "rank"]
+_RANK_LABELS = ["node", "training_job", "rank"]
 
 
 class RankCollector:
@@ -157,7 +159,7 @@ class RankCollector:
         if orders is not None:
             total = CounterMetricFamily("forewarn_checkpoint_orders",
                                         "Checkpoint orders issued to local ranks.",
-                                        labels=["node", "job", "reason"])
+                                        labels=["node", "training_job", "reason"])
             for (job, reason), n in sorted(orders.orders_total.items()):
                 total.add_metric([self.node, job, reason], n)
             outcomes = CounterMetricFamily("forewarn_checkpoint_order_outcomes",
@@ -167,7 +169,7 @@ class RankCollector:
                 outcomes.add_metric([self.node, outcome], orders.outcomes_total[outcome])
             open_ = GaugeMetricFamily("forewarn_checkpoint_orders_open",
                                       "Checkpoint orders waiting for rank reports.",
-                                      labels=["node", "job"])
+                                      labels=["node", "training_job"])
             counts: dict[str, int] = {}
             for st in orders.open_orders():
                 counts[st.order.job] = counts.get(st.order.job, 0) + 1
@@ -175,25 +177,25 @@ class RankCollector:
                 open_.add_metric([self.node, job], n)
             secs = GaugeMetricFamily("forewarn_checkpoint_order_seconds",
                                      "Seconds from the last order to every local rank done.",
-                                     labels=["node", "job"])
+                                     labels=["node", "training_job"])
             for job, s in sorted(orders.last_duration.items()):
                 secs.add_metric([self.node, job], s)
             deferred = CounterMetricFamily(
                 "forewarn_checkpoint_orders_deferred",
                 "Local fast-path orders left to the collector: the job spans nodes.",
-                labels=["node", "job"])
+                labels=["node", "training_job"])
             for job, n in sorted(orders.deferred_total.items()):
                 deferred.add_metric([self.node, job], n)
             yield from (total, outcomes, open_, secs, deferred)
         if term is not None:
             conf = CounterMetricFamily("forewarn_rank_hangs_confirmed",
                                        "Confirmed hangs of a job on this node.",
-                                       labels=["node", "job"])
+                                       labels=["node", "training_job"])
             for job, n in sorted(term.confirmed_total.items()):
                 conf.add_metric([self.node, job], n)
             sig = CounterMetricFamily("forewarn_rank_hang_signals",
                                       "Signals sent to hung ranks (refused: pid not verified).",
-                                      labels=["node", "job", "signal"])
+                                      labels=["node", "training_job", "signal"])
             for (job, name), n in sorted(term.signals_total.items()):
                 sig.add_metric([self.node, job, name], n)
             yield from (conf, sig)

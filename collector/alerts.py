@@ -5,7 +5,8 @@ Both post ``{"alerts": [{"status": "firing", "labels": {...}, "annotations": {..
 ``state``). Each firing alert names what it is about in its labels; the first of these
 that is present decides the subject:
 
-* ``job`` or ``forewarn_job`` -> that training job (only when the job map knows it: the
+* ``training_job`` (forewarn's own label on every per-job series), ``forewarn_job``, or, for
+  rules written before, ``job`` -> that training job (only when the job map knows it: the
   Prometheus ``job`` label usually names a scrape job, not a training job);
 * ``UUID`` / ``uuid`` / ``gpu_uuid`` -> the GPU with that UUID (DCGM exporter);
 * ``node`` / ``Hostname`` / ``hostname`` / ``instance`` (port removed) with ``gpu`` /
@@ -57,7 +58,8 @@ MAX_ALERT_BODY = 1024 * 1024
 _NODE_LABELS = ("node", "Hostname", "hostname", "instance")
 _GPU_LABELS = ("gpu", "gpu_index")
 _UUID_LABELS = ("UUID", "uuid", "gpu_uuid")
-_JOB_LABELS = ("forewarn_job", "job")
+# ``job`` last: in Prometheus it is the scrape job, so only a known training job counts.
+_JOB_LABELS = ("training_job", "forewarn_job", "job")
 _CRITICAL = frozenset({"critical", "page", "error"})
 
 Labels = dict[str, str]

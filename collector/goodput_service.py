@@ -20,9 +20,10 @@ time and its process id. :class:`GoodputService` turns those into the tracker's 
   downtime from then to the first progress after the restart.
 
 Metrics (rendered from the last :meth:`GoodputService.refresh`, every predictor interval):
-``forewarn_job_goodput_ratio{job}``, ``forewarn_job_lost_seconds_total{job,cause}`` (cause
+``forewarn_job_goodput_ratio{training_job}``,
+``forewarn_job_lost_seconds_total{training_job,cause}`` (cause
 ``checkpoint``, ``rework``, ``detection``, ``restart``) and
-``forewarn_job_checkpoint_interval_advice_seconds{job}``: Young's interval
+``forewarn_job_checkpoint_interval_advice_seconds{training_job}``: Young's interval
 (:func:`~.goodput.advise_interval`) from the job's measured checkpoint cost (the cost
 model's tracker, else what the ranks report, else ``checkpoint_default_s``), its GPU count
 from the job map, the fleet's per-GPU failure rate (prior updated with the failures the
@@ -269,14 +270,14 @@ class _GoodputMetrics:
         rows = self.svc._rows
         ratio = GaugeMetricFamily("forewarn_job_goodput_ratio",
                                   "Share of the job's wall time spent on new progress.",
-                                  labels=["job"])
+                                  labels=["training_job"])
         lost = CounterMetricFamily("forewarn_job_lost_seconds",
                                    "Job wall time lost, by cause (checkpoint overhead, work "
                                    "redone, detection delay, restart downtime).",
-                                   labels=["job", "cause"])
+                                   labels=["training_job", "cause"])
         advice = GaugeMetricFamily("forewarn_job_checkpoint_interval_advice_seconds",
                                    "Young's checkpoint interval for the job, adjusted by risk.",
-                                   labels=["job"])
+                                   labels=["training_job"])
         for row in rows:
             ratio.add_metric([row.job], row.ratio)
             for cause in CAUSES:

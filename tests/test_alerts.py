@@ -45,7 +45,8 @@ def test_labels_to_subjects() -> None:
                     "severity": "critical"}, "annotations": {"summary": "XID 79"}},
         {"labels": {"alertname": "DcgmHot", "UUID": "GPU-aaaa-bbbb", "Hostname": "ignored"}},
         {"labels": {"alertname": "NodeDown", "instance": "node1:9403"}},
-        {"labels": {"alertname": "JobSlow", "job": "train-1"}},
+        {"labels": {"alertname": "JobSlow", "training_job": "train-1", "job": "forewarn-agent"}},
+        {"labels": {"alertname": "OldRule", "job": "train-1"}},
         {"labels": {"alertname": "Scrape", "job": "node-exporter", "instance": "[::1]:9100"}},
         {"labels": {"alertname": "Nothing"}},
         {"labels": {"alertname": "Old", "node": "node1"}, "status": "resolved"},
@@ -56,7 +57,8 @@ def test_labels_to_subjects() -> None:
         ("alert:XidFatal", "gpu:node2/1", Health.UNHEALTHY),
         ("alert:DcgmHot", "gpu:node2/1", Health.DEGRADED),  # UUID resolved via the GPU table
         ("alert:NodeDown", "node:node1", Health.DEGRADED),  # port removed from instance
-        ("alert:JobSlow", "job:train-1", Health.DEGRADED),
+        ("alert:JobSlow", "job:train-1", Health.DEGRADED),  # training_job, not the scrape job
+        ("alert:OldRule", "job:train-1", Health.DEGRADED),
         ("alert:Scrape", "node:::1", Health.DEGRADED),  # a scrape job is not a training job
     ]
     assert findings[0].reason == "alertmanager alert XidFatal: XID 79"

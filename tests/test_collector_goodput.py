@@ -151,13 +151,13 @@ def test_rollback_and_restart_through_the_collector(running: Any) -> None:
     assert math.isclose(want, math.sqrt(2 * 4.0 * MTBF_H * 3600 / 2))
 
     # the metrics render the same snapshot
-    assert svc.metric("forewarn_job_goodput_ratio", job=JOB) == pytest.approx(USEFUL / WALL,
-                                                                               abs=1e-5)
+    assert svc.metric("forewarn_job_goodput_ratio", training_job=JOB) == pytest.approx(
+        USEFUL / WALL, abs=1e-5)
     for cause, seconds in EXPECTED.items():
-        got = svc.metric("forewarn_job_lost_seconds_total", job=JOB, cause=cause)
+        got = svc.metric("forewarn_job_lost_seconds_total", training_job=JOB, cause=cause)
         assert got == pytest.approx(seconds), cause
     assert svc.metric("forewarn_job_checkpoint_interval_advice_seconds",
-                      job=JOB) == pytest.approx(want)
+                      training_job=JOB) == pytest.approx(want)
     # the predictor is off: no risk route
     assert svc.client.get("/api/v1/risk").status_code == 404
 

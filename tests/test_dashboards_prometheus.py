@@ -18,14 +18,36 @@ The stack (:class:`support.stack.Stack`) is shared with tests/test_status_page_b
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.metrics import MetricWrapperBase
 
-from support.stack import CLUSTER, DASHBOARDS, JOB, NODE, PromError, Stack, running_stack
+from forewarn.collector.metrics import CollectorMetrics
+from forewarn.dashboards.metrics_doc import (
+    DCGM_FIELDS,
+    Family,
+    merge,
+    parse_exposition,
+    parse_markdown,
+    render,
+)
+
+from support.stack import (
+    CLUSTER,
+    DASHBOARDS,
+    JOB,
+    NODE,
+    PromError,
+    Stack,
+    http_get,
+    running_stack,
+)
 
 # -- the dashboards' queries --------------------------------------------------------------
 
@@ -99,7 +121,7 @@ def joined_labels_wrong(expr: str, series: list[dict[str, Any]]) -> str:
     if "group_left(node)" in expr:
         want["node"] = NODE
     if "forewarn_rank_info" in expr:
-        want.update(node=NODE, job=JOB)
+        want.update(node=NODE, training_job=JOB)
     for s in series:
         got = {k: s["metric"].get(k) for k in want}
         if got != want or ("forewarn_rank_info" in expr and not s["metric"].get("rank")):
@@ -113,8 +135,8 @@ EXPECTED_ALERTS: dict[str, dict[str, str]] = {
     "ForewarnXidHardware": {"node": NODE, "gpu": "3", "code": "79", "class": "bus"},
     "ForewarnEccUncorrectable": {"node": NODE, "gpu": "1"},
     "ForewarnRowRemapFailure": {"node": NODE, "gpu": "4"},
-    "ForewarnNanLoss": {"node": NODE, "job": JOB, "rank": "1"},
-    "ForewarnRankHang": {"node": NODE, "job": JOB, "rank": "2"},
+    "ForewarnNanLoss": {"node": NODE, "training_job": JOB, "rank": "1"},
+    "ForewarnRankHang": {"node": NODE, "training_job": JOB, "rank": "2"},
 }
 """Alerts the injected faults must fire, each with labels one firing instance must carry."""
 
@@ -162,7 +184,7 @@ def test_every_panel_query_returns_data(stack: Stack) -> None:
     # collector's decisions), then allow a few more seconds for anything still to come.
     stack.wait_for("XID 79, a saved checkpoint and a collector decision", lambda: (
         stack.query(f'forewarn_gpu_xid_errors_total{{node="{NODE}",code="79"}}')
-        and stack.query(f'forewarn_checkpoint_bytes{{job="{JOB}"}}')
+        and stack.query(f'forewarn_checkpoint_bytes{{training_job="{JOB}"}}')
         and stack.query("forewarn_collector_decisions_total")), timeout=60, every=1)
     # The predictor scores a GPU once a full minute of its samples is in (features are per
     # minute, as in training): the risk panels fill about 60-70 s after the first sample.
@@ -187,6 +209,11 @@ def test_every_panel_query_returns_data(stack: Stack) -> None:
             break
         time.sleep(1)
     empty = {w: substitute(e) for w, (e, _i) in pending.items()}
+    # honor_labels keeps the agent's labels; the training job has its own label, so the
+    # scrape job survives on every series (a training `job` label used to overwrite it).
+    assert stack.query(f'forewarn_rank_step{{job="forewarn-agent",training_job="{JOB}"}}')
+    assert stack.query(f'forewarn_job_goodput_ratio{{job="forewarn-collector",'
+                       f'training_job="{JOB}"}}')
 
     bad_vars = []
     for where, selector, label in variable_queries():
@@ -201,3 +228,60 @@ def test_every_panel_query_returns_data(stack: Stack) -> None:
     assert not (empty or errors or bad_vars), (
         f"{len(empty)} of {len(queries)} panel queries return no series, "
         f"{len(errors)} fail, {len(bad_vars)} variables find nothing:{report}")
+
+
+# -- docs/metrics.md ----------------------------------------------------------------------
+
+METRICS_DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+RICH_AGENT_FAMILIES = ("forewarn_rank_step", "forewarn_checkpoint_bytes",
+                       "forewarn_checkpoint_orders_total", "forewarn_finding_active")
+RICH_COLLECTOR_FAMILIES = ("forewarn_job_goodput_ratio",)
+
+
+def test_metrics_doc_matches_what_the_code_exports(stack: Stack) -> None:
+    """docs/metrics.md documents every family the agent and collector expose (after the
+    stack above ran every fault, ranks and checkpoints), with the same type, unit, HELP and
+    at least the labels seen; ``FOREWARN_REGEN_METRICS_DOC=1`` rewrites it from this scrape."""
+    urls = {"agent": f"http://{stack.agent_address}/metrics",
+            "collector": f"{stack.collector_url}/metrics"}
+    scraped: dict[str, dict[str, Family]] = {s: {} for s in urls}
+
+    def scrape() -> bool:
+        """Merge one scrape of each; true once the per-rank and per-job families carry
+        samples (label sets are read from samples)."""
+        for section, url in urls.items():
+            status, body = http_get(url)
+            assert status == 200, (url, status)
+            scraped[section] = merge(scraped[section], parse_exposition(body.decode()))
+        agent, collector = scraped["agent"], scraped["collector"]
+        return all(f in agent and agent[f].labels for f in RICH_AGENT_FAMILIES) and all(
+            f in collector and collector[f].labels for f in RICH_COLLECTOR_FAMILIES)
+
+    stack.wait_for("rank, checkpoint and goodput series", scrape, timeout=120, every=1)
+    # A labelled counter with no series yet shows no labels in a scrape: take the collector's
+    # declared label names from its metric objects (prometheus_client keeps them private).
+    declared = {}
+    for metric in vars(CollectorMetrics()).values():
+        if isinstance(metric, MetricWrapperBase):
+            name = metric._name + ("_total" if metric._type == "counter" else "")
+            declared[name] = Family(name, metric._type, metric._documentation,
+                                    frozenset(metric._labelnames))
+    scraped["collector"] = merge(scraped["collector"],
+                                 {k: v for k, v in declared.items() if k in scraped["collector"]})
+    assert set(DCGM_FIELDS) <= set(scraped["agent"]), set(DCGM_FIELDS) - set(scraped["agent"])
+    if os.environ.get("FOREWARN_REGEN_METRICS_DOC") == "1":
+        METRICS_DOC.write_text(render({s: f.values() for s, f in scraped.items()}))
+    documented = parse_markdown(METRICS_DOC.read_text())
+    wrong = []
+    for section, families in scraped.items():
+        doc = documented.get(section, {})
+        for name, fam in sorted(families.items()):
+            have = doc.get(name)
+            if have is None:
+                wrong.append(f"{section}: {name} is not documented")
+            elif (have.type, have.unit, have.help) != (fam.type, fam.unit, fam.help):
+                wrong.append(f"{section}: {name} documented as {have}, exported as {fam}")
+            elif not fam.labels <= have.labels:
+                wrong.append(f"{section}: {name} lacks labels {sorted(fam.labels - have.labels)}")
+    assert not wrong, ("docs/metrics.md disagrees with the code (regenerate on purpose with "
+                       "FOREWARN_REGEN_METRICS_DOC=1):\n" + "\n".join(wrong))

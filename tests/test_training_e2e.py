@@ -235,7 +235,7 @@ def run_a(workroot: Path) -> Iterator[RunA]:
         wait_for(lambda: agent.metric("forewarn_checkpoint_order_outcomes_total",
                                       outcome="done"), 10, "the order to complete")
         ordered = [job.events(r, "checkpoint")[0]["step"] for r in (0, 1)]
-        order_metric = agent.metric("forewarn_checkpoint_orders_total", job="e2e-a",
+        order_metric = agent.metric("forewarn_checkpoint_orders_total", training_job="e2e-a",
                                     reason="grad_spike")
         drops = {r: agent.metric("forewarn_agent_datagrams_dropped_total", reason=r)
                  for r in ("malformed", "oversized", "forged", "slot_taken")}
@@ -244,7 +244,7 @@ def run_a(workroot: Path) -> Iterator[RunA]:
         killed_at = job.last_step()
         wait_for(lambda: job.last_step() >= killed_at + 30, 60, "training without the agent")
         agent2 = AgentProc(work, sock, "a2")
-        seen = wait_for(lambda: agent2.metric("forewarn_rank_step", job="e2e-a", rank="1"),
+        seen = wait_for(lambda: agent2.metric("forewarn_rank_step", training_job="e2e-a", rank="1"),
                         30, "the hooks to reconnect to the new agent")
         back_at = job.last_step()
         finish = back_at + 10
@@ -389,11 +389,11 @@ def run_c(workroot: Path) -> Iterator[RunC]:
             return None
 
         nan = wait_for(nan_found, 120, f"the NaN finding: {job.logs()}")
-        nan_metric = agent.metric("forewarn_rank_finding_step", job="e2e-c", rank="0",
+        nan_metric = agent.metric("forewarn_rank_finding_step", training_job="e2e-c", rank="0",
                                   check="nan_loss")
         injected = job.events(0, "injected")[0]
         wait_for(lambda: job.events(1, "hang"), 60, "rank 1 to stop stepping")
-        p99 = wait_for(lambda: agent.metric("forewarn_rank_step_seconds", job="e2e-c",
+        p99 = wait_for(lambda: agent.metric("forewarn_rank_step_seconds", training_job="e2e-c",
                                             rank="1", quantile="0.99"), 10, "step time p99")
 
         def hang_found() -> dict[str, Any] | None:
@@ -406,14 +406,15 @@ def run_c(workroot: Path) -> Iterator[RunC]:
         hang = wait_for(hang_found, 60, "the hang finding")
         # first detection (the finding itself is re-judged every poll) minus the time of
         # the last step rank 1 reported before it stopped
-        hang_t = agent.metric("forewarn_rank_finding_timestamp_seconds", job="e2e-c",
+        hang_t = agent.metric("forewarn_rank_finding_timestamp_seconds", training_job="e2e-c",
                               rank="1", check="rank_hang")
-        nan_t = agent.metric("forewarn_rank_finding_timestamp_seconds", job="e2e-c",
+        nan_t = agent.metric("forewarn_rank_finding_timestamp_seconds", training_job="e2e-c",
                              rank="0", check="nan_loss")
         assert hang_t is not None and nan_t is not None
         last_t = job.losses(1)[HANG_AT - 1][1]
         codes = job.wait(60)  # hang_action=terminate ends both ranks
-        signals = {s: agent.metric("forewarn_rank_hang_signals_total", job="e2e-c", signal=s)
+        signals = {s: agent.metric("forewarn_rank_hang_signals_total", training_job="e2e-c",
+                                   signal=s)
                    for s in ("SIGTERM", "SIGKILL")}
         yield RunC(job, nan_metric, nan, nan_t - injected["time"], hang,
                    hang_t - last_t, p99, codes, signals)

@@ -240,8 +240,8 @@ class Stack:
     def start_prometheus(self, binary: str) -> None:
         """Prometheus scraping agent and collector every second, with the rules loaded.
 
-        ``honor_labels``: rank series (and the collector's per-job series) carry the training
-        ``job`` label, which must not be renamed ``exported_job`` (as deploy/prometheus.yml).
+        ``honor_labels`` as deploy/prometheus.yml: the agent's ``node``/``gpu`` labels are kept;
+        training jobs are ``training_job``, so the scrape ``job`` label is never overwritten.
         """
         config = self.tmp / "prometheus.yml"
         config.write_text(

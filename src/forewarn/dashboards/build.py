@@ -27,7 +27,9 @@ DS = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
 G = 'cluster=~"$cluster", node=~"$node"'
 """Selector every GPU/node series carries."""
 GPU = G + ', gpu=~"$gpu"'
-JOB = 'cluster=~"$cluster", job=~"$job"'
+JOB = 'cluster=~"$cluster", training_job=~"$job"'
+# Training jobs carry forewarn's own ``training_job`` label, never Prometheus' scrape ``job``.
+RANK_LEGEND = "{{training_job}} rank {{rank}}"
 
 Panel = Any
 
@@ -112,7 +114,7 @@ def _variables(*names: str) -> list[Any]:
         "cluster": "label_values(forewarn_agent_build_info, cluster)",
         "node": 'label_values(forewarn_gpu_info{cluster=~"$cluster"}, node)',
         "gpu": 'label_values(forewarn_gpu_info{cluster=~"$cluster", node=~"$node"}, gpu)',
-        "job": 'label_values(forewarn_rank_step{cluster=~"$cluster"}, job)',
+        "job": 'label_values(forewarn_rank_step{cluster=~"$cluster"}, training_job)',
     }
     for name in ("cluster", *names):
         out.append(
@@ -319,39 +321,39 @@ def training() -> dict[str, Any]:
         [
             ("Progress", [
                 ts("Step", "Last step each rank reported.", "short",
-                   _q("forewarn_rank_step" + r, "{{job}} rank {{rank}}")),
+                   _q("forewarn_rank_step" + r, RANK_LEGEND)),
                 ts("Step time p50", "Median step time per rank; a straggler stands out.", "s",
                    _q("forewarn_rank_step_seconds{" + JOB + ', quantile="0.5"}',
-                      "{{job}} rank {{rank}}")),
+                      RANK_LEGEND)),
                 ts("Loss", "Training loss per rank.", "none",
-                   _q("forewarn_rank_loss" + r, "{{job}} rank {{rank}}")),
+                   _q("forewarn_rank_loss" + r, RANK_LEGEND)),
                 ts("Grad norm", "Gradient norm per rank; a 10x spike over the rolling median "
                    "is flagged.", "none", _q("forewarn_rank_grad_norm" + r,
-                                             "{{job}} rank {{rank}}")),
+                                             RANK_LEGEND)),
                 ts("Heartbeat age", "Seconds since each rank's last liveness beat.", "s",
-                   _q("forewarn_rank_heartbeat_age_seconds" + r, "{{job}} rank {{rank}}"),
+                   _q("forewarn_rank_heartbeat_age_seconds" + r, RANK_LEGEND),
                    thresholds=_thresholds((None, "green"), (5, "orange"), (30, "red"))),
                 tb("Hang, NaN and straggler findings", "Current training findings.", "none",
-                   _q('forewarn_finding_active{cluster=~"$cluster", job=~"$job", '
+                   _q('forewarn_finding_active{cluster=~"$cluster", training_job=~"$job", '
                       'check=~"rank_hang|rank_gone|nan_loss|grad_spike|straggler"}',
                       instant=True)),
             ]),
             ("Checkpoints", [
                 ts("Checkpoint orders", "Orders issued, by reason.", "short",
-                   _q("sum by (job, reason) (increase(forewarn_checkpoint_orders_total" + r
-                      + "[$__rate_interval]))", "{{job}} {{reason}}")),
+                   _q("sum by (training_job, reason) (increase(forewarn_checkpoint_orders_total" + r
+                      + "[$__rate_interval]))", "{{training_job}} {{reason}}")),
                 ts("Checkpoint duration", "Seconds the last checkpoint took per rank.", "s",
-                   _q("forewarn_checkpoint_duration_seconds" + r, "{{job}} rank {{rank}}")),
+                   _q("forewarn_checkpoint_duration_seconds" + r, RANK_LEGEND)),
                 ts("Checkpoint size", "Bytes the last checkpoint wrote per rank.", "bytes",
-                   _q("forewarn_checkpoint_bytes" + r, "{{job}} rank {{rank}}")),
+                   _q("forewarn_checkpoint_bytes" + r, RANK_LEGEND)),
             ]),
             ("Hardware under the job", [
                 ts("Health of the job's GPUs", "0 healthy, 1 degraded, 2 unhealthy.", "none",
                    _q(_under_ranks("forewarn_gpu_health"),
-                      "{{job}} rank {{rank}} ({{node}}/{{gpu}})"), thresholds=OK_WARN_BAD),
+                      "{{training_job}} rank {{rank}} ({{node}}/{{gpu}})"), thresholds=OK_WARN_BAD),
                 ts("Temperature of the job's GPUs", "Core temperature of the GPUs under ranks.",
                    "celsius", _q(_under_ranks("forewarn_gpu_temperature_celsius"),
-                                 "{{job}} rank {{rank}} ({{node}}/{{gpu}})")),
+                                 "{{training_job}} rank {{rank}} ({{node}}/{{gpu}})")),
             ]),
         ],
     )
@@ -360,7 +362,7 @@ def training() -> dict[str, Any]:
 def _under_ranks(metric: str) -> str:
     """``metric`` of the GPU under each rank of ``$job``, labelled with the job and rank:
     ``forewarn_rank_info`` carries the GPU (``local_rank`` mapped by the agent)."""
-    return ('max by (node, gpu, job, rank) (forewarn_rank_info{' + JOB
+    return ('max by (node, gpu, training_job, rank) (forewarn_rank_info{' + JOB
             + ', node=~"$node", gpu!=""}) * on (node, gpu) group_left '
             "max by (node, gpu) (" + metric + "{" + G + "})")
 
@@ -410,15 +412,15 @@ def goodput() -> dict[str, Any]:
         [
             ("Goodput", [
                 ts("Effective training time", "Share of wall time spent on new progress.",
-                   "percentunit", _q("forewarn_job_goodput_ratio" + r, "{{job}}"),
+                   "percentunit", _q("forewarn_job_goodput_ratio" + r, "{{training_job}}"),
                    thresholds=_thresholds((None, "red"), (0.9, "orange"), (0.95, "green"))),
                 ts("Lost time by cause", "Checkpoint overhead, work redone after failures, "
                    "detection delay and restart downtime.", "s",
-                   _q("sum by (job, cause) (forewarn_job_lost_seconds_total" + r + ")",
-                      "{{job}} {{cause}}"), stack=True),
+                   _q("sum by (training_job, cause) (forewarn_job_lost_seconds_total" + r + ")",
+                      "{{training_job}} {{cause}}"), stack=True),
                 ts("Advised checkpoint interval", "Young's interval from the job's measured "
                    "checkpoint cost, the fleet's failure rate and current risk.", "s",
-                   _q("forewarn_job_checkpoint_interval_advice_seconds" + r, "{{job}}")),
+                   _q("forewarn_job_checkpoint_interval_advice_seconds" + r, "{{training_job}}")),
             ]),
         ],
     )
