@@ -116,9 +116,11 @@ class CollectorConfig:
     goodput_gpu_mtbf_h: float = 24.0 * 1000.0 / 6.5 * 8
     """Per-GPU MTBF prior in hours for checkpoint interval advice (Meta, HPCA 2025: 6.5
     failures per 1,000 node-days of 8 GPUs), updated with the failures observed."""
-    advise_hooks: bool = False
+    advise_hooks: bool = True
     """Send each job's advised checkpoint interval (as a step count) to its agents, which
-    pass it to the ranks; hooks created with ``follow_advice=True`` then save at it."""
+    pass it to the ranks; hooks created with ``follow_advice=True`` then save at it (others
+    ignore it). ``false`` (and ``policy_shadow``) keep the advice in the API and metrics
+    only."""
 
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")

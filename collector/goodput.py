@@ -18,9 +18,13 @@ change) resumes from ``resumed_from`` (the checkpoint step) when known. Time the
 times do not explain (stalls nobody reported, step-time spread) stays in neither bucket:
 ``wall_s - useful_s - sum(lost())`` (:meth:`JobGoodput.unaccounted_s`).
 
-Interval advice follows Young: ``T = sqrt(2·C·M)`` with the job's measured checkpoint cost C
-and M the fleet's observed per-GPU failure rate scaled to the job's GPU count, shortened while
-the job is at risk (REFERENCE.md, "Checkpointing").
+Interval advice follows Daly's higher-order estimate (J. T. Daly, "A higher order estimate of
+the optimum checkpoint interval for restart dumps", FGCS 22(3), 2006), which refines Young's
+first-order ``T = sqrt(2·C·M)`` where the checkpoint cost C is not small against the job's
+mean time between failures M: the job's measured checkpoint cost C, and M the fleet's
+observed per-GPU failure rate scaled to the job's GPU count, shortened while the job is at
+risk. :func:`expected_goodput` is Daly's model of the share of wall time left for progress at
+an interval, with the job's restart time R (docs/reference.md, "Checkpointing").
 """
 
 from __future__ import annotations
@@ -28,7 +32,18 @@ from __future__ import annotations
 import dataclasses
 import math
 
-__all__ = ["GoodputTracker", "JobGoodput", "advise_interval"]
+__all__ = [
+    "GoodputTracker",
+    "JobGoodput",
+    "advise_interval",
+    "daly_interval",
+    "expected_goodput",
+    "job_mtbf_s",
+]
+
+DEFAULT_RESTART_S = 600.0
+"""Restart time R (rescheduling, process start, checkpoint load) before a job's first measured
+restart."""
 
 DEFAULT_GPU_MTBF_H = 24.0 * 1000.0 / 6.5 * 8
 """Per-GPU mean time between failures before the fleet has history: 6.5 failures per 1,000
@@ -173,6 +188,51 @@ class GoodputTracker:
         self._job(job, now)
 
 
+def daly_interval(checkpoint_s: float, mtbf_s: float) -> float:
+    """Daly's optimum of compute time between checkpoints for checkpoint cost ``checkpoint_s``
+    (δ) and mean time between failures ``mtbf_s`` (M)::
+
+        τ = sqrt(2δM) · (1 + (1/3)·sqrt(δ/2M) + (1/9)·(δ/2M)) − δ   for δ < 2M
+        τ = M                                                      otherwise
+
+    Young's ``sqrt(2δM)`` is its first term; the correction matters when δ/M is not small
+    (large jobs, slow storage): at δ = 10 min and M = 2 h Young's interval is 15 % longer
+    than the optimum of Daly's exact model (:func:`expected_goodput`), Daly's within 0.1 %.
+    """
+    if checkpoint_s <= 0 or mtbf_s <= 0:
+        raise ValueError("checkpoint_s and mtbf_s must be positive")
+    if checkpoint_s >= 2.0 * mtbf_s:
+        return mtbf_s
+    x = checkpoint_s / (2.0 * mtbf_s)
+    return math.sqrt(2.0 * checkpoint_s * mtbf_s) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) \
+        - checkpoint_s
+
+
+def expected_goodput(interval_s: float, checkpoint_s: float, restart_s: float,
+                     mtbf_s: float) -> float:
+    """Share of wall time that makes progress when checkpointing every ``interval_s`` of
+    compute, in Daly's model (exponential failures, a failure during a checkpoint or a
+    restart counts too): wall time per unit of work is ``M·e^(R/M)·(e^((τ+δ)/M) − 1)/τ``."""
+    if interval_s <= 0 or mtbf_s <= 0:
+        raise ValueError("interval_s and mtbf_s must be positive")
+    m = mtbf_s
+    wall = m * math.exp(restart_s / m) * math.expm1((interval_s + checkpoint_s) / m)
+    return interval_s / wall
+
+
+def job_mtbf_s(gpus: int, gpu_mtbf_h: float = DEFAULT_GPU_MTBF_H, risk: float = 0.0,
+               horizon_s: float = 3600.0) -> float:
+    """A job's mean time between failures: ``gpus`` GPUs failing independently at one per
+    ``gpu_mtbf_h`` each, or sooner while the predictor's ``risk`` (P(failure within
+    ``horizon_s``)) implies a higher hazard ``-ln(1-risk)/horizon``."""
+    if gpus <= 0 or gpu_mtbf_h <= 0:
+        raise ValueError("gpus and gpu_mtbf_h must be positive")
+    base_rate = gpus / (gpu_mtbf_h * 3600.0)
+    risk = min(max(risk, 0.0), 0.999999)
+    risk_rate = -math.log1p(-risk) / horizon_s if risk > 0 else 0.0
+    return 1.0 / max(base_rate, risk_rate)
+
+
 def advise_interval(
     checkpoint_s: float,
     gpus: int,
@@ -180,15 +240,9 @@ def advise_interval(
     risk: float = 0.0,
     horizon_s: float = 3600.0,
 ) -> float:
-    """Seconds between checkpoints for a job of ``gpus`` GPUs (Young's optimum).
-
-    ``risk`` is the current P(failure within ``horizon_s``) from the predictor; it raises the
-    hazard to ``max(base, -ln(1-risk)/horizon)`` and so shortens the interval.
-    """
-    if checkpoint_s <= 0 or gpus <= 0:
+    """Seconds of training between checkpoints for a job of ``gpus`` GPUs: Daly's optimum
+    (:func:`daly_interval`) for the job's MTBF (:func:`job_mtbf_s`), so a job at risk
+    checkpoints more often."""
+    if checkpoint_s <= 0:
         raise ValueError("checkpoint_s and gpus must be positive")
-    base_rate = gpus / (gpu_mtbf_h * 3600.0)
-    risk = min(max(risk, 0.0), 0.999999)
-    risk_rate = -math.log1p(-risk) / horizon_s if risk > 0 else 0.0
-    mtbf_s = 1.0 / max(base_rate, risk_rate)
-    return math.sqrt(2.0 * checkpoint_s * mtbf_s)
+    return daly_interval(checkpoint_s, job_mtbf_s(gpus, gpu_mtbf_h, risk, horizon_s))

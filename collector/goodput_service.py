@@ -23,7 +23,7 @@ Metrics (rendered from the last :meth:`GoodputService.refresh`, every predictor 
 ``forewarn_job_goodput_ratio{training_job}``,
 ``forewarn_job_lost_seconds_total{training_job,cause}`` (cause
 ``checkpoint``, ``rework``, ``detection``, ``restart``) and
-``forewarn_job_checkpoint_interval_advice_seconds{training_job}``: Young's interval
+``forewarn_job_checkpoint_interval_advice_seconds{training_job}``: Daly's interval
 (:func:`~.goodput.advise_interval`) from the job's measured checkpoint cost (the cost
 model's tracker, else what the ranks report, else ``checkpoint_default_s``), its GPU count
 from the job map, the fleet's per-GPU failure rate (prior updated with the failures the
@@ -44,7 +44,14 @@ from starlette.requests import Request
 from starlette.routing import BaseRoute
 
 from forewarn.collector.commands import NodeCommand
-from forewarn.collector.goodput import DEFAULT_GPU_MTBF_H, GoodputTracker, advise_interval
+from forewarn.collector.goodput import (
+    DEFAULT_GPU_MTBF_H,
+    DEFAULT_RESTART_S,
+    GoodputTracker,
+    advise_interval,
+    expected_goodput,
+    job_mtbf_s,
+)
 from forewarn.collector.orders import OrderSettings, choose_step
 from forewarn.collector.read_routes import policy_read_route
 from forewarn.wire import AgentBatch, Command, Finding, Health, IntervalAdvice, RankSummary
@@ -79,6 +86,11 @@ class JobAdvice:
     risk_gpu: str
     gpu_mtbf_h: float
     horizon_s: float
+    restart_s: float
+    """R: the job's measured mean restart time (detection to progress), else the default."""
+    restart_source: str
+    expected_goodput: float
+    """Share of wall time left for progress at this interval (Daly's model with C, R, M)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,10 +225,18 @@ class GoodputService:
             ckpt, source = self.checkpoint_default_s, "default"
         p, where = risk(info) if risk is not None else (0.0, "")
         gpus = info.gpu_count
+        g = self.tracker.jobs.get(info.job)
+        if g is not None and g.restarts > 0 and g.restart_s > 0:
+            restart, restart_source = g.restart_s / g.restarts, f"measured({g.restarts})"
+        else:
+            restart, restart_source = DEFAULT_RESTART_S, "default"
+        interval = advise_interval(ckpt, gpus, gpu_mtbf_h=mtbf, risk=p, horizon_s=horizon_s)
         return JobAdvice(
-            interval_s=advise_interval(ckpt, gpus, gpu_mtbf_h=mtbf, risk=p, horizon_s=horizon_s),
-            checkpoint_s=ckpt, checkpoint_source=source, gpus=gpus, risk=p, risk_gpu=where,
-            gpu_mtbf_h=mtbf, horizon_s=horizon_s)
+            interval_s=interval, checkpoint_s=ckpt, checkpoint_source=source, gpus=gpus,
+            risk=p, risk_gpu=where, gpu_mtbf_h=mtbf, horizon_s=horizon_s, restart_s=restart,
+            restart_source=restart_source,
+            expected_goodput=expected_goodput(interval, ckpt, restart,
+                                              job_mtbf_s(gpus, mtbf, p, horizon_s)))
 
     def _forget(self, job: str) -> None:
         self.tracker.jobs.pop(job, None)
@@ -276,7 +296,8 @@ class _GoodputMetrics:
                                    "redone, detection delay, restart downtime).",
                                    labels=["training_job", "cause"])
         advice = GaugeMetricFamily("forewarn_job_checkpoint_interval_advice_seconds",
-                                   "Young's checkpoint interval for the job, adjusted by risk.",
+                                   "Checkpoint interval advised for the job (Daly's optimum), "
+                                   "adjusted by risk.",
                                    labels=["training_job"])
         for row in rows:
             ratio.add_metric([row.job], row.ratio)
@@ -322,8 +343,9 @@ class AdviceSender:
             start, _ = choose_step(info, now, self.settings)
             msg = IntervalAdvice(
                 job=name, every_steps=every, from_step=start, interval_s=a.interval_s,
-                reason=(f"Young: checkpoint {a.checkpoint_s:.1f} s ({a.checkpoint_source}), "
-                        f"{a.gpus} GPUs, per-GPU MTBF {a.gpu_mtbf_h:.0f} h, risk {a.risk:.2f}"),
+                reason=(f"Daly: checkpoint {a.checkpoint_s:.1f} s ({a.checkpoint_source}), "
+                        f"{a.gpus} GPUs, per-GPU MTBF {a.gpu_mtbf_h:.0f} h, risk {a.risk:.2f}, "
+                        f"expected goodput {a.expected_goodput:.1%}"),
                 issued=now)
             rid = f"adv-{uuid.uuid4().hex[:12]}"
             for node in info.nodes:

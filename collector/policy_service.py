@@ -100,7 +100,7 @@ class PolicyService:
         checkpoint_default_s: float = 60.0,
         predictor: PredictorService | None = None,
         goodput: GoodputService | None = None,
-        advise_hooks: bool = False,
+        advise_hooks: bool = True,
     ) -> None:
         self.settings = settings
         self.order_settings = orders
@@ -146,7 +146,8 @@ class PolicyService:
             predictor=PredictorService.from_config(config),
             goodput=GoodputService(checkpoint_default_s=config.checkpoint_default_s,
                                    gpu_mtbf_h=config.goodput_gpu_mtbf_h),
-            advise_hooks=config.advise_hooks,
+            # shadow mode acts on nothing: no advice reaches the ranks either
+            advise_hooks=config.advise_hooks and not config.policy_shadow,
         )
 
     # -- the app's hooks (policy thread) ------------------------------------------------

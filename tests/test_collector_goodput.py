@@ -13,7 +13,12 @@ from typing import Any
 
 import pytest
 
-from forewarn.collector.goodput import GoodputTracker, advise_interval
+from forewarn.collector.goodput import (
+    GoodputTracker,
+    advise_interval,
+    daly_interval,
+    expected_goodput,
+)
 from forewarn.collector.goodput_service import GoodputService
 from forewarn.collector.jobview import RankTable
 from forewarn.wire import (
@@ -148,7 +153,12 @@ def test_rollback_and_restart_through_the_collector(running: Any) -> None:
     assert advice["gpus"] == 2 and advice["risk"] == 0.0 and advice["gpu_mtbf_h"] == MTBF_H
     want = advise_interval(4.0, 2, gpu_mtbf_h=MTBF_H)
     assert advice["interval_s"] == pytest.approx(want)
-    assert math.isclose(want, math.sqrt(2 * 4.0 * MTBF_H * 3600 / 2))
+    assert math.isclose(want, daly_interval(4.0, MTBF_H * 3600 / 2))  # 2 GPUs
+    # Daly's model with the job's measured restart (its one restart) says what is left
+    assert advice["restart_source"] == "measured(1)"
+    assert advice["restart_s"] == pytest.approx(EXPECTED["restart"])
+    assert advice["expected_goodput"] == pytest.approx(expected_goodput(
+        want, 4.0, EXPECTED["restart"], MTBF_H * 3600 / 2))
 
     # the metrics render the same snapshot
     assert svc.metric("forewarn_job_goodput_ratio", training_job=JOB) == pytest.approx(

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
-from forewarn.simulate import RunParams, compare, mttf_hours, simulate, young_interval
+from forewarn.collector.goodput import daly_interval
+from forewarn.simulate import (
+    ElasticParams,
+    RunParams,
+    compare,
+    compare_elastic,
+    mttf_hours,
+    simulate,
+    young_interval,
+)
 
 
 @pytest.mark.parametrize(("gpus", "published_h"), [(16384, 1.8)])
@@ -50,3 +60,33 @@ def test_useless_predictor_costs_goodput() -> None:
     p = RunParams(gpus=1024, days=10.0, recall=0.0, false_alarms_per_1k_gpu_days=200.0)
     res = compare(p, runs=4)
     assert res["proactive"].goodput < res["fast_detection"].goodput
+
+
+def test_mtbf_column_follows_the_failure_rate_given(capsys: pytest.CaptureFixture[str]) -> None:
+    """The table's MTBF is the simulated job's, not the default rate's (it used to ignore
+    --failures-per-1k-node-days)."""
+    from forewarn.cli import main
+
+    assert main(["simulate", "--gpus", "1024", "--failures-per-1k-node-days", "187.5",
+                 "--runs", "1", "--days", "1"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()
+            if line.strip().startswith("1024")]
+    assert rows and all(float(r[1]) == pytest.approx(1.00) for r in rows), rows
+
+
+def test_elastic_continuation_beats_waiting_for_a_replacement() -> None:
+    """One node failure per hour on 1,024 GPUs: shrinking and going on keeps more of the
+    held GPU time than waiting for the replacement; both lose nothing without failures."""
+    p = RunParams(gpus=1024, days=5.0, failures_per_1k_node_days=187.5, checkpoint_s=30.0)
+    assert p.mtbf_s == pytest.approx(3600.0)
+    e = ElasticParams(replace_s=1800.0, rendezvous_s=60.0)
+    res = compare_elastic(p, e, runs=4)
+    wait, elastic = res["wait_replace"], res["elastic"]
+    assert wait.failures > 50 and elastic.failures > 50
+    assert elastic.utilisation > wait.utilisation + 0.1
+    # The only loss left without failures is the checkpoint overhead at Daly's interval.
+    calm = dataclasses.replace(p, failures_per_1k_node_days=1e-9)
+    for r in compare_elastic(calm, e, runs=1).values():
+        interval = daly_interval(p.checkpoint_s, calm.mtbf_s)
+        assert r.failures == 0
+        assert r.utilisation == pytest.approx(interval / (interval + p.checkpoint_s), rel=1e-3)

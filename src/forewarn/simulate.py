@@ -3,7 +3,8 @@
 A job of ``gpus`` GPUs trains for ``days`` of wall time. Failures arrive as a Poisson process
 at a per-node rate (8 GPUs a node). Three ways to run it are compared on the same failures:
 
-(a) ``baseline``: periodic checkpoints at the Young/Daly optimum ``T = sqrt(2·C·M)``; a failure
+(a) ``baseline``: periodic checkpoints at Daly's optimum (Young's ``sqrt(2·C·M)`` refined,
+    :func:`forewarn.collector.goodput.daly_interval`, the interval the collector advises); a failure
     is noticed only when NCCL's watchdog fires (10 min, PyTorch's default collective timeout).
 (b) ``fast_detection``: the same, but the agent notices the stuck ranks within
     ``detect_s`` (forewarn's measured hang-detection latency) and the launcher restarts.
@@ -13,6 +14,11 @@ at a per-node rate (8 GPUs a node). Three ways to run it are compared on the sam
 
 Lost time is broken down as the goodput accounting does: checkpoint overhead, work redone
 after failures, detection delay, restart downtime.
+
+``--elastic`` compares, on the same failures, a job that waits for a replacement node before
+it restarts at full size with one that shrinks by the failed node and continues (torchrun
+elastic), then grows back when the replacement arrives (:func:`simulate_elastic`); its
+figure is GPU utilisation: progress made per GPU-second the job holds.
 
 Published figures this must reproduce first (tests/test_simulate.py):
 - Young's first-order waste at the optimum, ``sqrt(2C/M)`` (checkpoint overhead + rework only).
@@ -31,12 +37,18 @@ import random
 from pathlib import Path
 from typing import Any
 
+from forewarn.collector.goodput import daly_interval
+
 __all__ = [
     "Breakdown",
+    "ElasticParams",
+    "ElasticRun",
     "RunParams",
+    "compare_elastic",
     "mttf_hours",
     "register",
     "simulate",
+    "simulate_elastic",
     "young_interval",
 ]
 
@@ -72,7 +84,7 @@ class RunParams:
     lead_median_s: float = 39 * 60.0
     false_alarms_per_1k_gpu_days: float = 0.88
     interval_s: float | None = None
-    """Periodic interval; None = Young's optimum for this C and M."""
+    """Periodic interval; None = Daly's optimum for this C and M."""
 
     @property
     def mtbf_s(self) -> float:
@@ -131,10 +143,10 @@ def simulate(p: RunParams, mode: str, seed: int = 0) -> Breakdown:
     rng = random.Random(seed)
     horizon = p.days * 86400.0
     mtbf = p.mtbf_s
-    interval = p.interval_s or young_interval(p.checkpoint_s, mtbf)
+    interval = p.interval_s or daly_interval(p.checkpoint_s, mtbf)
     # Once a failure is predicted the risk is "within about the lead time": the cost-aware
-    # policy checkpoints at once and then at Young's interval for that shorter M.
-    risk_interval = min(interval, young_interval(p.checkpoint_s, p.lead_median_s))
+    # policy checkpoints at once and then at the optimum for that shorter M.
+    risk_interval = min(interval, daly_interval(p.checkpoint_s, p.lead_median_s))
     detect = p.nccl_timeout_s if mode == "baseline" else p.detect_s
     b = Breakdown(wall_s=horizon)
     # Failures strike on the wall clock, drawn once per seed: every mode sees the same ones.
@@ -227,15 +239,127 @@ def compare(p: RunParams, runs: int = 20) -> dict[str, Breakdown]:
     return out
 
 
-def _table(rows: list[tuple[int, dict[str, Breakdown]]]) -> str:
+@dataclasses.dataclass(frozen=True)
+class ElasticParams:
+    """What a membership change costs. Times in seconds."""
+
+    replace_s: float = 1800.0
+    """From a node failure until a replacement node can join: spare pool, scheduling, the
+    prolog's health check (an assumption; set it to your cluster's)."""
+    rendezvous_s: float = 120.0
+    """Stall of an elastic membership change: torchrun's re-rendezvous, worker restart and
+    checkpoint load, without rescheduling the job."""
+
+
+@dataclasses.dataclass
+class ElasticRun:
+    """Node-seconds of one run: held by the job, spent on progress that stayed, redone."""
+
+    held_node_s: float = 0.0
+    useful_node_s: float = 0.0
+    rework_node_s: float = 0.0
+    failures: int = 0
+
+    @property
+    def utilisation(self) -> float:
+        """Progress per node-second held (a node that failed is not held; a job waiting
+        for its replacement holds its healthy nodes)."""
+        return self.useful_node_s / self.held_node_s if self.held_node_s else 0.0
+
+
+def simulate_elastic(p: RunParams, e: ElasticParams, elastic: bool,
+                     seed: int = 0) -> ElasticRun:
+    """One run of ``p`` where each failure takes one node out until its replacement joins
+    ``e.replace_s`` later. ``elastic=False``: the job stops, waits for the replacement and
+    restarts at full size (``p.restart_s``). ``elastic=True``: it shrinks by the node and
+    goes on after ``e.rendezvous_s`` at the smaller size, and grows back when the
+    replacement joins (a planned change: checkpoint first, then a rendezvous, no rework).
+    Either way the work since the last checkpoint is redone and the failure is noticed after
+    ``p.detect_s``. Failures strike live nodes while they train, at each node's rate."""
+    rng = random.Random(seed)
+    n = max(1, math.ceil(p.gpus / GPUS_PER_NODE))
+    node_rate = 1.0 / (p.mtbf_s * n)
+    horizon = p.days * 86400.0
+    interval = p.interval_s or daly_interval(p.checkpoint_s, p.mtbf_s)
+    r = ElasticRun()
+    t, live, computed, unsaved = 0.0, n, 0.0, 0.0  # computed: s since the last checkpoint
+    joins: list[float] = []
+
+    def stall(seconds: float, nodes: int) -> None:
+        nonlocal t
+        seconds = min(seconds, horizon - t)
+        r.held_node_s += seconds * nodes
+        t += seconds
+
+    while t < horizon:
+        fail_at = t + rng.expovariate(node_rate * live)
+        join_at = min(joins, default=math.inf)
+        event = min(fail_at, join_at, t + interval - computed, horizon)
+        r.held_node_s += (event - t) * live
+        r.useful_node_s += (event - t) * live
+        unsaved += (event - t) * live
+        computed += event - t
+        t = event
+        if t >= horizon:
+            break
+        if event == fail_at:
+            r.failures += 1
+            r.useful_node_s -= unsaved
+            r.rework_node_s += unsaved
+            live -= 1
+            if elastic and live > 0:
+                joins.append(t + e.replace_s)
+                stall(p.detect_s + e.rendezvous_s, live)
+            else:  # wait for the replacement, then restart at full size
+                stall(p.detect_s + e.replace_s + p.restart_s, live)
+                live = n
+        elif event == join_at:
+            joins.remove(join_at)
+            stall(p.checkpoint_s, live)
+            live += 1
+            stall(e.rendezvous_s, live)
+        else:
+            stall(p.checkpoint_s, live)
+        computed, unsaved = 0.0, 0.0  # a checkpoint was taken, or the work was lost
+    return r
+
+
+def compare_elastic(p: RunParams, e: ElasticParams, runs: int = 10) -> dict[str, ElasticRun]:
+    """Sum ``runs`` seeds of waiting for a replacement and of elastic continuation."""
+    out = {}
+    for mode, elastic in (("wait_replace", False), ("elastic", True)):
+        total = ElasticRun()
+        for seed in range(runs):
+            r = simulate_elastic(p, e, elastic, seed)
+            for f in dataclasses.fields(ElasticRun):
+                setattr(total, f.name, getattr(total, f.name) + getattr(r, f.name))
+        out[mode] = total
+    return out
+
+
+def _elastic_table(rows: list[tuple[RunParams, ElasticParams, dict[str, ElasticRun]]]) -> str:
+    head = (f"{'GPUs':>7} {'node failures/h':>15} {'mode':<13} {'GPU utilisation':>15} "
+            f"{'redone':>7} {'replace s':>9} {'rendezvous s':>12}")
+    lines = [head, "-" * len(head)]
+    for p, e, res in rows:
+        per_h = 3600.0 / p.mtbf_s
+        for mode, r in res.items():
+            lines.append(
+                f"{p.gpus:>7} {per_h:>15.2f} {mode:<13} {r.utilisation:>15.2%} "
+                f"{r.rework_node_s / r.held_node_s if r.held_node_s else 0.0:>7.2%} "
+                f"{e.replace_s:>9.0f} {e.rendezvous_s:>12.0f}")
+    return "\n".join(lines)
+
+
+def _table(rows: list[tuple[RunParams, dict[str, Breakdown]]]) -> str:
     head = (
         f"{'GPUs':>7} {'MTBF h':>7} {'mode':<15} {'goodput':>8} {'ckpt':>6} {'redo':>6} "
         f"{'detect':>6} {'restart':>7} {'GPU-h saved/day':>16}"
     )
     lines = [head, "-" * len(head)]
-    for gpus, res in rows:
+    for params, res in rows:
         base = res["baseline"]
-        mtbf_h = RunParams(gpus=gpus).mtbf_s / 3600.0
+        gpus, mtbf_h = params.gpus, params.mtbf_s / 3600.0
         for mode, b in res.items():
             saved = (b.goodput - base.goodput) * gpus * 24.0
             lines.append(
@@ -246,14 +370,14 @@ def _table(rows: list[tuple[int, dict[str, Breakdown]]]) -> str:
     return "\n".join(lines)
 
 
-def _plot(rows: list[tuple[int, dict[str, Breakdown]]], path: Path) -> None:
+def _plot(rows: list[tuple[RunParams, dict[str, Breakdown]]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    sizes = [g for g, _ in rows]
+    sizes = [p.gpus for p, _ in rows]
     labels = {
         "baseline": "(a) periodic, NCCL-timeout detection",
         "fast_detection": "(b) + fast hang detection",
@@ -264,7 +388,7 @@ def _plot(rows: list[tuple[int, dict[str, Breakdown]]], path: Path) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("GPUs in the job")
     ax.set_ylabel("effective training time (%)")
-    ax.set_title("Goodput by job size (simulated, Young-optimal interval)")
+    ax.set_title("Goodput by job size (simulated, Daly-optimal interval)")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -297,6 +421,14 @@ def register(sub: Any) -> None:
     p.add_argument("--false-alarms", type=float, default=d.false_alarms_per_1k_gpu_days,
                    help="false alarms per 1,000 GPU-days (each costs one checkpoint)")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG plot here")
+    e = ElasticParams()
+    p.add_argument("--elastic", action="store_true",
+                   help="also compare waiting for a replacement node with shrinking and going "
+                        "on (torchrun elastic), by GPU utilisation")
+    p.add_argument("--replace-s", type=float, default=e.replace_s,
+                   help="time until a replacement node joins (assumption)")
+    p.add_argument("--rendezvous-s", type=float, default=e.rendezvous_s,
+                   help="stall of an elastic membership change: re-rendezvous and reload")
     p.set_defaults(func=_run)
 
 
@@ -310,8 +442,13 @@ def _run(args: argparse.Namespace) -> int:
             predictable_share=args.predictable_share,
             false_alarms_per_1k_gpu_days=args.false_alarms,
         )
-        rows.append((gpus, compare(params, runs=args.runs)))
+        rows.append((params, compare(params, runs=args.runs)))
     print(_table(rows))
+    if args.elastic:
+        print()
+        print(_elastic_table([
+            (params, ep, compare_elastic(params, ep, runs=args.runs)) for params, _ in rows
+            for ep in [ElasticParams(replace_s=args.replace_s, rendezvous_s=args.rendezvous_s)]]))
     if args.plot:
         _plot(rows, args.plot)
         print(f"plot: {args.plot}")

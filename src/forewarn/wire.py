@@ -290,7 +290,7 @@ class CheckpointOrder(Struct, frozen=True, kw_only=True, tag="order"):
 class IntervalAdvice(Struct, frozen=True, kw_only=True, tag="advice"):
     """collector -> agent -> hook: the advised periodic checkpoint interval of ``job``.
 
-    Young's interval (``interval_s``) converted by the collector into steps, so that every
+    Daly's interval (``interval_s``) converted by the collector into steps, so that every
     rank of the job counts the same steps: a rank that follows the advice saves at
     ``from_step + k * every_steps`` (k = 0, 1, ...). ``from_step`` lies ahead of the job's
     fastest rank, chosen as a checkpoint order's step is, so all ranks switch together.
