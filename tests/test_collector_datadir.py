@@ -345,3 +345,22 @@ def test_a_written_file_is_verified_by_reading_its_footer_back(tmp_path: Path) -
     path.write_bytes(path.read_bytes()[:-9])
     with pytest.raises(TelemetryError, match=path.name):
         verify_parquet(path, rows=4)
+
+
+def test_compaction_sets_a_damaged_file_aside_and_keeps_the_rest(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    store, tel = open_parts(data)
+    for i in range(3):  # three files of one day
+        ingest(store, tel, batch(i, T0 + i))
+        tel.flush()
+    files = sorted(data.glob("telemetry/date=*/*.parquet"))
+    damage(files[1])
+    try:
+        assert tel.compact_old_days(now=T0 + 2 * DAY) == {"2023-11-14": 0}
+        assert (data / "quarantine" / "telemetry" / files[1].parent.name / files[1].name
+                ).exists()
+        assert tel.compact_old_days(now=T0 + 2 * DAY) == {"2023-11-14": 2}  # the rest
+        assert sorted(set(tel.read()["seq"])) == [0, 2]
+        assert quarantined(tel.metrics, "damaged") == 1
+    finally:
+        close_parts(store, tel)

@@ -88,3 +88,18 @@ def test_the_running_collector_prunes_old_records_but_never_live_state(
         assert count(svc, "SELECT COUNT(*) FROM nodes") == 2
     finally:
         stop_service(svc)
+
+
+def test_a_large_prune_runs_in_chunks_and_removes_everything_old(tmp_path: Path) -> None:
+    from forewarn.collector.store import Store
+
+    store = Store(tmp_path / "c.db")
+    try:
+        for i in range(23):
+            store.record_decision(time=1000.0 + i, decision="none", reason="old", inputs={})
+        store.record_decision(time=5000.0, decision="none", reason="new", inputs={})
+        counts = store.prune(2000.0, chunk=5)
+        assert counts["decisions"] == 23
+        assert [r["reason"] for r in store.query("SELECT reason FROM decisions")] == ["new"]
+    finally:
+        store.close()
