@@ -119,16 +119,16 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
 
 
 _OPEN_FINDINGS = (
-    "id IN (SELECT f.id FROM findings f JOIN (SELECT MAX(id) AS id FROM findings"
+    "SELECT f.id FROM findings f JOIN (SELECT MAX(id) AS id FROM findings"
     " GROUP BY subject_key, check_name) newest ON f.id = newest.id"
     " WHERE f.health IN ('degraded', 'unhealthy') AND CASE WHEN f.job != ''"
     " THEN f.job IN (SELECT job FROM jobs)"
-    " ELSE COALESCE(NULLIF(f.subject_node, ''), f.node) IN (SELECT node FROM nodes) END)"
+    " ELSE COALESCE(NULLIF(f.subject_node, ''), f.node) IN (SELECT node FROM nodes) END"
 )
-"""An open finding: the newest of its check about its subject, still degraded or unhealthy
-(what the GPU's health says today), about a node or job that is still known. Retention
-keeps it whatever its age; a newer finding of the same check (or its subject leaving)
-closes it."""
+"""The ids of open findings: the newest of its check about its subject, still degraded or
+unhealthy (what the GPU's health says today), about a node or job that is still known.
+Retention keeps them whatever their age; a newer finding of the same check (or its subject
+leaving) closes one."""
 
 _PRUNE: tuple[tuple[str, str], ...] = (
     # Subjects first, so findings about subjects that left are no longer open.
@@ -138,7 +138,7 @@ _PRUNE: tuple[tuple[str, str], ...] = (
     ("jobs", "last_seen < :before AND job NOT IN (SELECT job FROM ranks)"),
     # Collector time (``received``), not the agent's: a skewed clock neither keeps a
     # finding forever nor drops it at once.
-    ("findings", f"received < :before AND NOT {_OPEN_FINDINGS}"),
+    ("findings", "received < :before AND id NOT IN (SELECT value FROM json_each(:open))"),
     ("xids", "time < :before"),
     ("batches", "received < :before"),
     ("actions", "time < :before"),
@@ -288,24 +288,29 @@ class Store:
             )
             return int(cur.lastrowid or 0)
 
-    def prune(self, before: float, *, chunk: int = 5000) -> dict[str, int]:
+    def prune(self, before: float, *, chunk: int = 1000) -> dict[str, int]:
         """Delete what is older than ``before`` (Unix time); returns the rows deleted per table.
 
         Records (findings, XIDs, seen batches, actions, decisions, checkpoints, expired
         commands) go by their time; nodes, GPUs, jobs and ranks go once they stopped
         reporting before ``before``. Live state stays: a node or job still reporting, and
-        an *open* finding (see :data:`_OPEN_FINDINGS`). Deletes run in transactions of at
-        most ``chunk`` rows so that ingest never waits long behind a large first prune.
+        an *open* finding (see :data:`_OPEN_FINDINGS`, found once per pass). Deletes run in
+        transactions of at most ``chunk`` rows, so ingest never waits long behind a large
+        prune.
 
         Pruning ``batches`` forgets seqs older than the retention: an agent replaying a
         batch older than that would be stored again (its spool never holds that long).
         """
         counts: dict[str, int] = {}
+        params: dict[str, Any] = {"before": before, "open": "[]"}
         for table, where in _PRUNE:
-            counts[table] = self._delete_chunked(table, where, before, chunk)
+            if table == "findings":  # once, on the read connection: no lock held meanwhile
+                params["open"] = json.dumps([r["id"] for r in self.query(_OPEN_FINDINGS)])
+            counts[table] = self._delete_chunked(table, where, params, chunk)
         return counts
 
-    def _delete_chunked(self, table: str, where: str, before: float, chunk: int) -> int:
+    def _delete_chunked(self, table: str, where: str, params: dict[str, Any],
+                        chunk: int) -> int:
         key = _KEYS.get(table, "rowid")
         total = 0
         while True:
@@ -313,7 +318,7 @@ class Store:
                 n = conn.execute(
                     f"DELETE FROM {table} WHERE ({key}) IN"
                     f" (SELECT {key} FROM {table} WHERE {where} LIMIT {int(chunk)})",
-                    {"before": before}).rowcount
+                    params).rowcount
             total += n
             if n < chunk:
                 return total
