@@ -325,7 +325,7 @@ def create_app(
     ``tokens`` defaults to ``config.tokens_file``; ``policy``: see the module docstring.
 
     Raises :class:`~forewarn.collector.datadir.DataDirError` when ``store`` is not the
-    database of ``config.data_dir``'s files (nothing is changed then)."""
+    database of ``config.data_dir``'s files (nothing is moved or deleted then)."""
     metrics = metrics or CollectorMetrics()
     tokens = tokens or TokenRegistry(config.tokens_file)
     commands = CommandQueue(store, metrics, redeliver_s=config.command_redeliver_s,

@@ -86,9 +86,9 @@ def check_data_dir(store: Store, telemetry_dir: Path) -> None:
     raise DataDirError(
         f"{store.path} records no telemetry and no batches, but {telemetry_dir} holds "
         f"{parquet} Parquet files: the database is missing, empty or not the one this data "
-        "belongs to. Nothing was changed. Restore the collector.db that belongs to this "
-        f"data (with its -wal file), or, to start empty and keep the old data aside, move "
-        f"{telemetry_dir} out of {store.path.parent}.")
+        "belongs to. Nothing was moved or deleted. Restore the collector.db that belongs "
+        "to this data (with its -wal file, replacing the empty one), or, to start empty "
+        f"and keep the old data aside, move {telemetry_dir} out of {store.path.parent}.")
 
 
 def data_sizes(data_dir: Path) -> dict[str, int]:
