@@ -126,6 +126,21 @@ def _load_checked(path: Path, rows: int, schema: Any = None) -> Any:
     return table
 
 
+def _scan_checked(path: Path, rows: int) -> None:
+    """Read every page of ``path`` (CRCs checked) in batches, so a whole compacted day
+    never sits in memory; raises like :func:`_load_checked`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        got = sum(b.num_rows for b in pq.ParquetFile(
+            path, page_checksum_verification=True).iter_batches(batch_size=65_536))
+    except (OSError, pa.ArrowException) as exc:
+        raise TelemetryError(f"{path.name}: {exc}") from None
+    if got != rows:
+        raise TelemetryError(f"{path.name}: {got} rows, {rows} recorded")
+
+
 @dataclasses.dataclass
 class Recovered:
     """What start-up recovery did (:meth:`TelemetryWriter.recover`)."""
@@ -523,7 +538,7 @@ class TelemetryWriter:
                 log.error("telemetry file %s is recorded but missing", path)
                 continue
             try:
-                _load_checked(path, int(row["rows"]))
+                _scan_checked(path, int(row["rows"]))
             except TelemetryError:
                 with self._flush_lock:
                     still = self.store.scalar("SELECT rows FROM telemetry_files WHERE name = ?",
@@ -531,7 +546,7 @@ class TelemetryWriter:
                     if still is None or not path.exists():
                         continue  # compacted away meanwhile
                     try:
-                        _load_checked(path, int(still))
+                        _scan_checked(path, int(still))
                     except TelemetryError as exc:
                         self._quarantine_damaged(row["name"], exc)
                         damaged.append(row["name"])
