@@ -83,6 +83,7 @@ from forewarn.collector.api import (
 from forewarn.collector.auth import TokenRegistry
 from forewarn.collector.commands import CommandQueue, NodeCommand
 from forewarn.collector.config import CollectorConfig
+from forewarn.collector.datadir import check_data_dir
 from forewarn.collector.ingest import (
     IngestError,
     IngestWriter,
@@ -94,6 +95,7 @@ from forewarn.collector.metrics import CollectorMetrics
 from forewarn.collector.staging import StagingLog
 from forewarn.collector.store import Store
 from forewarn.collector.telemetry import TelemetryWriter
+from forewarn.collector.upkeep import run_upkeep
 from forewarn.wire import (
     AgentBatch,
     CommandAck,
@@ -297,7 +299,6 @@ async def ack_command(request: Request) -> Response:
 async def _periodic_flush(ctx: CollectorContext) -> None:
     assert ctx._flush_wanted is not None
     event = ctx._flush_wanted
-    last_prune = 0.0
     while True:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(event.wait(), ctx.config.flush_interval_s)
@@ -305,12 +306,6 @@ async def _periodic_flush(ctx: CollectorContext) -> None:
         try:
             ctx._staged = 0
             await asyncio.to_thread(ctx.telemetry.flush, max_rows=10**9)
-            if time.monotonic() - last_prune > 3600:
-                last_prune = time.monotonic()
-                cutoff = ctx.clock() - ctx.config.retention_days * 86400.0
-                await asyncio.to_thread(ctx.telemetry.prune)
-                await asyncio.to_thread(ctx.telemetry.compact_old_days)
-                await asyncio.to_thread(ctx.store.prune, cutoff)
         except Exception:
             log.exception("telemetry flush failed; staged samples are kept and retried")
 
@@ -327,11 +322,15 @@ def create_app(
     extra_routes: Sequence[BaseRoute] = (),
 ) -> Starlette:
     """Build the collector app. ``store`` is the caller's to close after the app stops;
-    ``tokens`` defaults to ``config.tokens_file``; ``policy``: see the module docstring."""
+    ``tokens`` defaults to ``config.tokens_file``; ``policy``: see the module docstring.
+
+    Raises :class:`~forewarn.collector.datadir.DataDirError` when ``store`` is not the
+    database of ``config.data_dir``'s files (nothing is moved or deleted then)."""
     metrics = metrics or CollectorMetrics()
     tokens = tokens or TokenRegistry(config.tokens_file)
     commands = CommandQueue(store, metrics, redeliver_s=config.command_redeliver_s,
                             ttl_s=config.command_ttl_s, clock=clock)
+    check_data_dir(store, config.telemetry_dir)
     staging = StagingLog(config.data_dir / "staging")
     telemetry = TelemetryWriter(store, config.telemetry_dir, metrics,
                                 retention_days=config.retention_days, clock=clock,
@@ -351,10 +350,7 @@ def create_app(
         ctx.loop = asyncio.get_running_loop()
         ctx._flush_wanted = asyncio.Event()
         commands.bind_loop(ctx.loop)
-        removed = await asyncio.to_thread(telemetry.recover)
-        await asyncio.to_thread(telemetry.drop_segments)
-        if removed:
-            log.warning("removed %d unrecorded telemetry files left by a crash", len(removed))
+        await asyncio.to_thread(telemetry.recover)
         metrics.staged.set(await asyncio.to_thread(telemetry.staged_samples))
         if not tokens.nodes():
             log.warning("no agent tokens enrolled (%s): every ingest will be refused; "
@@ -365,12 +361,14 @@ def create_app(
         if start is not None:
             await ctx.run_policy(start, ctx)
         flusher = asyncio.create_task(_periodic_flush(ctx))
+        upkeep = asyncio.create_task(run_upkeep(config, store, telemetry, metrics, clock))
         try:
             yield
         finally:
-            flusher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await flusher
+            for task in (upkeep, flusher):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await asyncio.to_thread(ctx.writer.stop)
             stop = getattr(policy, "stop", None)
             if stop is not None:
@@ -383,6 +381,7 @@ def create_app(
                 log.exception("final telemetry flush failed; samples stay staged")
             commands.bind_loop(None)
             staging.close()
+            telemetry.drop_segments()  # the last segment, now closed, if fully flushed
 
     routes: list[BaseRoute] = [
         Route("/api/v1/ingest", ingest, methods=["POST"]),

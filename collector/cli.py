@@ -149,7 +149,8 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     try:
         app = create_app(config, store, policy=_default_policy(config))
-    except (AuthError, ConfigError) as exc:  # ConfigError: e.g. model_path unusable
+    # ConfigError: e.g. model_path unusable; StoreError: a database not this data's.
+    except (AuthError, ConfigError, StoreError) as exc:
         print(f"forewarn collector: {exc}", file=sys.stderr)
         store.close()
         return 2

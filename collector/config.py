@@ -25,7 +25,8 @@ class CollectorConfig:
     listen: str = "127.0.0.1:9404"
     """host:port of the HTTP API (ingest, commands, read API, /metrics)."""
     data_dir: Path = Path("/var/lib/forewarn/collector")
-    """SQLite database (``collector.db``) and Parquet telemetry (``telemetry/``)."""
+    """SQLite database (``collector.db``), staged batches (``staging/``), Parquet telemetry
+    (``telemetry/``) and ``quarantine/`` (files set aside, never deleted by the collector)."""
     tokens_file: Path = Path("/etc/forewarn/collector-tokens.toml")
     """Per-agent tokens: TOML ``node = "sha256:<hex of token>"``; see ``token add``."""
     certfile: Path | None = None
@@ -44,7 +45,15 @@ class CollectorConfig:
     command_ttl_s: float = 3600.0
     """A command never acknowledged expires (is no longer delivered) after this many seconds."""
     retention_days: int = 30
-    """Days of telemetry (Parquet partitions), findings and seen-batch records kept."""
+    """Days kept of everything the collector stores: telemetry (Parquet days), findings,
+    XIDs, actions, decisions, checkpoints, commands and seen-batch records; nodes, GPUs,
+    jobs and ranks that stopped reporting this long ago. Never pruned: staged samples, a
+    node or job still reporting, an open finding (the newest of its check, not healthy)."""
+    retention_interval_s: float = 3600.0
+    """The running collector prunes (and compacts finished days) this often."""
+    scrub_interval_s: float = 86400.0
+    """Every Parquet file is read back in full this often; a damaged one is moved to
+    ``<data_dir>/quarantine`` (metric ``quarantined_files_total{reason="damaged"}``)."""
     flush_interval_s: float = 10.0
     """Staged telemetry is compacted to Parquet at least this often ..."""
     flush_samples: int = 50_000
@@ -134,7 +143,8 @@ class CollectorConfig:
         if not 1 <= self.max_batch_items <= 10_000_000:
             raise ConfigError(
                 f"max_batch_items: must be within 1..10^7, got {self.max_batch_items}")
-        for key in ("long_poll_max_s", "command_redeliver_s", "command_ttl_s", "flush_interval_s"):
+        for key in ("long_poll_max_s", "command_redeliver_s", "command_ttl_s", "flush_interval_s",
+                    "retention_interval_s", "scrub_interval_s"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be positive, got {getattr(self, key)}")
         if self.retention_days < 1:

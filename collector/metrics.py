@@ -13,6 +13,14 @@ Names (all prefixed ``forewarn_collector_``):
   ``delivered``, ``acked``, ``failed``), ``commands_pending``, ``long_polls``.
 * ``telemetry_staged_samples``, ``telemetry_rows_total``, ``telemetry_flush_seconds``,
   ``telemetry_flush_errors_total``.
+* ``quarantined_files_total{reason}``: files moved to ``<data_dir>/quarantine``:
+  ``unrecorded`` (found at start-up, held nowhere else), ``damaged`` (failed a scrub or a
+  compaction read).
+* ``telemetry_read_errors_total`` (a read skipped a damaged or missing Parquet file),
+  ``telemetry_missing_files`` (recorded files not on disk at the last scrub).
+* ``pruned_rows_total{table}``: rows removed by retention (``telemetry``: Parquet rows);
+  ``data_bytes{part}``: bytes on disk (``sqlite``, ``staging``, ``telemetry``,
+  ``quarantine``); ``upkeep_errors_total{task}`` (``retention``, ``scrub``).
 * ``policy_errors_total``: exceptions raised by the policy hook (counted, never fatal);
   ``policy_backlog_batches`` and ``policy_skipped_batches_total`` (sample-only batches
   not handed to a policy that fell behind).
@@ -71,6 +79,21 @@ class CollectorMetrics:
                                        "Duration of one staging-to-Parquet flush.", registry=r)
         self.flush_errors = Counter(P + "telemetry_flush_errors", "Failed Parquet flushes.",
                                     registry=r)
+        self.quarantined = Counter(P + "quarantined_files",
+                                   "Files moved to the quarantine folder, by reason.",
+                                   ["reason"], registry=r)
+        self.read_errors = Counter(P + "telemetry_read_errors",
+                                   "Parquet files a read skipped (damaged or missing).",
+                                   registry=r)
+        self.missing_files = Gauge(P + "telemetry_missing_files",
+                                   "Recorded Parquet files not on disk at the last scrub.",
+                                   registry=r)
+        self.pruned = Counter(P + "pruned_rows", "Rows removed by retention, by table.",
+                              ["table"], registry=r)
+        self.data_bytes = Gauge(P + "data_bytes", "Bytes on disk of the data dir, by part.",
+                                ["part"], registry=r)
+        self.upkeep_errors = Counter(P + "upkeep_errors", "Failed retention or scrub passes.",
+                                     ["task"], registry=r)
         self.policy_errors = Counter(P + "policy_errors", "Exceptions raised by the policy.",
                                      registry=r)
         self.policy_backlog = Gauge(P + "policy_backlog_batches",

@@ -44,7 +44,8 @@ class StagingLog:
         self._fd: int | None = None
         self._size = 0
 
-    def _path(self, segment: int) -> Path:
+    def path(self, segment: int) -> Path:
+        """The file of ``segment``."""
         return self.root / f"seg-{segment:012d}.log"
 
     def segments(self) -> list[int]:
@@ -57,7 +58,7 @@ class StagingLog:
             if self._fd is not None:
                 os.close(self._fd)
                 self._active += 1
-            self._fd = os.open(self._path(self._active),
+            self._fd = os.open(self.path(self._active),
                                os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             self._size = os.fstat(self._fd).st_size
             with contextlib.suppress(OSError):
@@ -100,7 +101,7 @@ class StagingLog:
     def read(self, segment: int, offset: int, length: int) -> bytes:
         """The body at ``(segment, offset, length)``."""
         try:
-            with open(self._path(segment), "rb") as fh:
+            with open(self.path(segment), "rb") as fh:
                 data = os.pread(fh.fileno(), length, offset)
         except OSError as exc:
             raise StagingError(f"staging segment {segment}: {exc}") from exc
@@ -115,7 +116,7 @@ class StagingLog:
             active = self._active if self._fd is not None else None
             dropped = [s for s in self.segments() if s not in keep and s != active]
             for segment in dropped:
-                self._path(segment).unlink(missing_ok=True)
+                self.path(segment).unlink(missing_ok=True)
         return dropped
 
     def close(self) -> None:

@@ -118,6 +118,40 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
 """Schema migrations in order; never edit a released entry, append a new one."""
 
 
+_OPEN_FINDINGS = (
+    "SELECT f.id FROM findings f JOIN (SELECT MAX(id) AS id FROM findings"
+    " GROUP BY subject_key, check_name) newest ON f.id = newest.id"
+    " WHERE f.health IN ('degraded', 'unhealthy') AND CASE WHEN f.job != ''"
+    " THEN f.job IN (SELECT job FROM jobs)"
+    " ELSE COALESCE(NULLIF(f.subject_node, ''), f.node) IN (SELECT node FROM nodes) END"
+)
+"""The ids of open findings: the newest of its check about its subject, still degraded or
+unhealthy (what the GPU's health says today), about a node or job that is still known.
+Retention keeps them whatever their age; a newer finding of the same check (or its subject
+leaving) closes one."""
+
+_PRUNE: tuple[tuple[str, str], ...] = (
+    # Subjects first, so findings about subjects that left are no longer open.
+    ("nodes", "last_seen < :before"),
+    ("gpus", "last_seen < :before AND node NOT IN (SELECT node FROM nodes)"),
+    ("ranks", "updated < :before"),
+    ("jobs", "last_seen < :before AND job NOT IN (SELECT job FROM ranks)"),
+    # Collector time (``received``), not the agent's: a skewed clock neither keeps a
+    # finding forever nor drops it at once.
+    ("findings", "received < :before AND id NOT IN (SELECT value FROM json_each(:open))"),
+    ("xids", "time < :before"),
+    ("batches", "received < :before"),
+    ("actions", "time < :before"),
+    ("decisions", "time < :before"),
+    ("checkpoints", "time < :before"),
+    ("commands", "expires < :before AND created < :before"),
+)
+"""What :meth:`Store.prune` deletes: table, and which of its rows are older than ``:before``."""
+
+_KEYS = {"batches": "agent_id, seq", "gpus": "node, gpu", "ranks": "job, rank"}
+"""Primary keys of the ``WITHOUT ROWID`` tables (the others are deleted by rowid)."""
+
+
 class Store:
     """SQLite (WAL) database of the collector. Thread-safe; see the module docstring."""
 
@@ -254,24 +288,40 @@ class Store:
             )
             return int(cur.lastrowid or 0)
 
-    def prune(self, before: float) -> dict[str, int]:
-        """Delete findings, XIDs, seen batches, actions and decisions older than ``before``.
+    def prune(self, before: float, *, chunk: int = 1000) -> dict[str, int]:
+        """Delete what is older than ``before`` (Unix time); returns the rows deleted per table.
+
+        Records (findings, XIDs, seen batches, actions, decisions, checkpoints, expired
+        commands) go by their time; nodes, GPUs, jobs and ranks go once they stopped
+        reporting before ``before``. Live state stays: a node or job still reporting, and
+        an *open* finding (see :data:`_OPEN_FINDINGS`, found once per pass). Deletes run in
+        transactions of at most ``chunk`` rows, so ingest never waits long behind a large
+        prune.
 
         Pruning ``batches`` forgets seqs older than the retention: an agent replaying a
         batch older than that would be stored again (its spool never holds that long).
         """
         counts: dict[str, int] = {}
-        with self.write() as conn:
-            for table, column in (("findings", "time"), ("xids", "time"),
-                                  ("batches", "received"), ("actions", "time"),
-                                  ("decisions", "time"), ("checkpoints", "time")):
-                cur = conn.execute(f"DELETE FROM {table} WHERE {column} < ?", (before,))
-                counts[table] = cur.rowcount
-            cur = conn.execute(
-                "DELETE FROM commands WHERE expires < ? AND created < ?", (before, before)
-            )
-            counts["commands"] = cur.rowcount
+        params: dict[str, Any] = {"before": before, "open": "[]"}
+        for table, where in _PRUNE:
+            if table == "findings":  # once, on the read connection: no lock held meanwhile
+                params["open"] = json.dumps([r["id"] for r in self.query(_OPEN_FINDINGS)])
+            counts[table] = self._delete_chunked(table, where, params, chunk)
         return counts
+
+    def _delete_chunked(self, table: str, where: str, params: dict[str, Any],
+                        chunk: int) -> int:
+        key = _KEYS.get(table, "rowid")
+        total = 0
+        while True:
+            with self.write() as conn:
+                n = conn.execute(
+                    f"DELETE FROM {table} WHERE ({key}) IN"
+                    f" (SELECT {key} FROM {table} WHERE {where} LIMIT {int(chunk)})",
+                    params).rowcount
+            total += n
+            if n < chunk:
+                return total
 
     def close(self) -> None:
         """Close the write connection (and this thread's reader)."""

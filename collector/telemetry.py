@@ -13,13 +13,21 @@ and a ``staged_samples`` row pointing at it) in the same SQLite transaction that
 :meth:`TelemetryWriter.flush` later writes staged rows ``first..last`` to Parquet (temp
 file, fsync, rename), then in ONE transaction records the file in ``telemetry_files`` and
 deletes the staged rows. A crash before that transaction leaves a file that no table
-names; :meth:`TelemetryWriter.recover` deletes it at start-up and the staged rows are
-written again. So every sample is in exactly one of staging or a recorded file.
+names; :meth:`TelemetryWriter.recover` finds it at start-up, and since every row it holds
+is still staged (written again by the next flush), deletes it. So every sample is in
+exactly one of staging or a recorded file.
+
+Damage: files are written with page checksums and verified after writing
+(:func:`verify_parquet`: the footer read back, its row count and columns); the periodic
+:meth:`TelemetryWriter.scrub` reads every recorded file in full and moves a damaged one to
+the quarantine (:mod:`.datadir`); :meth:`TelemetryWriter.read` skips (logs and counts) a
+damaged or missing file and returns the rest.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import functools
 import logging
@@ -33,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from forewarn.collector.datadir import Quarantine
 from forewarn.collector.metrics import CollectorMetrics
 from forewarn.collector.staging import StagingError, StagingLog
 from forewarn.collector.store import Store
@@ -41,7 +50,8 @@ from forewarn.wire import GpuSample
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["COLUMNS", "TelemetryWriter", "samples_to_columns"]
+__all__ = ["COLUMNS", "Recovered", "TelemetryError", "TelemetryWriter", "samples_to_columns",
+           "verify_parquet"]
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +85,70 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("agent_id", "string"), ("seq", "int64"),
 )
 """Parquet columns and their Arrow types. ``unsupported``/``errors`` are comma-joined."""
+
+_WRITE_OPTIONS: dict[str, Any] = {"compression": "zstd", "write_page_checksum": True}
+"""How every Parquet file is written: page CRCs let a read or the scrub detect damage."""
+
+
+class TelemetryError(OSError):
+    """A Parquet file is damaged or not what was written; the message names the file."""
+
+
+def verify_parquet(path: Path, rows: int) -> None:
+    """Read back the footer of a written file: it must parse, hold ``rows`` rows and the
+    :data:`COLUMNS`. Raises :class:`TelemetryError` naming the file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(path).metadata
+    except (OSError, pa.ArrowException) as exc:
+        raise TelemetryError(f"{path.name}: footer unreadable: {exc}") from None
+    if meta.num_rows != rows:
+        raise TelemetryError(f"{path.name}: {meta.num_rows} rows, {rows} written")
+    names = [meta.schema.column(i).name for i in range(meta.num_columns)]
+    if names != [name for name, _kind in COLUMNS]:
+        raise TelemetryError(f"{path.name}: columns {names} are not the telemetry columns")
+
+
+def _load_checked(path: Path, rows: int, schema: Any = None) -> Any:
+    """The whole table of ``path`` (every page's CRC checked); raises
+    :class:`TelemetryError` when it cannot be read or does not hold ``rows`` rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path, schema=schema, page_checksum_verification=True)
+    except (OSError, pa.ArrowException) as exc:
+        raise TelemetryError(f"{path.name}: {exc}") from None
+    if table.num_rows != rows:
+        raise TelemetryError(f"{path.name}: {table.num_rows} rows, {rows} recorded")
+    return table
+
+
+def _scan_checked(path: Path, rows: int) -> None:
+    """Read every page of ``path`` (CRCs checked) in batches, so a whole compacted day
+    never sits in memory; raises like :func:`_load_checked`."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        got = sum(b.num_rows for b in pq.ParquetFile(
+            path, page_checksum_verification=True).iter_batches(batch_size=65_536))
+    except (OSError, pa.ArrowException) as exc:
+        raise TelemetryError(f"{path.name}: {exc}") from None
+    if got != rows:
+        raise TelemetryError(f"{path.name}: {got} rows, {rows} recorded")
+
+
+@dataclasses.dataclass
+class Recovered:
+    """What start-up recovery did (:meth:`TelemetryWriter.recover`)."""
+
+    removed: list[Path] = dataclasses.field(default_factory=list)
+    """Temp files, and Parquet files whose every row is held elsewhere."""
+    quarantined: list[Path] = dataclasses.field(default_factory=list)
+    """Files held nowhere else, moved to the quarantine (their original paths)."""
 
 
 _NO_SUMS: tuple[None, None, None, None] = (None, None, None, None)
@@ -136,10 +210,13 @@ class TelemetryWriter:
 
     def __init__(self, store: Store, root: Path, metrics: CollectorMetrics, *,
                  retention_days: int = 30, clock: Callable[[], float] = time.time,
-                 cache_max_samples: int = 500_000, staging: StagingLog | None = None) -> None:
+                 cache_max_samples: int = 500_000, staging: StagingLog | None = None,
+                 quarantine_dir: Path | None = None) -> None:
         self.store = store
         self.root = Path(root)
         self.metrics = metrics
+        self.quarantine = Quarantine(quarantine_dir or self.root.parent / "quarantine",
+                                     metrics)
         self.retention_days = retention_days
         self.clock = clock
         self.root.mkdir(parents=True, exist_ok=True)
@@ -191,17 +268,88 @@ class TelemetryWriter:
             "SELECT DISTINCT segment FROM staged_samples WHERE segment IS NOT NULL")]
         return self.staging.drop_unreferenced(referenced)
 
-    def recover(self) -> list[Path]:
-        """Delete temp files and Parquet files no ``telemetry_files`` row names (left by a
-        crash between writing a file and recording it); returns what was deleted."""
-        known = {r["name"] for r in self.store.query("SELECT name FROM telemetry_files")}
-        removed = []
-        for path in sorted(self.root.glob("date=*/*")):
-            rel = path.relative_to(self.root).as_posix()
-            if path.suffix == ".tmp" or (path.suffix == ".parquet" and rel not in known):
-                path.unlink(missing_ok=True)
-                removed.append(path)
-        return removed
+    def recover(self) -> Recovered:
+        """Start-up: account for every file the database does not name (left by a crash,
+        or newer than a restored database). Never deletes data on a guess:
+
+        * ``*.tmp`` files are deleted: never renamed, so never data of record (their rows
+          are still staged, or still in the files a compaction was merging);
+        * an unrecorded Parquet file is deleted when every batch it holds on its day is
+          still staged or in a recorded file of that day (a flush or compaction cut short),
+          otherwise moved to the quarantine;
+        * a staging segment no staged row refers to is deleted when a recorded flush
+          came after its last write (so its bodies were flushed), otherwise quarantined.
+        """
+        recovered = Recovered()
+        with self._flush_lock:
+            known = {r["name"] for r in self.store.query("SELECT name FROM telemetry_files")}
+            staged = {(r["agent_id"], int(r["seq"])) for r in self.store.query(
+                "SELECT agent_id, seq FROM staged_samples")}
+            for path in sorted(self.root.glob("date=*/*")):
+                rel = path.relative_to(self.root).as_posix()
+                if path.suffix == ".tmp":
+                    path.unlink(missing_ok=True)
+                    recovered.removed.append(path)
+                elif path.suffix == ".parquet" and rel not in known:
+                    self._account(recovered, path, f"telemetry/{rel}",
+                                  redundant=self._held_elsewhere(path, staged),
+                                  why="the database does not name it and holds its rows "
+                                      "nowhere else (a database older than the data?)")
+            self._recover_segments(recovered)
+        if recovered.removed:
+            log.info("recovery removed %d files whose rows are held elsewhere: %s",
+                     len(recovered.removed), ", ".join(p.name for p in recovered.removed))
+        return recovered
+
+    def _batches_in(self, path: Path) -> set[tuple[str, int]]:
+        """The (agent_id, seq) pairs of the rows of a Parquet file."""
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path, columns=["agent_id", "seq"])
+        return set(zip(table["agent_id"].to_pylist(), table["seq"].to_pylist(), strict=True))
+
+    def _held_elsewhere(self, path: Path, staged: set[tuple[str, int]]) -> bool:
+        """Whether every batch in ``path`` is staged or in a recorded file of its day (a
+        flush writes all of a batch's rows of one day to one file; compaction keeps
+        files whole)."""
+        import pyarrow as pa
+
+        try:
+            wanted = self._batches_in(path) - staged
+            day = path.parent.name.removeprefix("date=")
+            for row in self.store.query("SELECT name FROM telemetry_files WHERE day = ?",
+                                        (day,)):
+                if not wanted:
+                    break
+                wanted -= self._batches_in(self.root / row["name"])
+        except (OSError, pa.ArrowException):
+            return False  # unreadable: nothing proves it redundant
+        return not wanted
+
+    def _recover_segments(self, recovered: Recovered) -> None:
+        if self.staging is None:
+            return
+        referenced = {r["segment"] for r in self.store.query(
+            "SELECT DISTINCT segment FROM staged_samples WHERE segment IS NOT NULL")}
+        flushed = float(self.store.scalar("SELECT MAX(created) FROM telemetry_files") or 0)
+        for segment in self.staging.segments():
+            if segment in referenced:
+                continue
+            path = self.staging.path(segment)
+            self._account(recovered, path, f"staging/{path.name}",
+                          redundant=path.stat().st_mtime <= flushed,
+                          why="no staged row refers to it and no recorded flush came after "
+                              "its last write (a database older than the data?)")
+
+    def _account(self, recovered: Recovered, path: Path, relative: str, *, redundant: bool,
+                 why: str) -> None:
+        """Delete ``path`` when ``redundant`` (held elsewhere), else quarantine it."""
+        if redundant:
+            path.unlink(missing_ok=True)
+            recovered.removed.append(path)
+        else:
+            self.quarantine.move(path, relative, reason="unrecorded", why=why)
+            recovered.quarantined.append(path)
 
     def staged_samples(self) -> int:
         """Samples waiting in SQLite staging."""
@@ -267,9 +415,10 @@ class TelemetryWriter:
                 folder.mkdir(parents=True, exist_ok=True)
                 name = f"part-{first:012d}-{last:012d}.parquet"
                 tmp = folder / (name + ".tmp")
-                pq.write_table(table, tmp, compression="zstd")
+                pq.write_table(table, tmp, **_WRITE_OPTIONS)
                 with open(tmp, "rb") as fh:
                     os.fsync(fh.fileno())
+                verify_parquet(tmp, table.num_rows)
                 os.replace(tmp, folder / name)
                 written.append((f"date={day}/{name}", day, table.num_rows))
             with contextlib.suppress(OSError):
@@ -306,9 +455,12 @@ class TelemetryWriter:
             for folder in sorted(self.root.glob("date=*")):
                 day = folder.name.removeprefix("date=")
                 if day < cutoff:
+                    rows = self.store.scalar("SELECT COALESCE(SUM(rows), 0) FROM"
+                                             " telemetry_files WHERE day = ?", (day,))
                     with self.store.write() as conn:
                         conn.execute("DELETE FROM telemetry_files WHERE day = ?", (day,))
                     shutil.rmtree(folder, ignore_errors=True)
+                    self.metrics.pruned.labels("telemetry").inc(int(rows or 0))
                     removed.append(day)
         return removed
 
@@ -333,11 +485,21 @@ class TelemetryWriter:
             target = self.root / name
             tmp = target.with_name(target.name + ".tmp")
             schema = self._schema()
-            with pq.ParquetWriter(tmp, schema, compression="zstd") as out:
+            total = sum(int(r["rows"]) for r in rows)
+            with pq.ParquetWriter(tmp, schema, **_WRITE_OPTIONS) as out:
                 for r in rows:
-                    out.write_table(pq.read_table(self.root / r["name"], schema=schema))
+                    try:
+                        table = _load_checked(self.root / r["name"], int(r["rows"]), schema)
+                    except TelemetryError as exc:
+                        # A damaged source: set it aside, merge the rest next time.
+                        out.close()
+                        tmp.unlink(missing_ok=True)
+                        self._quarantine_damaged(r["name"], exc)
+                        return 0
+                    out.write_table(table)
             with open(tmp, "rb") as fh:
                 os.fsync(fh.fileno())
+            verify_parquet(tmp, total)
             os.replace(tmp, target)
             with self.store.write() as conn:
                 conn.executemany("DELETE FROM telemetry_files WHERE name = ?",
@@ -345,7 +507,7 @@ class TelemetryWriter:
                 conn.execute(
                     "INSERT OR REPLACE INTO telemetry_files (name, day, first_id, last_id, rows,"
                     " created) VALUES (?, ?, ?, ?, ?, ?)",
-                    (name, day, first, last, sum(int(r["rows"]) for r in rows), self.clock()))
+                    (name, day, first, last, total, self.clock()))
             for r in rows:
                 (self.root / r["name"]).unlink(missing_ok=True)
             return len(rows)
@@ -358,6 +520,47 @@ class TelemetryWriter:
             " ORDER BY day", (today,))]
         return {day: self.compact(day) for day in days}
 
+    def scrub(self) -> list[str]:
+        """Read every recorded file in full (page CRCs, row count); move each damaged one
+        to the quarantine and forget it; returns their names (relative to the root).
+
+        Files are read without the flush lock (flushes go on); a file found bad is
+        checked again under the lock before it moves, since a compaction may have
+        replaced it meanwhile. A recorded file that is missing is counted in
+        ``telemetry_missing_files`` and logged, and its row kept (an unmounted disk comes
+        back; recovery then finds nothing to do).
+        """
+        damaged, missing = [], 0
+        for row in self.store.query("SELECT name, rows FROM telemetry_files ORDER BY name"):
+            path = self.root / row["name"]
+            if not path.exists():
+                missing += 1
+                log.error("telemetry file %s is recorded but missing", path)
+                continue
+            try:
+                _scan_checked(path, int(row["rows"]))
+            except TelemetryError:
+                with self._flush_lock:
+                    still = self.store.scalar("SELECT rows FROM telemetry_files WHERE name = ?",
+                                              (row["name"],))
+                    if still is None or not path.exists():
+                        continue  # compacted away meanwhile
+                    try:
+                        _scan_checked(path, int(still))
+                    except TelemetryError as exc:
+                        self._quarantine_damaged(row["name"], exc)
+                        damaged.append(row["name"])
+        self.metrics.missing_files.set(missing)
+        return damaged
+
+    def _quarantine_damaged(self, name: str, exc: TelemetryError) -> None:
+        """Move recorded file ``name`` to the quarantine and forget it (flush lock held)."""
+        log.error("telemetry file %s is damaged (%s); its rows are lost to reads", name, exc)
+        self.quarantine.move(self.root / name, f"telemetry/{name}", reason="damaged",
+                             why=str(exc))
+        with self.store.write() as conn:
+            conn.execute("DELETE FROM telemetry_files WHERE name = ?", (name,))
+
     def read(self, *, start: float | None = None, end: float | None = None,
              node: str | None = None, include_staged: bool = True) -> pd.DataFrame:
         """History as a DataFrame (Parquet files plus, by default, staged samples)."""
@@ -367,7 +570,14 @@ class TelemetryWriter:
 
         names = [r["name"] for r in self.store.query(
             "SELECT name FROM telemetry_files ORDER BY day, first_id")]
-        tables = [pq.read_table(self.root / n) for n in names]
+        tables = []
+        for name in names:
+            try:
+                tables.append(pq.read_table(self.root / name, page_checksum_verification=True))
+            except (OSError, pa.ArrowException) as exc:
+                # One damaged or missing file costs its own rows only; the scrub moves it.
+                self.metrics.read_errors.inc()
+                log.error("telemetry file %s skipped by a read: %s", name, exc)
         if include_staged:
             samples: list[GpuSample] = []
             agents: list[str] = []

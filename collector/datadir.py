@@ -1,0 +1,106 @@
+"""The collector's data directory: the start-up check and the quarantine.
+
+Layout of ``data_dir``: ``collector.db`` (SQLite, :mod:`.store`), ``staging/`` (batch
+bodies waiting for Parquet, :mod:`.staging`), ``telemetry/`` (Parquet history,
+:mod:`.telemetry`) and ``quarantine/`` (files the collector could not account for or found
+damaged, under their original relative path: kept for the operator, never read, never
+deleted by the collector).
+
+The rule: the collector never deletes data on a guess. Before it serves,
+:func:`check_data_dir` refuses a database that cannot be the one these files belong to
+(a missing or empty ``collector.db`` beside Parquet files), and start-up
+recovery (:meth:`~forewarn.collector.telemetry.TelemetryWriter.recover`) deletes only what
+it can prove is held elsewhere; the rest goes to :class:`Quarantine`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from pathlib import Path
+
+from forewarn.collector.metrics import CollectorMetrics
+from forewarn.collector.store import Store, StoreError
+
+__all__ = ["DataDirError", "Quarantine", "check_data_dir", "data_sizes"]
+
+log = logging.getLogger(__name__)
+
+
+class DataDirError(StoreError):
+    """The database and the files of the data directory do not belong together; the
+    message names both and says what to do. The collector does not start."""
+
+
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class Quarantine:
+    """``<data_dir>/quarantine``: where files go instead of being deleted."""
+
+    def __init__(self, root: Path, metrics: CollectorMetrics) -> None:
+        self.root = Path(root)
+        self.metrics = metrics
+
+    def move(self, path: Path, relative: str, *, reason: str, why: str) -> Path:
+        """Move ``path`` to ``quarantine/<relative>`` (a numbered name if taken), log it
+        with ``why`` and count it under ``reason``; returns the new path."""
+        target = self.root / relative
+        n = 0
+        while target.exists():
+            n += 1
+            target = self.root / f"{relative}.{n}"
+        target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.replace(path, target)  # same file system: data_dir holds both
+        _fsync_dir(target.parent)
+        _fsync_dir(path.parent)
+        self.metrics.quarantined.labels(reason).inc()
+        log.warning("moved %s to quarantine %s: %s; the collector no longer reads it. "
+                    "Inspect it, then delete it or put it back with a matching database.",
+                    path, target, why)
+        return target
+
+
+def check_data_dir(store: Store, telemetry_dir: Path) -> None:
+    """Raise :class:`DataDirError` when ``store`` knows nothing (a missing, empty or
+    replaced database) but ``telemetry_dir`` holds Parquet files.
+
+    Staging segments alone do not stop start-up: a collector killed in its very first
+    group commit leaves a segment beside an empty database; recovery quarantines it.
+    """
+    parquet = len(list(telemetry_dir.glob("date=*/*.parquet"))) if telemetry_dir.is_dir() else 0
+    if not parquet:
+        return
+    known = store.scalar(
+        "SELECT (SELECT COUNT(*) FROM telemetry_files) + (SELECT COUNT(*) FROM batches)"
+        " + (SELECT COUNT(*) FROM staged_samples)")
+    if known:
+        return
+    raise DataDirError(
+        f"{store.path} records no telemetry and no batches, but {telemetry_dir} holds "
+        f"{parquet} Parquet files: the database is missing, empty or not the one this data "
+        "belongs to. Nothing was moved or deleted. Restore the collector.db that belongs "
+        "to this data (with its -wal file, replacing the empty one), or, to start empty "
+        f"and keep the old data aside, move {telemetry_dir} out of {store.path.parent}.")
+
+
+def data_sizes(data_dir: Path) -> dict[str, int]:
+    """Bytes on disk per part of ``data_dir``: sqlite (the database with its WAL),
+    staging, telemetry, quarantine."""
+    sizes = {"sqlite": 0, "staging": 0, "telemetry": 0, "quarantine": 0}
+    for name in ("collector.db", "collector.db-wal", "collector.db-shm"):
+        with contextlib.suppress(OSError):
+            sizes["sqlite"] += (data_dir / name).stat().st_size
+    for part in ("staging", "telemetry", "quarantine"):
+        for dirpath, _dirs, files in os.walk(data_dir / part):
+            for f in files:
+                with contextlib.suppress(OSError):
+                    sizes[part] += os.stat(os.path.join(dirpath, f)).st_size
+    return sizes
