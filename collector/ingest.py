@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
+from forewarn.collector.authz import NotYourJob, authorise_batch
 from forewarn.collector.jobs import apply_checkpoints, apply_ranks
 from forewarn.collector.metrics import CollectorMetrics
 from forewarn.collector.staging import StagingLog
@@ -284,9 +285,17 @@ class IngestWriter:
                 for index, item in enumerate(group):
                     conn.execute("SAVEPOINT b")
                     try:
+                        # Jobs are authorised against the map this transaction writes.
+                        item.batch, ignored = authorise_batch(conn, item.batch, item.received)
                         stored, staged_id = _write_batch(conn, item.batch, item.body,
                                                          item.received, item.address,
                                                          refs.get(index))
+                    except NotYourJob as exc:
+                        conn.execute("ROLLBACK TO b")
+                        conn.execute("RELEASE b")
+                        results.append(IngestResult.DUPLICATE)
+                        item.future.set_exception(IngestError(403, "not_your_job", str(exc)))
+                        continue
                     except sqlite3.IntegrityError as exc:
                         conn.execute("ROLLBACK TO b")
                         conn.execute("RELEASE b")
@@ -297,6 +306,9 @@ class IngestWriter:
                             IngestError(422, "store", f"batch not storable: {exc}"))
                         continue
                     conn.execute("RELEASE b")
+                    if stored:
+                        for reason, n in ignored.items():
+                            self.metrics.ignored_records.labels(reason).inc(n)
                     if staged_id is not None:
                         staged.append((staged_id, item.batch.agent_id, item.batch.seq,
                                        item.batch.samples))

@@ -4,7 +4,9 @@ Names (all prefixed ``forewarn_collector_``):
 
 * ``ingest_batches_total{result}``: batches by outcome: ``stored``, ``duplicate``, ``rejected``.
 * ``ingest_rejected_total{reason}``: rejected requests by reason (``auth``, ``too_large``,
-  ``decode``, ``limits``, ``node_mismatch``, ``content_type``, ``store``).
+  ``decode``, ``limits``, ``node_mismatch``, ``not_your_job``, ``content_type``, ``store``).
+* ``ingest_ignored_records_total{reason}``: records of a stored batch not applied
+  (``rank_held``, ``rank_moved``: :mod:`forewarn.collector.authz`).
 * ``ingest_samples_total``, ``ingest_bytes_total``, ``ingest_xids_total``.
 * ``ingest_lag_seconds``: histogram of receive time minus the batch's ``created`` time
   (a replayed spool shows up here as large lag).
@@ -40,6 +42,10 @@ class CollectorMetrics:
                                registry=r)
         self.rejected = Counter(P + "ingest_rejected", "Rejected ingest requests by reason.",
                                 ["reason"], registry=r)
+        self.ignored_records = Counter(
+            P + "ingest_ignored_records",
+            "Records of stored batches not applied: rank_held (a live rank of another "
+            "node), rank_moved (a dead rank now on another node).", ["reason"], registry=r)
         self.samples = Counter(P + "ingest_samples", "GPU samples accepted.", registry=r)
         self.bytes = Counter(P + "ingest_bytes", "Bytes of accepted batch bodies.", registry=r)
         self.xids = Counter(P + "ingest_xids", "XID events accepted.", registry=r)
