@@ -179,6 +179,8 @@ class PolicyService:
             actions=ctx.store,
         )
         self.policy = policy
+        if self.drain is not None:
+            self.drain.register(registry)
         for part in (self.predictor, self.goodput):
             if part is not None:
                 part.register(registry)
