@@ -252,7 +252,8 @@ def read_routes() -> list[Route]:
         Route("/api/v1/gpus", reader(filtered("gpus", "node, gpu", ["node"], None)),
               methods=["GET"]),
         Route("/api/v1/jobs", reader(_jobs), methods=["GET"]),
-        Route("/api/v1/jobs/{job}", reader(_job), methods=["GET"]),
+        # ``path``: a job name may contain "/" (sent percent-encoded, decoded by the server)
+        Route("/api/v1/jobs/{job:path}", reader(_job), methods=["GET"]),
         Route("/api/v1/findings", reader(filtered(
             "findings", "time DESC, id DESC", ["node", "job", "health", "check_name"])),
             methods=["GET"]),

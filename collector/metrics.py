@@ -19,13 +19,17 @@ Names (all prefixed ``forewarn_collector_``):
   ``policy_backlog_batches`` and ``policy_skipped_batches_total`` (sample-only batches
   not handed to a policy that fell behind).
 
-The policy and actions modules add their own metrics to :attr:`CollectorMetrics.registry`.
+The policy and actions modules add their own metrics to :attr:`CollectorMetrics.registry`,
+a :class:`~forewarn.labels.BoundedLabelsRegistry`: label values that come from outside (job
+names) are bounded to 128 characters of valid UTF-8 at scrape time.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
+
+from forewarn.labels import BoundedLabelsRegistry
 
 __all__ = ["CollectorMetrics"]
 
@@ -36,7 +40,7 @@ class CollectorMetrics:
     """Every metric the collector service itself exports."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
+        self.registry = registry if registry is not None else BoundedLabelsRegistry()
         r = self.registry
         self.batches = Counter(P + "ingest_batches", "Agent batches by result.", ["result"],
                                registry=r)
