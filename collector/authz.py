@@ -19,7 +19,9 @@ Rules, for a batch from node N:
   a report about a rank whose takeover is waiting is ignored with it (``rank_held``).
 * **Findings** naming a job (``subject.job``, for subjects of kind ``job`` and ``rank``,
   which order checkpoints of that job) must name a job N hosts a rank of, and for a
-  ``rank`` subject that very rank.
+  ``rank`` subject that very rank. One that asks for nothing (``healthy`` or ``unknown``:
+  the old node clearing its finding about a rank that has moved) is ignored instead
+  (``other_node``); a degraded or unhealthy one is refused.
 
 Anything else raises :class:`NotYourJob` naming the field: the whole batch is refused
 with 403 and nothing of it is stored (``forewarn_collector_ingest_rejected_total
@@ -35,7 +37,7 @@ import sqlite3
 
 import msgspec
 
-from forewarn.wire import AgentBatch, RankSummary
+from forewarn.wire import AgentBatch, Health, RankSummary
 
 __all__ = ["RANK_TAKEOVER_S", "NotYourJob", "authorise_batch"]
 
@@ -125,6 +127,8 @@ def authorise_batch(conn: sqlite3.Connection, batch: AgentBatch, now: float
             findings.append(f)
         elif wait:
             ignored["rank_held"] += 1
+        elif f.health in (Health.HEALTHY, Health.UNKNOWN):
+            ignored["other_node"] += 1  # asks for nothing: never worth the batch
         else:
             rank = s.rank if s.kind == "rank" else None
             what = f"job {s.job!r}" + ("" if rank is None else f" rank {rank}")

@@ -7,7 +7,9 @@ batch is acknowledged only once it is durable. ``(agent_id, seq)`` is the primar
 ``batches``: a batch seen before is answered ``duplicate`` and stores nothing, so an agent
 that never got its answer simply sends the batch again.
 
-Per batch, inside the transaction: the ``batches`` row; the body in ``staged_samples``
+Per batch, inside the transaction: its jobs authorised against the job map
+(:mod:`forewarn.collector.authz`: another node's job is refused with 403, a rank another
+node holds is not applied); the ``batches`` row; the body in ``staged_samples``
 (GPU samples go on to Parquet, :mod:`forewarn.collector.telemetry`); the latest sample
 per GPU in ``gpus``; XIDs; findings (GPU findings also set that GPU's health); rank
 summaries and checkpoint reports (the job map, :mod:`forewarn.collector.jobs`); the node.
@@ -275,6 +277,7 @@ class IngestWriter:
         results: list[IngestResult] = []
         staged: list[tuple[int, str, int, list[GpuSample]]] = []
         refs: dict[int, tuple[int, int, int]] = {}
+        ignored: dict[int, dict[str, int]] = {}  # records not applied, by reason
         try:
             if self.staging is not None:
                 # Bodies first, one fsync for the group; the transaction then points at them.
@@ -286,7 +289,8 @@ class IngestWriter:
                     conn.execute("SAVEPOINT b")
                     try:
                         # Jobs are authorised against the map this transaction writes.
-                        item.batch, ignored = authorise_batch(conn, item.batch, item.received)
+                        item.batch, ignored[index] = authorise_batch(conn, item.batch,
+                                                                     item.received)
                         stored, staged_id = _write_batch(conn, item.batch, item.body,
                                                          item.received, item.address,
                                                          refs.get(index))
@@ -306,9 +310,6 @@ class IngestWriter:
                             IngestError(422, "store", f"batch not storable: {exc}"))
                         continue
                     conn.execute("RELEASE b")
-                    if stored:
-                        for reason, n in ignored.items():
-                            self.metrics.ignored_records.labels(reason).inc(n)
                     if staged_id is not None:
                         staged.append((staged_id, item.batch.agent_id, item.batch.seq,
                                        item.batch.samples))
@@ -325,13 +326,15 @@ class IngestWriter:
             self.on_staged(staged)  # committed: the flush may use the decoded samples
         self.metrics.group_size.observe(len(group))
         stored_batches = []
-        for item, result in zip(group, results, strict=True):
+        for index, (item, result) in enumerate(zip(group, results, strict=True)):
             if item.future.done():
                 continue
             self.metrics.batches.labels(result.value).inc()
             if result is IngestResult.STORED:
                 b = item.batch
                 stored_batches.append(b)
+                for reason, n in ignored.get(index, {}).items():
+                    self.metrics.ignored_records.labels(reason).inc(n)
                 self.metrics.samples.inc(len(b.samples))
                 self.metrics.xids.inc(len(b.xids))
                 self.metrics.bytes.inc(len(item.body))

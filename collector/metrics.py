@@ -6,7 +6,7 @@ Names (all prefixed ``forewarn_collector_``):
 * ``ingest_rejected_total{reason}``: rejected requests by reason (``auth``, ``too_large``,
   ``decode``, ``limits``, ``node_mismatch``, ``not_your_job``, ``content_type``, ``store``).
 * ``ingest_ignored_records_total{reason}``: records of a stored batch not applied
-  (``rank_held``, ``rank_moved``: :mod:`forewarn.collector.authz`).
+  (``rank_held``, ``rank_moved``, ``other_node``: :mod:`forewarn.collector.authz`).
 * ``ingest_samples_total``, ``ingest_bytes_total``, ``ingest_xids_total``.
 * ``ingest_lag_seconds``: histogram of receive time minus the batch's ``created`` time
   (a replayed spool shows up here as large lag).
@@ -49,7 +49,8 @@ class CollectorMetrics:
         self.ignored_records = Counter(
             P + "ingest_ignored_records",
             "Records of stored batches not applied: rank_held (a live rank of another "
-            "node), rank_moved (a dead rank now on another node).", ["reason"], registry=r)
+            "node), rank_moved (a dead rank now on another node), other_node (a finding "
+            "asking for nothing about another node's job).", ["reason"], registry=r)
         self.samples = Counter(P + "ingest_samples", "GPU samples accepted.", registry=r)
         self.bytes = Counter(P + "ingest_bytes", "Bytes of accepted batch bodies.", registry=r)
         self.xids = Counter(P + "ingest_xids", "XID events accepted.", registry=r)

@@ -88,6 +88,12 @@ def test_node_cannot_forge_checkpoints_order_or_move_ranks_of_another_nodes_job(
             assert status == 403, error
             assert "$.findings[0].subject" in error and "train-1" in error
         assert svc.commands("node1", wait=0.5) == []
+        # a finding that asks for nothing (the agent clearing a rank that moved away) is
+        # not stored, and costs its batch nothing
+        cleared = Finding(check="rank_gone", health=Health.UNKNOWN, reason="no longer judged",
+                          subject=Subject(kind="rank", job="train-1", rank=0, node="node2"),
+                          time=now)
+        assert post(svc, "node2", findings=[cleared], ranks=train2)[0] == 200
         assert svc.store.scalar("SELECT COUNT(*) FROM findings") == 0
 
         # move a live rank of train-1 onto node2: not applied, the rest of the batch is kept
@@ -97,6 +103,8 @@ def test_node_cannot_forge_checkpoints_order_or_move_ranks_of_another_nodes_job(
         assert metric(svc, 'forewarn_collector_ingest_rejected_total{reason="not_your_job"}') == 3
         assert metric(svc, 'forewarn_collector_ingest_ignored_records_total'
                            '{reason="rank_held"}') == 1
+        assert metric(svc, 'forewarn_collector_ingest_ignored_records_total'
+                           '{reason="other_node"}') == 1
 
         # node1's finding orders train-1; node2's reports about its own job (ranks 2 and 3
         # of train-2) cannot complete train-1's order
