@@ -86,7 +86,7 @@ def test_collector_metrics_bound_job_labels_and_keep_series_apart(tmp_path: Path
         r = svc.client.get("/metrics")
         assert r.status_code == 200
         text = r.content.decode("utf-8")
-        got = [lab["job"] for lab in labels_of(text, "forewarn_job_goodput_ratio")]
+        got = [lab["training_job"] for lab in labels_of(text, "forewarn_job_goodput_ratio")]
         assert len(got) == len(set(got)) == len(jobs)  # two long names stay two series
         assert all(len(v) <= LABEL_MAX for v in got)
         short = {job for job in jobs if len(job) <= LABEL_MAX}
