@@ -49,8 +49,11 @@ class BoundedLabelsRegistry(CollectorRegistry):
 
     def collect(self) -> Iterable[Metric]:
         for metric in super().collect():
+            # Most samples carry short ASCII labels only: keep those as they are (a scrape
+            # of an 8-GPU agent renders hundreds of samples).
             metric.samples = [
-                s._replace(labels={k: label_value(v) for k, v in s.labels.items()})
+                s if all(len(v) <= LABEL_MAX and v.isascii() for v in s.labels.values())
+                else s._replace(labels={k: label_value(v) for k, v in s.labels.items()})
                 for s in metric.samples
             ]
             yield metric
