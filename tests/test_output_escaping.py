@@ -22,9 +22,9 @@ from forewarn.agent.daemon import Agent
 from forewarn.agent.testing import ScriptedBackend
 from forewarn.collector.webhooks import WebhookEndpoint, WebhookSender, WebhookVerifier
 from forewarn.labels import LABEL_MAX
-from forewarn.wire import RankSummary
+from forewarn.wire import AgentBatch, RankSummary, encode
 
-from support.collector import start_service, stop_service
+from support.collector import TOKENS, start_service, stop_service
 from support.hostile import HOSTILE, TEN_KB
 from support.polling import poll
 from support.webhooks import Receiver
@@ -112,8 +112,14 @@ def test_job_detail_of_any_name_is_reachable(tmp_path: Path) -> None:
             r = svc.client.get("/api/v1/jobs/" + urllib.parse.quote(job, safe=""))
             assert r.status_code == 200, (job, r.text)
             assert r.json()["job"] == job
-        refused = svc.client.post("/api/v1/ingest", content=b"", headers={})
-        assert refused.status_code == 401
+        # a 10 kB name never gets in: the wire bounds names to 256 characters
+        long_rank = RankSummary(job=TEN_KB, rank=0, node="node1", pid=1)
+        body = encode(AgentBatch(node="node1", agent_id="agent-node1", seq=99,
+                                 created=now, ranks=[long_rank]))
+        refused = svc.client.post("/api/v1/ingest", content=body, headers={
+            "content-type": "application/msgpack",
+            "authorization": f"Bearer {TOKENS['node1']}"})
+        assert refused.status_code == 400 and "$.ranks[0].job" in refused.json()["error"]
     finally:
         stop_service(svc)
 
