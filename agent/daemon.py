@@ -62,7 +62,6 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
-from prometheus_client import CollectorRegistry
 
 from forewarn import __version__
 from forewarn.agent.backend import GpuBackend, SourceUnavailable, XidSource
@@ -73,6 +72,7 @@ from forewarn.agent.exporter import AgentExporter, MetricsServer, Snapshot, Sour
 from forewarn.agent.sdnotify import Notifier
 from forewarn.agent.state import AgentState
 from forewarn.config import ConfigError, load_config
+from forewarn.labels import BoundedLabelsRegistry
 from forewarn.wire import Finding, GpuSample, Health, SuggestedAction, XidEvent
 
 __all__ = [
@@ -187,8 +187,9 @@ class Agent:
         self.notifier = notifier if notifier is not None else Notifier()
         self.retry_s = retry_s
         self.state = AgentState(node=config.node)
-        self.registry = CollectorRegistry()
-        """The agent's registry: components register their own collectors here."""
+        self.registry = BoundedLabelsRegistry()
+        """The agent's registry: components register their own collectors here. Label
+        values are bounded and made valid UTF-8 at scrape time (:mod:`forewarn.labels`)."""
         self.exporter = AgentExporter(config.node, version)
         self.registry.register(self.exporter)
         if process_metrics:

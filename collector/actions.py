@@ -153,7 +153,7 @@ class ActionPipeline:
             return
         drain = self.drain
         try:
-            argv = drain.template.render(action.node, action.finding.reason)
+            argv = drain.render(action.node, action.finding.reason)
         except DrainError as exc:
             self._record(action, "rejected", {"error": str(exc)})
             return

@@ -193,6 +193,15 @@ def openapi_schema() -> dict[str, Any]:
              "description": listing.get(p, "")} for p in params],
             "responses": {"200": rows, "401": err}}}
 
+    def operator(summary: str, key: str) -> dict[str, Any]:
+        body = {"type": "object", "required": [key], "properties": {
+            key: {"type": "string"}, "reason": {"type": "string"}}}
+        return {"post": {"summary": summary, "security": [{"operatorToken": []}],
+                         "requestBody": {"required": True,
+                                         "content": {"application/json": {"schema": body}}},
+                         "responses": {"200": {"description": "the policy's decisions"},
+                                       "400": err, "401": err, "403": err}}}
+
     paths: dict[str, Any] = {
         "/api/v1/ingest": {"post": {
             "summary": "Agent batch (msgpack), exactly once per (agent_id, seq)",
@@ -215,6 +224,9 @@ def openapi_schema() -> dict[str, Any]:
                             "schema": {"type": "string"}}],
             "requestBody": {"content": {"application/json": {"schema": ack}}},
             "responses": {"200": {"description": "acked or already"}, "404": err}}},
+        "/api/v1/orders": operator("Order a job to checkpoint (operator)", "job"),
+        "/api/v1/drains": operator("Drain a node (operator; shadow until drain_enabled)",
+                                   "node"),
         "/api/v1/nodes": read("Nodes"),
         "/api/v1/gpus": read("GPUs with their latest sample and health", ["node"]),
         "/api/v1/jobs": read("Jobs"),
@@ -236,7 +248,8 @@ def openapi_schema() -> dict[str, Any]:
         "info": {"title": "forewarn collector", "version": "1"},
         "paths": paths,
         "components": {"schemas": components, "securitySchemes": {
-            "agentToken": {"type": "http", "scheme": "bearer"}}},
+            "agentToken": {"type": "http", "scheme": "bearer"},
+            "operatorToken": {"type": "http", "scheme": "bearer"}}},
     }
 
 
@@ -252,7 +265,8 @@ def read_routes() -> list[Route]:
         Route("/api/v1/gpus", reader(filtered("gpus", "node, gpu", ["node"], None)),
               methods=["GET"]),
         Route("/api/v1/jobs", reader(_jobs), methods=["GET"]),
-        Route("/api/v1/jobs/{job}", reader(_job), methods=["GET"]),
+        # ``path``: a job name may contain "/" (sent percent-encoded, decoded by the server)
+        Route("/api/v1/jobs/{job:path}", reader(_job), methods=["GET"]),
         Route("/api/v1/findings", reader(filtered(
             "findings", "time DESC, id DESC", ["node", "job", "health", "check_name"])),
             methods=["GET"]),

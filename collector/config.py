@@ -109,6 +109,11 @@ class CollectorConfig:
     alert_token: str = ""
     """Bearer token of the Alertmanager/Grafana webhook routes (empty = routes refuse)."""
     alert_token_file: Path | None = None
+    operator_token: str = ""
+    """Bearer token of operator actions (``POST /api/v1/orders``, ``/api/v1/drains``);
+    empty = those routes refuse. Must differ from ``api_token`` and ``alert_token``, and
+    a node's token is never accepted for it."""
+    operator_token_file: Path | None = None
     # -- failure predictor and goodput (forewarn.collector.predict / goodput_service) ----
     predictor_enabled: bool = True
     """Run the failure predictor on live telemetry (the model loads at start)."""
@@ -163,6 +168,7 @@ class CollectorConfig:
         if self.log_level not in ("critical", "error", "warning", "info", "debug"):
             raise ConfigError(f"log_level: unknown level {self.log_level!r}")
         _check_policy_keys(self)
+        _check_tokens_distinct(self)
         for key in ("predict_interval_s", "predict_refresh_s", "goodput_gpu_mtbf_h"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"{key}: must be positive, got {getattr(self, key)}")
@@ -185,6 +191,17 @@ class CollectorConfig:
     @property
     def telemetry_dir(self) -> Path:
         return self.data_dir / "telemetry"
+
+
+def _check_tokens_distinct(c: CollectorConfig) -> None:
+    """The operator, read and alert tokens are three different secrets (set in the config
+    itself; tokens read from files are checked when the service reads them)."""
+    named = [("operator_token", c.operator_token), ("api_token", c.api_token),
+             ("alert_token", c.alert_token)]
+    for i, (key, value) in enumerate(named):
+        for other, value2 in named[i + 1:]:
+            if value and value == value2:
+                raise ConfigError(f"{key}, {other}: must be different tokens")
 
 
 def _check_policy_keys(c: CollectorConfig) -> None:

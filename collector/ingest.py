@@ -7,7 +7,9 @@ batch is acknowledged only once it is durable. ``(agent_id, seq)`` is the primar
 ``batches``: a batch seen before is answered ``duplicate`` and stores nothing, so an agent
 that never got its answer simply sends the batch again.
 
-Per batch, inside the transaction: the ``batches`` row; the body in ``staged_samples``
+Per batch, inside the transaction: its jobs authorised against the job map
+(:mod:`forewarn.collector.authz`: another node's job is refused with 403, a rank another
+node holds is not applied); the ``batches`` row; the body in ``staged_samples``
 (GPU samples go on to Parquet, :mod:`forewarn.collector.telemetry`); the latest sample
 per GPU in ``gpus``; XIDs; findings (GPU findings also set that GPU's health); rank
 summaries and checkpoint reports (the job map, :mod:`forewarn.collector.jobs`); the node.
@@ -27,6 +29,7 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
+from forewarn.collector.authz import NotYourJob, authorise_batch
 from forewarn.collector.jobs import apply_checkpoints, apply_ranks
 from forewarn.collector.metrics import CollectorMetrics
 from forewarn.collector.staging import StagingLog
@@ -274,6 +277,7 @@ class IngestWriter:
         results: list[IngestResult] = []
         staged: list[tuple[int, str, int, list[GpuSample]]] = []
         refs: dict[int, tuple[int, int, int]] = {}
+        ignored: dict[int, dict[str, int]] = {}  # records not applied, by reason
         try:
             if self.staging is not None:
                 # Bodies first, one fsync for the group; the transaction then points at them.
@@ -284,9 +288,18 @@ class IngestWriter:
                 for index, item in enumerate(group):
                     conn.execute("SAVEPOINT b")
                     try:
+                        # Jobs are authorised against the map this transaction writes.
+                        item.batch, ignored[index] = authorise_batch(conn, item.batch,
+                                                                     item.received)
                         stored, staged_id = _write_batch(conn, item.batch, item.body,
                                                          item.received, item.address,
                                                          refs.get(index))
+                    except NotYourJob as exc:
+                        conn.execute("ROLLBACK TO b")
+                        conn.execute("RELEASE b")
+                        results.append(IngestResult.DUPLICATE)
+                        item.future.set_exception(IngestError(403, "not_your_job", str(exc)))
+                        continue
                     except sqlite3.IntegrityError as exc:
                         conn.execute("ROLLBACK TO b")
                         conn.execute("RELEASE b")
@@ -313,13 +326,15 @@ class IngestWriter:
             self.on_staged(staged)  # committed: the flush may use the decoded samples
         self.metrics.group_size.observe(len(group))
         stored_batches = []
-        for item, result in zip(group, results, strict=True):
+        for index, (item, result) in enumerate(zip(group, results, strict=True)):
             if item.future.done():
                 continue
             self.metrics.batches.labels(result.value).inc()
             if result is IngestResult.STORED:
                 b = item.batch
                 stored_batches.append(b)
+                for reason, n in ignored.get(index, {}).items():
+                    self.metrics.ignored_records.labels(reason).inc(n)
                 self.metrics.samples.inc(len(b.samples))
                 self.metrics.xids.inc(len(b.xids))
                 self.metrics.bytes.inc(len(item.body))

@@ -4,7 +4,9 @@ Names (all prefixed ``forewarn_collector_``):
 
 * ``ingest_batches_total{result}``: batches by outcome: ``stored``, ``duplicate``, ``rejected``.
 * ``ingest_rejected_total{reason}``: rejected requests by reason (``auth``, ``too_large``,
-  ``decode``, ``limits``, ``node_mismatch``, ``content_type``, ``store``).
+  ``decode``, ``limits``, ``node_mismatch``, ``not_your_job``, ``content_type``, ``store``).
+* ``ingest_ignored_records_total{reason}``: records of a stored batch not applied
+  (``rank_held``, ``rank_moved``, ``other_node``: :mod:`forewarn.collector.authz`).
 * ``ingest_samples_total``, ``ingest_bytes_total``, ``ingest_xids_total``.
 * ``ingest_lag_seconds``: histogram of receive time minus the batch's ``created`` time
   (a replayed spool shows up here as large lag).
@@ -25,13 +27,17 @@ Names (all prefixed ``forewarn_collector_``):
   ``policy_backlog_batches`` and ``policy_skipped_batches_total`` (sample-only batches
   not handed to a policy that fell behind).
 
-The policy and actions modules add their own metrics to :attr:`CollectorMetrics.registry`.
+The policy and actions modules add their own metrics to :attr:`CollectorMetrics.registry`,
+a :class:`~forewarn.labels.BoundedLabelsRegistry`: label values that come from outside (job
+names) are bounded to 128 characters of valid UTF-8 at scrape time.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import generate_latest
+
+from forewarn.labels import BoundedLabelsRegistry
 
 __all__ = ["CollectorMetrics"]
 
@@ -42,12 +48,17 @@ class CollectorMetrics:
     """Every metric the collector service itself exports."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry if registry is not None else CollectorRegistry()
+        self.registry = registry if registry is not None else BoundedLabelsRegistry()
         r = self.registry
         self.batches = Counter(P + "ingest_batches", "Agent batches by result.", ["result"],
                                registry=r)
         self.rejected = Counter(P + "ingest_rejected", "Rejected ingest requests by reason.",
                                 ["reason"], registry=r)
+        self.ignored_records = Counter(
+            P + "ingest_ignored_records",
+            "Records of stored batches not applied: rank_held (a live rank of another "
+            "node), rank_moved (a dead rank now on another node), other_node (a finding "
+            "asking for nothing about another node's job).", ["reason"], registry=r)
         self.samples = Counter(P + "ingest_samples", "GPU samples accepted.", registry=r)
         self.bytes = Counter(P + "ingest_bytes", "Bytes of accepted batch bodies.", registry=r)
         self.xids = Counter(P + "ingest_xids", "XID events accepted.", registry=r)

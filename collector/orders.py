@@ -196,7 +196,9 @@ class OrderBook:
         ``job`` is the job's current snapshot for the new S (else the one issued with).
         """
         order = self._orders.get(report.request_id)
-        if order is None or order.status not in ("issued",):
+        # A report counts only for its own job's order: a node may report only its own
+        # ranks (collector.authz), so another job's report must not complete this one.
+        if order is None or order.status not in ("issued",) or report.job != order.job:
             return None
         order.ranks[report.rank] = report.phase
         order.rank_steps[report.rank] = report.step

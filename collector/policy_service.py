@@ -35,6 +35,7 @@ from forewarn.collector.costmodel import CheckpointCostTracker
 from forewarn.collector.drain import DrainRunner, DrainTemplate
 from forewarn.collector.goodput_service import AdviceSender, GoodputService
 from forewarn.collector.ingest import store_findings
+from forewarn.collector.operator import operator_routes
 from forewarn.collector.orders import OrderBook, OrderSettings
 from forewarn.collector.policy import Decision, Policy, PolicySettings
 from forewarn.collector.predict import PredictorService
@@ -97,6 +98,7 @@ class PolicyService:
         webhook_backoff_s: float = 1.0,
         drain: DrainRunner | None = None,
         alert_token: str = "",
+        operator_token: str = "",
         checkpoint_default_s: float = 60.0,
         predictor: PredictorService | None = None,
         goodput: GoodputService | None = None,
@@ -110,6 +112,7 @@ class PolicyService:
         self.webhook_backoff_s = webhook_backoff_s
         self.drain = drain
         self.alert_token = alert_token
+        self.operator_token = operator_token
         self.checkpoint_default_s = checkpoint_default_s
         self.pipeline: ActionPipeline | None = None
         self.sender: WebhookSender | None = None
@@ -142,6 +145,7 @@ class PolicyService:
             webhook_backoff_s=config.webhook_backoff_s,
             drain=drain,
             alert_token=_secret(config.alert_token, config.alert_token_file),
+            operator_token=_secret(config.operator_token, config.operator_token_file),
             checkpoint_default_s=config.checkpoint_default_s,
             predictor=PredictorService.from_config(config),
             goodput=GoodputService(checkpoint_default_s=config.checkpoint_default_s,
@@ -179,6 +183,8 @@ class PolicyService:
             actions=ctx.store,
         )
         self.policy = policy
+        if self.drain is not None:
+            self.drain.register(registry)
         for part in (self.predictor, self.goodput):
             if part is not None:
                 part.register(registry)
@@ -235,9 +241,11 @@ class PolicyService:
             self.pipeline.on_ack(ack)
 
     def routes(self) -> list[BaseRoute]:
-        """``POST /api/v1/alerts/alertmanager`` and ``/api/v1/alerts/grafana``; with the
-        predictor ``GET /api/v1/risk``, with goodput ``GET /api/v1/goodput``."""
+        """``POST /api/v1/alerts/alertmanager`` and ``/api/v1/alerts/grafana``; the
+        operator's ``POST /api/v1/orders`` and ``/api/v1/drains``; with the predictor
+        ``GET /api/v1/risk``, with goodput ``GET /api/v1/goodput``."""
         out: list[BaseRoute] = list(alert_routes(self._handle_alert, self.alert_token))
+        out += operator_routes(self._submit_forced, self.operator_token)
         if self.predictor is not None:
             out += self.predictor.routes()
         if self.goodput is not None:
@@ -286,6 +294,14 @@ class PolicyService:
         ctx: CollectorContext = request.app.state.ctx
         findings, skipped = await asyncio.to_thread(
             alert_findings, payload, ctx.jobs, source, ctx.clock())
+        return {**await self._submit_forced(request, findings, source), "skipped": skipped}
+
+    async def _submit_forced(
+        self, request: Request, findings: list[Finding], source: str
+    ) -> dict[str, Any]:
+        """Store ``findings`` and run them through the policy with the cost model bypassed
+        (an alert rule or an operator asked); the decisions taken."""
+        ctx: CollectorContext = request.app.state.ctx
         for f in findings:
             self._alerts[id(f)] = (f, source)
         try:
@@ -299,7 +315,7 @@ class PolicyService:
             for f in findings
             for d in self._alert_decisions.pop(id(f), [])
         ]
-        return {"findings": len(findings), "skipped": skipped, "decisions": decisions}
+        return {"findings": len(findings), "decisions": decisions}
 
     def _delivered(self, d: Delivery) -> None:
         """Runs on the loop: store final delivery results off the loop."""

@@ -13,6 +13,12 @@ which also refuses a request it has already seen): requests whose timestamp is m
 request cannot be replayed later; within the window, the verifier's memory of signatures
 rejects an exact replay.
 
+Bodies: an event is JSON-encoded (every character of a job name or reason survives,
+escaped as JSON) and bounded: strings are cut to :data:`MAX_FIELD_CHARS`, lists and
+objects to :data:`MAX_ITEMS` (an ellipsis marks each cut), so a body stays under
+:data:`MAX_BODY_BYTES`. The Slack form escapes ``&``, ``<`` and ``>`` in every value, as
+Slack requires, so a job named ``<!channel>`` is text, not a mention or a link.
+
 Delivery: :class:`WebhookSender` keeps a bounded queue; each event goes to every endpoint;
 connection errors, 429 and 5xx are retried after ``backoff_s * 2**attempt`` (capped) up to
 ``max_attempts``; other 4xx fail at once. Each attempt's result is handed to the
@@ -46,6 +52,8 @@ __all__ = [
     "WebhookEndpoint",
     "WebhookSender",
     "WebhookVerifier",
+    "bounded",
+    "encode_event",
     "sign",
     "signed_headers",
     "slack_payload",
@@ -57,6 +65,13 @@ log = logging.getLogger(__name__)
 TIMESTAMP_HEADER = "X-Forewarn-Timestamp"
 SIGNATURE_HEADER = "X-Forewarn-Signature"
 DEFAULT_TOLERANCE_S = 300.0
+MAX_FIELD_CHARS = 2000
+"""Longest string in a webhook body (characters); longer ones end in ``…``."""
+MAX_ITEMS = 50
+"""Most items of a list or keys of an object in a webhook body."""
+MAX_BODY_BYTES = 64 * 1024
+"""Largest webhook body: past the bounds above it is sent with strings of 256 characters
+and 10 items."""
 
 
 class SignatureError(ValueError):
@@ -173,14 +188,47 @@ class Delivery:
     time: float
 
 
+def bounded(value: Any, chars: int = MAX_FIELD_CHARS, items: int = MAX_ITEMS,
+            depth: int = 0) -> Any:
+    """``value`` (JSON-like) with strings, lists and objects cut to the bounds."""
+    if isinstance(value, str):
+        return value if len(value) <= chars else value[:chars - 1] + "…"
+    if depth > 8:
+        return "…"
+    if isinstance(value, Mapping):
+        kept = list(value.items())[:items]
+        out = {bounded(str(k), 64): bounded(v, chars, items, depth + 1) for k, v in kept}
+        if len(value) > items:
+            out["…"] = f"{len(value) - items} more"
+        return out
+    if isinstance(value, list | tuple):
+        cut = [bounded(v, chars, items, depth + 1) for v in value[:items]]
+        return cut + ([f"… {len(value) - items} more"] if len(value) > items else [])
+    return value
+
+
+def encode_event(event: Mapping[str, Any]) -> bytes:
+    """The JSON body of ``event``, at most :data:`MAX_BODY_BYTES`."""
+    body = msgspec.json.encode(bounded(event))
+    if len(body) > MAX_BODY_BYTES:
+        body = msgspec.json.encode(bounded(event, 256, 10))
+    return body
+
+
+def _slack_text(value: Any, limit: int = 500) -> str:
+    """``value`` as Slack mrkdwn text: cut, with ``&``, ``<`` and ``>`` escaped."""
+    text = str(value)[:limit]
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
 def slack_payload(event: Mapping[str, Any]) -> dict[str, Any]:
     """Slack incoming-webhook form (``text`` fallback plus ``blocks``) of an event."""
-    title = str(event.get("title") or event.get("type") or "forewarn")
+    title = _slack_text(event.get("title") or event.get("type") or "forewarn")
     lines = [f"*{title}*"]
     for key in ("reason", "subject", "job", "node", "action", "outcome"):
         value = event.get(key)
         if value:
-            lines.append(f"*{key}*: {value}")
+            lines.append(f"*{key}*: {_slack_text(value)}")
     text = "\n".join(lines)
     return {
         "text": f"forewarn: {title}",
@@ -271,7 +319,7 @@ class WebhookSender:
             log.warning("webhook sender not started; event %s dropped", event.get("id"))
             return 0
         event_id = str(event.get("id", ""))
-        generic = msgspec.json.encode(event)
+        generic = encode_event(event)
         slack = msgspec.json.encode(slack_payload(event))
         queued = 0
         for ep in self.endpoints:

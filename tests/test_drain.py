@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from forewarn.collector.drain import DrainError, DrainRunner, DrainTemplate, sanitize_reason
 
@@ -65,7 +66,7 @@ def test_template_must_name_node_and_program_is_fixed() -> None:
     "n1\nn2", "n1 n2", "", "a" * 300, "n1/../x", "{node}", "n1>out",
 ])
 def test_bad_node_names_rejected_nothing_run(node: str, tmp_path: Path) -> None:
-    runner = DrainRunner([*recorder(tmp_path), "{node}", "{reason}"], enabled=True)
+    runner = DrainRunner([*recorder(tmp_path), "{node}", "--", "{reason}"], enabled=True)
     with pytest.raises(DrainError, match="invalid node name"):
         runner.run(node, "reason")
     assert ran(tmp_path) == []
@@ -74,7 +75,7 @@ def test_bad_node_names_rejected_nothing_run(node: str, tmp_path: Path) -> None:
 def test_reason_sanitized() -> None:
     assert sanitize_reason("XID 79; rm -rf / $(id) `x` | y > z {node}") == (
         "XID 79 rm -rf / id x y z node")
-    assert sanitize_reason("--force\n\tnow") == "force now"
+    assert sanitize_reason("force  now ") == "force now"
     assert len(sanitize_reason("x" * 1000)) == 128
     assert sanitize_reason(";;;") == "forewarn"
 
@@ -103,3 +104,43 @@ def test_timeout_and_missing_program_reported(tmp_path: Path) -> None:
     missing = DrainRunner([str(tmp_path / "no-such-program"), "{node}"], enabled=True)
     result = missing.run("n1", "r")
     assert not result.ran and "FileNotFoundError" in result.error
+
+
+@pytest.mark.parametrize("reason", [
+    "- --all", "--all", "  -rf", ";--all", "-", "ok\n--all", "x\x1b[2J", "a\x00b", "a\rb",
+    "tab\there", "a\u2028b", "del\x7f",
+])
+def test_reason_that_could_be_an_option_or_has_control_characters_is_refused(
+        reason: str, tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    runner = DrainRunner([*recorder(tmp_path), "{node}", "--", "{reason}"], enabled=True)
+    runner.register(registry)
+    with pytest.raises(DrainError, match=r"refusing to drain n1: reason "):
+        runner.run("n1", reason)
+    assert ran(tmp_path) == []
+    assert registry.get_sample_value("forewarn_collector_drain_refused_total",
+                                     {"slot": "reason"}) == 1
+    with pytest.raises(DrainError, match="invalid node name"):
+        runner.run("--all", "fine")
+    assert registry.get_sample_value("forewarn_collector_drain_refused_total",
+                                     {"slot": "node"}) == 1
+
+
+@pytest.mark.parametrize("argv", [
+    ("prog", "{node}", "{reason}"), ("prog", "{reason}", "{node}"),
+    ("prog", "{node}", "{reason}-x"), ("prog", "{node}", "{reason}", "--"),
+])
+def test_free_text_slot_must_be_an_option_value_or_follow_double_dash(
+        argv: tuple[str, ...]) -> None:
+    """``{reason}`` is free text: it may only be the value of an option (``--reason=``,
+    ``reason=``) or an operand after ``--``, never a whole argument that a program could
+    take for an option."""
+    with pytest.raises(DrainError, match="free text"):
+        DrainTemplate(argv)
+
+
+def test_free_text_slot_as_option_value_or_after_double_dash_renders(tmp_path: Path) -> None:
+    for argv in (("prog", "--reason={reason}", "{node}"), ("prog", "{node}", "--", "{reason}"),
+                 ("prog", "reason={reason}", "{node}")):
+        assert DrainTemplate(argv).render("n1", "XID 79")[-2:] in (
+            ["--reason=XID 79", "n1"], ["--", "XID 79"], ["reason=XID 79", "n1"])

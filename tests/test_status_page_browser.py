@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import re
 import struct
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from forewarn.wire import Finding, GpuSample, Health, RankSummary, Subject
+
+from support.collector import start_service, stop_service
+from support.hostile import HOSTILE
 from support.stack import JOB, NODE, running_stack
 
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
@@ -97,3 +102,52 @@ def test_status_page_shows_unhealthy_gpu_and_checkpoint_order(
     width, height = png_size(data)
     assert len(data) > 20_000, len(data)
     assert width == 1400 and height >= 1000, (width, height)
+
+
+@pytest.mark.timeout(120)
+def test_status_page_renders_hostile_job_names_as_text(
+    tmp_path: Path, require_binary: Callable[[str], str]
+) -> None:
+    """Job names with "/", quotes, markup, newlines, non-BMP characters and the longest
+    name the wire allows, plus a long reason with markup: each job gets its row, shown as
+    text (no script runs), and the page keeps refreshing and stays within its width."""
+    chromium = require_binary("chromium")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    svc = start_service(tmp_path)
+    try:
+        now = time.time()
+        ranks = [RankSummary(job=job, rank=0, node="node1", gpu=0, pid=100 + i, last_step=10,
+                             last_step_time=now) for i, job in enumerate(HOSTILE)]
+        reason = ("<script>window.__xss=1</script> \"quoted\" " * 200)[:4096]
+        finding = Finding(check="xid", health=Health.UNHEALTHY, reason=reason, time=now,
+                          subject=Subject(kind="gpu", node="node1", gpu=0))
+        svc.push("node1", ranks=ranks, findings=[finding], samples=[
+            GpuSample(node="node1", gpu=0, time=now, source="sim", simulated=True)])
+        with sync_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page(viewport={"width": 1400, "height": 1000})
+                errors: list[str] = []
+                page.on("pageerror", lambda exc: errors.append(str(exc)))
+                page.goto(svc.server.url + "/")
+                page.locator("#jobs tbody tr[data-job]").nth(len(HOSTILE) - 1).wait_for(
+                    timeout=30_000)
+                shown = page.eval_on_selector_all(
+                    "#jobs tbody tr[data-job]",
+                    "rows => rows.map(r => [r.dataset.job, r.cells[0].textContent,"
+                    " r.cells[1].textContent])")
+                assert sorted(s[0] for s in shown) == sorted(HOSTILE)
+                assert all(s[0] == s[1] for s in shown), shown
+                ranks_of = {s[0]: s[2] for s in shown}
+                assert ranks_of["team/a/run-1"].startswith("1 / "), ranks_of  # detail loaded
+                page.locator("#findings tbody td.reason").first.wait_for(timeout=10_000)
+                assert "<script>" in page.locator("#findings td.reason").first.inner_text()
+                assert page.evaluate("window.__xss") is None
+                assert page.locator("#updated").inner_text().startswith("updated")
+                width = page.evaluate("document.documentElement.scrollWidth")
+                assert width <= 1400, width
+                assert not errors, errors
+            finally:
+                browser.close()
+    finally:
+        stop_service(svc)

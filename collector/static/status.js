@@ -132,7 +132,10 @@ async function refresh() {
     const bad = gpus.filter((g) => gpuHealth(g) === "unhealthy").length;
     document.getElementById("summary").textContent =
       `${gpus.length} GPUs · ${bad} unhealthy · ${jobs.length} jobs`;
-    const details = await Promise.all(jobs.slice(0, 20).map((j) => api("jobs/" + encodeURIComponent(j.job))));
+    // One job's detail failing (a name the URL cannot carry, such as "..") shows that job
+    // without its ranks; it never stops the rest of the page from drawing.
+    const details = await Promise.all(jobs.slice(0, 20).map(
+      async (j) => (await optional("jobs/" + encodeURIComponent(j.job))) || { ...j, ranks: [] }));
     const [risk, goodput] = await Promise.all([optional("risk?limit=1"), optional("goodput")]);
     const riskOf = new Map(((risk && risk.jobs) || []).map((r) => [r.job, r]));
     const goodputOf = new Map((goodput || []).map((g) => [g.job, g]));
