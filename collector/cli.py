@@ -134,6 +134,10 @@ def collector_server(app: Starlette, config: CollectorConfig) -> uvicorn.Server:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # uvicorn is imported only to serve: import it first, so that a missing extra is
+    # reported (by `forewarn`) before the store and the model load.
+    import uvicorn  # noqa: F401
+
     from forewarn.collector.app import create_app
     from forewarn.collector.auth import AuthError
     from forewarn.collector.store import Store, StoreError

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from forewarn import __version__
+from forewarn.extras import missing_extra
 
 # (subcommand, module exposing ``register(subparsers)``). Modules keep heavy imports
 # inside their command functions so ``--help`` stays fast.
@@ -42,7 +43,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``forewarn`` command; returns the process exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    result: int = args.func(args)
+    try:
+        result: int = args.func(args)
+    except ImportError as exc:
+        # A module of an extra that is not installed: say which extra, exit 2.
+        message = missing_extra(exc, f"forewarn {args.command}")
+        if message is None:
+            raise
+        print(message, file=sys.stderr)
+        return 2
     return result
 
 
