@@ -36,6 +36,13 @@ def _wait_gone(marker: str, timeout: float = 10.0) -> list[str]:
     return left
 
 
+def _wait_started(marker: str, timeout: float = 10.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while not (found := _leftovers(marker)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return found
+
+
 @pytest.mark.timeout(240)
 def test_demo_fast_claims_hold(tmp_path: Path) -> None:
     work = tmp_path / "demo"
@@ -69,19 +76,25 @@ def test_demo_fast_claims_hold(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(120)
-def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("signum", "after", "status"), [
+    (signal.SIGINT, "training job", 130),  # Ctrl-C once the job runs
+    (signal.SIGTERM, "status page", 143),  # `kill` as soon as the collector answers
+])
+def test_stop_signal_stops_everything(tmp_path: Path, signum: signal.Signals, after: str,
+                                      status: int) -> None:
+    """Ctrl-C and SIGTERM both stop the collector, the agents and the job the demo
+    started."""
     work = tmp_path / "demo"
     proc = subprocess.Popen(
         [sys.executable, "-m", "forewarn", "demo", "--fast", "--workdir", str(work)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     for line in proc.stdout:
-        if "training job" in line:
+        if after in line:
             break
-    time.sleep(2)
-    assert _leftovers(str(work)), "the demo should have started its processes"
-    proc.send_signal(signal.SIGINT)
+    assert _wait_started(str(work)), "the demo should have started its processes"
+    proc.send_signal(signum)
     rest = proc.communicate(timeout=60)[0]
-    assert proc.returncode == 130, rest
+    assert proc.returncode == status, rest
     assert "interrupted" in rest
     assert _wait_gone(str(work)) == []

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import itertools
 import json
 import os
@@ -533,20 +534,35 @@ def register(sub: Any) -> None:
     p.set_defaults(func=_cli)
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM arrived: stop as on Ctrl-C, exit 143 (128 + SIGTERM)."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise _Terminated
+
+
 def _cli(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    # The job's ranks need torch: without it they would fail and be restarted over and
+    # over. Importing it here lets `forewarn` name what to install before anything starts.
+    importlib.import_module("torch")
     console = Console()
     t0 = time.monotonic()
 
     def say(msg: str) -> None:
         console.print(f"[cyan]{time.monotonic() - t0:6.1f}s[/cyan] {msg}")
 
+    # SIGTERM (`kill`, a service manager) stops the demo as Ctrl-C
+    # does: run_demo's cleanup ends every process it started, which the default action
+    # (die at once) would leave running in their own sessions.
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         result = run_demo(args.fast, args.workdir, args.keep, say)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         console.print("interrupted: everything the demo started was stopped")
-        return 130
+        return 128 + (signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT)
     console.rule("summary")
     for line in summary_lines(result):
         console.print(line)

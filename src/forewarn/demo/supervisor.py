@@ -93,7 +93,8 @@ class Supervisor:
         if self.place is not None:
             self.placements = [self.place(r, p) for r, p in enumerate(self.placements)]
         port = free_port()
-        procs = []
+        with self._lock:
+            self.procs = []
         for rank, pl in enumerate(self.placements):
             env = dict(self.env)
             env.update(RANK=str(rank), WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(pl.gpu),
@@ -102,11 +103,12 @@ class Supervisor:
                        PYTHONUNBUFFERED="1")
             p = subprocess.Popen(self.argv, env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.DEVNULL, text=True, start_new_session=True)
-            procs.append(p)
+            # Recorded at once: a stop (Ctrl-C) arriving mid-launch must find every rank
+            # already started, or that rank outlives the demo.
+            with self._lock:
+                self.procs.append(p)
             threading.Thread(target=self._read, args=(p, rank, self.attempt),
                              daemon=True).start()
-        with self._lock:
-            self.procs = procs
         self._emit(event="launch", attempt=self.attempt,
                    placements=[dataclasses.asdict(p) for p in self.placements])
 
