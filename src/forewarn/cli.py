@@ -21,6 +21,7 @@ SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("simulate", "forewarn.simulate"),
     ("dashboards", "forewarn.dashboards.cli"),
     ("models", "forewarn.models.cli"),
+    ("deploy", "forewarn.deploy.cli"),
 )
 
 

@@ -1,0 +1,184 @@
+"""forewarn as an operator installs it: ``python -m build`` makes an sdist and a wheel, pip
+installs the wheel with its dependencies into a fresh virtual environment (not the
+editable checkout), ``forewarn deploy install --prefix`` writes each role's unit, config
+and directories, and the unit's own ExecStart command line starts the service.
+
+Dependencies come from the package index the first time and are kept as wheels in a
+wheelhouse (``FOREWARN_WHEELHOUSE``, default ``~/.cache/forewarn/wheelhouse``); later runs
+install from it with ``--no-index`` and fall back to the index when it lacks something.
+The environment is made ``--without-pip`` and filled by this interpreter's pip
+(``--python``): the packages are installed into it, nothing is borrowed from the dev venv.
+"""
+
+from __future__ import annotations
+
+import configparser
+import os
+import shlex
+import stat
+import subprocess
+import sys
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from support.polling import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+WHEELHOUSE = Path(os.environ.get("FOREWARN_WHEELHOUSE",
+                                 Path.home() / ".cache" / "forewarn" / "wheelhouse"))
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def _run(argv: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=600, **kw)  # type: ignore[call-overload,no-any-return]
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """``python -m build`` output folder and its log."""
+    out = tmp_path_factory.mktemp("dist")
+    r = _run([sys.executable, "-m", "build", "--outdir", str(out), str(REPO)])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return out, r.stdout + r.stderr
+
+
+@pytest.fixture(scope="module")
+def venv(dist: tuple[Path, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh virtual environment with the wheel and the collector extra installed."""
+    (wheel,) = dist[0].glob("forewarn-*.whl")
+    env_dir = tmp_path_factory.mktemp("venv") / "forewarn"
+    r = _run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)])
+    assert r.returncode == 0, r.stderr
+    want = f"{wheel}[collector]"
+    pip = [sys.executable, "-m", "pip", "--python", str(env_dir / "bin" / "python"),
+           "install", "-q", "--no-compile"]
+    r = _run([*pip, "--no-index", "--find-links", str(WHEELHOUSE), want])
+    if r.returncode != 0:  # first run, or the dependencies changed: fill the wheelhouse
+        WHEELHOUSE.mkdir(parents=True, exist_ok=True)
+        w = _run([sys.executable, "-m", "pip", "wheel", "-q", "-w", str(WHEELHOUSE), want])
+        assert w.returncode == 0, w.stdout[-3000:] + w.stderr[-3000:]
+        r = _run([*pip, "--no-index", "--find-links", str(WHEELHOUSE), want])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return env_dir
+
+
+def test_build_makes_sdist_and_wheel_with_deploy_files(dist: tuple[Path, str]) -> None:
+    out, log = dist
+    assert len(list(out.glob("forewarn-*.tar.gz"))) == 1
+    (wheel,) = out.glob("forewarn-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for name in ("forewarn-agent.service", "forewarn-collector.service", "agent.toml",
+                 "collector.toml", "prometheus.yml", "alertmanager.yml"):
+        assert f"forewarn/deploy/{name}" in names, name
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), "no LICENSE"
+    # No setuptools warning wall: data folders are declared packages.
+    assert "Warning" not in log, [line for line in log.splitlines() if "Warning" in line]
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def _exec_start(unit: Path) -> list[str]:
+    cp = configparser.ConfigParser(strict=False, interpolation=None)
+    cp.read_string(unit.read_text())
+    return shlex.split(cp["Service"]["ExecStart"])
+
+
+def _install(venv: Path, role: str, prefix: Path) -> list[str]:
+    r = _run([str(venv / "bin" / "forewarn"), "deploy", "install", "--role", role,
+              "--prefix", str(prefix)])
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout.splitlines()
+
+
+def _as_unit_would(argv: list[str], prefix: Path) -> list[str]:
+    """The unit's command line, its config read from under ``prefix``."""
+    i = argv.index("--config") + 1
+    return [*argv[:i], str(prefix / argv[i].lstrip("/")), *argv[i + 1:]]
+
+
+@pytest.fixture
+def started(tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
+    procs: list[subprocess.Popen[bytes]] = []
+    yield procs
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _serve(started: list[subprocess.Popen[bytes]], argv: list[str], env: dict[str, str],
+           url: str, log: Path) -> None:
+    from forewarn.chaos.procs import wait_http
+
+    with log.open("ab") as out:
+        p = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
+    started.append(p)
+    wait_http(url, 60, p, log)
+
+
+def test_deploy_install_collector_and_agent_units_start(
+        venv: Path, tmp_path: Path, started: list[subprocess.Popen[bytes]]) -> None:
+    forewarn = str(venv / "bin" / "forewarn")
+    prefix = tmp_path / "root"
+    said = _install(venv, "collector", prefix) + _install(venv, "agent", prefix)
+    units = prefix / "etc" / "systemd" / "system"
+    for role in ("collector", "agent"):
+        unit = units / f"forewarn-{role}.service"
+        assert _mode(unit) == 0o644 and _exec_start(unit)[0] == forewarn, unit.read_text()
+        config = prefix / "etc" / "forewarn" / f"{role}.toml"
+        assert _mode(config) == 0o644 and f"forewarn {role} configuration" in config.read_text()
+        assert any(str(unit) in line for line in said), said
+    assert _mode(prefix / "etc" / "forewarn") == 0o755
+    assert _mode(prefix / "var" / "lib" / "forewarn-collector") == 0o700
+    assert _mode(prefix / "var" / "lib" / "forewarn") == 0o700
+    # A second install keeps the operator's config.
+    config = prefix / "etc" / "forewarn" / "collector.toml"
+    config.write_text(config.read_text() + "\n# edited by the operator\n")
+    again = _install(venv, "collector", prefix)
+    assert "edited by the operator" in config.read_text()
+    assert any("kept" in line and str(config) in line for line in again), again
+
+    # The collector from its unit's command line, its state under the prefix.
+    port = free_port()
+    state = prefix / "var" / "lib" / "forewarn-collector"
+    cenv = dict(os.environ, FOREWARN_COLLECTOR_LISTEN=f"127.0.0.1:{port}",
+                FOREWARN_COLLECTOR_DATA_DIR=str(state),
+                FOREWARN_COLLECTOR_TOKENS_FILE=str(state / "tokens.toml"))
+    cenv.pop("PYTHONPATH", None)
+    collector = f"http://127.0.0.1:{port}"
+    _serve(started, _as_unit_would(_exec_start(units / "forewarn-collector.service"), prefix),
+           cenv, collector + "/healthz", tmp_path / "collector.log")
+    # Enrol the node while the collector runs, as the README says.
+    add = _run([forewarn, "collector", "--config", str(config), "token", "add", "node-1"],
+               env=cenv)
+    assert add.returncode == 0, add.stderr
+    token = prefix / "etc" / "forewarn" / "agent.token"
+    token.write_text(add.stdout.strip() + "\n")
+    token.chmod(0o600)
+
+    aport = free_port()
+    aenv = dict(cenv, FOREWARN_AGENT_NODE="node-1", FOREWARN_AGENT_SOURCE="sim",
+                FOREWARN_AGENT_SIM_GPUS="2", FOREWARN_AGENT_KMSG="false",
+                FOREWARN_AGENT_LISTEN=f"127.0.0.1:{aport}",
+                FOREWARN_AGENT_SOCKET_PATH=str(tmp_path / "agent.sock"),
+                FOREWARN_AGENT_SPOOL_DIR=str(prefix / "var" / "lib" / "forewarn" / "spool"),
+                FOREWARN_AGENT_COLLECTOR_URL=collector, FOREWARN_AGENT_TOKEN_FILE=str(token),
+                FOREWARN_AGENT_PUSH_INTERVAL_S="0.5")
+    _serve(started, _as_unit_would(_exec_start(units / "forewarn-agent.service"), prefix),
+           aenv, f"http://127.0.0.1:{aport}/healthz", tmp_path / "agent.log")
+    from forewarn.chaos.procs import get_json, wait_until
+
+    def node_seen() -> bool:
+        return any(n.get("node") == "node-1" for n in get_json(collector + "/api/v1/nodes"))
+
+    assert wait_until(node_seen, 60), (tmp_path / "agent.log").read_text()[-3000:]
