@@ -327,7 +327,7 @@ def create_app(
     Raises :class:`~forewarn.collector.datadir.DataDirError` when ``store`` is not the
     database of ``config.data_dir``'s files (nothing is moved or deleted then)."""
     metrics = metrics or CollectorMetrics()
-    tokens = tokens or TokenRegistry(config.tokens_file)
+    tokens = tokens or TokenRegistry(config.tokens_file, on_error=metrics.tokens_errors.inc)
     commands = CommandQueue(store, metrics, redeliver_s=config.command_redeliver_s,
                             ttl_s=config.command_ttl_s, clock=clock)
     check_data_dir(store, config.telemetry_dir)

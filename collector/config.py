@@ -24,11 +24,13 @@ class CollectorConfig:
 
     listen: str = "127.0.0.1:9404"
     """host:port of the HTTP API (ingest, commands, read API, /metrics)."""
-    data_dir: Path = Path("/var/lib/forewarn/collector")
+    data_dir: Path = Path("/var/lib/forewarn-collector")
     """SQLite database (``collector.db``), staged batches (``staging/``), Parquet telemetry
-    (``telemetry/``) and ``quarantine/`` (files set aside, never deleted by the collector)."""
-    tokens_file: Path = Path("/etc/forewarn/collector-tokens.toml")
-    """Per-agent tokens: TOML ``node = "sha256:<hex of token>"``; see ``token add``."""
+    (``telemetry/``) and ``quarantine/`` (files set aside, never deleted by the collector):
+    the unit's StateDirectory, the one place its dynamic user may write."""
+    tokens_file: Path = Path("/var/lib/forewarn-collector/tokens.toml")
+    """Per-agent tokens: TOML ``node = "sha256:<hex of token>"``; see ``token add``. In the
+    state directory so that the service's dynamic user owns and can read it."""
     certfile: Path | None = None
     """TLS certificate (PEM); with ``keyfile`` the API is served over HTTPS only."""
     keyfile: Path | None = None

@@ -109,6 +109,10 @@ class CollectorMetrics:
                                      registry=r)
         self.policy_backlog = Gauge(P + "policy_backlog_batches",
                                     "Stored batches waiting for the policy thread.", registry=r)
+        self.tokens_errors = Counter(
+            P + "tokens_file_errors",
+            "Changes of the tokens file that could not be used (the log names why).",
+            registry=r)
         self.policy_skipped = Counter(
             P + "policy_skipped_batches",
             "Sample-only batches not handed to a policy that fell behind.", registry=r)
