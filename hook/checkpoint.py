@@ -123,6 +123,17 @@ def _dist() -> Any:
     return None
 
 
+def _require_numpy() -> None:
+    """torch.distributed.checkpoint saves with numpy: checked when the writer is built,
+    where the user can act, not at the first ordered save, which would fail every rank."""
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        raise ModuleNotFoundError(
+            "forewarn.hook.CheckpointWriter needs numpy (torch.distributed.checkpoint saves "
+            "with it): pip install 'forewarn[hook]'", name="numpy") from None
+
+
 class CheckpointWriter:
     """Atomic, verified, keep-last-N checkpoints (see module docstring).
 
@@ -139,6 +150,7 @@ class CheckpointWriter:
     ) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        _require_numpy()
         self.directory = Path(directory)
         self.keep_last = keep_last
         self.monitor = monitor
