@@ -18,7 +18,7 @@ __all__ = ["AgentState", "GpuHistory"]
 HISTORY_S = 15 * 60.0
 """Seconds of samples kept per GPU: enough for rate checks over a few minutes."""
 XID_WINDOW_S = 24 * 3600.0
-"""XID events are kept a day: repeat escalation counts within 24 h (REFERENCE.md)."""
+"""XID events are kept a day: repeat escalation counts within 24 h (docs/reference.md)."""
 MAX_XIDS = 10_000
 
 

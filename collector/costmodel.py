@@ -5,9 +5,9 @@ than the checkpoint costs.
     checkpoint cost (GPU-s) = measured checkpoint seconds x GPUs
 
 and act when ``expected loss > cost``. This is the one-shot form of the trade-off behind
-Young's interval T = sqrt(2 C M) (REFERENCE.md, "Checkpointing"): with a failure expected
+Young's interval T = sqrt(2 C M) (docs/reference.md, "Checkpointing"): with a failure expected
 soon, every second of unsaved work is worth P x GPUs, and one checkpoint costs C x GPUs.
-Precision alone misleads (the SC20 DRAM study in REFERENCE.md cut lost compute 57% by being
+Precision alone misleads (the SC20 DRAM study in docs/reference.md cut lost compute 57% by being
 cost-aware), so the inputs of every decision are kept in :class:`CostDecision`.
 
 ``P`` comes from :attr:`Finding.probability` when a predictor set it. Otherwise it comes
@@ -15,7 +15,7 @@ from :data:`CHECK_PROBABILITY` (per check), else :data:`HEALTH_PROBABILITY` (per
 Those are priors, not measurements; where they come from:
 
 * ``unhealthy`` 0.5: an unhealthy finding means a fault is present now. Llama 3 lost a job
-  to hardware about every 3 h on 16k GPUs with ~78% of interruptions hardware (REFERENCE.md);
+  to hardware about every 3 h on 16k GPUs with ~78% of interruptions hardware (docs/reference.md);
   many faults (e.g. contained ECC errors, 92% absorbed by row remapping on H100 per NCSA
   Delta) do not kill the job, so an even prior within the hour is a middle ground.
 * ``degraded`` 0.05: trends and soft signals (correctable-ECC rate, PCIe replays, thermal
@@ -24,11 +24,11 @@ Those are priors, not measurements; where they come from:
 * Per check (the agent's check names, unhealthy findings only): ``gpu_lost`` (XID 79
   "fallen off the bus", NVML_ERROR_GPU_IS_LOST) takes the job down almost surely, 0.95;
   ``xid`` is unhealthy only for the fatal classes of NVIDIA's catalog (48 DBE, 64 remap
-  failure, 74 NVLink, 79, 95 uncontained ECC, 119/120 GSP; REFERENCE.md "XID classes"),
+  failure, 74 NVLink, 79, 95 uncontained ECC, 119/120 GSP; docs/reference.md "XID classes"),
   0.9; ``ecc`` unhealthy means new uncorrectable errors the job may have read, 0.8 (lower
   than XID 48 itself: NCSA Delta saw H100 row remapping and containment absorb 92% of
   uncorrectable errors); a hung or gone rank stops the job at the NCCL timeout (10 min
-  PyTorch default, REFERENCE.md "Detection"), 0.9; NaN/Inf loss ruins the run from that
+  PyTorch default, docs/reference.md "Detection"), 0.9; NaN/Inf loss ruins the run from that
   step on, 0.8 (a checkpoint *before* it is the useful one, so the agent's fast path
   handles it; this value matters for the collector's view only).
 
@@ -91,7 +91,7 @@ DEGRADED_CHECK_PROBABILITY: Mapping[str, float] = {
     "nvlink": 0.2,
 }
 """P(failure within the horizon) for degraded findings of checks whose degraded state is a
-known precursor: a correctable-ECC storm or XID 92 before a double-bit error (REFERENCE.md,
+known precursor: a correctable-ECC storm or XID 92 before a double-bit error (docs/reference.md,
 the SC20 DRAM analog: correctable errors predict uncorrectable ones), pending remaps before
 a remap failure, PCIe replay growth before XID 79, NVLink CRC growth before XID 74. These
 priors are heuristics, not published rates: tune them per fleet with ``policy_probability``

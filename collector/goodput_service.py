@@ -66,7 +66,7 @@ __all__ = ["FAILURE_CHECKS", "AdviceSender", "GoodputService", "JobAdvice"]
 FAILURE_CHECKS = frozenset({"rank_hang", "rank_gone", "gpu_lost", "xid"})
 """Unhealthy findings of these checks mean the job on the subject stopped: a hung or dead
 rank (the agent's rank checks), a GPU off the bus (NVML_ERROR_GPU_IS_LOST, XID 79), or an
-XID the agent rates unhealthy, i.e. the fatal classes of NVIDIA's catalog (REFERENCE.md)."""
+XID the agent rates unhealthy, i.e. the fatal classes of NVIDIA's catalog (docs/reference.md)."""
 
 CAUSES = ("checkpoint", "rework", "detection", "restart")
 

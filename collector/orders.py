@@ -1,6 +1,6 @@
 """Job-wide checkpoint orders: one step S for every rank of a multi-node job.
 
-The collector chooses S ahead of the fastest rank (DESIGN.md "agent -> hook" contract):
+The collector chooses S ahead of the fastest rank (docs/design.md, "Contracts at the boundaries"):
 
     S = estimated current step of the furthest rank + margin
     margin = ceil((delivery latency + safety) / p50 step time of the fastest rank) + 1

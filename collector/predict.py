@@ -65,7 +65,7 @@ _SEVERITY = {Health.HEALTHY: 0, Health.UNKNOWN: 1, Health.DEGRADED: 2, Health.UN
 
 DEFAULT_GPU_MTBF_H = 24.0 * 1000.0 / 6.5 * 8
 """Per-GPU MTBF prior (hours): 6.5 failures per 1,000 node-days of 8 GPUs (Meta, HPCA 2025,
-REFERENCE.md); same figure as :data:`forewarn.collector.goodput.DEFAULT_GPU_MTBF_H`."""
+docs/reference.md); same figure as :data:`forewarn.collector.goodput.DEFAULT_GPU_MTBF_H`."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,7 @@ excursion from the hour's mean; slowdown margin; throttle fractions (thermal:
 ``SW_THERMAL``/``HW_THERMAL``/``HW_SLOWDOWN``, power: ``SW_POWER_CAP``/``HW_POWER_BRAKE``,
 nvmlClocksEventReasons bits); power standard deviation over 15 minutes as a share of the
 limit; XID counts by class over the hour (classes as in the agent's XID check, after
-NVIDIA's catalog, REFERENCE.md).
+NVIDIA's catalog, docs/reference.md).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Model of a GPU (all vectorised with numpy over GPUs x time, one node at a time):
 * counters: background correctable ECC / PCIe replay / NVLink CRC, isolated benign bursts
   (some raising XID 92 or a single XID 63 remap) that lead nowhere;
 * failures: a Poisson draw per GPU at an (inflated) rate; cause from the Llama 3 mix
-  (REFERENCE.md, table 5); with probability ``precursor_share`` (per cause, an assumption)
+  (docs/reference.md, table 5); with probability ``precursor_share`` (per cause, an assumption)
   a precursor of lognormal duration and amplitude precedes it, shaped by the cause:
   ``hbm3`` correctable ECC accelerating + row remaps (XID 63) ending in a DBE (XID 48);
   ``sram`` SRAM ECC bursts + contained errors (XID 94) ending in XID 95; ``faulty_gpu``

@@ -1,7 +1,7 @@
 """Failure labels from a fleet's own telemetry, for retraining without a failure log.
 
 A failure is the first of: a fatal XID (48 double-bit ECC, 64 remap failure, 74 NVLink,
-79 off the bus, 95 uncontained ECC, 119/120 GSP; REFERENCE.md XID classes), a sample whose
+79 off the bus, 95 uncontained ECC, 119/120 GSP; docs/reference.md XID classes), a sample whose
 ``state`` is not ``ok`` (GPU lost / reset required), or a new uncorrectable ECC error or
 uncorrectable row remap. Events on one GPU within ``dedup_s`` of a kept one are the same
 failure. ``had_precursor`` is unknown for real data and set true (it only splits recall).

@@ -9,7 +9,7 @@ when the event happened;  ``event_type``  ``xid:<code>``, ``dbe``, ``sbe``, ``re
 
 Hard failures (the thing ranked for): ``dbe``, ``off_bus`` and fatal XIDs (48, 64, 74, 79,
 95, 119, 120). Everything else is a soft event. Meta's HPCA 2025 study found that removing
-lemon nodes cut large-job failures from 14% to 4% (REFERENCE.md): a few GPUs and nodes
+lemon nodes cut large-job failures from 14% to 4% (docs/reference.md): a few GPUs and nodes
 carry much of the risk.
 
 Method: per GPU, at a cut time, counts of soft and hard events over 7, 30 and 90 days and

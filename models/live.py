@@ -37,7 +37,7 @@ __all__ = ["FATAL_XIDS", "LiveScorer", "ShadowStats"]
 
 FATAL_XIDS: Final = frozenset({48, 64, 74, 79, 95, 119, 120})
 """XIDs that count as a failure for shadow scoring (double-bit ECC, remap failure,
-NVLink, off the bus, uncontained ECC, GSP: REFERENCE.md XID classes)."""
+NVLink, off the bus, uncontained ECC, GSP: docs/reference.md XID classes)."""
 
 _COLS: Final = CUM_COLUMNS + LAST_COLUMNS
 _IX: Final = {c: i for i, c in enumerate(_COLS)}

@@ -1,4 +1,4 @@
-"""Peer comparison inside a job (after Minder, NSDI 2025; REFERENCE.md).
+"""Peer comparison inside a job (after Minder, NSDI 2025; docs/reference.md).
 
 The ranks/GPUs of one data-parallel job do the same work, so healthy peers look alike and
 the one that drifts from its peers is the suspect. Per time bucket, each metric is

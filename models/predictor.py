@@ -10,7 +10,7 @@ of the fit (by default: the most recall whose false alarms stay under
 ``target_false_alarms`` per 1,000 GPU-days), and is configurable afterwards.
 
 Gradient boosting for GPU failure prediction follows Liu et al. (SYSTOR 2023,
-REFERENCE.md), who found single GBDTs imprecise on real fleets; here the model is judged
+docs/reference.md), who found single GBDTs imprecise on real fleets; here the model is judged
 on simulated data it never saw (docs/models.md).
 """
 

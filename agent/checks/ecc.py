@@ -5,7 +5,7 @@ NVML counters (nvmlDeviceGetTotalEccErrors): ``NVML_MEMORY_ERROR_TYPE_UNCORRECTE
 ``NVML_AGGREGATE_ECC`` (lifetime). A volatile uncorrectable count above zero means the GPU
 took a double-bit error since its last reset: its memory may hold corrupt data until it is
 reset (and, on Ampere and later, until the row remap the error triggered is applied).
-Correctable errors predict uncorrectable ones (REFERENCE.md, the SC20 DRAM analog), so a
+Correctable errors predict uncorrectable ones (docs/reference.md, the SC20 DRAM analog), so a
 correctable *rate* above a threshold is reported as degraded; isolated bursts are not.
 """
 

@@ -1,6 +1,6 @@
 """Grad-norm spike: a finite grad norm above ``factor`` × the rank's rolling median.
 
-Default factor 10 (a common abort/checkpoint trigger, REFERENCE.md "Grad-norm monitoring").
+Default factor 10 (a common abort/checkpoint trigger, docs/reference.md "Grad-norm monitoring").
 The median runs over the rank's last 256 finite grad norms (at least 8 before it judges);
 the spike itself is kept out of the baseline. The factor is the rank table's
 (``RankTable.spike_factor``, AgentConfig ``grad_spike_factor``) because the ingest thread

@@ -4,7 +4,7 @@ _RECOVERY).
 
 CRC errors are retried by the link (replay); recoveries retrain the link and stall
 traffic. A growing error rate on one link precedes XID 74 (NVLink error), which kills
-the collective running over it (REFERENCE.md: interconnect class). Judged per GPU, worst
+the collective running over it (docs/reference.md: interconnect class). Judged per GPU, worst
 link named.
 """
 

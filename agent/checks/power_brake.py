@@ -5,7 +5,7 @@ The power brake is an external signal from the baseboard / system (power supply 
 over-current protection) that drops the GPU's clocks hard. Unlike the software power cap
 (0x04, the GPU at its configured limit, benign) it points at node power hardware: a
 sustained brake is worth inspecting ("power supply" is 0.7% of Llama 3's interruptions,
-REFERENCE.md).
+docs/reference.md).
 """
 
 from __future__ import annotations

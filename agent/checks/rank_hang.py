@@ -3,7 +3,7 @@
 The timeout is learned per job: ``max(floor, factor × p99 step time of the job's ranks
 on this node)`` (defaults: floor 2 s = AgentConfig.hang_floor_s, factor 3). NVIDIA's
 resiliency extension learns 5× the longest gap and starts at 45-60 min; PyTorch's NCCL
-watchdog fires after 10 min (REFERENCE.md): a p99-derived timeout catches the same hang
+watchdog fires after 10 min (docs/reference.md): a p99-derived timeout catches the same hang
 in seconds. Before a rank has ``min_steps`` step times the startup timeout applies (data
 loading and compilation are slow), and a rank that reported a checkpoint ``started`` is
 given ``checkpoint_timeout_s`` to finish (saving is a legitimate stall).

@@ -5,7 +5,7 @@ then the bad row may still be used, so reset at the next opportunity (degraded).
 ``isFailureOccurred``: a remap failed because the bank ran out of spare rows; the memory
 can no longer heal itself and the GPU should be inspected / replaced (unhealthy). NCSA
 Delta measured that remapping with containment absorbed 92% of H100 uncorrectable errors
-(REFERENCE.md), which is why pending remaps deserve a reset, not a drain.
+(docs/reference.md), which is why pending remaps deserve a reset, not a drain.
 """
 
 from __future__ import annotations

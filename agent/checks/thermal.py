@@ -6,7 +6,7 @@ slowdown threshold, NVML_TEMPERATURE_THRESHOLD_SLOWDOWN). The clock-event reason
 ``HW_THERMAL_SLOWDOWN`` (0x40) and ``HW_SLOWDOWN`` (0x08) are the hardware protecting
 itself, unlike ``SW_THERMAL_SLOWDOWN`` (0x20), the driver's normal temperature targeting.
 A thermal runaway (failing fan, cooling, thermal interface — "GPU thermal
-interface/sensor" is 1.4% of Llama 3's interruptions, REFERENCE.md) shows as a shrinking
+interface/sensor" is 1.4% of Llama 3's interruptions, docs/reference.md) shows as a shrinking
 margin and a growing share of time in HW slowdown.
 """
 

@@ -1,6 +1,6 @@
 """XID check: classify NVIDIA XID errors and escalate repeats.
 
-Classes follow NVIDIA's XID catalog as public tools classify it (REFERENCE.md, "XID
+Classes follow NVIDIA's XID catalog as public tools classify it (docs/reference.md, "XID
 classes"): application-level codes (13, 31, 43, 45) say the *job* hit an error, not the
 GPU, and never make a GPU unhealthy; the Summit counts show they dominate raw counts, so
 counting all XIDs alike misleads. Hardware classes: memory (48 double-bit ECC, 63/64 row
@@ -10,7 +10,7 @@ GPU system processor (119/120 GSP timeout / error).
 
 Health of a GPU is the worst XID seen in the last ``active_s`` seconds. Repeated fatal
 XIDs on one GPU within ``repeat_window_s`` (default 24 h) escalate from reset/reboot to
-"inspect hardware" (REFERENCE.md: >= 5 in 24 h). XIDs whose bus id maps to no GPU are
+"inspect hardware" (docs/reference.md: >= 5 in 24 h). XIDs whose bus id maps to no GPU are
 judged on the node.
 """
 
@@ -54,7 +54,7 @@ XID_CATALOG: dict[int, XidClass] = {
     48: XidClass("memory", "double-bit ECC error", _U, _A.RESET_GPU),
     63: XidClass("memory", "row remap / page retirement recorded", _D, _A.RESET_GPU),
     64: XidClass("memory", "row remap / page retirement failure", _U, _A.INSPECT_HARDWARE),
-    # A correctable storm precedes uncorrectable errors (REFERENCE.md, SC20): a precursor
+    # A correctable storm precedes uncorrectable errors (docs/reference.md, SC20): a precursor
     # worth a cost-aware checkpoint, not yet a broken GPU.
     92: XidClass("memory", "high single-bit ECC error rate", _D, _A.CHECKPOINT),
     94: XidClass("memory", "contained ECC error", _D, _A.RESET_GPU),
@@ -82,9 +82,9 @@ class XidCheck:
         active_s: an XID decides the health for this long (default 1 h); afterwards it
             only counts toward escalation. A GPU reset or a node reboot within that
             time is not visible to the agent, so keep it short.
-        repeat_window_s: window for repeat escalation (default 24 h, REFERENCE.md).
+        repeat_window_s: window for repeat escalation (default 24 h, docs/reference.md).
         repeat_fatal: fatal XIDs on one GPU within the window that escalate to
-            unhealthy + inspect_hardware (default 5, REFERENCE.md).
+            unhealthy + inspect_hardware (default 5, docs/reference.md).
     """
 
     name = "xid"

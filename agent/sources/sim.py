@@ -40,7 +40,7 @@ Fault kinds and the signals they drive (NVML fields in brackets):
   required) or any other code, at ``start_s``.
 * ``ecc_burst``: benign: an isolated burst of correctable ECC errors that leads nowhere.
 
-XID meanings follow NVIDIA's catalog as summarised in REFERENCE.md.
+XID meanings follow NVIDIA's catalog as summarised in docs/reference.md.
 """
 
 from __future__ import annotations

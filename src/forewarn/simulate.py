@@ -23,7 +23,7 @@ figure is GPU utilisation: progress made per GPU-second the job holds.
 Published figures this must reproduce first (tests/test_simulate.py):
 - Young's first-order waste at the optimum, ``sqrt(2C/M)`` (checkpoint overhead + rework only).
 - Meta's projected job mean time to failure by size (Kokolis et al., HPCA 2025): 1.8 h at
-  16,384 GPUs from 6.5 failures per 1,000 node-days (REFERENCE.md). Their *measured* 7.9 h at
+  16,384 GPUs from 6.5 failures per 1,000 node-days (docs/reference.md). Their *measured* 7.9 h at
   1,024 GPUs is shorter than this node-rate model gives (28.8 h): it counts failures this
   projection leaves out, which is why the default rate is the projection's.
 """
