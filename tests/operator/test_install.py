@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from support.polling import free_port
+from forewarn.demo.supervisor import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 WHEELHOUSE = Path(os.environ.get("FOREWARN_WHEELHOUSE",
