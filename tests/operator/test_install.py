@@ -1,14 +1,8 @@
 """forewarn as an operator installs it: ``python -m build`` makes an sdist and a wheel, pip
 installs the wheel with its dependencies into a fresh virtual environment (not the
-editable checkout), ``forewarn deploy install --prefix`` writes each role's unit, config
-and directories, and the unit's own ExecStart command line starts the service.
-
-Dependencies come from the package index the first time and are kept as wheels in a
-wheelhouse (``FOREWARN_WHEELHOUSE``, default ``~/.cache/forewarn/wheelhouse``); later runs
-install from it with ``--no-index`` and fall back to the index when it lacks something.
-The environment is made ``--without-pip`` and filled by this interpreter's pip
-(``--python``): the packages are installed into it, nothing is borrowed from the dev venv.
-"""
+editable checkout; see conftest.py), ``forewarn deploy install --prefix`` writes each
+role's unit, config and directories, and the unit's own ExecStart command line starts
+the service."""
 
 from __future__ import annotations
 
@@ -19,50 +13,29 @@ import stat
 import subprocess
 import sys
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from forewarn.demo.supervisor import free_port
 
-REPO = Path(__file__).resolve().parents[2]
-WHEELHOUSE = Path(os.environ.get("FOREWARN_WHEELHOUSE",
-                                 Path.home() / ".cache" / "forewarn" / "wheelhouse"))
-
 pytestmark = pytest.mark.timeout(900)
 
 
-def _run(argv: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=600, **kw)  # type: ignore[call-overload,no-any-return]
+def _run(argv: list[str],
+         env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env)
 
 
 @pytest.fixture(scope="module")
-def dist(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    """``python -m build`` output folder and its log."""
-    out = tmp_path_factory.mktemp("dist")
-    r = _run([sys.executable, "-m", "build", "--outdir", str(out), str(REPO)])
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    return out, r.stdout + r.stderr
-
-
-@pytest.fixture(scope="module")
-def venv(dist: tuple[Path, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+def venv(install_wheel: Callable[[Path], None],
+         tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh virtual environment with the wheel and the collector extra installed."""
-    (wheel,) = dist[0].glob("forewarn-*.whl")
     env_dir = tmp_path_factory.mktemp("venv") / "forewarn"
     r = _run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)])
     assert r.returncode == 0, r.stderr
-    want = f"{wheel}[collector]"
-    pip = [sys.executable, "-m", "pip", "--python", str(env_dir / "bin" / "python"),
-           "install", "-q", "--no-compile"]
-    r = _run([*pip, "--no-index", "--find-links", str(WHEELHOUSE), want])
-    if r.returncode != 0:  # first run, or the dependencies changed: fill the wheelhouse
-        WHEELHOUSE.mkdir(parents=True, exist_ok=True)
-        w = _run([sys.executable, "-m", "pip", "wheel", "-q", "-w", str(WHEELHOUSE), want])
-        assert w.returncode == 0, w.stdout[-3000:] + w.stderr[-3000:]
-        r = _run([*pip, "--no-index", "--find-links", str(WHEELHOUSE), want])
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    install_wheel(env_dir)
     return env_dir
 
 
