@@ -95,6 +95,13 @@ def test_collector_unit_verifies(analyze: str, tmp_path: Path) -> None:
     assert r.returncode == 0 and about == [], about
 
 
+def test_a_configuration_error_is_not_restarted_forever() -> None:
+    """Exit 2 is a configuration error (or a missing extra): restarting will not fix it."""
+    for unit in (UNIT, COLLECTOR_UNIT):
+        svc = _service(unit)
+        assert svc["Restart"] == "on-failure" and svc["RestartPreventExitStatus"] == "2", unit
+
+
 def test_shipped_units_start_the_documented_venv() -> None:
     """As shipped, ExecStart is the README's venv (/opt/forewarn), never a /usr/bin that a
     pip install does not create; `deploy install` rewrites it for any other venv."""
