@@ -1,0 +1,40 @@
+"""``forewarn deploy`` details that need no built wheel: ``--dry-run`` writes nothing and
+says what it would do, ``print`` renders a unit with this installation's ``forewarn`` and
+names the shipped files when asked for another."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _forewarn(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "forewarn", *argv], capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_dry_run_writes_nothing(tmp_path: Path) -> None:
+    r = _forewarn("deploy", "install", "--role", "agent", "--prefix", str(tmp_path / "root"),
+                  "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert not (tmp_path / "root").exists()
+    lines = r.stdout.splitlines()
+    assert any(line.startswith("would write") and "forewarn-agent.service" in line
+               for line in lines), lines
+    assert any(line.startswith("would create") and "/var/lib/forewarn" in line
+               for line in lines), lines
+
+
+def test_print_renders_the_unit_for_this_installation() -> None:
+    r = _forewarn("deploy", "print", "forewarn-collector.service")
+    assert r.returncode == 0, r.stderr
+    exec_start = next(line for line in r.stdout.splitlines() if line.startswith("ExecStart="))
+    assert exec_start.split()[0] == f"ExecStart={Path(sys.executable).parent / 'forewarn'}"
+
+
+def test_print_of_an_unknown_file_names_the_shipped_ones() -> None:
+    r = _forewarn("deploy", "print", "../../etc/passwd")
+    assert r.returncode == 2
+    assert "agent.toml" in r.stderr and "prometheus.yml" in r.stderr
+    assert r.stdout == ""
