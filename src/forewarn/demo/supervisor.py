@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 __all__ = ["Placement", "Supervisor"]
@@ -90,6 +90,10 @@ class Supervisor:
         self.events.put(event)
 
     def _launch(self) -> None:
+        with _interrupts_deferred():
+            self._start_ranks()
+
+    def _start_ranks(self) -> None:
         if self.place is not None:
             self.placements = [self.place(r, p) for r, p in enumerate(self.placements)]
         port = free_port()
@@ -103,8 +107,6 @@ class Supervisor:
                        PYTHONUNBUFFERED="1")
             p = subprocess.Popen(self.argv, env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.DEVNULL, text=True, start_new_session=True)
-            # Recorded at once: a stop (Ctrl-C) arriving mid-launch must find every rank
-            # already started, or that rank outlives the demo.
             with self._lock:
                 self.procs.append(p)
             threading.Thread(target=self._read, args=(p, rank, self.attempt),
@@ -177,6 +179,28 @@ class Supervisor:
         self._kill_all()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
+            # A restart the watcher was in the middle of has started ranks since.
+            self._kill_all()
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM (main thread) until the block ends, then deliver them: an
+    interrupt inside Popen, after the fork, would leave a rank nobody recorded or stops.
+    (Not a signal mask: the ranks would inherit it.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: got.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if got:
+            signal.raise_signal(got[0])
 
 
 def python_module(module: str, *args: str) -> list[str]:
