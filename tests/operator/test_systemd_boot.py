@@ -152,6 +152,17 @@ def test_units_run_under_systemd(container: Container) -> None:
     dropin = c.file("/etc/systemd/system/forewarn-agent.service.d/test.conf")
     dropin.parent.mkdir(parents=True)
     dropin.write_text("[Service]\nWatchdogSec=4\nTimeoutAbortSec=3\n")
+    # A secret file stays root's 0600; the unit hands it over as a credential (as the
+    # shipped unit's commented LoadCredential= lines show) and the collector reads it.
+    secret = c.file("/etc/forewarn/alert-token")
+    secret.write_text("alert-secret\n")
+    secret.chmod(0o600)
+    cred = c.file("/etc/systemd/system/forewarn-collector.service.d/credential.conf")
+    cred.parent.mkdir(parents=True)
+    cred.write_text("[Service]\nLoadCredential=alert-token:/etc/forewarn/alert-token\n")
+    collector_toml = c.file("/etc/forewarn/collector.toml")
+    collector_toml.write_text(collector_toml.read_text().replace(
+        '# alert_token_file = "/run/credentials/', 'alert_token_file = "/run/credentials/'))
     assert c.run("systemctl", "daemon-reload").returncode == 0
 
     assert c.run("systemctl", "start", "forewarn-collector").returncode == 0
