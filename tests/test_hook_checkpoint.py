@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -186,3 +188,125 @@ def test_dcp_two_ranks_save_the_same_step_and_load(tmp_path: Path, use_async: st
     manifest = json.loads((out / "step-000000006" / MANIFEST).read_text())
     assert manifest["kind"] == "dcp" and ".metadata" in manifest["files"]
     assert [p.name for p in sorted(out.iterdir())] == ["step-000000003", "step-000000006"]
+
+
+# ---------------------------------------------------------------- crashes during a save
+
+_CRASH_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys, time, torch
+    from pathlib import Path
+    from forewarn.hook import CheckpointWriter
+    fast, durable, kill_at, numel, use_dist = sys.argv[1:6]
+    if use_dist == "1":  # one rank with a process group: the DCP path
+        torch.distributed.init_process_group(
+            "gloo", init_method="tcp://127.0.0.1:" + sys.argv[6], rank=0, world_size=1)
+    armed = False
+
+    def on_phase(phase, path):
+        tier = "durable" if Path(durable) in path.parents else "fast"
+        if armed and f"{tier}:{phase}" == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    w = CheckpointWriter(fast, durable=durable or None, on_phase=on_phase)
+    w.save(1, {"w": torch.full((4,), 1.0), "step": torch.tensor(1)})
+    w.flush()  # step 1 is in both tiers
+    armed = True
+    print("saved 1", flush=True)
+    w.save_async(2, {"w": torch.full((int(numel),), 2.0), "step": torch.tensor(2)})
+    print("staged 2", flush=True)
+    while True:  # training goes on; nobody calls wait()
+        time.sleep(0.01)
+    """
+)
+
+
+def _crash_run(tmp_path: Path, kill_at: str, *, numel: int = 4, use_dist: bool = False,
+               two_tier: bool = True) -> subprocess.Popen[str]:
+    script = tmp_path / "crash.py"
+    script.write_text(_CRASH_SCRIPT)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    durable = str(tmp_path / "durable") if two_tier else ""
+    return subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "fast"), durable, kill_at, str(numel),
+         "1" if use_dist else "0", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(cond: object, proc: subprocess.Popen[str], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():  # type: ignore[operator]
+        if proc.poll() is not None:
+            raise AssertionError(f"exited {proc.returncode}: {proc.communicate()}")
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+
+
+def _loaded_step(tmp_path: Path, fast: bool = True) -> int | None:
+    w = CheckpointWriter(tmp_path / "fast" if fast else tmp_path / "nowhere",
+                         durable=tmp_path / "durable")
+    loaded = w.load_latest({"w": torch.zeros(4), "step": torch.tensor(0)})
+    if loaded is None:
+        return None
+    assert int(loaded.state["step"]) == loaded.step
+    assert float(loaded.state["w"][0]) == loaded.step
+    return loaded.step
+
+
+@pytest.mark.parametrize("use_dist", [False, True], ids=["torch", "dcp"])
+def test_async_save_is_committed_without_wait(tmp_path: Path, use_dist: bool) -> None:
+    """A process killed after its async save finished writing, but before anyone called
+    ``wait()``, leaves that checkpoint loadable (committed in the background)."""
+    proc = _crash_run(tmp_path, "none", use_dist=use_dist, two_tier=False)
+    done = tmp_path / "fast" / "step-000000002"
+    _wait_for(done.exists, proc)
+    _kill(proc)
+    assert _loaded_step(tmp_path) == 2
+
+
+@pytest.mark.parametrize(
+    ("kill_at", "fast_step", "durable_step"),
+    [
+        ("fast:begin", 1, 1),        # before any file
+        ("fast:written", 1, 1),      # files written, no manifest
+        ("fast:manifest", 1, 1),     # manifest written, not renamed
+        ("fast:renamed", 2, 1),      # committed in the fast tier, not yet copied
+        ("durable:copy", 2, 1),      # mid-copy to the durable tier
+        ("durable:manifest", 2, 1),  # copied with manifest, not renamed
+    ],
+)
+def test_crash_during_async_save_leaves_the_previous_checkpoint(
+    tmp_path: Path, kill_at: str, fast_step: int, durable_step: int
+) -> None:
+    proc = _crash_run(tmp_path, kill_at)
+    so, se = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, so + se
+    assert "staged 2" in so or kill_at == "fast:begin"
+    assert _loaded_step(tmp_path) == fast_step
+    # the node and its fast disk are gone: the durable tier alone
+    assert _loaded_step(tmp_path, fast=False) == durable_step
+    # and the next save cleans up the crashed temp directories of both tiers
+    w = CheckpointWriter(tmp_path / "fast", durable=tmp_path / "durable")
+    w.save(3, {"w": torch.full((4,), 3.0), "step": torch.tensor(3)})
+    w.close()
+    for d in ("fast", "durable"):
+        assert not [p for p in (tmp_path / d).iterdir() if p.name.startswith(".")]
+    assert _loaded_step(tmp_path, fast=False) == 3
+
+
+def test_crash_mid_file_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    """SIGKILL while the state file of an async save is half written (a 256 MiB state)."""
+    numel = 64 << 20
+    proc = _crash_run(tmp_path, "none", numel=numel)
+    part = tmp_path / "fast" / ".tmp-step-000000002" / "state.pt"
+    _wait_for(lambda: part.exists() and part.stat().st_size > 0, proc)
+    _kill(proc)
+    assert part.stat().st_size < numel * 4  # it really was cut off mid-file
+    assert _loaded_step(tmp_path) == 1
