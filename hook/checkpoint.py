@@ -155,16 +155,27 @@ def _dist() -> Any:
     return None
 
 
-def _stage(obj: Any) -> Any:
-    """A host-memory copy of ``obj`` that later training steps cannot change."""
+def _stage(obj: Any, previous: Any = None) -> Any:
+    """A host-memory copy of ``obj`` that later training steps cannot change.
+
+    Tensors are copied into ``previous``'s buffers where shape and dtype match (the last
+    save's staging copy, whose write has finished): filling fresh memory costs its page
+    faults, about 6x the copy itself (``bench/RESULTS.md``)."""
     import torch
 
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        src = obj.detach()
+        if (isinstance(previous, torch.Tensor) and previous.shape == src.shape
+                and previous.dtype == src.dtype and previous.layout == src.layout):
+            return previous.copy_(src)
+        return src.to("cpu", copy=True)
     if isinstance(obj, dict):
-        return {k: _stage(v) for k, v in obj.items()}
+        old = previous if isinstance(previous, dict) else {}
+        return {k: _stage(v, old.get(k)) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return type(obj)(_stage(v) for v in obj)
+        prev = previous if isinstance(previous, list | tuple) else ()
+        return type(obj)(_stage(v, prev[i] if i < len(prev) else None)
+                         for i, v in enumerate(obj))
     return copy.deepcopy(obj)
 
 
@@ -265,6 +276,7 @@ class CheckpointWriter:
         self._async_group: Any = None
         self._worker: ThreadPoolExecutor | None = None
         self._copies: list[Future[None]] = []
+        self._staged: Any = None  # the last async save's host copy, reused by the next
         self.copy_failures = 0
         """Copies to the durable tier that failed (each is logged; the fast tier keeps it)."""
 
@@ -308,7 +320,8 @@ class CheckpointWriter:
                 pending = PendingCheckpoint(_done(self._write_torch(step, tmp, state, t0)),
                                             self._report)
             else:
-                staged = _stage(state)
+                # the previous save has finished (waited above): its buffers are free
+                staged = self._staged = _stage(state, self._staged)
                 pending = PendingCheckpoint(
                     self._background().submit(self._write_torch, step, tmp, staged, t0),
                     self._report)
@@ -450,6 +463,7 @@ class CheckpointWriter:
         if self._worker is not None:
             self._worker.shutdown()
             self._worker = None
+        self._staged = None
         if self._async_group is not None:
             dist = _dist()
             if dist is not None:

@@ -198,3 +198,12 @@ def test_sampler_resumes_mid_epoch_and_shards_by_rank() -> None:
 def test_objects_without_state_dict_are_refused_by_name() -> None:
     with pytest.raises(TypeError, match="scheduler: object has no state_dict"):
         TrainingState(torch.nn.Linear(1, 1), scheduler=object())  # type: ignore[arg-type]
+
+
+def test_model_only_state_round_trips(tmp_path: Path) -> None:
+    writer = CheckpointWriter(tmp_path)
+    model = torch.nn.Linear(2, 2)
+    writer.save(0, TrainingState(model, rng=False).state_dict(0))
+    model2 = torch.nn.Linear(2, 2)
+    assert TrainingState(model2, rng=False).resume(writer) == 1
+    assert torch.equal(model.weight, model2.weight)
