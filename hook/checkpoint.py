@@ -46,6 +46,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -98,6 +99,7 @@ class PendingCheckpoint:
         self._future = future
         self._report = report
         self._reported = False
+        self._raised = False
 
     def done(self) -> bool:
         """Whether the save has finished (committed, or failed)."""
@@ -105,11 +107,32 @@ class PendingCheckpoint:
 
     def wait(self) -> CheckpointResult:
         """Block until written, manifested and renamed (idempotent)."""
-        result = self._future.result()
+        try:
+            result = self._future.result()
+        except BaseException:
+            self._raised = True
+            raise
         if not self._reported:
             self._reported = True
             self._report(result)
         return result
+
+    def _settle(self) -> None:
+        """Wait for the save; raise its failure unless a ``wait()`` already raised it."""
+        if self._raised:
+            self._future.exception()
+        else:
+            self.wait()
+
+
+def _logged(write: Callable[[], CheckpointResult]) -> CheckpointResult:
+    """Run a background save; a failure is logged at once (nobody may be waiting), and
+    raised again by ``wait()``."""
+    try:
+        return write()
+    except BaseException as exc:
+        _log.error("forewarn: background checkpoint save failed: %r", exc)
+        raise
 
 
 def _done(result: CheckpointResult) -> Future[CheckpointResult]:
@@ -215,9 +238,10 @@ def _commit(directory: Path, step: int, tmp: Path, phase: Callable[[str, Path], 
     return final
 
 
-def _prune(directory: Path, keep_last: int) -> None:
-    for _, p in _list_checkpoints(directory)[:-keep_last]:
-        shutil.rmtree(p, ignore_errors=True)
+def _prune(directory: Path, keep_last: int, keep: set[int] | None = None) -> None:
+    for step, p in _list_checkpoints(directory)[:-keep_last]:
+        if keep is None or step not in keep:
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def _copy_file(src: Path, dst: Path, phase: Callable[[str, Path], None]) -> str:
@@ -277,6 +301,8 @@ class CheckpointWriter:
         self._worker: ThreadPoolExecutor | None = None
         self._copies: list[Future[None]] = []
         self._staged: Any = None  # the last async save's host copy, reused by the next
+        self._to_copy: set[int] = set()  # steps queued for the durable tier
+        self._lock = threading.Lock()  # _to_copy and pruning: caller and background thread
         self.copy_failures = 0
         """Copies to the durable tier that failed (each is logged; the fast tier keeps it)."""
 
@@ -303,9 +329,9 @@ class CheckpointWriter:
     def _save(self, step: int, state: dict[str, Any], use_async: bool) -> PendingCheckpoint:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        if self._pending is not None:
-            self._pending.wait()  # one save in flight at a time
-            self._pending = None
+        if self._pending is not None:  # one save in flight at a time
+            pending, self._pending = self._pending, None
+            pending._settle()
         t0 = self._clock()
         self.directory.mkdir(parents=True, exist_ok=True)
         dist = _dist()
@@ -322,9 +348,8 @@ class CheckpointWriter:
             else:
                 # the previous save has finished (waited above): its buffers are free
                 staged = self._staged = _stage(state, self._staged)
-                pending = PendingCheckpoint(
-                    self._background().submit(self._write_torch, step, tmp, staged, t0),
-                    self._report)
+                pending = PendingCheckpoint(self._background().submit(
+                    _logged, lambda: self._write_torch(step, tmp, staged, t0)), self._report)
         else:
             dist.barrier()  # the temp directory exists (and is empty) for every rank
             pending = self._write_dcp(step, tmp, state, t0, use_async, dist)
@@ -361,7 +386,7 @@ class CheckpointWriter:
                 written.result()
                 return self._finish_dcp(step, tmp, t0, rank, world, dist, barrier=False)
 
-            return PendingCheckpoint(self._background().submit(finish), self._report)
+            return PendingCheckpoint(self._background().submit(_logged, finish), self._report)
         state_dict_saver.save(state, checkpoint_id=str(tmp))
         result = self._finish_dcp(step, tmp, t0, rank, world, dist, barrier=True)
         return PendingCheckpoint(_done(result), self._report)
@@ -411,10 +436,12 @@ class CheckpointWriter:
             os.fsync(f.fileno())
         total += len(data)
         final = _commit(self.directory, step, tmp, self._phase)
-        _prune(self.directory, self.keep_last)
         if self.durable is not None:
+            with self._lock:
+                self._to_copy.add(step)
             self._copies = [c for c in self._copies if not c.done()]
             self._copies.append(self._background().submit(self._copy_to_durable, step, final))
+        self._prune_fast()
         return CheckpointResult(step, str(final), self._clock() - t0, total)
 
     def _copy_to_durable(self, step: int, src: Path) -> None:
@@ -440,6 +467,14 @@ class CheckpointWriter:
         except Exception as exc:
             self.copy_failures += 1
             _log.error("forewarn: copying checkpoint %s to %s failed: %r", src, self.durable, exc)
+        with self._lock:
+            self._to_copy.discard(step)
+        self._prune_fast()
+
+    def _prune_fast(self) -> None:
+        # a checkpoint waiting for its copy to the durable tier stays until copied
+        with self._lock:
+            _prune(self.directory, self.keep_last, keep=self._to_copy)
 
     def _report(self, result: CheckpointResult) -> None:
         if self.monitor is not None:
@@ -449,8 +484,8 @@ class CheckpointWriter:
         """Wait until the save in flight is committed and every copy to the durable tier
         has finished."""
         if self._pending is not None:
-            self._pending.wait()
-            self._pending = None
+            pending, self._pending = self._pending, None
+            pending._settle()
         for c in self._copies:
             c.result()
         self._copies = []

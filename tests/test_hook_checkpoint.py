@@ -249,6 +249,10 @@ def _kill(proc: subprocess.Popen[str]) -> None:
     proc.communicate(timeout=60)
 
 
+# loading a DCP checkpoint without a process group: torch says it assumes one process
+_ONE_PROCESS_LOAD = "ignore:torch.distributed is disabled:UserWarning"
+
+
 def _loaded_step(tmp_path: Path, fast: bool = True) -> int | None:
     w = CheckpointWriter(tmp_path / "fast" if fast else tmp_path / "nowhere",
                          durable=tmp_path / "durable")
@@ -260,6 +264,7 @@ def _loaded_step(tmp_path: Path, fast: bool = True) -> int | None:
     return loaded.step
 
 
+@pytest.mark.filterwarnings(_ONE_PROCESS_LOAD)
 @pytest.mark.parametrize("use_dist", [False, True], ids=["torch", "dcp"])
 def test_async_save_is_committed_without_wait(tmp_path: Path, use_dist: bool) -> None:
     """A process killed after its async save finished writing, but before anyone called
@@ -271,6 +276,8 @@ def test_async_save_is_committed_without_wait(tmp_path: Path, use_dist: bool) ->
     assert _loaded_step(tmp_path) == 2
 
 
+@pytest.mark.filterwarnings(_ONE_PROCESS_LOAD)
+@pytest.mark.parametrize("use_dist", [False, True], ids=["torch", "dcp"])
 @pytest.mark.parametrize(
     ("kill_at", "fast_step", "durable_step"),
     [
@@ -283,9 +290,9 @@ def test_async_save_is_committed_without_wait(tmp_path: Path, use_dist: bool) ->
     ],
 )
 def test_crash_during_async_save_leaves_the_previous_checkpoint(
-    tmp_path: Path, kill_at: str, fast_step: int, durable_step: int
+    tmp_path: Path, kill_at: str, fast_step: int, durable_step: int, use_dist: bool
 ) -> None:
-    proc = _crash_run(tmp_path, kill_at)
+    proc = _crash_run(tmp_path, kill_at, use_dist=use_dist)
     so, se = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL, so + se
     assert "staged 2" in so or kill_at == "fast:begin"
@@ -301,12 +308,61 @@ def test_crash_during_async_save_leaves_the_previous_checkpoint(
     assert _loaded_step(tmp_path, fast=False) == 3
 
 
-def test_crash_mid_file_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.filterwarnings(_ONE_PROCESS_LOAD)
+@pytest.mark.parametrize(("use_dist", "name"), [(False, "state.pt"), (True, "__0_0.distcp")],
+                         ids=["torch", "dcp"])
+def test_crash_mid_file_leaves_the_previous_checkpoint(
+    tmp_path: Path, use_dist: bool, name: str
+) -> None:
     """SIGKILL while the state file of an async save is half written (a 256 MiB state)."""
     numel = 64 << 20
-    proc = _crash_run(tmp_path, "none", numel=numel)
-    part = tmp_path / "fast" / ".tmp-step-000000002" / "state.pt"
+    proc = _crash_run(tmp_path, "none", numel=numel, use_dist=use_dist)
+    part = tmp_path / "fast" / ".tmp-step-000000002" / name
     _wait_for(lambda: part.exists() and part.stat().st_size > 0, proc)
     _kill(proc)
     assert part.stat().st_size < numel * 4  # it really was cut off mid-file
     assert _loaded_step(tmp_path) == 1
+
+
+def test_a_failed_async_save_is_logged_raised_once_and_the_next_save_works(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    w = CheckpointWriter(tmp_path)
+    w.save(1, _state(1))
+    with caplog.at_level(logging.ERROR, logger="forewarn.hook"):
+        pending = w.save_async(2, {"bad": _Unpicklable()})
+        with pytest.raises(Exception, match="no pickling here"):
+            pending.wait()
+    assert "background checkpoint save failed" in caplog.text
+    w.save(3, _state(3))  # the failure is not raised again
+    loaded = w.load_latest()
+    assert loaded is not None and loaded.step == 3
+    w.close()
+
+
+class _Unpicklable:
+    """Staged as is (deepcopy), fails when the background thread pickles it."""
+
+    def __deepcopy__(self, memo: dict[int, object]) -> _Unpicklable:
+        return self
+
+    def __reduce__(self) -> tuple[object, ...]:
+        raise RuntimeError("no pickling here")
+
+
+def test_two_tier_keeps_every_checkpoint_until_it_is_copied(tmp_path: Path) -> None:
+    """keep_last=1 and saves faster than the copies: the fast tier does not prune a
+    checkpoint whose copy is still queued, so every copy succeeds."""
+
+    def slow_copy(phase: str, path: Path) -> None:
+        if phase == "copy":
+            time.sleep(0.3)  # a slow durable tier: the next saves commit meanwhile
+
+    w = CheckpointWriter(tmp_path / "fast", keep_last=1, durable=tmp_path / "durable",
+                         on_phase=slow_copy)
+    for s in range(1, 6):
+        w.save(s, {"w": torch.full((1 << 20,), float(s))})
+    w.close()
+    assert w.copy_failures == 0
+    assert [s for s, _ in w.checkpoints()] == [5]
+    assert [p.name for p in (tmp_path / "durable").iterdir()] == ["step-000000005"]
