@@ -5,11 +5,12 @@ Runs on CPU (gloo) or CUDA (NCCL), one process or many under torchrun::
     python examples/plain_pytorch.py --steps 50 --ckpt-dir /tmp/ck
     torchrun --standalone --nproc-per-node 2 examples/plain_pytorch.py --steps 50 --ckpt-dir /tmp/ck
 
-It resumes from the newest intact checkpoint in ``--ckpt-dir``. Everything is seeded:
-the model from ``--seed``, each batch from (seed, step, rank), so a resumed run computes
-exactly the losses the uninterrupted run would have (on CPU). Rank 0 prints
-``step <n> loss <value>`` lines. Saves happen when the agent orders one (every rank at the
-same step), on SIGTERM, and every ``--save-every`` steps if given.
+It resumes from the newest intact checkpoint in ``--ckpt-dir`` through
+:class:`forewarn.hook.TrainingState` (model, optimizer with its momentum, step, RNG
+states). Everything is seeded: the model from ``--seed``, each batch from (seed, step,
+rank), so a resumed run computes exactly the losses the uninterrupted run would have (on
+CPU). Rank 0 prints ``step <n> loss <value>`` lines. Saves happen when the agent orders
+one (every rank at the same step), on SIGTERM, and every ``--save-every`` steps if given.
 
 Fault injection for tests and demos: ``--nan-at K`` makes the loss reported at step K
 NaN (on ``--fault-rank``), ``--hang-at K`` makes that rank stop stepping at step K
@@ -22,13 +23,12 @@ import argparse
 import os
 import sys
 import time
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from forewarn.hook import CheckpointWriter, Monitor
+from forewarn.hook import CheckpointWriter, Monitor, TrainingState
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,35 +70,6 @@ def batch(seed: int, step: int, rank: int, device: str) -> tuple[torch.Tensor, t
     return x.to(device), y.to(device)
 
 
-def _state(model: nn.Module, optim: torch.optim.Optimizer, step: int, distributed: bool
-           ) -> dict[str, Any]:
-    if distributed:
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        msd, osd = get_state_dict(model, optim)
-        return {"model": msd, "optim": osd, "step": torch.tensor(step)}
-    return {"model": model.state_dict(), "optim": optim.state_dict(), "step": torch.tensor(step)}
-
-
-def _restore(writer: CheckpointWriter, model: nn.Module, optim: torch.optim.Optimizer,
-             distributed: bool) -> int:
-    """Load the newest intact checkpoint; returns the first step to run."""
-    template = _state(model, optim, -1, distributed)
-    loaded = writer.load_latest(template)
-    if loaded is None:
-        return 0
-    state = loaded.state
-    if distributed:
-        from torch.distributed.checkpoint.state_dict import set_state_dict
-
-        set_state_dict(model, optim, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
-    else:
-        model.load_state_dict(state["model"])
-        optim.load_state_dict(state["optim"])
-    return int(state["step"]) + 1
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -122,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
 
     monitor = Monitor(job=args.job, socket_path=args.socket, agree_every=args.agree_every)
     writer = CheckpointWriter(args.ckpt_dir, keep_last=args.keep_last)
-    start = _restore(writer, model, optim, distributed)
+    # model, optimizer (with its momentum), step and RNG states; a scheduler, GradScaler,
+    # EMA or sampler would be passed here too
+    state = TrainingState(ddp, optim)
+    start = state.resume(writer)  # newest intact checkpoint, or 0
     if rank == 0:
         print(f"start step {start}", flush=True)
     faulty = rank == args.fault_rank
@@ -151,14 +125,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step {step} loss {loss.item():.10f}", flush=True)
         periodic = args.save_every > 0 and (step + 1) % args.save_every == 0
         if monitor.should_checkpoint(step) or periodic:
-            state = _state(model, optim, step, distributed)
-            res = (writer.save_async(step, state).wait() if args.async_save
-                   else writer.save(step, state))
+            snapshot = state.state_dict(step)
+            res = (writer.save_async(step, snapshot).wait() if args.async_save
+                   else writer.save(step, snapshot))
             print(f"rank {rank} saved step {step} ({res.bytes} bytes, {res.seconds:.3f}s)",
                   flush=True)
             # after a SIGTERM-driven save this exits the process as the default handler would
             monitor.checkpoint_done(step, res.seconds, res.bytes, res.path)
     monitor.close()
+    writer.close()
     if distributed:
         dist.barrier()
         dist.destroy_process_group()

@@ -2,18 +2,30 @@
 
 Layout: ``<directory>/step-000000042/`` holding the state file(s) and ``manifest.json``
 (step, format, and per file its size and sha256). A checkpoint becomes visible only
-complete: everything is written into ``.tmp-step-000000042`` in the same directory, each
-file is fsynced, the temp directory is fsynced and renamed, then the parent directory is
-fsynced, so a crash leaves either the old set or the new one (plus a temp directory that
-the next save removes). The newest ``keep_last`` checkpoints are kept.
+complete (committed): everything is written into ``.tmp-step-000000042`` in the same
+directory, each file is fsynced, the manifest is written and fsynced, the temp directory
+is fsynced and renamed, then the parent directory is fsynced, so a crash at any point
+leaves either the old set or the new one (plus a temp directory that the next save
+removes). The newest ``keep_last`` checkpoints are kept.
 
 Two formats:
 
 * ``torch``: one ``state.pt`` by ``torch.save`` (one process, no process group).
 * ``dcp``: when ``torch.distributed`` is initialised, :mod:`torch.distributed.checkpoint`
-  writes one shard per rank (``async_save`` via :meth:`CheckpointWriter.save_async`);
-  every rank must call ``save`` at the same step (which the checkpoint orders ensure).
-  Rank 0 writes the manifest and renames.
+  writes one shard per rank; every rank must call ``save`` at the same step (which the
+  checkpoint orders ensure). Rank 0 writes the manifest and renames.
+
+:meth:`CheckpointWriter.save_async` blocks only while the state is copied to host memory
+(``torch.distributed.checkpoint.async_save`` with a process group, a copy of every tensor
+without); writing *and committing* run in a background thread, so the checkpoint is
+durable when the write ends whether or not anyone calls ``wait()``.
+
+Two tiers: with ``durable=DIR`` every committed checkpoint is then copied in the
+background from the fast ``directory`` (a local disk) to ``DIR`` (shared or network
+storage), files first and the manifest last, into a temp directory renamed when complete.
+:meth:`~CheckpointWriter.load_latest` takes the newest intact checkpoint of either tier.
+With several ranks, rank 0 copies the whole checkpoint, so the fast directory must be one
+that rank 0 sees in full (one node, or a shared file system).
 
 :meth:`CheckpointWriter.load_latest` verifies the manifest and every sha256 and falls back
 to the previous good checkpoint when the newest is corrupt, logging what it skipped and
@@ -26,6 +38,7 @@ torch is imported lazily, on the first save or load.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -33,8 +46,10 @@ import logging
 import os
 import re
 import shutil
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -73,17 +88,57 @@ class LoadedCheckpoint:
 
 
 class PendingCheckpoint:
-    """An asynchronous save in flight; :meth:`wait` returns its :class:`CheckpointResult`."""
+    """A save in flight; :meth:`wait` returns its :class:`CheckpointResult`.
 
-    def __init__(self, finish: Callable[[], CheckpointResult]) -> None:
-        self._finish = finish
-        self._result: CheckpointResult | None = None
+    The checkpoint commits in the background as soon as it is written; ``wait`` only
+    reports it (to the monitor, in the caller's thread) and raises what the save raised.
+    """
+
+    def __init__(self, future: Future[CheckpointResult], report: Callable[[CheckpointResult], None]
+                 ) -> None:
+        self._future = future
+        self._report = report
+        self._reported = False
+        self._raised = False
+
+    def done(self) -> bool:
+        """Whether the save has finished (committed, or failed)."""
+        return self._future.done()
 
     def wait(self) -> CheckpointResult:
         """Block until written, manifested and renamed (idempotent)."""
-        if self._result is None:
-            self._result = self._finish()
-        return self._result
+        try:
+            result = self._future.result()
+        except BaseException:
+            self._raised = True
+            raise
+        if not self._reported:
+            self._reported = True
+            self._report(result)
+        return result
+
+    def _settle(self) -> None:
+        """Wait for the save; raise its failure unless a ``wait()`` already raised it."""
+        if self._raised:
+            self._future.exception()
+        else:
+            self.wait()
+
+
+def _logged(write: Callable[[], CheckpointResult]) -> CheckpointResult:
+    """Run a background save; a failure is logged at once (nobody may be waiting), and
+    raised again by ``wait()``."""
+    try:
+        return write()
+    except BaseException as exc:
+        _log.error("forewarn: background checkpoint save failed: %r", exc)
+        raise
+
+
+def _done(result: CheckpointResult) -> Future[CheckpointResult]:
+    f: Future[CheckpointResult] = Future()
+    f.set_result(result)
+    return f
 
 
 def _step_name(step: int) -> str:
@@ -134,99 +189,219 @@ def _require_numpy() -> None:
             "with it): pip install 'forewarn[hook]'", name="numpy") from None
 
 
+def _stage(obj: Any, previous: Any = None) -> Any:
+    """A host-memory copy of ``obj`` that later training steps cannot change.
+
+    Tensors are copied into ``previous``'s buffers where shape and dtype match (the last
+    save's staging copy, whose write has finished): filling fresh memory costs its page
+    faults, about 6x the copy itself (``bench/RESULTS.md``)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        src = obj.detach()
+        if (isinstance(previous, torch.Tensor) and previous.shape == src.shape
+                and previous.dtype == src.dtype and previous.layout == src.layout):
+            return previous.copy_(src)
+        return src.to("cpu", copy=True)
+    if isinstance(obj, dict):
+        old = previous if isinstance(previous, dict) else {}
+        return {k: _stage(v, old.get(k)) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        prev = previous if isinstance(previous, list | tuple) else ()
+        return type(obj)(_stage(v, prev[i] if i < len(prev) else None)
+                         for i, v in enumerate(obj))
+    return copy.deepcopy(obj)
+
+
+def _remove_temps(directory: Path) -> None:
+    for p in directory.iterdir():
+        if p.name.startswith((".tmp-step-", ".old-step-")) and p.is_dir():
+            _log.info("forewarn: removing incomplete checkpoint %s", p)
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _list_checkpoints(directory: Path | None) -> list[tuple[int, Path]]:
+    if directory is None or not directory.is_dir():
+        return []
+    found = []
+    for p in directory.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and p.is_dir():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def _commit(directory: Path, step: int, tmp: Path, phase: Callable[[str, Path], None]) -> Path:
+    """Make the complete ``tmp`` the checkpoint of ``step`` in ``directory``."""
+    _fsync_dir(tmp)
+    phase("manifest", tmp)
+    final = directory / _step_name(step)
+    trash = None
+    if final.exists():  # the same step saved again (e.g. after a resume)
+        trash = directory / (".old-" + _step_name(step))
+        shutil.rmtree(trash, ignore_errors=True)
+        final.rename(trash)
+    tmp.rename(final)
+    phase("renamed", final)
+    _fsync_dir(directory)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+    return final
+
+
+def _prune(directory: Path, keep_last: int, keep: set[int] | None = None) -> None:
+    for step, p in _list_checkpoints(directory)[:-keep_last]:
+        if keep is None or step not in keep:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _copy_file(src: Path, dst: Path, phase: Callable[[str, Path], None]) -> str:
+    """Copy ``src`` to ``dst`` and fsync it; returns the sha256 of what was copied."""
+    h = hashlib.sha256()
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        for block in iter(lambda: fin.read(8 << 20), b""):
+            fout.write(block)
+            h.update(block)
+            phase("copy", dst)
+            phase = _no_phase
+        fout.flush()
+        os.fsync(fout.fileno())
+    return h.hexdigest()
+
+
+def _no_phase(phase: str, path: Path) -> None:
+    pass
+
+
 class CheckpointWriter:
     """Atomic, verified, keep-last-N checkpoints (see module docstring).
 
     Args:
-        directory: where checkpoints live (created if missing).
-        keep_last: how many complete checkpoints to keep (>= 1).
+        directory: where checkpoints live (created if missing); with ``durable``, the
+            fast tier (a local disk).
+        keep_last: how many complete checkpoints to keep in each tier (>= 1).
+        durable: optional second tier, filled in the background from ``directory``.
         monitor: if given, each save reports itself with ``checkpoint_done``.
         clock: monotonic clock for durations (injectable).
+        on_phase: called as ``on_phase(phase, path)`` at each point of a save where a
+            crash leaves a different state on disk: ``"begin"`` (empty temp directory),
+            ``"written"`` (state files written), ``"manifest"`` (manifest written and
+            fsynced, not yet renamed), ``"renamed"`` (committed), and in the durable tier
+            ``"copy"`` (the first block of the first file copied) and the same
+            ``"manifest"`` and ``"renamed"``. For tracing and crash tests.
     """
 
     def __init__(
         self, directory: str | os.PathLike[str], keep_last: int = 3, *,
-        monitor: Monitor | None = None, clock: Callable[[], float] = time.monotonic,
+        durable: str | os.PathLike[str] | None = None, monitor: Monitor | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        on_phase: Callable[[str, Path], None] | None = None,
     ) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         _require_numpy()
         self.directory = Path(directory)
+        self.durable = Path(durable) if durable is not None else None
+        if self.durable is not None and self.durable.resolve() == self.directory.resolve():
+            raise ValueError("durable must be a different directory")
         self.keep_last = keep_last
         self.monitor = monitor
         self._clock = clock
+        self._phase = on_phase or _no_phase
         self._pending: PendingCheckpoint | None = None
         self._async_group: Any = None
+        self._worker: ThreadPoolExecutor | None = None
+        self._copies: list[Future[None]] = []
+        self._staged: Any = None  # the last async save's host copy, reused by the next
+        self._to_copy: set[int] = set()  # steps queued for the durable tier
+        self._lock = threading.Lock()  # _to_copy and pruning: caller and background thread
+        self.copy_failures = 0
+        """Copies to the durable tier that failed (each is logged; the fast tier keeps it)."""
 
     # ------------------------------------------------------------------ save
 
     def save(self, step: int, state: dict[str, Any]) -> CheckpointResult:
-        """Write ``state`` as the checkpoint of ``step`` and wait until it is durable."""
+        """Write ``state`` as the checkpoint of ``step`` and wait until it is committed."""
         return self._save(step, state, use_async=False).wait()
 
     def save_async(self, step: int, state: dict[str, Any]) -> PendingCheckpoint:
-        """Like :meth:`save`, but with a process group the write runs in the background
-        (``torch.distributed.checkpoint.async_save``): the state is staged to host
-        memory now and written while training continues. Without a process group this
-        is a synchronous save."""
+        """Like :meth:`save`, but return once ``state`` is copied to host memory; the
+        write and the commit run in the background (with a process group through
+        ``torch.distributed.checkpoint.async_save``). The checkpoint is committed when
+        the write ends, without :meth:`PendingCheckpoint.wait`; the next save, and
+        :meth:`close`, wait for it first."""
         return self._save(step, state, use_async=True)
+
+    def _background(self) -> ThreadPoolExecutor:
+        # one thread: commits and tier copies run in the order they were asked for
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="forewarn-checkpoint")
+        return self._worker
 
     def _save(self, step: int, state: dict[str, Any], use_async: bool) -> PendingCheckpoint:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        if self._pending is not None:
-            self._pending.wait()  # one save in flight at a time
-            self._pending = None
+        if self._pending is not None:  # one save in flight at a time
+            pending, self._pending = self._pending, None
+            pending._settle()
         t0 = self._clock()
         self.directory.mkdir(parents=True, exist_ok=True)
         dist = _dist()
         rank = dist.get_rank() if dist is not None else 0
         tmp = self.directory / (".tmp-" + _step_name(step))
         if rank == 0:
-            self._remove_stale_temps()
-            if tmp.exists():
-                shutil.rmtree(tmp)
+            _remove_temps(self.directory)
             tmp.mkdir()
+            self._phase("begin", tmp)
         if dist is None:
-            written = self._write_torch(tmp, state)
-            result = self._finish(step, tmp, t0, "torch", written, 1)
-            return PendingCheckpoint(lambda: result)
-        dist.barrier()  # the temp directory exists (and is empty) for every rank
-        return self._write_dcp(step, tmp, state, t0, use_async, dist)
+            if not use_async:
+                pending = PendingCheckpoint(_done(self._write_torch(step, tmp, state, t0)),
+                                            self._report)
+            else:
+                # the previous save has finished (waited above): its buffers are free
+                staged = self._staged = _stage(state, self._staged)
+                pending = PendingCheckpoint(self._background().submit(
+                    _logged, lambda: self._write_torch(step, tmp, staged, t0)), self._report)
+        else:
+            dist.barrier()  # the temp directory exists (and is empty) for every rank
+            pending = self._write_dcp(step, tmp, state, t0, use_async, dist)
+        if use_async:
+            self._pending = pending
+        return pending
 
-    def _write_torch(self, tmp: Path, state: dict[str, Any]) -> list[str]:
+    def _write_torch(self, step: int, tmp: Path, state: dict[str, Any], t0: float
+                     ) -> CheckpointResult:
         import torch
 
-        path = tmp / "state.pt"
-        with open(path, "wb") as f:
+        with open(tmp / "state.pt", "wb") as f:
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())
-        return ["state.pt"]
+        return self._finish(step, tmp, t0, "torch", ["state.pt"], 1)
 
     def _write_dcp(
         self, step: int, tmp: Path, state: dict[str, Any], t0: float, use_async: bool, dist: Any,
     ) -> PendingCheckpoint:
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import state_dict_saver
 
         rank, world = dist.get_rank(), dist.get_world_size()
-        if use_async and hasattr(dcp, "async_save"):
+        if use_async:
             if self._async_group is None:
                 # background-thread collectives get their own gloo group, so they never
                 # interleave with the training's collectives on the default group
                 self._async_group = dist.new_group(backend="gloo")
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self._async_group)
+            # a Future with the default (thread) checkpointer
+            written: Any = state_dict_saver.async_save(
+                state, checkpoint_id=str(tmp), process_group=self._async_group)
 
             def finish() -> CheckpointResult:
-                future.result()
+                written.result()
                 return self._finish_dcp(step, tmp, t0, rank, world, dist, barrier=False)
 
-            self._pending = PendingCheckpoint(finish)
-            return self._pending
+            return PendingCheckpoint(self._background().submit(_logged, finish), self._report)
         state_dict_saver.save(state, checkpoint_id=str(tmp))
         result = self._finish_dcp(step, tmp, t0, rank, world, dist, barrier=True)
-        return PendingCheckpoint(lambda: result)
+        return PendingCheckpoint(_done(result), self._report)
 
     def _finish_dcp(
         self, step: int, tmp: Path, t0: float, rank: int, world: int, dist: Any, barrier: bool,
@@ -248,12 +423,12 @@ class CheckpointWriter:
             dist.barrier()  # rank 0 has renamed: load_latest sees it on every rank
         if rank != 0:
             result = dataclasses.replace(result, seconds=self._clock() - t0)
-        self._report(result)
         return result
 
     def _finish(
         self, step: int, tmp: Path, t0: float, kind: str, files: list[str], world: int,
     ) -> CheckpointResult:
+        self._phase("written", tmp)
         entries: dict[str, dict[str, Any]] = {}
         total = 0
         for name in files:
@@ -272,40 +447,70 @@ class CheckpointWriter:
             f.flush()
             os.fsync(f.fileno())
         total += len(data)
-        _fsync_dir(tmp)
-        final = self.directory / _step_name(step)
-        trash = None
-        if final.exists():  # the same step saved again (e.g. after a resume)
-            trash = self.directory / (".old-" + _step_name(step))
-            shutil.rmtree(trash, ignore_errors=True)
-            final.rename(trash)
-        tmp.rename(final)
-        _fsync_dir(self.directory)
-        if trash is not None:
-            shutil.rmtree(trash, ignore_errors=True)
-        self._prune()
-        result = CheckpointResult(step, str(final), self._clock() - t0, total)
-        if world == 1:
-            self._report(result)
-        return result
+        final = _commit(self.directory, step, tmp, self._phase)
+        if self.durable is not None:
+            with self._lock:
+                self._to_copy.add(step)
+            self._copies = [c for c in self._copies if not c.done()]
+            self._copies.append(self._background().submit(self._copy_to_durable, step, final))
+        self._prune_fast()
+        return CheckpointResult(step, str(final), self._clock() - t0, total)
+
+    def _copy_to_durable(self, step: int, src: Path) -> None:
+        """Copy the committed ``src`` into the durable tier: files, then the manifest,
+        then the rename. Never raises: a failure is logged and counted."""
+        assert self.durable is not None
+        try:
+            self.durable.mkdir(parents=True, exist_ok=True)
+            _remove_temps(self.durable)
+            tmp = self.durable / (".tmp-" + _step_name(step))
+            tmp.mkdir()
+            manifest = json.loads((src / MANIFEST).read_bytes())
+            first = True
+            for name, entry in sorted(manifest["files"].items()):
+                if _copy_file(src / name, tmp / name, self._phase if first else _no_phase
+                              ) != entry["sha256"]:
+                    raise OSError(f"{src / name} changed while it was copied")
+                first = False
+            shutil.copyfile(src / MANIFEST, tmp / MANIFEST)
+            _fsync_file(tmp / MANIFEST)
+            _commit(self.durable, step, tmp, self._phase)
+            _prune(self.durable, self.keep_last)
+        except Exception as exc:
+            self.copy_failures += 1
+            _log.error("forewarn: copying checkpoint %s to %s failed: %r", src, self.durable, exc)
+        with self._lock:
+            self._to_copy.discard(step)
+        self._prune_fast()
+
+    def _prune_fast(self) -> None:
+        # a checkpoint waiting for its copy to the durable tier stays until copied
+        with self._lock:
+            _prune(self.directory, self.keep_last, keep=self._to_copy)
 
     def _report(self, result: CheckpointResult) -> None:
         if self.monitor is not None:
             self.monitor.checkpoint_done(result.step, result.seconds, result.bytes, result.path)
 
-    def _remove_stale_temps(self) -> None:
-        for p in self.directory.iterdir():
-            if p.name.startswith((".tmp-step-", ".old-step-")) and p.is_dir():
-                _log.info("forewarn: removing incomplete checkpoint %s", p)
-                shutil.rmtree(p, ignore_errors=True)
+    def flush(self) -> None:
+        """Wait until the save in flight is committed and every copy to the durable tier
+        has finished."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending._settle()
+        for c in self._copies:
+            c.result()
+        self._copies = []
 
     def close(self) -> None:
-        """Wait for a save still in flight and release the background save's process
-        group. Call before ``torch.distributed.destroy_process_group()``: a gloo group whose
-        threads are still alive at interpreter exit aborts the process."""
-        if self._pending is not None:
-            self._pending.wait()
-            self._pending = None
+        """:meth:`flush`, then release the background thread and the background save's
+        process group. Call before ``torch.distributed.destroy_process_group()``: a gloo
+        group whose threads are still alive at interpreter exit aborts the process."""
+        self.flush()
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
+        self._staged = None
         if self._async_group is not None:
             dist = _dist()
             if dist is not None:
@@ -313,19 +518,8 @@ class CheckpointWriter:
             self._async_group = None
 
     def checkpoints(self) -> list[tuple[int, Path]]:
-        """Complete checkpoint directories, oldest first (not verified)."""
-        if not self.directory.is_dir():
-            return []
-        found = []
-        for p in self.directory.iterdir():
-            m = _STEP_DIR.match(p.name)
-            if m and p.is_dir():
-                found.append((int(m.group(1)), p))
-        return sorted(found)
-
-    def _prune(self) -> None:
-        for _, p in self.checkpoints()[: -self.keep_last]:
-            shutil.rmtree(p, ignore_errors=True)
+        """Complete checkpoint directories of the fast tier, oldest first (not verified)."""
+        return _list_checkpoints(self.directory)
 
     # ------------------------------------------------------------------ load
 
@@ -359,6 +553,24 @@ class CheckpointWriter:
                 return f"{name} sha256 mismatch"
         return None
 
+    def _candidates(self) -> list[tuple[int, Path]]:
+        """Checkpoints of both tiers, newest first; at the same step the fast tier first."""
+        both = [(step, 0, p) for step, p in self.checkpoints()]
+        both += [(step, 1, p) for step, p in _list_checkpoints(self.durable)]
+        return [(step, p) for step, _, p in sorted(both, key=lambda c: (-c[0], c[1]))]
+
+    def _intact(self, step: int) -> tuple[int, Path]:
+        """The intact copy of ``step`` in either tier (the step the ranks agreed on)."""
+        reasons = []
+        for s, p in self._candidates():
+            if s == step:
+                reason = self.verify(p)
+                if reason is None:
+                    return (step, p)
+                reasons.append(f"{p}: {reason}")
+        raise RuntimeError(f"ranks disagree on the checkpoint; step {step}: "
+                           + ("; ".join(reasons) or "not found"))
+
     def load_latest(self, state: dict[str, Any] | None = None) -> LoadedCheckpoint | None:
         """Load the newest intact checkpoint, or ``None`` if there is none.
 
@@ -368,16 +580,15 @@ class CheckpointWriter:
         of the ranks' choices, should their verification differ).
         """
         skipped: list[tuple[str, str]] = []
-        good: list[tuple[int, Path]] = []
-        for step, p in reversed(self.checkpoints()):
+        chosen: tuple[int, Path] | None = None
+        for step, p in self._candidates():
             reason = self.verify(p)
             if reason is None:
-                good.append((step, p))
+                chosen = (step, p)
                 break
             _log.warning("forewarn: skipping checkpoint %s: %s", p, reason)
             skipped.append((str(p), reason))
         dist = _dist()
-        chosen = good[0] if good else None
         if dist is not None:
             import torch
 
@@ -389,11 +600,7 @@ class CheckpointWriter:
             if agreed < 0:
                 return None
             if chosen is None or chosen[0] != agreed:
-                path = self.directory / _step_name(agreed)
-                reason = self.verify(path)
-                if reason is not None:
-                    raise RuntimeError(f"ranks disagree on the checkpoint; {path}: {reason}")
-                chosen = (agreed, path)
+                chosen = self._intact(agreed)
         if chosen is None:
             return None
         step, path = chosen

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -186,3 +188,181 @@ def test_dcp_two_ranks_save_the_same_step_and_load(tmp_path: Path, use_async: st
     manifest = json.loads((out / "step-000000006" / MANIFEST).read_text())
     assert manifest["kind"] == "dcp" and ".metadata" in manifest["files"]
     assert [p.name for p in sorted(out.iterdir())] == ["step-000000003", "step-000000006"]
+
+
+# ---------------------------------------------------------------- crashes during a save
+
+_CRASH_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys, time, torch
+    from pathlib import Path
+    from forewarn.hook import CheckpointWriter
+    fast, durable, kill_at, numel, use_dist = sys.argv[1:6]
+    if use_dist == "1":  # one rank with a process group: the DCP path
+        torch.distributed.init_process_group(
+            "gloo", init_method="tcp://127.0.0.1:" + sys.argv[6], rank=0, world_size=1)
+    armed = False
+
+    def on_phase(phase, path):
+        tier = "durable" if Path(durable) in path.parents else "fast"
+        if armed and f"{tier}:{phase}" == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    w = CheckpointWriter(fast, durable=durable or None, on_phase=on_phase)
+    w.save(1, {"w": torch.full((4,), 1.0), "step": torch.tensor(1)})
+    w.flush()  # step 1 is in both tiers
+    armed = True
+    print("saved 1", flush=True)
+    w.save_async(2, {"w": torch.full((int(numel),), 2.0), "step": torch.tensor(2)})
+    print("staged 2", flush=True)
+    while True:  # training goes on; nobody calls wait()
+        time.sleep(0.01)
+    """
+)
+
+
+def _crash_run(tmp_path: Path, kill_at: str, *, numel: int = 4, use_dist: bool = False,
+               two_tier: bool = True) -> subprocess.Popen[str]:
+    script = tmp_path / "crash.py"
+    script.write_text(_CRASH_SCRIPT)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    durable = str(tmp_path / "durable") if two_tier else ""
+    return subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "fast"), durable, kill_at, str(numel),
+         "1" if use_dist else "0", str(port)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(cond: object, proc: subprocess.Popen[str], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():  # type: ignore[operator]
+        if proc.poll() is not None:
+            raise AssertionError(f"exited {proc.returncode}: {proc.communicate()}")
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+def _kill(proc: subprocess.Popen[str]) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+
+
+# loading a DCP checkpoint without a process group: torch says it assumes one process
+_ONE_PROCESS_LOAD = "ignore:torch.distributed is disabled:UserWarning"
+
+
+def _loaded_step(tmp_path: Path, fast: bool = True) -> int | None:
+    w = CheckpointWriter(tmp_path / "fast" if fast else tmp_path / "nowhere",
+                         durable=tmp_path / "durable")
+    loaded = w.load_latest({"w": torch.zeros(4), "step": torch.tensor(0)})
+    if loaded is None:
+        return None
+    assert int(loaded.state["step"]) == loaded.step
+    assert float(loaded.state["w"][0]) == loaded.step
+    return loaded.step
+
+
+@pytest.mark.filterwarnings(_ONE_PROCESS_LOAD)
+@pytest.mark.parametrize("use_dist", [False, True], ids=["torch", "dcp"])
+def test_async_save_is_committed_without_wait(tmp_path: Path, use_dist: bool) -> None:
+    """A process killed after its async save finished writing, but before anyone called
+    ``wait()``, leaves that checkpoint loadable (committed in the background)."""
+    proc = _crash_run(tmp_path, "none", use_dist=use_dist, two_tier=False)
+    done = tmp_path / "fast" / "step-000000002"
+    _wait_for(done.exists, proc)
+    _kill(proc)
+    assert _loaded_step(tmp_path) == 2
+
+
+@pytest.mark.filterwarnings(_ONE_PROCESS_LOAD)
+@pytest.mark.parametrize("use_dist", [False, True], ids=["torch", "dcp"])
+@pytest.mark.parametrize(
+    ("kill_at", "fast_step", "durable_step"),
+    [
+        ("fast:begin", 1, 1),        # before any file
+        ("fast:written", 1, 1),      # files written, no manifest
+        ("fast:manifest", 1, 1),     # manifest written, not renamed
+        ("fast:renamed", 2, 1),      # committed in the fast tier, not yet copied
+        ("durable:copy", 2, 1),      # mid-copy to the durable tier
+        ("durable:manifest", 2, 1),  # copied with manifest, not renamed
+    ],
+)
+def test_crash_during_async_save_leaves_the_previous_checkpoint(
+    tmp_path: Path, kill_at: str, fast_step: int, durable_step: int, use_dist: bool
+) -> None:
+    proc = _crash_run(tmp_path, kill_at, use_dist=use_dist)
+    so, se = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, so + se
+    assert "staged 2" in so or kill_at == "fast:begin"
+    assert _loaded_step(tmp_path) == fast_step
+    # the node and its fast disk are gone: the durable tier alone
+    assert _loaded_step(tmp_path, fast=False) == durable_step
+    # and the next save cleans up the crashed temp directories of both tiers
+    w = CheckpointWriter(tmp_path / "fast", durable=tmp_path / "durable")
+    w.save(3, {"w": torch.full((4,), 3.0), "step": torch.tensor(3)})
+    w.close()
+    for d in ("fast", "durable"):
+        assert not [p for p in (tmp_path / d).iterdir() if p.name.startswith(".")]
+    assert _loaded_step(tmp_path, fast=False) == 3
+
+
+@pytest.mark.filterwarnings(_ONE_PROCESS_LOAD)
+@pytest.mark.parametrize(("use_dist", "name"), [(False, "state.pt"), (True, "__0_0.distcp")],
+                         ids=["torch", "dcp"])
+def test_crash_mid_file_leaves_the_previous_checkpoint(
+    tmp_path: Path, use_dist: bool, name: str
+) -> None:
+    """SIGKILL while the state file of an async save is half written (a 256 MiB state)."""
+    numel = 64 << 20
+    proc = _crash_run(tmp_path, "none", numel=numel, use_dist=use_dist)
+    part = tmp_path / "fast" / ".tmp-step-000000002" / name
+    _wait_for(lambda: part.exists() and part.stat().st_size > 0, proc)
+    _kill(proc)
+    assert part.stat().st_size < numel * 4  # it really was cut off mid-file
+    assert _loaded_step(tmp_path) == 1
+
+
+def test_a_failed_async_save_is_logged_raised_once_and_the_next_save_works(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    w = CheckpointWriter(tmp_path)
+    w.save(1, _state(1))
+    with caplog.at_level(logging.ERROR, logger="forewarn.hook"):
+        pending = w.save_async(2, {"bad": _Unpicklable()})
+        with pytest.raises(Exception, match="no pickling here"):
+            pending.wait()
+    assert "background checkpoint save failed" in caplog.text
+    w.save(3, _state(3))  # the failure is not raised again
+    loaded = w.load_latest()
+    assert loaded is not None and loaded.step == 3
+    w.close()
+
+
+class _Unpicklable:
+    """Staged as is (deepcopy), fails when the background thread pickles it."""
+
+    def __deepcopy__(self, memo: dict[int, object]) -> _Unpicklable:
+        return self
+
+    def __reduce__(self) -> tuple[object, ...]:
+        raise RuntimeError("no pickling here")
+
+
+def test_two_tier_keeps_every_checkpoint_until_it_is_copied(tmp_path: Path) -> None:
+    """keep_last=1 and saves faster than the copies: the fast tier does not prune a
+    checkpoint whose copy is still queued, so every copy succeeds."""
+
+    def slow_copy(phase: str, path: Path) -> None:
+        if phase == "copy":
+            time.sleep(0.3)  # a slow durable tier: the next saves commit meanwhile
+
+    w = CheckpointWriter(tmp_path / "fast", keep_last=1, durable=tmp_path / "durable",
+                         on_phase=slow_copy)
+    for s in range(1, 6):
+        w.save(s, {"w": torch.full((1 << 20,), float(s))})
+    w.close()
+    assert w.copy_failures == 0
+    assert [s for s, _ in w.checkpoints()] == [5]
+    assert [p.name for p in (tmp_path / "durable").iterdir()] == ["step-000000005"]
