@@ -30,7 +30,7 @@ from typing import Any
 
 from forewarn.agent.checks.grad_spike import judge_spike
 from forewarn.agent.checks.nan_loss import judge_nan
-from forewarn.agent.checks.rank_hang import RankHangCheck, hang_timeout
+from forewarn.agent.checks.rank_hang import RankHangCheck, hang_deadline, hang_timeout
 from forewarn.agent.config import AgentConfig
 from forewarn.agent.ingest import RankIngest
 from forewarn.agent.orders import CheckpointOrders, HangTerminator
@@ -74,6 +74,7 @@ class RankComponent:
         """The hang watcher sleeps until kicked (no rank known)."""
         self._watcher: threading.Thread | None = None
         self.table.on_step(self._on_step)
+        self.table.on_preempt(self.orders.preempt_job)
 
     # -- component interface -------------------------------------------------------------
     def start(self, agent: Any) -> None:
@@ -147,8 +148,8 @@ class RankComponent:
         for _job, views in by_job(self.table.views()).items():
             timeout, _p99 = hang_timeout(self.table, views)
             for v in views:
-                since = v.last_progress if v.last_progress is not None else v.first_seen
-                due = since + timeout
+                since, limit = hang_deadline(self.table, views, v, timeout, now)
+                due = since + limit
                 if due > now and (best is None or due < best):
                     best = due
         return best
