@@ -526,6 +526,10 @@ class HangTerminator:
             os.close(k.pidfd)
         self._kills = keep
 
+    def ending(self, job: str) -> bool:
+        """True while this terminator is ending ``job`` (its SIGTERM is no preemption)."""
+        return any(k.job == job for k in list(self._kills))
+
     def tick(self) -> None:
         """Send due SIGKILLs (call every poll)."""
         self._reap()

@@ -155,6 +155,8 @@ class MonitorStats:
     values_skipped: int
     """Tensor values left out rather than waiting for the device."""
     connected: bool
+    notices_absorbed: int = 0
+    """Repeated preemption notices within the grace that did not abort the save."""
 
 
 def _finite(x: Any) -> bool:
@@ -799,6 +801,7 @@ class Monitor:
             beats=self._sender.beats, orders=self._orders, orders_ignored=self._orders_ignored,
             orders_invalid=self._orders_invalid, missed=self._missed,
             checkpoints=self._checkpoints, values_skipped=skipped, connected=self._ch.up,
+            notices_absorbed=self._notices_absorbed,
         )
 
     def close(self) -> None:
