@@ -303,10 +303,13 @@ class RankState:
         self.beats_total += 1
         if self.last_beat is not None:
             gap = max(min_interval, now - self.last_beat)
-            # EWMA of beat gaps: follows the hook's real interval, ignores one late beat
-            self.beat_interval_s = (
-                gap if self.beat_interval_s is None else 0.8 * self.beat_interval_s + 0.2 * gap
-            )
+            # EWMA of beat gaps: follows the hook's real interval, ignores one late beat.
+            # A gap under half the interval is an early beat (a phase began, a preemption
+            # notice), not the interval: counting it would shrink the gone timeout.
+            if self.beat_interval_s is None:
+                self.beat_interval_s = gap
+            elif gap >= 0.5 * self.beat_interval_s:
+                self.beat_interval_s = 0.8 * self.beat_interval_s + 0.2 * gap
         self.last_beat = now
         if beat.reply_to and beat.reply_to != self.reply_to and reply_ok(beat.reply_to):
             self.reply_to = beat.reply_to

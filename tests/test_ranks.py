@@ -197,6 +197,23 @@ def test_wrong_job_and_world_size_mismatch(proc: FakeProcTree) -> None:
     assert table.admit(step(101, 1, job="a", rank=1, world=2), cred(101), T0) is None
 
 
+def test_early_beats_of_phase_changes_do_not_shrink_the_learned_beat_interval(
+    proc: FakeProcTree,
+) -> None:
+    proc.add(100)
+    table = table_for(proc)
+    t = T0
+    for _ in range(5):  # the hook's regular 1 s beats
+        t += 1.0
+        assert table.admit(beat(100, t=t), cred(100), t) is None
+    for i in range(20):  # a data phase entered every 30 ms step: one early beat each
+        t += 0.03
+        assert table.admit(beat(100, t=t, phase="data" if i % 2 else ""), cred(100), t) is None
+    v = table.get("j", 0)
+    assert v is not None and v.beat_interval_s is not None and v.beat_interval_s > 0.9
+    assert table.gone_after(v.beat_interval_s) > 2.7
+
+
 def test_new_rendezvous_round_with_another_world_size_replaces_the_job_at_once(
     proc: FakeProcTree, tmp_path: Path
 ) -> None:
