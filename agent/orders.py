@@ -79,6 +79,7 @@ from collections.abc import Callable, Iterable
 
 from forewarn.agent.ranks import RankTable, RankView, by_job, quantile
 from forewarn.wire import (
+    PREEMPTED,
     CheckpointOrder,
     CheckpointReport,
     Finding,
@@ -97,9 +98,6 @@ FAST_PATH_ACTIONS = frozenset({
     SuggestedAction.DRAIN, SuggestedAction.INSPECT_HARDWARE,
 })
 """GPU/node findings with these actions (and unhealthy) order a checkpoint locally."""
-
-PREEMPTED = "preempted"
-"""Reason prefix of a preemption order: the hook exits after that save."""
 
 RANK_FAST_PATH_CHECKS = frozenset({"grad_spike"})
 """Rank findings that order a checkpoint of their job (nan_loss and rank_hang do not)."""

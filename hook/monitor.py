@@ -83,7 +83,6 @@ import dataclasses
 import logging
 import operator
 import os
-import signal
 import sys
 import threading
 import time
@@ -96,10 +95,11 @@ from forewarn import wire
 from ._channel import AgentChannel, resolve_socket_path
 from ._identity import RankIdentity, identity_from_env
 from ._pack import build_step_packer
+from ._preempt import PREEMPT_REQUEST, SignalExit, is_preemption, parse_signals
 from ._sender import Sender
 from ._tensors import DeferredValues, read_now
 
-__all__ = ["Monitor", "MonitorStats", "parse_signals"]
+__all__ = ["Monitor", "MonitorStats"]
 
 _log = logging.getLogger("forewarn.hook")
 
@@ -107,30 +107,8 @@ _NO_PREEMPT: Final = 0
 _PREEMPT_PENDING: Final = 1
 _PREEMPT_SAVING: Final = 2
 
-_PREEMPT_REQUEST: Final = "preempted"
 _MAX_PHASES: Final = 16
 """Phases whose longest stay a beat carries (the wire's limit)."""
-
-
-def _is_preemption(reason: str) -> bool:
-    """An order's reason that means the whole job is being preempted (see orders.py)."""
-    return reason == _PREEMPT_REQUEST or reason.startswith(_PREEMPT_REQUEST + ":")
-
-
-def parse_signals(names: Sequence[int | str] | str) -> tuple[signal.Signals, ...]:
-    """``"TERM,USR1"``, ``["SIGTERM", 10]`` -> signals; ValueError names a bad entry."""
-    items = names.split(",") if isinstance(names, str) else list(names)
-    out = []
-    for item in items:
-        try:
-            if isinstance(item, int):
-                out.append(signal.Signals(item))
-                continue
-            name = item.strip().upper()
-            out.append(signal.Signals[name if name.startswith("SIG") else "SIG" + name])
-        except (KeyError, ValueError):
-            raise ValueError(f"preempt_signals: unknown signal {item!r}") from None
-    return tuple(dict.fromkeys(out))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,10 +231,11 @@ class Monitor:
         self.agree_every = agree_every
         self.preempt_grace_s = preempt_grace_s
         self.preempt_order_wait_s = preempt_order_wait_s
-        self.preempt_exit_code = preempt_exit_code
-        self.preempt_signals = parse_signals(
-            preempt_signals if preempt_signals is not None
-            else os.environ.get("FOREWARN_PREEMPT_SIGNALS", "TERM"))
+        self._signals = SignalExit(
+            parse_signals(preempt_signals if preempt_signals is not None
+                          else os.environ.get("FOREWARN_PREEMPT_SIGNALS", "TERM")),
+            preempt_exit_code, lambda finished: self._close(finished))
+        self.preempt_signals = self._signals.signals
         notice = preempt_notice_file or os.environ.get("FOREWARN_PREEMPT_NOTICE_FILE")
         self.preempt_notice_file = os.fspath(notice) if notice else None
         self._cuda_depth = cuda_depth
@@ -291,7 +270,6 @@ class Monitor:
         self._preempt_mono = 0.0
         self._preempt_order_due = False  # the agent's job-wide preemption order arrived
         self._notices_absorbed = 0
-        self._prev_handlers: dict[int, Any] = {}
         # phases (see phase())
         self._phase = ""
         self._phase_started: float | None = None
@@ -300,7 +278,7 @@ class Monitor:
         self._closed = False
         self._ch = AgentChannel(resolve_socket_path(socket_path), send_timeout_s)
         if handle_sigterm:
-            self._install_handlers()
+            self._signals.install(self._on_signal)
         self._queue_limit = queue_limit
         self._sender = Sender(
             self._ch, self._make_beat, self._on_datagram, self._on_thread_error,
@@ -455,7 +433,7 @@ class Monitor:
                     self._due.clear()  # the preemption save comes first, then the exit
                     self._next_due = None
                     self._preempt = _PREEMPT_SAVING
-                self._start(step, (_PREEMPT_REQUEST,), "preempted")
+                self._start(step, (PREEMPT_REQUEST,), "preempted")
                 return True
             next_due = self._next_due
             advice = self._advice
@@ -477,11 +455,11 @@ class Monitor:
                 return False
             rids = tuple(rid for rid, _ in now)
             reason = now[0][1]
-            if any(_is_preemption(r) for _, r in now):
+            if any(is_preemption(r) for _, r in now):
                 # the job-wide preemption save (this rank may not have been signalled
                 # itself): checkpoint_done() then exits the process
                 self._preempt = _PREEMPT_SAVING
-                reason = _PREEMPT_REQUEST
+                reason = PREEMPT_REQUEST
             self._start(step, rids, reason)
             return True
         except Exception as exc:
@@ -569,7 +547,7 @@ class Monitor:
             if last is None or last < order.step:
                 self._add_due(order.step, order.request_id, order.reason)
                 self._orders += 1
-                if _is_preemption(order.reason):
+                if is_preemption(order.reason):
                     self._preempt_order_due = True
                 return
         self._report_missed(last if last is not None else 0, order.request_id)
@@ -602,7 +580,7 @@ class Monitor:
             pend, self._agree_pending = self._agree_pending, None
         value = pend[0] if pend is not None else -1
         noticed = self._preempt == _PREEMPT_PENDING or (
-            pend is not None and _is_preemption(pend[2]))
+            pend is not None and is_preemption(pend[2]))
         if noticed:
             value = max(value, step + 1)
         device = "cpu"
@@ -617,7 +595,7 @@ class Monitor:
         target = max(agreed, step + 1)  # every rank computes the same target
         rid, reason = (pend[1], pend[2]) if pend is not None else ("", "agreed")
         if preempted:
-            rid, reason = rid or _PREEMPT_REQUEST, _PREEMPT_REQUEST
+            rid, reason = rid or PREEMPT_REQUEST, PREEMPT_REQUEST
         with self._lock:
             self._add_due(target, rid, reason)
 
@@ -670,14 +648,6 @@ class Monitor:
 
     # ------------------------------------------------------------------ preemption
 
-    def _install_handlers(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            _log.info("forewarn: not in the main thread; preemption handlers not installed")
-            return
-        for sig in self.preempt_signals:
-            self._prev_handlers[sig] = signal.getsignal(sig)
-            signal.signal(sig, self._on_signal)
-
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         """A preemption signal. Runs between two bytecodes of the training thread: it only
         sets flags and writes one byte to a pipe (no lock the interrupted code may hold)."""
@@ -705,47 +675,13 @@ class Monitor:
         """True once a preemption notice (or the job's preemption order) arrived."""
         return self._preempt != _NO_PREEMPT
 
-    def _exit_code(self) -> int:
-        if self.preempt_exit_code is not None:
-            return self.preempt_exit_code
-        return 128 + (self._preempt_signum or signal.SIGTERM)
-
     def _exit_as_before(self, signum: int | None, frame: FrameType | None = None) -> None:
-        """What the process would have done without the Monitor: the previous handler, or
-        the signal's default action."""
-        sig = signum or signal.SIGTERM
-        prev = self._prev_handlers.get(sig, signal.SIG_DFL)
         self._preempt = _NO_PREEMPT
-        if callable(prev):
-            prev(sig, frame)
-            return
-        if prev == signal.SIG_IGN and signum is not None:
-            return
-        self._close(finished=False)
-        signal.signal(sig, signal.SIG_DFL)
-        os.kill(os.getpid(), sig)
-        time.sleep(5.0)  # the default action ends the process before this returns
-        os._exit(128 + sig)
+        self._signals.as_before(signum, frame)
 
     def _exit_after_save(self) -> None:
-        """The preemption save is over: the user's own handler if there was one, else
-        exit with :meth:`_exit_code` (atexit handlers do not run: the process is being
-        preempted, and a cleanup that blocks must not eat the scheduler's kill wait)."""
-        signum = self._preempt_signum
-        prev = self._prev_handlers.get(signum) if signum is not None else None
         self._preempt = _NO_PREEMPT
-        if callable(prev):
-            prev(signum, None)
-            return
-        if prev == signal.SIG_IGN:
-            return
-        code = self._exit_code()
-        _log.warning("forewarn: preemption checkpoint done; exiting with code %d", code)
-        self._close(finished=True)
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)
+        self._signals.after_save(self._preempt_signum)
 
     # ------------------------------------------------------------------ phases
 
@@ -829,10 +765,7 @@ class Monitor:
         if finished:
             self._finished = True
             self._sender.beat()  # the thread is stopped: the last beat goes from here
-        if threading.current_thread() is threading.main_thread():
-            for sig, prev in self._prev_handlers.items():
-                if signal.getsignal(sig) == self._on_signal:
-                    signal.signal(sig, signal.SIG_DFL if prev is None else prev)
+        self._signals.restore()
         self._ch.close()
 
     def __enter__(self) -> Monitor:

@@ -22,6 +22,7 @@ import msgspec
 from msgspec import Meta, Struct, field
 
 __all__ = [
+    "PREEMPTED",
     "WIRE_VERSION",
     "AgentBatch",
     "AgentMessage",
@@ -300,6 +301,11 @@ class CheckpointOrder(Struct, frozen=True, kw_only=True, tag="order"):
     step: NonNegInt
     reason: Text = ""
     issued: UnixTime
+
+
+PREEMPTED: Final = "preempted"
+"""A :class:`CheckpointOrder` whose reason is this or starts with ``"preempted:"`` orders
+a job being preempted to save: every rank that gets it exits after that save."""
 
 
 class IntervalAdvice(Struct, frozen=True, kw_only=True, tag="advice"):
