@@ -81,7 +81,7 @@ def test_eval_pass_is_not_a_hang_a_real_hang_is_and_a_clean_end_is_finished(
         assert len(out.splitlines()) == 60
         hang_check = _finding(agent, "fa-eval", "rank_hang")
         assert hang_check is None or hang_check["health"] == "healthy", hang_check
-        assert not agent.metric("forewarn_rank_hang_signals_total", job="fa-eval",
+        assert not agent.metric("forewarn_rank_hang_signals_total", training_job="fa-eval",
                                 signal="SIGTERM")
 
         def ended() -> dict[str, Any] | None:
@@ -94,9 +94,9 @@ def test_eval_pass_is_not_a_hang_a_real_hang_is_and_a_clean_end_is_finished(
         hout, _ = procs["hang"].communicate(timeout=60)  # the agent ends the hung rank
         assert procs["hang"].returncode in (-signal.SIGTERM, -signal.SIGKILL)
         last_step_t = float(hout.splitlines()[-1].split()[1])
-        found_t = agent.metric("forewarn_rank_finding_timestamp_seconds", job="fa-hang",
+        found_t = agent.metric("forewarn_rank_finding_timestamp_seconds", training_job="fa-hang",
                                rank="0", check="rank_hang")
-        p99 = agent.metric("forewarn_rank_step_seconds", job="fa-hang", rank="0",
+        p99 = agent.metric("forewarn_rank_step_seconds", training_job="fa-hang", rank="0",
                            quantile="0.99")
         assert found_t is not None and p99 is not None
         bound = max(3 * p99, 2.0)

@@ -160,7 +160,8 @@ def test_every_rank_saves_the_same_step_through_the_agent(
     name = f"pre-{how}"
     job, codes = _run(workroot, name, workroot / "agent.sock", how)
     step, latency = _assert_one_step_saved_and_loadable(job, codes)
-    orders = agent.metric("forewarn_checkpoint_orders_total", job=name, reason="preempted")
+    orders = agent.metric("forewarn_checkpoint_orders_total", training_job=name,
+                          reason="preempted")
     assert orders is not None and orders >= 1
     print(f"\n{how}: both ranks saved step {step}, the last began {latency * 1000:.0f} ms after "
           f"the first signal (agent orders: {orders:.0f})")
