@@ -165,6 +165,9 @@ class Sender:
                 if self.queue:
                     self.flush()
                 if stopping:
+                    if self._beat_now:  # an early beat asked for just before close()
+                        self._beat_now = False
+                        self.beat()
                     return
                 now = mono()
                 if now >= next_beat or self._beat_now:

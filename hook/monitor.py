@@ -269,6 +269,7 @@ class Monitor:
         self._preempt_signum: int | None = None
         self._preempt_mono = 0.0
         self._preempt_order_due = False  # the agent's job-wide preemption order arrived
+        self._noticed = False  # this process got a notice (sticky: what beats say)
         self._notices_absorbed = 0
         # phases (see phase())
         self._phase = ""
@@ -621,7 +622,7 @@ class Monitor:
                 dropped=self._dropped + sender_dropped, reply_to=self._ch.reply_path,
                 phase=self._phase, phase_started=self._phase_started,
                 phase_longest=dict(self._phase_longest),
-                preempted=self._preempt != _NO_PREEMPT, finished=self._finished,
+                preempted=self._noticed, finished=self._finished,
             )
         )
 
@@ -666,6 +667,7 @@ class Monitor:
         """A preemption notice (signal, or the notice file when ``signum`` is None)."""
         self._preempt_signum = signum
         self._preempt_mono = self._mono()
+        self._noticed = True
         self._preempt = _PREEMPT_PENDING
         self._special = True
         self._sender.beat_soon()  # the agent orders the job as soon as it hears
