@@ -136,9 +136,9 @@ def _assert_one_step_saved_and_loadable(job: Job, codes: list[int]) -> tuple[int
     """The saved step, and seconds from the first signal until the last rank began it."""
     assert codes == [128 + signal.SIGTERM] * 2, (codes, job.logs())
     saves = [job.saves(r) for r in (0, 1)]
-    assert all(len(s) == 1 and s[0]["preempted"] for s in saves), saves
+    assert all(len(s) == 1 and s[0]["preempted"] for s in saves), (saves, job.logs())
     (s0,), (s1,) = saves
-    assert s0["step"] == s1["step"], saves
+    assert s0["step"] == s1["step"], (saves, job.logs())
     import torch
 
     from forewarn.hook import CheckpointWriter
