@@ -43,6 +43,16 @@ Not ordered: NaN/Inf loss (a poisoned state is not worth saving and would rotate
 checkpoint out; the finding says restart from the last good one), a hang (a hung job cannot
 save) and a gone rank (its peers will block in the next collective).
 
+Preemption
+----------
+A rank that gets a preemption notice (SIGTERM, Slurm's USR1 warning, a maintenance-notice
+file) says so in its next beat, sent at once. The first such beat of a job orders every
+local rank to save at S chosen as above, reason ``preempted: ...`` (``preempt_job``);
+further notices while that order is open (Slurm's double SIGTERM, the other ranks' own
+signals) add nothing. Each rank exits after that save, so all of them save the same step
+and none waits in a collective for a peer that left. Jobs spanning nodes are left to the
+hook's collective fallback (``agree_every``).
+
 Hang handling
 -------------
 A hang is confirmed when the rank_hang finding stays unhealthy for ``confirm_polls`` (2)
@@ -69,6 +79,7 @@ from collections.abc import Callable, Iterable
 
 from forewarn.agent.ranks import RankTable, RankView, by_job, quantile
 from forewarn.wire import (
+    PREEMPTED,
     CheckpointOrder,
     CheckpointReport,
     Finding,
@@ -217,6 +228,26 @@ class CheckpointOrders:
             data = encode(advice)
             views = [v for v in self.table.job_views(advice.job) if self.table.alive(v, now)]
             return sum(1 for v in views if self.send(v.reply_to, data))
+
+    def preempt_job(self, view: RankView) -> CheckpointOrder | None:
+        """A rank of ``view.job`` got a preemption notice (table listener, ingest thread):
+        order the whole job to save one step ahead of its fastest rank, once per notice
+        round (ranks signalled together, twice, or a step apart share the order). Reason
+        ``preempted: ...``: every rank that gets it exits after the save. A job with ranks
+        on other nodes is left to its ranks' collective fallback (as the fast path)."""
+        job = view.job
+        with self._lock:
+            if any(st.order.job == job and st.order.reason.startswith(PREEMPTED)
+                   for st in self._orders.values()):
+                return None
+            views = self.table.job_views(job)
+            if max((v.world_size for v in views), default=0) > len(views):
+                self.deferred_total[job] += 1
+                log.warning("job %s: rank %d got a preemption notice, but the job has ranks "
+                            "on other nodes: no local order", job, view.rank)
+                return None
+            return self._issue(job, None, f"{PREEMPTED}: rank {view.rank} got a notice",
+                               None, "local", None, 0)
 
     def _issue(self, job: str, step: int | None, reason: str, request_id: str | None,
                origin: str, root: str | None, reissues: int) -> CheckpointOrder | None:
@@ -492,6 +523,10 @@ class HangTerminator:
                 log.warning("SIGKILL to pid %d failed: %s", k.pid, exc)
             os.close(k.pidfd)
         self._kills = keep
+
+    def ending(self, job: str) -> bool:
+        """True while this terminator is ending ``job`` (its SIGTERM is no preemption)."""
+        return any(k.job == job for k in list(self._kills))
 
     def tick(self) -> None:
         """Send due SIGKILLs (call every poll)."""

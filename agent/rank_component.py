@@ -10,6 +10,8 @@ Plugs into :class:`forewarn.agent.daemon.Agent` (see its "Components" docstring)
   within a poll interval of the bad step;
 * hang watcher thread: wakes at the earliest hang deadline of any rank (not only on the
   poll ticker), so a hang is reported within milliseconds of its timeout;
+* preemption notice in a beat (ingest thread): the job's save order
+  (``orders.preempt_job``), unless the SIGTERM was the hang terminator's own;
 * ``on_poll``: the local fast path for critical GPU/node findings, hang confirmation and
   termination, order retries, eviction of silent ranks.
 
@@ -30,7 +32,7 @@ from typing import Any
 
 from forewarn.agent.checks.grad_spike import judge_spike
 from forewarn.agent.checks.nan_loss import judge_nan
-from forewarn.agent.checks.rank_hang import RankHangCheck, hang_timeout
+from forewarn.agent.checks.rank_hang import RankHangCheck, hang_deadline, hang_timeout
 from forewarn.agent.config import AgentConfig
 from forewarn.agent.ingest import RankIngest
 from forewarn.agent.orders import CheckpointOrders, HangTerminator
@@ -74,6 +76,7 @@ class RankComponent:
         """The hang watcher sleeps until kicked (no rank known)."""
         self._watcher: threading.Thread | None = None
         self.table.on_step(self._on_step)
+        self.table.on_preempt(self._on_preempt)
 
     # -- component interface -------------------------------------------------------------
     def start(self, agent: Any) -> None:
@@ -131,6 +134,12 @@ class RankComponent:
             self.agent.submit_findings(found)
         self.orders.fast_path(found)
 
+    def _on_preempt(self, view: RankView) -> None:
+        """A rank got a preemption notice: order its job's save, unless the notice is our
+        own SIGTERM to a hung job (it cannot save)."""
+        if not self.terminator.ending(view.job):
+            self.orders.preempt_job(view)
+
     def _note(self, findings: list[Finding], now: float) -> None:
         for f in findings:
             s = f.subject
@@ -147,8 +156,8 @@ class RankComponent:
         for _job, views in by_job(self.table.views()).items():
             timeout, _p99 = hang_timeout(self.table, views)
             for v in views:
-                since = v.last_progress if v.last_progress is not None else v.first_seen
-                due = since + timeout
+                since, limit = hang_deadline(self.table, views, v, timeout, now)
+                due = since + limit
                 if due > now and (best is None or due < best):
                     best = due
         return best

@@ -25,7 +25,14 @@ A beat's ``reply_to`` (where orders go) is taken only when it is an absolute pat
 socket owned by the sender's kernel-verified uid.
 
 A new pid for a ``(job, rank)`` whose owner is dead (or silent past the gone timeout) is a
-restart: the slot's history is reset and ``restarts`` counts it.
+restart: the slot's history is reset and ``restarts`` counts it. A rank admitted with a
+world size other than the one its job's (no longer live) ranks had is a new rendezvous
+round (torchrun elastic shrink or grow): the job's old ranks are dropped at once, so a
+departed rank is not reported gone; ``rounds`` counts these.
+
+Beats carry the rank's phase (``eval``, ``data``, ...: see :mod:`.checks.rank_hang`), a
+preemption notice (the ``on_preempt`` listeners order the job's save) and a clean end
+(``finished``: the rank is then neither alive nor gone, and its slot is free).
 """
 
 from __future__ import annotations
@@ -217,6 +224,11 @@ class RankState:
     last_checkpoint_time: float | None = None
     checkpoint_seconds: float | None = None
     checkpoint_bytes: int | None = None
+    phase: str = ""
+    phase_started: float | None = None
+    phase_longest: dict[str, float] = dataclasses.field(default_factory=dict)
+    preempted: bool = False
+    finished: bool = False
     restarts: int = 0
     steps_total: int = 0
     beats_total: int = 0
@@ -280,15 +292,24 @@ class RankState:
         return data[max(0, math.ceil(0.5 * len(data)) - 1)] if data else None
 
     def apply_beat(self, beat: Beat, now: float, min_interval: float,
-                   reply_ok: Callable[[str], bool]) -> None:
+                   reply_ok: Callable[[str], bool]) -> bool:
+        """Apply a beat; True when it is this process's first preemption notice."""
         self.last_msg = now
+        noticed = beat.preempted and not self.preempted
+        self.preempted = self.preempted or beat.preempted
+        self.finished = beat.finished
+        self.phase, self.phase_started = beat.phase, beat.phase_started
+        self.phase_longest = dict(beat.phase_longest)
         self.beats_total += 1
         if self.last_beat is not None:
             gap = max(min_interval, now - self.last_beat)
-            # EWMA of beat gaps: follows the hook's real interval, ignores one late beat
-            self.beat_interval_s = (
-                gap if self.beat_interval_s is None else 0.8 * self.beat_interval_s + 0.2 * gap
-            )
+            # EWMA of beat gaps: follows the hook's real interval, ignores one late beat.
+            # A gap under half the interval is an early beat (a phase began, a preemption
+            # notice), not the interval: counting it would shrink the gone timeout.
+            if self.beat_interval_s is None:
+                self.beat_interval_s = gap
+            elif gap >= 0.5 * self.beat_interval_s:
+                self.beat_interval_s = 0.8 * self.beat_interval_s + 0.2 * gap
         self.last_beat = now
         if beat.reply_to and beat.reply_to != self.reply_to and reply_ok(beat.reply_to):
             self.reply_to = beat.reply_to
@@ -297,6 +318,7 @@ class RankState:
         if last is not None and (self.last_step is None or last > self.last_step):
             # the beat thread saw a step whose record was lost: that is progress too
             self.last_step, self.last_progress = last, now
+        return noticed
 
     def apply_report(self, rep: CheckpointReport, now: float) -> None:
         self.last_msg = now
@@ -328,7 +350,10 @@ class RankState:
             last_checkpoint_step=self.last_checkpoint_step,
             last_checkpoint_time=self.last_checkpoint_time,
             checkpoint_seconds=self.checkpoint_seconds, checkpoint_bytes=self.checkpoint_bytes,
-            restarts=self.restarts, steps_total=self.steps_total, beats_total=self.beats_total,
+            phase=self.phase, phase_started=self.phase_started,
+            phase_longest=tuple(sorted(self.phase_longest.items())),
+            preempted=self.preempted, finished=self.finished, restarts=self.restarts,
+            steps_total=self.steps_total, beats_total=self.beats_total,
             step_seconds_sum=self.step_seconds_sum, step_seconds_count=self.step_seconds_count,
         )
 
@@ -373,6 +398,11 @@ class RankView:
     last_checkpoint_time: float | None
     checkpoint_seconds: float | None
     checkpoint_bytes: int | None
+    phase: str
+    phase_started: float | None
+    phase_longest: tuple[tuple[str, float], ...]
+    preempted: bool
+    finished: bool
     restarts: int
     steps_total: int
     beats_total: int
@@ -394,6 +424,7 @@ class RankView:
 
 
 StepListener = Callable[[RankView, StepRecord], None]
+PreemptListener = Callable[[RankView], object]
 ReportListener = Callable[[RankView | None, CheckpointReport], None]
 
 
@@ -419,6 +450,9 @@ class RankTable:
         self._by_pid: dict[int, tuple[str, int]] = {}
         self._step_listeners: list[StepListener] = []
         self._report_listeners: list[ReportListener] = []
+        self._preempt_listeners: list[PreemptListener] = []
+        self.rounds: collections.Counter[str] = collections.Counter()
+        """Job -> new rendezvous rounds seen (world size changed: old ranks dropped)."""
         self._reports: collections.deque[CheckpointReport] = collections.deque(maxlen=10_000)
         self._findings: dict[tuple[str, int, str], tuple[int, int | None, float]] = {}
 
@@ -433,6 +467,10 @@ class RankTable:
         """Call ``fn(view, report)`` for every admitted checkpoint report (orders)."""
         self._report_listeners.append(fn)
 
+    def on_preempt(self, fn: PreemptListener) -> None:
+        """Call ``fn(view)`` when a rank process first says it got a preemption notice."""
+        self._preempt_listeners.append(fn)
+
     # -- admission ---------------------------------------------------------------------------
     def gone_after(self, beat_interval_s: float | None) -> float:
         """Seconds without a beat after which a rank counts as gone."""
@@ -441,6 +479,8 @@ class RankTable:
         return max(lim.gone_floor_s, lim.beat_misses * max(interval, lim.min_beat_interval_s))
 
     def _live(self, st: RankState, now: float) -> bool:
+        if st.finished:
+            return False  # a clean end frees the slot at once
         silent = now - st.last_msg
         if silent > max(self.gone_after(st.beat_interval_s), self.limits.hang_floor_s):
             return False
@@ -500,6 +540,7 @@ class RankTable:
                     self._by_pid.pop(st.os_pid, None)
                 if other is not None and other != key:
                     self._ranks.pop(other, None)
+                self._new_round_locked(msg.job, msg.world_size)
                 st = RankState(
                     job=msg.job, rank=msg.rank, local_rank=msg.local_rank,
                     world_size=msg.world_size, host=msg.host, pid=msg.pid, os_pid=os_pid,
@@ -520,12 +561,33 @@ class RankTable:
                 view = st.view()
             else:
                 uid = cred.uid
-                st.apply_beat(msg, now, lim.min_beat_interval_s,
-                              lambda path: self._reply_ok(path, uid))
-                return None
-        for fn in self._step_listeners:
-            fn(view, msg)
+                if not st.apply_beat(msg, now, lim.min_beat_interval_s,
+                                     lambda path: self._reply_ok(path, uid)):
+                    return None
+                view = st.view()
+        if isinstance(msg, StepRecord):
+            for fn in self._step_listeners:
+                fn(view, msg)
+        else:
+            for hear in self._preempt_listeners:  # listeners run outside the lock
+                hear(view)
         return None
+
+    def _new_round_locked(self, job: str, world_size: int) -> None:
+        """A new process joins ``job`` with another world size than the job's ranks had
+        (none of them live: admission checked): a new rendezvous round. The old ranks
+        departed with the old round; keeping them would report them gone for
+        ``evict_after_s``."""
+        old = [k for k, s in self._ranks.items() if k[0] == job and s.world_size != world_size]
+        if not old:
+            return
+        for k in old:
+            st = self._ranks.pop(k)
+            self._by_pid.pop(st.os_pid, None)
+            self._forget_findings_locked(k)
+        self.rounds[job] += 1
+        log.info("job %s: new rendezvous round with world size %d; dropped %d rank(s) of the "
+                 "previous round", job, world_size, len(old))
 
     @staticmethod
     def _reply_ok(path: str, uid: int) -> bool:
@@ -580,8 +642,9 @@ class RankTable:
             return len(self._ranks)
 
     def alive(self, view: RankView, now: float) -> bool:
-        """True when the rank spoke within the gone timeout and its process still exists."""
-        if now - view.last_msg > self.gone_after(view.beat_interval_s):
+        """True when the rank spoke within the gone timeout and its process still exists
+        (a rank that finished cleanly is not alive, and not gone either)."""
+        if view.finished or now - view.last_msg > self.gone_after(view.beat_interval_s):
             return False
         return self.proc.alive(view.os_pid, view.start_time)
 
@@ -625,7 +688,8 @@ class RankTable:
                     loss=v.loss, grad_norm=v.grad_norm, alive=self.alive(v, now),
                     last_checkpoint_step=v.last_checkpoint_step,
                     last_checkpoint_time=v.last_checkpoint_time,
-                    checkpoint_seconds=v.checkpoint_seconds,
+                    checkpoint_seconds=v.checkpoint_seconds, finished=v.finished,
+                    phase=v.phase,
                 )
             )
         return out
@@ -642,9 +706,12 @@ class RankTable:
             st = self._ranks.pop(k)
             self._by_pid.pop(st.os_pid, None)
             out.append(st.view())
-            for fk in [f for f in self._findings if f[:2] == k]:
-                del self._findings[fk]
+            self._forget_findings_locked(k)
         return out
+
+    def _forget_findings_locked(self, key: tuple[str, int]) -> None:
+        for fk in [f for f in self._findings if f[:2] == key]:
+            del self._findings[fk]
 
 
 def rank_finding(

@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                    else writer.save(step, snapshot))
             print(f"rank {rank} saved step {step} ({res.bytes} bytes, {res.seconds:.3f}s)",
                   flush=True)
-            # after a SIGTERM-driven save this exits the process as the default handler would
+            # after a preemption save this exits the process (exit code 128 + signal number)
             monitor.checkpoint_done(step, res.seconds, res.bytes, res.path)
     monitor.close()
     writer.close()

@@ -56,6 +56,7 @@ class Sender:
         self.beat_interval_s = beat_interval_s
         self.flush_interval_s = flush_interval_s
         self._stop = threading.Event()
+        self._beat_now = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -70,6 +71,12 @@ class Sender:
         """Wake the thread now (urgent record queued)."""
         with contextlib.suppress(OSError):  # pipe full: the thread is due to wake anyway
             os.write(self._wake_w, b"\0")
+
+    def beat_soon(self) -> None:
+        """Send a beat now rather than at the next interval (a phase began, a preemption
+        notice came). Safe in a signal handler: a flag and one pipe write, no lock."""
+        self._beat_now = True
+        self.kick()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Flush what is queued, stop the thread, close the pipe."""
@@ -158,9 +165,13 @@ class Sender:
                 if self.queue:
                     self.flush()
                 if stopping:
+                    if self._beat_now:  # an early beat asked for just before close()
+                        self._beat_now = False
+                        self.beat()
                     return
                 now = mono()
-                if now >= next_beat:
+                if now >= next_beat or self._beat_now:
+                    self._beat_now = False
                     self.beat()
                     next_beat = max(next_beat + self.beat_interval_s, now)
                 wait = min(next_beat - now, self.flush_interval_s)

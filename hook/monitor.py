@@ -39,28 +39,54 @@ With ``agree_every=k`` the ranks instead ``all_reduce(MAX)`` the pending order s
 k steps over the default process group so that all of them agree; this adds one tiny
 collective (and, on NCCL, one device sync) every k steps and is off by default.
 
-**Preemption.** A SIGTERM handler (main thread only; ``handle_sigterm=False`` opts out)
-turns SIGTERM into a checkpoint request at the next :meth:`should_checkpoint` call
-(reason ``preempted``); after :meth:`checkpoint_done` the process exits as the previous
-handler would have (a callable handler is called, ``SIG_DFL`` is restored and SIGTERM
-re-raised). A loop that never calls ``should_checkpoint``, or does not start the
-checkpoint within ``preempt_grace_steps`` steps, gets the previous behaviour at once.
-Without ``agree_every`` each rank saves at its own next step after its own SIGTERM.
+**Preemption.** A preemption notice is one of ``preempt_signals`` (SIGTERM by default;
+SIGUSR1 for Slurm's ``--signal=USR1@N`` warning; handlers in the main thread only,
+``handle_sigterm=False`` opts out) or the appearance of ``preempt_notice_file`` (a cloud
+maintenance notice written by the user's watcher; checked once per beat on the background
+thread, nothing on the step path). Every rank of the job then saves ONE step and exits:
+
+* with an agent: the rank's next beat (sent at once) says ``preempted``; the agent orders
+  the whole job, as for any checkpoint order, to save one step ahead of its fastest rank
+  (reason ``preempted``). Every rank that gets that order saves at its step and exits,
+  signalled or not, so ranks signalled a step apart, or only some ranks, save the same
+  step. A rank whose agent does not answer within ``preempt_order_wait_s`` saves alone at
+  its next step;
+* with ``agree_every=k`` (the collective fallback for jobs run without an agent): the
+  ranks' ``all_reduce(MAX)`` every k steps carries the notice, and every rank saves the
+  agreed step and exits;
+* with neither: each rank saves at its own next step.
+
+A repeated notice within ``preempt_grace_s`` of the first does not abort the save (Slurm
+22.05 preemption sends SIGTERM, SIGCONT, SIGTERM within a few ms, and torchrun forwarding
+plus a direct signal doubles it too). After the save (:meth:`checkpoint_done` or
+:meth:`checkpoint_failed`) the process exits with ``preempt_exit_code`` (default 128 +
+the signal number, what a shell and torchrun report for a signalled worker), or calls the
+user's own handler if one was installed before the Monitor. A loop that never calls
+``should_checkpoint``, a save that has not started within ``preempt_grace_s``, or a
+notice after the grace, get the previous behaviour at once (the previous handler, or
+death by the signal).
+
+**Phases and a clean end.** ``with mon.phase("eval"):`` (or ``data``, ``compile``,
+``checkpoint``) tells the agent that a long pause in steps is expected: its hang bound
+for a rank in a phase is learned from the longest earlier stay in that phase (the first
+one gets the startup timeout), and the phase's time is left out of the next step time.
+``close()``, leaving the ``with`` block without an exception, and a normal interpreter
+exit (atexit) mark the rank *finished* at the agent: never hung or gone.
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import dataclasses
 import logging
 import operator
 import os
-import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from types import FrameType, TracebackType
 from typing import Any, Final
 
@@ -69,6 +95,7 @@ from forewarn import wire
 from ._channel import AgentChannel, resolve_socket_path
 from ._identity import RankIdentity, identity_from_env
 from ._pack import build_step_packer
+from ._preempt import PREEMPT_REQUEST, SignalExit, is_preemption, parse_signals
 from ._sender import Sender
 from ._tensors import DeferredValues, read_now
 
@@ -80,7 +107,8 @@ _NO_PREEMPT: Final = 0
 _PREEMPT_PENDING: Final = 1
 _PREEMPT_SAVING: Final = 2
 
-_PREEMPT_REQUEST: Final = "preempted"
+_MAX_PHASES: Final = 16
+"""Phases whose longest stay a beat carries (the wire's limit)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +133,8 @@ class MonitorStats:
     values_skipped: int
     """Tensor values left out rather than waiting for the device."""
     connected: bool
+    notices_absorbed: int = 0
+    """Repeated preemption notices within the grace that did not abort the save."""
 
 
 def _finite(x: Any) -> bool:
@@ -146,8 +176,18 @@ class Monitor:
             interval from the job's measured checkpoint cost, the fleet's failure rate and
             current risk; :class:`forewarn.wire.IntervalAdvice`). Every rank of the job then
             saves at the same advised steps. Off by default: the job keeps its own schedule.
-        handle_sigterm: install the preemption handler (main thread only).
-        preempt_grace_steps: steps after SIGTERM within which a checkpoint must start.
+        handle_sigterm: install the preemption signal handlers (main thread only).
+        preempt_signals: signals that are a preemption notice (names like ``"TERM"``,
+            ``"SIGUSR1"`` or numbers; a comma-separated string too); default
+            ``$FOREWARN_PREEMPT_SIGNALS`` or SIGTERM.
+        preempt_notice_file: a path whose appearance is a preemption notice (checked once
+            per beat); default ``$FOREWARN_PREEMPT_NOTICE_FILE`` or none.
+        preempt_grace_s: after the first notice, repeated notices within this time do not
+            abort the save, and the save must start within it.
+        preempt_order_wait_s: how long a noticed rank waits for the agent's job-wide order
+            before it saves alone (only while an agent is connected).
+        preempt_exit_code: exit code after the preemption save; default 128 + signal
+            number (128 + SIGTERM for the notice file or a job-wide order).
         cuda_depth: pinned slots for in-flight CUDA values.
         flush_interval_s: how often the background thread sends queued reports
             (non-finite values and checkpoint reports are sent at once).
@@ -168,7 +208,11 @@ class Monitor:
         agree_every: int = 0,
         follow_advice: bool = False,
         handle_sigterm: bool = True,
-        preempt_grace_steps: int = 3,
+        preempt_signals: Sequence[int | str] | str | None = None,
+        preempt_notice_file: str | os.PathLike[str] | None = None,
+        preempt_grace_s: float = 20.0,
+        preempt_order_wait_s: float = 2.0,
+        preempt_exit_code: int | None = None,
         cuda_depth: int = 8,
         flush_interval_s: float = 0.01,
         queue_limit: int = 4096,
@@ -185,7 +229,15 @@ class Monitor:
         self.rank = self.identity.rank
         self.beat_interval_s = beat_interval_s
         self.agree_every = agree_every
-        self.preempt_grace_steps = preempt_grace_steps
+        self.preempt_grace_s = preempt_grace_s
+        self.preempt_order_wait_s = preempt_order_wait_s
+        self._signals = SignalExit(
+            parse_signals(preempt_signals if preempt_signals is not None
+                          else os.environ.get("FOREWARN_PREEMPT_SIGNALS", "TERM")),
+            preempt_exit_code, lambda finished: self._close(finished))
+        self.preempt_signals = self._signals.signals
+        notice = preempt_notice_file or os.environ.get("FOREWARN_PREEMPT_NOTICE_FILE")
+        self.preempt_notice_file = os.fspath(notice) if notice else None
         self._cuda_depth = cuda_depth
         self._time = clock
         self._mono = monotonic
@@ -214,13 +266,20 @@ class Monitor:
         self._values_skipped = 0
         # preemption
         self._preempt = _NO_PREEMPT
-        self._preempt_step: int | None = None
-        self._prev_handler: Any = None
-        self._installed_handler = False
+        self._preempt_signum: int | None = None
+        self._preempt_mono = 0.0
+        self._preempt_order_due = False  # the agent's job-wide preemption order arrived
+        self._noticed = False  # this process got a notice (sticky: what beats say)
+        self._notices_absorbed = 0
+        # phases (see phase())
+        self._phase = ""
+        self._phase_started: float | None = None
+        self._phase_longest: dict[str, float] = {}
+        self._finished = False
         self._closed = False
         self._ch = AgentChannel(resolve_socket_path(socket_path), send_timeout_s)
         if handle_sigterm:
-            self._install_sigterm()
+            self._signals.install(self._on_signal)
         self._queue_limit = queue_limit
         self._sender = Sender(
             self._ch, self._make_beat, self._on_datagram, self._on_thread_error,
@@ -229,7 +288,7 @@ class Monitor:
         )
         self._queue = self._sender.queue
         self._sender.start()  # the first beat goes out at construction
-        atexit.register(self.close)
+        atexit.register(self._at_exit)
 
     # ------------------------------------------------------------------ hot path
 
@@ -370,12 +429,12 @@ class Monitor:
         """True when this rank must save now, at ``step`` (call after :meth:`step`)."""
         try:
             self._checks_seen = True
-            if self._preempt == _PREEMPT_PENDING and not self._agreeing():
+            if self._preempt == _PREEMPT_PENDING and self._save_alone():
                 with self._lock:
                     self._due.clear()  # the preemption save comes first, then the exit
                     self._next_due = None
                     self._preempt = _PREEMPT_SAVING
-                self._start(step, (_PREEMPT_REQUEST,), "preempted")
+                self._start(step, (PREEMPT_REQUEST,), "preempted")
                 return True
             next_due = self._next_due
             advice = self._advice
@@ -397,16 +456,26 @@ class Monitor:
                 return False
             rids = tuple(rid for rid, _ in now)
             reason = now[0][1]
-            if self._preempt == _PREEMPT_PENDING and any(r == "preempted" for _, r in now):
-                # the agreed preemption save: checkpoint_done() then exits the process
+            if any(is_preemption(r) for _, r in now):
+                # the job-wide preemption save (this rank may not have been signalled
+                # itself): checkpoint_done() then exits the process
                 self._preempt = _PREEMPT_SAVING
-                reason = "preempted"
+                reason = PREEMPT_REQUEST
             self._start(step, rids, reason)
             return True
         except Exception as exc:
             self._failures += 1
             self._log.warning("should_checkpoint", "should_checkpoint() failed: %r", exc)
             return False
+
+    def _save_alone(self) -> bool:
+        """A noticed rank saves at once, on its own, unless the job agrees on a step:
+        through the collective (agree mode) or the agent's order (awaited for
+        ``preempt_order_wait_s`` while an agent is connected, then for good once it came)."""
+        if self._agreeing() or self._preempt_order_due:
+            return False
+        waited = self._mono() - self._preempt_mono
+        return not self._ch.up or waited >= self.preempt_order_wait_s
 
     def _start(self, step: int, request_ids: tuple[str, ...], reason: str) -> None:
         self._active = (request_ids, reason)
@@ -416,8 +485,7 @@ class Monitor:
     def checkpoint_done(self, step: int, seconds: float, bytes: int, path: str = "") -> None:
         """Report a finished checkpoint (ordered or not): the policy learns its cost.
 
-        After a preemption checkpoint this exits the process as the previous SIGTERM
-        handler would have.
+        After a preemption checkpoint this exits the process (see the module docstring).
         """
         try:
             rids = self._active[0] if self._active is not None else ("",)
@@ -430,7 +498,7 @@ class Monitor:
             self._failures += 1
             self._log.warning("checkpoint", "checkpoint_done() failed: %r", exc)
         if self._preempt == _PREEMPT_SAVING:
-            self._exit_as_before()
+            self._exit_after_save()
 
     def checkpoint_failed(self, step: int, reason: str = "") -> None:
         """Report a checkpoint that could not be written (a preempted process still exits)."""
@@ -443,7 +511,7 @@ class Monitor:
             self._failures += 1
             self._log.warning("checkpoint", "checkpoint_failed() failed: %r", exc)
         if self._preempt == _PREEMPT_SAVING:
-            self._exit_as_before()
+            self._exit_after_save()
 
     def _report(
         self, step: int, phase: str, request_id: str, *, seconds: float | None = None,
@@ -480,6 +548,8 @@ class Monitor:
             if last is None or last < order.step:
                 self._add_due(order.step, order.request_id, order.reason)
                 self._orders += 1
+                if is_preemption(order.reason):
+                    self._preempt_order_due = True
                 return
         self._report_missed(last if last is not None else 0, order.request_id)
 
@@ -495,13 +565,12 @@ class Monitor:
             self._agree(step)
         if (
             self._preempt == _PREEMPT_PENDING
-            and self._preempt_step is not None
-            and step - self._preempt_step > self.preempt_grace_steps
-            and not self._agreeing()
+            and self._mono() - self._preempt_mono > self.preempt_grace_s
+            and not self._agreeing()  # a rank leaving alone would hang its peers' collective
         ):
-            self._log.warning("preempt", "no checkpoint started %d steps after SIGTERM",
-                              self.preempt_grace_steps)
-            self._exit_as_before()
+            self._log.warning("preempt", "no checkpoint started %.0f s after the preemption "
+                              "notice", self.preempt_grace_s)
+            self._exit_as_before(self._preempt_signum)
 
     def _agree(self, step: int) -> None:
         """All ranks: ``all_reduce(MAX)`` of the pending order step (or -1)."""
@@ -511,20 +580,23 @@ class Monitor:
         with self._lock:
             pend, self._agree_pending = self._agree_pending, None
         value = pend[0] if pend is not None else -1
-        if self._preempt == _PREEMPT_PENDING:
+        noticed = self._preempt == _PREEMPT_PENDING or (
+            pend is not None and is_preemption(pend[2]))
+        if noticed:
             value = max(value, step + 1)
         device = "cpu"
         if dist.get_backend() == "nccl":
             device = f"cuda:{torch.cuda.current_device()}"
-        t = torch.tensor([value], dtype=torch.int64, device=device)
+        # [order step, preemption notice]: a notice on any rank preempts every rank
+        t = torch.tensor([value, int(noticed)], dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        agreed = int(t.item())
+        agreed, preempted = (int(x) for x in t.tolist())
         if agreed < 0:
             return
         target = max(agreed, step + 1)  # every rank computes the same target
         rid, reason = (pend[1], pend[2]) if pend is not None else ("", "agreed")
-        if self._preempt == _PREEMPT_PENDING:
-            rid, reason = rid or _PREEMPT_REQUEST, "preempted"
+        if preempted:
+            rid, reason = rid or PREEMPT_REQUEST, PREEMPT_REQUEST
         with self._lock:
             self._add_due(target, rid, reason)
 
@@ -536,12 +608,21 @@ class Monitor:
     # ------------------------------------------------------------------ beats
 
     def _make_beat(self, sender_dropped: int) -> bytes:
+        """The beat (background thread; also where the notice file is looked for)."""
+        notice = self.preempt_notice_file
+        if (notice is not None and self._preempt == _NO_PREEMPT and self._checks_seen
+                and not self._closed and os.path.exists(notice)):
+            _log.warning("forewarn: preemption notice file %s appeared", notice)
+            self._notice(None)
         i = self.identity
         return wire.encode(
             wire.Beat(
                 job=i.job, rank=i.rank, local_rank=i.local_rank, world_size=i.world_size,
                 pid=i.pid, host=i.host, time=self._time(), last_step=self._last_step,
                 dropped=self._dropped + sender_dropped, reply_to=self._ch.reply_path,
+                phase=self._phase, phase_started=self._phase_started,
+                phase_longest=dict(self._phase_longest),
+                preempted=self._noticed, finished=self._finished,
             )
         )
 
@@ -568,41 +649,67 @@ class Monitor:
 
     # ------------------------------------------------------------------ preemption
 
-    def _install_sigterm(self) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            _log.info("forewarn: not in the main thread; SIGTERM handler not installed")
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """A preemption signal. Runs between two bytecodes of the training thread: it only
+        sets flags and writes one byte to a pipe (no lock the interrupted code may hold)."""
+        if self._closed or not self._checks_seen:
+            self._exit_as_before(signum, frame)  # nothing here can save: as without us
             return
-        self._prev_handler = signal.getsignal(signal.SIGTERM)
-        signal.signal(signal.SIGTERM, self._on_sigterm)
-        self._installed_handler = True
+        if self._preempt != _NO_PREEMPT:
+            if self._mono() - self._preempt_mono <= self.preempt_grace_s:
+                self._notices_absorbed += 1  # Slurm's SIGTERM, SIGCONT, SIGTERM: save on
+                return
+            self._exit_as_before(signum, frame)
+            return
+        self._notice(signum)
 
-    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
-        if self._preempt != _NO_PREEMPT or not self._checks_seen or self._closed:
-            # a second SIGTERM, or a loop that never asks should_checkpoint: as before
-            self._exit_as_before(frame)
-            return
-        self._preempt_step = self._last_step if self._last_step is not None else 0
+    def _notice(self, signum: int | None) -> None:
+        """A preemption notice (signal, or the notice file when ``signum`` is None)."""
+        self._preempt_signum = signum
+        self._preempt_mono = self._mono()
+        self._noticed = True
         self._preempt = _PREEMPT_PENDING
         self._special = True
+        self._sender.beat_soon()  # the agent orders the job as soon as it hears
 
     @property
     def preempted(self) -> bool:
-        """True once SIGTERM arrived (the checkpoint may still be pending)."""
+        """True once a preemption notice (or the job's preemption order) arrived."""
         return self._preempt != _NO_PREEMPT
 
-    def _exit_as_before(self, frame: FrameType | None = None) -> None:
-        prev = self._prev_handler
+    def _exit_as_before(self, signum: int | None, frame: FrameType | None = None) -> None:
         self._preempt = _NO_PREEMPT
-        if callable(prev):
-            prev(signal.SIGTERM, frame)
-            return
-        if prev == signal.SIG_IGN:
-            return
-        self.close()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(5.0)  # the default action ends the process before this returns
-        os._exit(128 + signal.SIGTERM)
+        self._signals.as_before(signum, frame)
+
+    def _exit_after_save(self) -> None:
+        self._preempt = _NO_PREEMPT
+        self._signals.after_save(self._preempt_signum)
+
+    # ------------------------------------------------------------------ phases
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Mark a phase in which a long pause between steps is expected (``eval``,
+        ``data``, ``compile``, ``checkpoint``): the agent's hang bound for it is learned
+        from its longest earlier stay, and its time is left out of the next step time.
+
+        Costs one pipe write on entry (the agent hears of the phase at once)."""
+        name = str(name)[:32]
+        outer = self._phase
+        self._phase, self._phase_started = name, self._time()
+        began = self._mono()
+        self._sender.beat_soon()
+        try:
+            yield
+        finally:
+            took = self._mono() - began
+            longest = self._phase_longest
+            if took > longest.get(name, -1.0) and (name in longest
+                                                   or len(longest) < _MAX_PHASES):
+                longest[name] = took
+            if self._prev_mono is not None:
+                self._prev_mono += took  # the next step time is the step's own
+            self._phase, self._phase_started = outer, self._time()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -632,14 +739,24 @@ class Monitor:
             beats=self._sender.beats, orders=self._orders, orders_ignored=self._orders_ignored,
             orders_invalid=self._orders_invalid, missed=self._missed,
             checkpoints=self._checkpoints, values_skipped=skipped, connected=self._ch.up,
+            notices_absorbed=self._notices_absorbed,
         )
 
     def close(self) -> None:
-        """Send pending values, stop the beat thread, remove the order socket. Idempotent."""
+        """Send pending values, tell the agent this rank finished cleanly, stop the beat
+        thread, remove the order socket. Idempotent."""
+        self._close(finished=True)
+
+    def _at_exit(self) -> None:
+        # an uncaught exception sets sys.last_value before atexit handlers run: a crash
+        # is not a clean end
+        self._close(finished=getattr(sys, "last_value", None) is None)
+
+    def _close(self, finished: bool) -> None:
         if self._closed:
             return
         self._closed = True
-        atexit.unregister(self.close)
+        atexit.unregister(self._at_exit)
         if os.getpid() != self.identity.pid:
             return  # a forked child (e.g. a DataLoader worker): the parent owns all of it
         try:
@@ -647,13 +764,10 @@ class Monitor:
         except Exception as exc:
             self._log.warning("close", "could not flush pending tensor values: %r", exc)
         self._sender.stop()
-        if (
-            self._installed_handler
-            and threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGTERM) == self._on_sigterm
-        ):
-            prev = self._prev_handler
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if prev is None else prev)
+        if finished:
+            self._finished = True
+            self._sender.beat()  # the thread is stopped: the last beat goes from here
+        self._signals.restore()
         self._ch.close()
 
     def __enter__(self) -> Monitor:
@@ -663,4 +777,4 @@ class Monitor:
         self, exc_type: type[BaseException] | None, exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        self._close(finished=exc_type is None)

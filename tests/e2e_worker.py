@@ -106,7 +106,8 @@ def main() -> None:
         losses.write(f"{step} {lv!r} {now!r}\n")
         if mon.should_checkpoint(step):
             # logged first: after a SIGTERM checkpoint the hook ends the process in save()
-            event(event="saving", step=step, checksum=checksum(), preempted=mon.preempted)
+            event(event="saving", step=step, checksum=checksum(), preempted=mon.preempted,
+                  time=time.time())
             res = writer.save(step, {"model": net.state_dict()})
             event(event="checkpoint", step=step, bytes=res.bytes)
         step += 1

@@ -324,25 +324,45 @@ def _wait(cond: Callable[[], bool], timeout: float = 5.0) -> None:
         time.sleep(0.01)
 
 
-# ---------------------------------------------------------------------- SIGTERM
+# ---------------------------------------------------------------------- preemption
 
 _SIGTERM_SCRIPT = textwrap.dedent(
     """
-    import os, signal, sys
+    import os, signal, sys, time
     from forewarn.hook import Monitor
-    mode = sys.argv[2]
+    mode, notice = sys.argv[2], sys.argv[3]
     if mode == "callable":
         def user_handler(signum, frame):
             print("user handler", signum, flush=True)
             sys.exit(7)
         signal.signal(signal.SIGTERM, user_handler)
-    mon = Monitor(job="pre", rank=0, world_size=1, socket_path=sys.argv[1], beat_interval_s=0.1)
+    kw = {"preempt_order_wait_s": 0.0}  # the fake agent never orders: save at once
+    if mode == "usr1":
+        kw["preempt_signals"] = "TERM,USR1"
+    if mode == "notice-file":
+        kw["preempt_notice_file"] = notice
+    mon = Monitor(job="pre", rank=0, world_size=1, socket_path=sys.argv[1], beat_interval_s=0.1,
+                  **kw)
     for step in range(100):
         mon.step(step, loss=1.0, grad_norm=1.0)
         if step == 3:
-            os.kill(os.getpid(), signal.SIGTERM)
+            if mode == "double":  # Slurm 22.05 preemption: SIGTERM, SIGCONT, SIGTERM
+                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), signal.SIGCONT)
+                time.sleep(0.005)
+                os.kill(os.getpid(), signal.SIGTERM)
+            elif mode == "usr1":
+                os.kill(os.getpid(), signal.SIGUSR1)
+            elif mode == "notice-file":
+                open(notice, "w").close()
+            else:
+                os.kill(os.getpid(), signal.SIGTERM)
+        if mode == "notice-file":
+            time.sleep(0.05)  # the file is looked for once per beat (0.1 s)
         if mode != "never-checks" and mon.should_checkpoint(step):
             print("checkpoint", step, mon.preempted, flush=True)
+            if mode == "double":  # the second SIGTERM lands during the save
+                os.kill(os.getpid(), signal.SIGTERM)
             mon.checkpoint_done(step, 0.5, 10)
             print("still running after checkpoint_done", flush=True)
     print("finished", flush=True)
@@ -353,20 +373,47 @@ _SIGTERM_SCRIPT = textwrap.dedent(
 def _run_sigterm(tmp_path: Path, agent: FakeAgent, mode: str) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "pre.py"
     script.write_text(_SIGTERM_SCRIPT)
-    return subprocess.run([sys.executable, str(script), agent.path, mode], capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run([sys.executable, str(script), agent.path, mode,
+                           str(tmp_path / "maintenance")], capture_output=True, text=True,
+                          timeout=60)
 
 
-def test_sigterm_checkpoints_at_the_next_step_then_dies_by_sigterm(
+def test_sigterm_checkpoints_at_the_next_step_then_exits_128_plus_signal(
     tmp_path: Path, agent: FakeAgent
 ) -> None:
     proc = _run_sigterm(tmp_path, agent, "default")
     assert proc.stdout.splitlines() == ["checkpoint 3 True"], proc.stderr
-    assert proc.returncode == -signal.SIGTERM
+    assert proc.returncode == 128 + signal.SIGTERM
     started = agent.wait_for(lambda m: isinstance(m, wire.CheckpointReport))
     done = agent.wait_for(lambda m: isinstance(m, wire.CheckpointReport))
     assert isinstance(started, wire.CheckpointReport) and isinstance(done, wire.CheckpointReport)
     assert (started.phase, started.request_id, done.phase) == ("started", "preempted", "done")
+    agent.wait_for(lambda m: isinstance(m, wire.Beat) and m.finished)
+    assert any(isinstance(m, wire.Beat) and m.preempted for m in agent.seen)  # told the agent
+
+
+def test_repeated_sigterm_within_the_grace_does_not_abort_the_save(
+    tmp_path: Path, agent: FakeAgent
+) -> None:
+    proc = _run_sigterm(tmp_path, agent, "double")
+    assert proc.stdout.splitlines() == ["checkpoint 3 True"], proc.stderr
+    assert proc.returncode == 128 + signal.SIGTERM
+    agent.wait_for(lambda m: isinstance(m, wire.CheckpointReport) and m.phase == "done")
+
+
+def test_configured_usr1_is_a_preemption_notice(tmp_path: Path, agent: FakeAgent) -> None:
+    proc = _run_sigterm(tmp_path, agent, "usr1")
+    assert proc.stdout.splitlines() == ["checkpoint 3 True"], proc.stderr
+    assert proc.returncode == 128 + signal.SIGUSR1
+
+
+def test_maintenance_notice_file_is_a_preemption_notice(tmp_path: Path, agent: FakeAgent
+                                                        ) -> None:
+    proc = _run_sigterm(tmp_path, agent, "notice-file")
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("checkpoint ") and lines[0].endswith(" True")
+    assert 3 <= int(lines[0].split()[1]) <= 8, lines  # within a beat or two of the file
+    assert proc.returncode == 128 + signal.SIGTERM
 
 
 def test_sigterm_calls_the_users_previous_handler_after_the_checkpoint(
@@ -382,6 +429,74 @@ def test_sigterm_without_checkpoint_support_behaves_as_before(
 ) -> None:
     proc = _run_sigterm(tmp_path, agent, "never-checks")
     assert proc.stdout == "" and proc.returncode == -signal.SIGTERM
+
+
+def test_bad_preempt_signal_name_is_an_error_naming_it(agent: FakeAgent) -> None:
+    with pytest.raises(ValueError, match="SIGNOPE"):
+        _monitor(agent.path, preempt_signals="TERM,SIGNOPE")
+
+
+# ---------------------------------------------------------------------- phases, clean end
+
+
+def test_a_phase_is_announced_at_once_and_left_out_of_the_step_time(agent: FakeAgent) -> None:
+    with _monitor(agent.path, beat_interval_s=30.0) as mon:
+        agent.beat()
+        mon.step(0, loss=1.0, grad_norm=1.0)
+        began = time.monotonic()
+        with mon.phase("eval"):
+            beat = agent.wait_for(lambda m: isinstance(m, wire.Beat))
+            assert isinstance(beat, wire.Beat)
+            assert time.monotonic() - began < 1.0  # not at the next 30 s beat
+            assert beat.phase == "eval" and beat.phase_started is not None
+            time.sleep(0.4)
+        mon.step(1, loss=1.0, grad_norm=1.0)
+        rec = agent.wait_for(lambda m: isinstance(m, wire.StepRecord) and m.step == 1)
+        assert isinstance(rec, wire.StepRecord) and rec.step_seconds is not None
+        assert rec.step_seconds < 0.2  # the 0.4 s evaluation is not a slow step
+    last = agent.wait_for(lambda m: isinstance(m, wire.Beat))
+    assert isinstance(last, wire.Beat) and last.phase == ""
+    assert 0.4 <= last.phase_longest["eval"] < 1.0
+
+
+def test_close_reports_the_rank_finished(agent: FakeAgent) -> None:
+    mon = _monitor(agent.path)
+    agent.beat()
+    mon.close()
+    last = agent.wait_for(lambda m: isinstance(m, wire.Beat) and m.finished)
+    assert isinstance(last, wire.Beat)
+
+
+_EXIT_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from forewarn.hook import Monitor
+    mon = Monitor(job="end", rank=0, world_size=1, socket_path=sys.argv[1])
+    mon.step(0, loss=1.0, grad_norm=1.0)
+    if sys.argv[2] == "crash":
+        raise RuntimeError("boom")
+    if sys.argv[2] == "with-crash":
+        with mon:
+            raise RuntimeError("boom")
+    """
+)
+
+
+@pytest.mark.parametrize(("mode", "finished"), [("normal", True), ("crash", False),
+                                                ("with-crash", False)])
+def test_normal_interpreter_exit_is_finished_a_crash_is_not(
+    tmp_path: Path, agent: FakeAgent, mode: str, finished: bool
+) -> None:
+    script = tmp_path / "end.py"
+    script.write_text(_EXIT_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script), agent.path, mode], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == (0 if finished else 1), proc.stderr
+    beats = []
+    while (msg := agent.recv(0.5)) is not None:
+        if isinstance(msg, wire.Beat):
+            beats.append(msg)
+    assert beats and any(b.finished for b in beats) is finished
 
 
 def test_importing_and_stepping_with_floats_loads_no_third_party_framework(sockdir: str) -> None:

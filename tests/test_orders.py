@@ -139,12 +139,17 @@ def test_step_formula(ranks: Ranks) -> None:
     assert choose_step([], now) == 11
 
 
-def test_order_reaches_every_rank_and_completes(ranks: Ranks) -> None:
+def _two_ranks_at_step_10(ranks: Ranks) -> CheckpointOrders:
+    """Job ``j``: ranks 0 and 1 (pids 100, 101) at step 10, 0.1 s steps; its orders."""
     for rank in (0, 1):
         ranks.add("j", rank, 100 + rank)
         for n in range(1, 11):
             ranks.step("j", rank, 100 + rank, n)
-    orders = make_orders(ranks)
+    return make_orders(ranks)
+
+
+def test_order_reaches_every_rank_and_completes(ranks: Ranks) -> None:
+    orders = _two_ranks_at_step_10(ranks)
     order = orders.order_job("j", reason="manual test")
     assert order is not None and order.step == 14
     (o0,), (o1,) = ranks.received("j", 0), ranks.received("j", 1)
@@ -159,6 +164,31 @@ def test_order_reaches_every_rank_and_completes(ranks: Ranks) -> None:
     assert orders.outcomes_total["done"] == 1 and "j" in orders.last_duration
     assert orders.orders_total[("j", "manual")] == 1
     assert orders.order_job("nobody-here") is None
+
+
+def _notice(ranks: Ranks, job: str, rank: int, pid: int) -> None:
+    b = Beat(job=job, rank=rank, local_rank=rank, world_size=ranks.world[job], pid=pid,
+             host="h", time=ranks.clock(), preempted=True)
+    assert ranks.table.admit(b, Credentials(pid, os.getuid(), 0), ranks.clock()) is None
+
+
+def test_preemption_notice_orders_the_whole_job_once_per_round(ranks: Ranks) -> None:
+    orders = _two_ranks_at_step_10(ranks)
+    ranks.table.on_preempt(orders.preempt_job)
+    _notice(ranks, "j", 0, 100)  # SIGTERM on rank 0 ...
+    _notice(ranks, "j", 0, 100)  # ... again (Slurm: SIGTERM, SIGCONT, SIGTERM)
+    _notice(ranks, "j", 1, 101)  # ... and rank 1's own signal
+    (o0,), (o1,) = ranks.received("j", 0), ranks.received("j", 1)
+    assert o0 == o1 and o0.step == 14 and o0.reason.startswith("preempted:")
+    assert orders.orders_total[("j", "preempted")] == 1
+
+
+def test_preemption_of_a_job_spanning_nodes_is_not_ordered_locally(ranks: Ranks) -> None:
+    ranks.add("wide", 0, 100, world=4)
+    orders = make_orders(ranks)
+    ranks.table.on_preempt(orders.preempt_job)
+    _notice(ranks, "wide", 0, 100)
+    assert ranks.received("wide", 0) == [] and orders.deferred_total["wide"] == 1
 
 
 def test_missed_reissues_for_the_whole_job(ranks: Ranks) -> None:

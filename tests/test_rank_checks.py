@@ -60,9 +60,9 @@ class Job:
                          pid=100 + rank, host="h", step=self.steps[rank], time=now, **kw)
         assert self.table.admit(rec, Credentials(100 + rank, 0, 0), now) is None
 
-    def beat(self, rank: int, now: float) -> None:
+    def beat(self, rank: int, now: float, **kw: Any) -> None:
         b = Beat(job="j", rank=rank, local_rank=rank, world_size=self.ranks, pid=100 + rank,
-                 host="h", time=now, last_step=self.steps[rank])
+                 host="h", time=now, last_step=self.steps[rank], **kw)
         assert self.table.admit(b, Credentials(100 + rank, 0, 0), now) is None
 
     def run_steps(self, n: int, seconds: float, t: float, **kw: Any) -> float:
@@ -138,6 +138,54 @@ def test_startup_timeout_before_enough_steps(tmp_path: Path) -> None:
     for dt in (1.0, 2.0, 3.0, 4.0, 5.0):
         job.beat(0, T0 + dt)
     assert by_rank(RankHangCheck().run(job.state, T0 + 5.0))[0].health == Health.HEALTHY
+
+
+def test_a_marked_phase_gets_its_own_learned_bound_and_training_keeps_its_own(
+    tmp_path: Path,
+) -> None:
+    job = Job(tmp_path, startup_timeout_s=60.0)
+    t = job.run_steps(30, 0.1, T0)  # training steps: bound max(3 x 0.1 s, 2 s) = 2 s
+    check = RankHangCheck()
+    # the first evaluation pass: no stay learned yet, the startup timeout applies
+    for dt in range(1, 9):
+        job.beat(0, t + dt, phase="eval", phase_started=t)
+        job.beat(1, t + dt, phase="eval", phase_started=t)
+    f = by_rank(check.run(job.state, t + 8.5))
+    assert f[0].health == Health.HEALTHY and f[0].evidence["limit_s"] == 60.0
+    # back to training after 8 s: the hang clock starts when the phase ended, 2 s bound
+    end = t + 8.5
+    learned = {"eval": 8.5}
+    for r in (0, 1):
+        job.beat(r, end + 0.5, phase_started=end, phase_longest=learned)
+    assert by_rank(check.run(job.state, end + 1.9))[0].health == Health.HEALTHY
+    f = by_rank(check.run(job.state, end + 2.1))
+    assert f[0].health == Health.UNHEALTHY and f[0].evidence["limit_s"] == 2.0
+    # the next evaluation pass is judged against 3 x the longest earlier one (25.5 s)
+    t2 = end + 3.0
+    for wait in (1.0, 20.0, 25.0):
+        for r in (0, 1):
+            job.beat(r, t2 + wait, phase="eval", phase_started=t2, phase_longest=learned)
+    assert by_rank(check.run(job.state, t2 + 25.0))[0].health == Health.HEALTHY
+    f = by_rank(check.run(job.state, t2 + 25.6))
+    assert f[0].health == Health.UNHEALTHY and f[0].evidence["limit_s"] == 25.5
+    assert "longest eval phase" in f[0].reason
+
+
+def test_a_rank_that_finished_cleanly_is_neither_hung_nor_gone(tmp_path: Path) -> None:
+    job = Job(tmp_path)
+    t = job.run_steps(10, 0.1, T0)
+    job.beat(0, t + 0.01, finished=True)
+    job.beat(1, t + 0.01, finished=True)
+    kill_pid(job.proc, 100)
+    job.beat(1, t + 5.0, finished=True)  # rank 1 lingers a moment after its close()
+    assert all(f.health == Health.HEALTHY for f in RankHangCheck().run(job.state, t + 5.0))
+    check = RankGoneCheck(grace_s=0.0)
+    for now in (t + 5.0, t + 60.0):
+        f = by_rank(check.run(job.state, now))
+        assert [f[r].health for r in (0, 1)] == [Health.HEALTHY, Health.HEALTHY]
+        assert "finished cleanly" in f[0].reason
+    summaries = job.table.summaries("n1", t + 60.0)
+    assert [(s.finished, s.alive) for s in summaries] == [(True, False), (True, False)]
 
 
 def test_gone_when_pid_exits_with_peers_alive(tmp_path: Path) -> None:

@@ -197,6 +197,50 @@ def test_wrong_job_and_world_size_mismatch(proc: FakeProcTree) -> None:
     assert table.admit(step(101, 1, job="a", rank=1, world=2), cred(101), T0) is None
 
 
+def test_early_beats_of_phase_changes_do_not_shrink_the_learned_beat_interval(
+    proc: FakeProcTree,
+) -> None:
+    proc.add(100)
+    table = table_for(proc)
+    t = T0
+    for _ in range(5):  # the hook's regular 1 s beats
+        t += 1.0
+        assert table.admit(beat(100, t=t), cred(100), t) is None
+    for i in range(20):  # a data phase entered every 30 ms step: one early beat each
+        t += 0.03
+        assert table.admit(beat(100, t=t, phase="data" if i % 2 else ""), cred(100), t) is None
+    v = table.get("j", 0)
+    assert v is not None and v.beat_interval_s is not None and v.beat_interval_s > 0.9
+    assert table.gone_after(v.beat_interval_s) > 2.7
+
+
+def test_new_rendezvous_round_with_another_world_size_replaces_the_job_at_once(
+    proc: FakeProcTree, tmp_path: Path
+) -> None:
+    from forewarn.agent.checks.rank_gone import RankGoneCheck
+    from forewarn.agent.state import AgentState
+
+    table = table_for(proc)
+    for r in range(4):
+        proc.add(200 + r)
+        assert table.admit(step(200 + r, 30, rank=r, world=4), cred(200 + r), T0) is None
+    proc.add(9)
+    assert table.admit(step(9, 5, job="other", world=1), cred(9), T0) is None
+    for r in range(4):
+        proc.remove(200 + r)  # torchrun ends the round: every worker of it exits
+    # elastic shrink: the next round has two workers
+    for r in range(2):
+        proc.add(300 + r)
+        assert table.admit(step(300 + r, 31, rank=r, world=2), cred(300 + r), T0 + 5) is None
+    assert [(v.rank, v.world_size, v.os_pid) for v in table.job_views("j")] == [
+        (0, 2, 300), (1, 2, 301)]
+    assert table.rounds["j"] == 1 and table.get("other", 0) is not None
+    state = AgentState(node="n", ranks=table)
+    gone = [f for f in RankGoneCheck(grace_s=0.0).run(state, T0 + 5.1)
+            if f.subject.job == "j" and f.health != "healthy"]
+    assert gone == []
+
+
 @pytest.mark.parametrize(
     ("record", "now"),
     [

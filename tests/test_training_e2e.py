@@ -30,7 +30,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,16 +37,14 @@ from typing import Any
 
 import pytest
 
+from support.agent import AgentProc
 from support.polling import free_port, wait_for
 
 pytest.importorskip("torch")
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from forewarn.wire import StepRecord, encode
 
 WORKER = Path(__file__).with_name("e2e_worker.py")
-QUIET_SCENARIO = 'name = "quiet"\ngpus = 2\nseed = 1\n'
 SLACK_S = 1.5
 """Scheduling slack allowed on top of the hang bound on a loaded 2-core machine."""
 
@@ -60,60 +57,6 @@ def workroot() -> Iterator[Path]:
     yield root
     if not os.environ.get("FOREWARN_E2E_KEEP"):  # set it to inspect a failed run
         shutil.rmtree(root, ignore_errors=True)
-
-
-class AgentProc:
-    """A real ``forewarn agent --source sim`` subprocess."""
-
-    def __init__(self, workdir: Path, sock: Path, name: str, **env: str) -> None:
-        self.port = free_port()
-        scenario = workdir / "quiet.toml"
-        scenario.write_text(QUIET_SCENARIO)
-        self.log = workdir / f"agent-{name}.log"
-        full_env = {**os.environ, **{f"FOREWARN_AGENT_{k.upper()}": v for k, v in env.items()}}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "forewarn", "agent", "--source", "sim", "--scenario",
-             str(scenario), "--socket", str(sock), "--listen", f"127.0.0.1:{self.port}",
-             "--no-kmsg", "--interval", "0.2", "--node", "e2e", "--config",
-             str(workdir / "none.toml")],
-            env=full_env, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
-        (workdir / "none.toml").touch()
-        wait_for(self._ready, 60, f"agent {name} to serve (see {self.log})")
-        wait_for(sock.exists, 30, "the agent socket")
-
-    def _get(self, path: str) -> bytes | None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=5) as r:
-                return bytes(r.read())
-        except OSError:
-            assert self.proc.poll() is None, f"agent died: {self.log.read_text()[-3000:]}"
-            return None
-
-    def _ready(self) -> bool:
-        return self._get("/healthz") is not None
-
-    def metric(self, name: str, **labels: str) -> float | None:
-        body = self._get("/metrics")
-        if body is None:
-            return None
-        for fam in text_string_to_metric_families(body.decode()):
-            for s in fam.samples:
-                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                    return float(s.value)
-        return None
-
-    def findings(self) -> list[dict[str, Any]]:
-        body = self._get("/api/v1/findings")
-        return [] if body is None else list(json.loads(body))
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 @dataclass

@@ -6,7 +6,8 @@ from the beats themselves) or when the pid no longer exists with the start time 
 that will hang at its next collective: unhealthy, restart the job. When every local rank of
 a job is gone the job most likely finished (or was stopped): degraded, nothing to do. A
 rank gone for less than ``grace_s`` while peers live is degraded: a job that is ending
-loses its ranks within a moment of each other, not all in the same poll.
+loses its ranks within a moment of each other, not all in the same poll. A rank whose
+hook said it finished cleanly (``Monitor.close()``, atexit) is healthy, never gone.
 """
 
 from __future__ import annotations
@@ -43,10 +44,11 @@ class RankGoneCheck:
                 silent = now - v.last_msg
                 evidence = {"silent_s": round(silent, 3),
                             "gone_after_s": round(table.gone_after(v.beat_interval_s), 3)}
-                if alive[v.rank]:
+                if alive[v.rank] or v.finished:
                     self._gone_since.pop(v.key, None)
+                    state_text = "finished cleanly" if v.finished else "alive"
                     out.append(rank_finding(self.name, v, state.node, now, Health.HEALTHY,
-                                            f"rank {v.rank} of job {v.job} alive",
+                                            f"rank {v.rank} of job {v.job} {state_text}",
                                             evidence=evidence))
                     continue
                 since = self._gone_since.setdefault(v.key, now)

@@ -22,6 +22,7 @@ import msgspec
 from msgspec import Meta, Struct, field
 
 __all__ = [
+    "PREEMPTED",
     "WIRE_VERSION",
     "AgentBatch",
     "AgentMessage",
@@ -62,6 +63,7 @@ Name = Annotated[str, Meta(min_length=1, max_length=256)]
 Text = Annotated[str, Meta(max_length=4096)]
 Seconds = Annotated[float, Meta(ge=0.0)]
 UnixTime = Annotated[float, Meta(ge=0.0)]
+PhaseName = Annotated[str, Meta(max_length=32)]
 
 
 class WireError(ValueError):
@@ -250,6 +252,20 @@ class Beat(Struct, frozen=True, kw_only=True, tag="beat"):
     dropped: NonNegInt = 0
     reply_to: Annotated[str, Meta(max_length=256)] = ""
     """Path of the rank's own datagram socket, where the agent sends orders."""
+    phase: PhaseName = ""
+    """The phase the rank is in (``eval``, ``data``, ``compile``, ``checkpoint``, ...: a
+    long step is expected there); empty while training steps."""
+    phase_started: UnixTime | None = None
+    """When the current phase began (the rank's clock)."""
+    phase_longest: Annotated[dict[PhaseName, Seconds], Meta(max_length=16)] = field(
+        default_factory=dict)
+    """Longest finished stay in each phase so far: the agent learns its hang bound per
+    phase from it (at most 16 phases)."""
+    preempted: bool = False
+    """The rank got a preemption notice (signal or maintenance file): the agent orders the
+    whole job to save one step ahead of its fastest rank."""
+    finished: bool = False
+    """The rank ended cleanly (``Monitor.close()``, atexit): never hung or gone."""
 
 
 class CheckpointReport(Struct, frozen=True, kw_only=True, tag="checkpoint"):
@@ -285,6 +301,11 @@ class CheckpointOrder(Struct, frozen=True, kw_only=True, tag="order"):
     step: NonNegInt
     reason: Text = ""
     issued: UnixTime
+
+
+PREEMPTED: Final = "preempted"
+"""A :class:`CheckpointOrder` whose reason is this or starts with ``"preempted:"`` orders
+a job being preempted to save: every rank that gets it exits after that save."""
 
 
 class IntervalAdvice(Struct, frozen=True, kw_only=True, tag="advice"):
@@ -331,6 +352,10 @@ class RankSummary(Struct, frozen=True, kw_only=True):
     last_checkpoint_step: NonNegInt | None = None
     last_checkpoint_time: UnixTime | None = None
     checkpoint_seconds: Seconds | None = None
+    finished: bool = False
+    """The rank ended cleanly (``alive`` is then False): not gone, not hung."""
+    phase: PhaseName = ""
+    """The phase the rank reported last (empty: training steps)."""
 
 
 class AgentBatch(Struct, frozen=True, kw_only=True):
