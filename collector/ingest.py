@@ -219,8 +219,13 @@ def _outside_window(batch: AgentBatch, window: TimeWindow) -> list[Refusal]:
     """Records whose times lie outside ``window`` (rank summaries: future times only, a
     rank's last checkpoint may be old)."""
     refused = []
+    lo, hi = window.now - window.max_age_s, window.now + window.max_future_s
     for name in ("samples", "xids", "findings", "checkpoints"):
-        for i, item in enumerate(getattr(batch, name)):
+        items = getattr(batch, name)
+        times = [item.time for item in items]
+        if not times or (lo <= min(times) and max(times) <= hi):  # the usual case, cheap
+            continue
+        for i, item in enumerate(items):
             why = window.check(item.time)
             if why is not None:
                 field = f"$.{name}[{i}].time"
