@@ -192,7 +192,17 @@ def _check_lengths(batch: Any, max_items: int) -> None:
                               f"$.{name}: {n} items, more than the limit of {max_items}")
 
 
-def _decode_by_record(body: bytes, max_items: int) -> tuple[AgentBatch, list[Refusal]]:
+Origin = dict[str, list[int]]
+"""Per record list, the index in the request of each record decoded (some were left out)."""
+
+
+def _at(origin: Origin | None, name: str, i: int) -> int:
+    """Index in the request of record ``i`` of the decoded list ``name``."""
+    return origin[name][i] if origin else i
+
+
+def _decode_by_record(body: bytes, max_items: int
+                      ) -> tuple[AgentBatch, list[Refusal], Origin]:
     """Decode the batch's own fields, then each record alone, leaving out bad records."""
     try:
         envelope = _envelope_decoder.decode(body)
@@ -200,25 +210,34 @@ def _decode_by_record(body: bytes, max_items: int) -> tuple[AgentBatch, list[Ref
         raise IngestError(400, "decode", decode_error_message(exc, "AgentBatch")) from None
     _check_lengths(envelope, max_items)
     refused: list[Refusal] = []
+    origin: Origin = {}
     fields: dict[str, Any] = {}
     for name in envelope.__struct_fields__:
         if name not in _RECORDS:
             fields[name] = getattr(envelope, name)
             continue
         kept = fields[name] = []
+        where = origin[name] = []
         decoder = _record_decoders[name]
         for i, raw in enumerate(getattr(envelope, name)):
             try:
                 kept.append(decoder.decode(raw))
+                where.append(i)
             except DECODE_ERRORS as exc:
                 refused.append(_refusal(exc, raw, name, i))
-    return AgentBatch(**fields), refused
+    return AgentBatch(**fields), refused, origin
 
 
-def _outside_window(batch: AgentBatch, window: TimeWindow) -> list[Refusal]:
-    """Records whose times lie outside ``window`` (rank summaries: future times only, a
-    rank's last checkpoint may be old)."""
-    refused = []
+def _outside_window(batch: AgentBatch, window: TimeWindow, origin: Origin | None
+                    ) -> list[tuple[int, Refusal]]:
+    """Records whose times lie outside ``window``: (index in ``batch``, refusal naming the
+    index in the request). Rank summaries: future times only (a last checkpoint may be old)."""
+    out: list[tuple[int, Refusal]] = []
+
+    def refuse(name: str, i: int, key: str, why: str) -> None:
+        field = f"$.{name}[{_at(origin, name, i)}].{key}"
+        out.append((i, Refusal(name, field, "time", f"{field}: {why}")))
+
     lo, hi = window.now - window.max_age_s, window.now + window.max_future_s
     for name in ("samples", "xids", "findings", "checkpoints"):
         items = getattr(batch, name)
@@ -228,28 +247,26 @@ def _outside_window(batch: AgentBatch, window: TimeWindow) -> list[Refusal]:
         for i, item in enumerate(items):
             why = window.check(item.time)
             if why is not None:
-                field = f"$.{name}[{i}].time"
-                refused.append(Refusal(name, field, "time", f"{field}: {why}"))
+                refuse(name, i, "time", why)
     future = dataclasses.replace(window, max_age_s=math.inf)
     for i, rank in enumerate(batch.ranks):
         for key in ("last_step_time", "last_beat"):
             t = getattr(rank, key)
             why = None if t is None else future.check(t)
             if why is not None:
-                field = f"$.ranks[{i}].{key}"
-                refused.append(Refusal("ranks", field, "time", f"{field}: {why}"))
+                refuse("ranks", i, key, why)
                 break
-    return refused
+    return out
 
 
-def _without(batch: AgentBatch, refused: Sequence[Refusal]) -> AgentBatch:
-    """``batch`` without the records named in ``refused``."""
-    drop: dict[str, set[int]] = collections.defaultdict(set)
-    for r in refused:
-        drop[r.record].add(int(r.field.split("[", 1)[1].split("]", 1)[0]))
+def _without(batch: AgentBatch, drops: Sequence[tuple[int, Refusal]]) -> AgentBatch:
+    """``batch`` without the records at ``drops`` (index in ``batch``, refusal)."""
+    gone: dict[str, set[int]] = collections.defaultdict(set)
+    for i, r in drops:
+        gone[r.record].add(i)
     return msgspec.structs.replace(batch, **{
-        name: [x for i, x in enumerate(getattr(batch, name)) if i not in gone]
-        for name, gone in drop.items()})
+        name: [x for i, x in enumerate(getattr(batch, name)) if i not in drop]
+        for name, drop in gone.items()})
 
 
 def check_batch(body: bytes, *, node: str, max_items: int,
@@ -261,10 +278,11 @@ def check_batch(body: bytes, *, node: str, max_items: int,
     longer than ``max_items``).
     """
     refused: list[Refusal] = []
+    origin: Origin | None = None
     try:
         batch = _batch_decoder.decode(body)
     except msgspec.ValidationError:  # find the bad records (rare: the fast path is above)
-        batch, refused = _decode_by_record(body, max_items)
+        batch, refused, origin = _decode_by_record(body, max_items)
     except DECODE_ERRORS as exc:
         raise IngestError(400, "decode", decode_error_message(exc, "AgentBatch")) from None
     _check_lengths(batch, max_items)
@@ -275,20 +293,20 @@ def check_batch(body: bytes, *, node: str, max_items: int,
         for i, item in enumerate(getattr(batch, name)):
             if item.node != node:
                 raise IngestError(403, "node_mismatch",
-                                  f"$.{name}[{i}].node: {item.node!r} is not this agent's "
-                                  f"node {node!r}")
+                                  f"$.{name}[{_at(origin, name, i)}].node: {item.node!r} is"
+                                  f" not this agent's node {node!r}")
     # An agent speaks for its own node only: a finding about another node's GPU would let
     # one compromised agent order checkpoints or drains elsewhere.
     for i, f in enumerate(batch.findings):
         if f.subject.node not in ("", node):
             raise IngestError(403, "node_mismatch",
-                              f"$.findings[{i}].subject.node: {f.subject.node!r} is not this "
-                              f"agent's node {node!r}")
+                              f"$.findings[{_at(origin, 'findings', i)}].subject.node:"
+                              f" {f.subject.node!r} is not this agent's node {node!r}")
     if window is not None:
-        late = _outside_window(batch, window)
+        late = _outside_window(batch, window, origin)
         if late:
             batch = _without(batch, late)
-            refused.extend(late)
+            refused.extend(r for _i, r in late)
     if not refused:
         return CheckedBatch(batch, body)
     return CheckedBatch(batch, encode(batch), tuple(refused))

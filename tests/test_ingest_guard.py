@@ -111,6 +111,23 @@ def test_a_poisoned_sample_is_refused_by_field_and_every_other_row_is_flushed(
     assert ctx(svc).telemetry.flush() == 1
 
 
+def test_refusals_name_each_record_by_its_index_in_the_request(svc: Service) -> None:
+    now = time.time()
+    raw = [msgspec.to_builtins(sample("node1", g, now)) for g in range(4)]
+    raw[0]["power_w"] = "hot"
+    raw[2]["time"] = now + 3600
+    raw[3]["time"] = now - 30 * 86400
+    body = msgspec.msgpack.encode({"node": "node1", "agent_id": "agent-node1", "seq": 0,
+                                   "created": now, "samples": raw})
+    r = post(svc, "node1", body)
+    assert r.status_code == 200, r.text
+    assert [(f["field"], f["reason"]) for f in r.json()["refused"]] == [
+        ("$.samples[0].power_w", "type"), ("$.samples[2].time", "time"),
+        ("$.samples[3].time", "time")]
+    assert "older" in r.json()["refused"][2]["error"]
+    assert svc.store.scalar("SELECT samples FROM batches") == 1
+
+
 def test_a_bad_row_already_staged_is_isolated_by_the_flush(tmp_path: Path) -> None:
     """Staged before validation existed (or by any other path): the flush drops and counts
     the bad row, writes the rest of its batch and the other batches, and keeps working."""
