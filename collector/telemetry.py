@@ -93,6 +93,7 @@ def _writable(sample: GpuSample) -> bool:
         return False
     return True
 
+
 _FLOAT = ("temperature_c", "memory_temperature_c", "slowdown_margin_c", "power_w",
           "power_limit_w", "sm_clock_mhz", "mem_clock_mhz", "gpu_util_pct", "mem_util_pct")
 _INT = ("memory_used_bytes", "memory_total_bytes", "throttle_reasons",

@@ -128,16 +128,21 @@ def test_refusals_name_each_record_by_its_index_in_the_request(svc: Service) -> 
     assert svc.store.scalar("SELECT samples FROM batches") == 1
 
 
-def test_a_bad_row_already_staged_is_isolated_by_the_flush(tmp_path: Path) -> None:
-    """Staged before validation existed (or by any other path): the flush drops and counts
-    the bad row, writes the rest of its batch and the other batches, and keeps working."""
+@pytest.mark.parametrize("restarted", [False, True])
+def test_bad_rows_already_staged_are_isolated_by_the_flush(tmp_path: Path,
+                                                           restarted: bool) -> None:
+    """Staged before validation existed (or by any other path): the flush leaves out and
+    counts each bad row, writes the rest of its batch and the other batches, and keeps
+    working; both from the samples kept in memory and, after a restart, from the log."""
     store = Store(tmp_path / "collector.db")
     metrics = CollectorMetrics()
     staging = StagingLog(tmp_path / "staging")
-    writer = IngestWriter(store, metrics, staging=staging)
+    telemetry = TelemetryWriter(store, tmp_path / "telemetry", metrics, staging=staging)
+    writer = IngestWriter(store, metrics, staging=staging, on_staged=telemetry.remember)
     now = time.time()
     poisoned = AgentBatch(node="n1", agent_id="a1", seq=0, created=now, samples=[
-        sample("n1", 0, now), sample("n1", 1, now * 1000), sample("n1", 2, now)])
+        sample("n1", 0, now), sample("n1", 1, now * 1000),
+        sample("n1", 2, now, pcie_replay_total=2**64 - 1), sample("n1", 3, now)])
     other = AgentBatch(node="n2", agent_id="a2", seq=0, created=now,
                        samples=[sample("n2", 0, now)])
     writer.start()
@@ -146,12 +151,13 @@ def test_a_bad_row_already_staged_is_isolated_by_the_flush(tmp_path: Path) -> No
             assert writer.submit(b, encode(b)).result(30) is IngestResult.STORED
     finally:
         writer.stop()
-    # a restarted collector: nothing decoded in memory, bodies read from the staging log
-    telemetry = TelemetryWriter(store, tmp_path / "telemetry", metrics, staging=staging)
+    if restarted:  # nothing decoded in memory: bodies are read from the staging log
+        telemetry = TelemetryWriter(store, tmp_path / "telemetry", metrics, staging=staging)
     assert telemetry.flush() == 3
     df = telemetry.read(include_staged=False)
-    assert sorted(zip(df["node"], df["gpu"], strict=True)) == [("n1", 0), ("n1", 2), ("n2", 0)]
-    assert metrics.bad_rows._value.get() == 1
+    assert sorted(zip(df["node"], df["gpu"], strict=True)) == [("n1", 0), ("n1", 3), ("n2", 0)]
+    assert metrics.bad_rows._value.get() == 2
+    assert metrics.flush_errors._value.get() == 0
     assert telemetry.staged_samples() == 0
     store.close()
 
