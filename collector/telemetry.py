@@ -436,7 +436,7 @@ class TelemetryWriter:
                                        " FROM staged_samples WHERE id = ?", (staged_id,))[0]
                 try:
                     got = self._samples_of(row)
-                except (StagingError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+                except (StagingError, *DECODE_ERRORS) as exc:
                     # Unreadable (a damaged staging segment): say which batch, count it,
                     # skip it, so one bad row never stalls every later flush.
                     log.error("staged batch %s/%s unreadable, its samples are lost: %s",
