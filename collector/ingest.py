@@ -548,6 +548,7 @@ class IngestWriter:
         except OSError as err:
             log.error("cannot quarantine batch %s/%s: %s", b.agent_id, b.seq, err)
             return None
+        self.metrics.quarantined.labels("poison_batch").inc()
         return path
 
     def _commit(self, group: list[_Item]) -> None:

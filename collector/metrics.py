@@ -25,7 +25,8 @@ Names (all prefixed ``forewarn_collector_``):
   (staged rows a flush could not write, left out so the rest is written).
 * ``quarantined_files_total{reason}``: files moved to ``<data_dir>/quarantine``:
   ``unrecorded`` (found at start-up, held nowhere else), ``damaged`` (failed a scrub or a
-  compaction read).
+  compaction read), ``poison_batch`` (an agent batch the store could not hold, kept in
+  ``quarantine/ingest/``).
 * ``telemetry_read_errors_total`` (a read skipped a damaged or missing Parquet file),
   ``telemetry_missing_files`` (recorded files not on disk at the last scrub).
 * ``pruned_rows_total{table}``: rows removed by retention (``telemetry``: Parquet rows);

@@ -192,7 +192,8 @@ def test_one_poison_batch_is_quarantined_and_the_rest_of_its_group_is_stored(
         tmp_path: Path) -> None:
     store = Store(tmp_path / "collector.db")
     quarantine = tmp_path / "quarantine"
-    writer = IngestWriter(store, CollectorMetrics(), staging=StagingLog(tmp_path / "staging"),
+    metrics = CollectorMetrics()
+    writer = IngestWriter(store, metrics, staging=StagingLog(tmp_path / "staging"),
                           quarantine_dir=quarantine)
     now = time.time()
     # Built in Python, so no decoder checked it: a seq SQLite cannot hold (OverflowError).
@@ -219,6 +220,7 @@ def test_one_poison_batch_is_quarantined_and_the_rest_of_its_group_is_stored(
     body = next(p for p in quarantine.iterdir() if p.suffix == ".msgpack").read_bytes()
     assert body == encode(poison)
     assert store.scalar("SELECT COUNT(*) FROM batches") == 2
+    assert metrics.quarantined.labels("poison_batch")._value.get() == 2  # sent twice
     store.close()
 
 
@@ -244,6 +246,14 @@ def test_deeply_nested_json_is_a_400_naming_the_problem(svc: Service, depth: int
     # the service still answers
     assert ack(svc, encode_json(CommandAck(id="x", node="node1", time=time.time()))
                ).status_code == 404
+
+
+def test_a_string_that_is_not_utf8_is_a_400_naming_the_problem(svc: Service) -> None:
+    """Found by the property test: msgspec raises UnicodeDecodeError, not DecodeError."""
+    r = post(svc, "node1", b"\x81\xa4node\xa1\xa4")  # {"node": <the byte 0xa4>}
+    assert r.status_code == 400 and "utf-8" in r.json()["error"], r.text
+    r = ack(svc, b'{"id": "x", "node": "\xa4", "time": 1.0}')
+    assert r.status_code == 400, r.text
 
 
 # -- point 13: future-stamped samples and clock skew ----------------------------------

@@ -421,9 +421,11 @@ SENT_AT_HEADER: Final = "forewarn-sent-at"
 """HTTP header of an agent's batch upload: the agent's Unix time when it sent the request
 (the collector measures each agent's clock skew from it)."""
 
-DECODE_ERRORS: Final = (msgspec.ValidationError, msgspec.DecodeError, RecursionError)
+DECODE_ERRORS: Final = (msgspec.ValidationError, msgspec.DecodeError, RecursionError,
+                        UnicodeDecodeError)
 """What msgspec raises on bad input. RecursionError: nesting deeper than the decoder's
-limit (Python's recursion limit, ~1,000 levels), even inside a field it would skip."""
+limit (Python's recursion limit, ~1,000 levels), even inside a field it would skip;
+UnicodeDecodeError: a msgpack string that is not UTF-8."""
 
 
 def decode_error_message(exc: Exception, what: str) -> str:
