@@ -16,9 +16,15 @@ An agent component (see :mod:`forewarn.agent.daemon`, "Components"), enabled whe
   stores each ``(agent_id, seq)`` once, so a batch sent twice (the answer was lost) is
   stored once. ``agent_id`` and the next ``seq`` live in ``spool_dir/state.json``.
 * **Bounded.** Above ``spool_max_bytes`` the oldest batches are dropped and counted
-  (``forewarn_uplink_dropped_batches_total``); a batch the collector refuses for good
-  (400/403/413/415: it would never be accepted) is dropped and counted too
-  (``forewarn_uplink_rejected_batches_total``).
+  (``forewarn_uplink_dropped_batches_total``).
+* **Refused for good.** A batch the collector answers with a 4xx other than 401 (a token
+  can be fixed), 408 or 429 (try later) would never be accepted: it is moved to
+  ``spool_dir/rejected/`` with the answer beside it (``<seq>.<u|n>.txt``), logged, counted
+  (``forewarn_uplink_rejected_batches_total``) and never sent again; the folder keeps at
+  most ``spool_max_bytes``, oldest dropped first. Records the collector left out of a
+  stored batch (its ``refused`` list: a bad value, a time outside its window) are logged.
+* Every upload carries the agent's clock (header ``Forewarn-Sent-At``): the collector
+  reports each agent's clock skew.
 * The command thread holds ``GET /api/v1/commands?wait=25`` open; a ``checkpoint``
   command goes to the ranks component's ``orders.order_job(job, step, reason,
   request_id)``, then is acknowledged. Commands are deduplicated by id (the collector
@@ -57,6 +63,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from forewarn.agent.config import AgentConfig
 from forewarn.config import ConfigError
 from forewarn.wire import (
+    SENT_AT_HEADER,
     AgentBatch,
     CheckpointReport,
     Command,
@@ -82,8 +89,9 @@ MAX_BUFFERED_SAMPLES = 100_000
 beyond this are dropped and counted (``forewarn_uplink_dropped_samples_total``)."""
 MAX_SAMPLES_PER_BATCH = 10_000
 """Seal early past this many samples (the collector's default list limit is 20,000)."""
-_FATAL = frozenset({400, 403, 413, 415, 422})
-"""Answers that mean this batch will never be accepted: drop it rather than block."""
+_RETRY_4XX = frozenset({401, 408, 429})
+"""Client errors that may pass later (a fixed token, a less busy collector); every other
+4xx means this batch will never be accepted: move it aside rather than block the spool."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -187,6 +195,31 @@ class Spool:
         entry = self._files.pop(seq, None)
         if entry is not None:
             entry[0].unlink(missing_ok=True)
+
+    def reject(self, seq: int, why: str) -> Path | None:
+        """Move batch ``seq`` to ``rejected/`` with ``why`` beside it, out of the queue;
+        ``rejected/`` keeps at most ``max_bytes`` (oldest dropped). Returns where it went."""
+        entry = self._files.pop(seq, None)
+        if entry is None:
+            return None
+        folder = self.root / "rejected"
+        target = folder / entry[0].name
+        try:
+            folder.mkdir(exist_ok=True, mode=0o700)
+            os.replace(entry[0], target)
+            _write_atomic(target.with_suffix(".txt"), why.encode())
+        except OSError as exc:
+            log.error("uplink: cannot move batch %d aside (%s); deleting it", seq, exc)
+            entry[0].unlink(missing_ok=True)
+            return None
+        kept = sorted(folder.iterdir())
+        total = sum(p.stat().st_size for p in kept)
+        for old in kept:
+            if total <= self.max_bytes or old == target or old == target.with_suffix(".txt"):
+                continue
+            total -= old.stat().st_size
+            old.unlink(missing_ok=True)
+        return target
 
 
 class _Metrics:
@@ -393,21 +426,23 @@ class Uplink:
                 self.spool.remove(seq)
                 continue
             try:
-                r = client.post("/api/v1/ingest", content=body,
-                                headers={"content-type": "application/msgpack"})
+                r = client.post("/api/v1/ingest", content=body, headers={
+                    "content-type": "application/msgpack",
+                    SENT_AT_HEADER: f"{self.clock():.3f}"})
             except httpx.HTTPError as exc:
                 self._count_error(f"collector unreachable: {exc!r}")
                 return False
+            assert self.metrics is not None
             if r.status_code == 200:
                 self.spool.remove(seq)
-                assert self.metrics is not None
                 self.metrics.sent.inc()
                 self.metrics.last_success.set(self.clock())
-            elif r.status_code in _FATAL:
-                log.error("collector refused batch %d for good (%d: %s); dropping it", seq,
-                          r.status_code, r.text[:300])
-                self.spool.remove(seq)
-                assert self.metrics is not None
+                _log_refused(seq, r)
+            elif 400 <= r.status_code < 500 and r.status_code not in _RETRY_4XX:
+                why = f"collector answered {r.status_code}: {r.text[:2000]}"
+                where = self.spool.reject(seq, why)
+                log.error("uplink: collector rejected batch %d for good (%d: %s); moved to %s,"
+                          " it will not be sent again", seq, r.status_code, r.text[:300], where)
                 self.metrics.rejected.inc()
             else:
                 self._count_error(f"collector answered {r.status_code}: {r.text[:300]}")
@@ -542,6 +577,18 @@ class Uplink:
                     backoff = min(backoff * 2, 30.0)
         finally:
             client.close()
+
+
+def _log_refused(seq: int, r: httpx.Response) -> None:
+    """Log the records the collector left out of stored batch ``seq`` (if any)."""
+    try:
+        refused = r.json().get("refused") or []
+    except (ValueError, AttributeError):
+        return
+    if refused and isinstance(refused, list):
+        log.warning("uplink: collector left %d record(s) out of batch %d: %s", len(refused),
+                    seq, "; ".join(str(x.get("error", x)) if isinstance(x, dict) else str(x)
+                                   for x in refused[:5]))
 
 
 def build(config: AgentConfig) -> Uplink | None:

@@ -12,6 +12,7 @@ is the limit). At the end every acknowledged batch is checked to be in the datab
 
     python bench/collector_ingest.py --agents 100 --gpus 8 --samples 5 --seconds 20
     python bench/collector_ingest.py --samples 5 --rate 20000   # latency at 20k samples/s
+    python bench/collector_ingest.py --collector-python ../main/.venv/bin/python  # before
 
 Goal (issue 4): >= 20,000 GPU-samples/s on one core (a 20k-GPU fleet at 1 s resolution).
 """
@@ -88,7 +89,7 @@ async def agent(host: str, port: int, node: str, token: str, gpus: int, per_gpu:
     samples = make_samples(node, gpus, per_gpu, time.time())
     encoder = msgspec.msgpack.Encoder()
     head = (f"POST /api/v1/ingest HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {token}"
-            "\r\nContent-Type: application/msgpack\r\nContent-Length: ").encode()
+            "\r\nContent-Type: application/msgpack\r\nForewarn-Sent-At: ").encode()
     seq = 0
     loop = asyncio.get_running_loop()
     next_send = loop.time() + (interval * (hash(node) % 1000) / 1000.0)
@@ -102,7 +103,8 @@ async def agent(host: str, port: int, node: str, token: str, gpus: int, per_gpu:
             body = encoder.encode(AgentBatch(node=node, agent_id=node, seq=seq,
                                              created=time.time(), samples=samples))
             started = time.perf_counter()
-            writer.write(head + str(len(body)).encode() + b"\r\n\r\n" + body)
+            writer.write(head + f"{time.time():.3f}\r\nContent-Length: {len(body)}\r\n\r\n"
+                         .encode() + body)
             status_head = await reader.readuntil(b"\r\n\r\n")
             length = 0
             for line in status_head.split(b"\r\n"):
@@ -173,6 +175,9 @@ def main() -> int:
                    help="the collector's HTTP parser (config key http)")
     p.add_argument("--flush-samples", type=int, default=None,
                    help="the collector's flush_samples (staged samples per Parquet flush)")
+    p.add_argument("--collector-python", default=sys.executable,
+                   help="interpreter that runs the collector: another checkout's venv runs"
+                        " that checkout's collector under the same load (before/after)")
     p.add_argument("--json", action="store_true", help="print one JSON line")
     p.add_argument("--profile", type=Path, default=None,
                    help="run the collector under cProfile (event-loop thread) into this file")
@@ -189,7 +194,8 @@ def main() -> int:
         f'tokens_file = "{tmp / "tokens.toml"}"\nlog_level = "warning"\n'
         f'sqlite_synchronous = "{args.synchronous}"\nhttp = "{args.http}"\n'
         + (f"flush_samples = {args.flush_samples}\n" if args.flush_samples else ""))
-    cmd = [sys.executable, "-m", "forewarn", "collector", "--config", str(tmp / "collector.toml")]
+    cmd = [args.collector_python, "-m", "forewarn", "collector", "--config",
+           str(tmp / "collector.toml")]
     if args.profile:
         # uvicorn re-raises SIGTERM after its shutdown: dump the profile in that handler.
         cmd[1:3] = ["-c", "import cProfile, signal, sys; from forewarn.cli import main; "

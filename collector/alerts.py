@@ -38,7 +38,14 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from forewarn.collector.jobview import JobView, node_of_instance
-from forewarn.wire import Finding, Health, Subject, SuggestedAction
+from forewarn.wire import (
+    DECODE_ERRORS,
+    Finding,
+    Health,
+    Subject,
+    SuggestedAction,
+    decode_error_message,
+)
 
 __all__ = [
     "MAX_ALERT_BODY",
@@ -101,8 +108,8 @@ def parse_alerts(body: bytes) -> AlertPayload:
     """Decode a webhook body; ``ValueError`` names the problem."""
     try:
         payload = msgspec.json.decode(body, type=AlertPayload)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise ValueError(f"invalid alert webhook body: {exc}") from None
+    except DECODE_ERRORS as exc:
+        raise ValueError(decode_error_message(exc, "alert webhook body")) from None
     if len(payload.alerts) > 10_000:
         raise ValueError(f"too many alerts in one request: {len(payload.alerts)}")
     return payload

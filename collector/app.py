@@ -4,10 +4,14 @@ Routes
 ------
 ``POST /api/v1/ingest``
     Body: msgpack :class:`~forewarn.wire.AgentBatch`, ``Content-Type: application/msgpack``,
-    ``Authorization: Bearer <the node's token>``. Answers ``200 {"result": "stored" |
-    "duplicate", "seq": n}`` only once the batch is durable; 401 bad token, 403 another
-    node's batch, 400 bad record, 413 too large, 415 wrong content type: ``{"error": msg}``
-    naming the problem, nothing stored.
+    ``Authorization: Bearer <the node's token>``, optionally ``Forewarn-Sent-At: <the
+    agent's Unix time>`` (the agent's clock skew, a metric per node). Answers ``200
+    {"result": "stored" | "duplicate", "seq": n}`` only once the batch is durable, with
+    ``"refused": [{"field", "reason", "error"}]`` listing records left out (bad values,
+    times outside the window; the rest is stored); 401 bad token, 403 another node's
+    batch or agent id, 400 bad batch, 413 too large, 415 wrong content type, 422 a batch
+    the store cannot hold (quarantined): ``{"error": msg}`` naming the problem, nothing
+    stored.
 ``GET /api/v1/commands?node=N&wait=25``
     Long poll (agent token of node N): JSON list of :class:`~forewarn.wire.Command`.
 ``POST /api/v1/commands/{id}/ack``
@@ -59,6 +63,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -87,7 +92,9 @@ from forewarn.collector.datadir import check_data_dir
 from forewarn.collector.ingest import (
     IngestError,
     IngestWriter,
+    TimeWindow,
     check_batch,
+    count_refusals,
     store_findings,
 )
 from forewarn.collector.jobs import StoreJobView
@@ -97,6 +104,8 @@ from forewarn.collector.store import Store
 from forewarn.collector.telemetry import TelemetryWriter
 from forewarn.collector.upkeep import run_upkeep
 from forewarn.wire import (
+    MAX_UNIX_TIME,
+    SENT_AT_HEADER,
     AgentBatch,
     CommandAck,
     Finding,
@@ -249,10 +258,33 @@ async def ingest(request: Request) -> Response:
         raise IngestError(415, "content_type",
                           f"Content-Type must be application/msgpack, got {ctype or 'none'!r}")
     body = await read_limited(request, ctx.config.max_body_bytes)
-    batch = check_batch(body, node=node, max_items=ctx.config.max_batch_items)
+    received = ctx.clock()
+    sent = request.headers.get(SENT_AT_HEADER)
+    if sent is not None:
+        ctx.metrics.clock_skew.labels(node).set(_sent_at(sent) - received)
+    window = TimeWindow(received, ctx.config.ingest_max_age_s, ctx.config.ingest_max_future_s)
+    checked = check_batch(body, node=node, max_items=ctx.config.max_batch_items,
+                          window=window)
+    count_refusals(ctx.metrics, checked)
     address = request.client.host if request.client else ""
-    result = await asyncio.wrap_future(ctx.writer.submit(batch, body, address=address))
-    return json_response({"result": result.value, "seq": batch.seq})
+    batch = checked.batch
+    result = await asyncio.wrap_future(ctx.writer.submit(batch, checked.body, address=address))
+    answer: dict[str, Any] = {"result": result.value, "seq": batch.seq}
+    if checked.refused:
+        answer["refused"] = [r.as_json() for r in checked.refused]
+    return json_response(answer)
+
+
+def _sent_at(value: str) -> float:
+    """The agent's clock when it sent the request (header :data:`SENT_AT_HEADER`)."""
+    try:
+        sent = float(value)
+    except ValueError:
+        sent = math.nan
+    if not 0 < sent < MAX_UNIX_TIME:
+        raise IngestError(400, "decode", f"{SENT_AT_HEADER}: expected Unix seconds, got "
+                                         f"{value[:40]!r}")
+    return sent
 
 
 @handled
@@ -339,7 +371,7 @@ def create_app(
         config=config, store=store, metrics=metrics, commands=commands,
         jobs=StoreJobView(store), telemetry=telemetry,
         writer=IngestWriter(store, metrics, group_max=config.group_commit_max, clock=clock,
-                            staging=staging),
+                            staging=staging, quarantine_dir=config.quarantine_dir),
         tokens=tokens, outbound=outbound, policy=policy, clock=clock,
     )
     ctx.writer.on_stored = ctx._on_stored

@@ -40,6 +40,12 @@ class CollectorConfig:
     """Largest accepted ingest body (bytes, after any transfer decoding)."""
     max_batch_items: int = 20_000
     """Largest accepted length of each list (samples, xids, findings, ranks, checkpoints)."""
+    ingest_max_age_s: float = 7 * 86400.0
+    """Records timed more than this many seconds before the collector's clock are refused
+    (a broken clock or unit; an agent spool replaying after a longer outage loses them)."""
+    ingest_max_future_s: float = 300.0
+    """Records timed more than this many seconds after the collector's clock are refused
+    (a future sample would freeze its GPU's latest row); the skew metric shows why."""
     long_poll_max_s: float = 60.0
     """Upper bound of ``wait`` on ``GET /api/v1/commands``."""
     command_redeliver_s: float = 30.0
@@ -151,7 +157,8 @@ class CollectorConfig:
             raise ConfigError(
                 f"max_batch_items: must be within 1..10^7, got {self.max_batch_items}")
         for key in ("long_poll_max_s", "command_redeliver_s", "command_ttl_s", "flush_interval_s",
-                    "retention_interval_s", "scrub_interval_s"):
+                    "retention_interval_s", "scrub_interval_s", "ingest_max_age_s",
+                    "ingest_max_future_s"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be positive, got {getattr(self, key)}")
         if self.retention_days < 1:
@@ -193,6 +200,11 @@ class CollectorConfig:
     @property
     def telemetry_dir(self) -> Path:
         return self.data_dir / "telemetry"
+
+    @property
+    def quarantine_dir(self) -> Path:
+        """Agent batches the store could not hold, kept for the operator."""
+        return self.data_dir / "quarantine" / "ingest"
 
 
 def _check_tokens_distinct(c: CollectorConfig) -> None:

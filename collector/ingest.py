@@ -1,6 +1,12 @@
 """Agent batch ingest: validate, then store exactly once with group commit.
 
-:func:`check_batch` decodes and bounds a request body; :class:`IngestWriter` owns a thread
+:func:`check_batch` decodes and bounds a request body. A bad *record* (one sample, XID,
+finding, rank summary or checkpoint report: a wrong type, a value out of range, NaN/Inf,
+a time outside the window around the collector's clock) is left out and reported
+(:class:`Refusal`: the field, ``$.samples[3].power_w``, and why), and the rest of the
+batch is stored: one broken sensor never costs a node its findings. A bad *batch* (its
+own fields, undecodable bytes, another node's identity) is refused whole with a 4xx.
+:class:`IngestWriter` owns a thread
 that takes queued batches (urgent ones first), writes up to ``group_commit_max`` of them in
 ONE SQLite transaction (one fsync for the group) and only then answers each request: a
 batch is acknowledged only once it is durable. ``(agent_id, seq)`` is the primary key of
@@ -13,19 +19,28 @@ node holds is not applied); the ``batches`` row; the body in ``staged_samples``
 (GPU samples go on to Parquet, :mod:`forewarn.collector.telemetry`); the latest sample
 per GPU in ``gpus``; XIDs; findings (GPU findings also set that GPU's health); rank
 summaries and checkpoint reports (the job map, :mod:`forewarn.collector.jobs`); the node.
+An ``agent_id`` belongs to the node that first sent it: another node's batch under it is
+refused (403), so no node can make another's batches look like duplicates. A batch whose
+write fails for a reason of its own (not the store's) is rolled back alone, its body kept
+in ``quarantine_dir`` for the operator, and answered 422; the rest of its group commits.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import dataclasses
 import enum
 import json
 import logging
+import math
+import re
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -34,14 +49,44 @@ from forewarn.collector.jobs import apply_checkpoints, apply_ranks
 from forewarn.collector.metrics import CollectorMetrics
 from forewarn.collector.staging import StagingLog
 from forewarn.collector.store import Store
-from forewarn.wire import AgentBatch, Finding, GpuSample, Health, WireError
+from forewarn.wire import (
+    DECODE_ERRORS,
+    AgentBatch,
+    CheckpointReport,
+    Finding,
+    GpuSample,
+    Health,
+    RankSummary,
+    XidEvent,
+    decode_error_message,
+    encode,
+)
 
-__all__ = ["IngestError", "IngestResult", "IngestWriter", "check_batch", "store_findings"]
+__all__ = ["CheckedBatch", "IngestError", "IngestResult", "IngestWriter", "Refusal",
+           "TimeWindow", "check_batch", "count_refusals", "store_findings"]
 
 log = logging.getLogger(__name__)
 
 _batch_decoder = msgspec.msgpack.Decoder(AgentBatch)
-_LISTS = ("samples", "xids", "findings", "ranks", "checkpoints")
+_RECORDS: dict[str, type[Any]] = {"samples": GpuSample, "xids": XidEvent, "findings": Finding,
+                                  "ranks": RankSummary, "checkpoints": CheckpointReport}
+"""The record lists of a batch and their types: each record is refused on its own."""
+_record_decoders = {name: msgspec.msgpack.Decoder(t) for name, t in _RECORDS.items()}
+
+
+def _envelope_fields() -> list[Any]:
+    """AgentBatch's fields with each record list left undecoded (``msgspec.Raw``)."""
+    out: list[Any] = []
+    for f in msgspec.structs.fields(AgentBatch):
+        if f.name in _RECORDS:
+            out.append((f.name, list[msgspec.Raw], msgspec.field(default_factory=list)))
+        else:
+            out.append((f.name, f.type) if f.required else (f.name, f.type, f.default))
+    return out
+
+
+_envelope_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(
+    msgspec.defstruct("_BatchEnvelope", _envelope_fields(), kw_only=True))
 
 
 class IngestError(ValueError):
@@ -58,21 +103,189 @@ class IngestResult(enum.StrEnum):
     DUPLICATE = "duplicate"
 
 
-def check_batch(body: bytes, *, node: str, max_items: int) -> AgentBatch:
-    """Decode ``body`` as an :class:`AgentBatch` sent by ``node``'s agent and check limits.
+@dataclasses.dataclass(frozen=True)
+class Refusal:
+    """One record left out of a batch. ``reason`` (a metric label) is ``time`` (outside
+    the window, or not Unix seconds), ``non_finite`` (NaN/Inf), ``range`` (a number out of
+    its range) or ``type`` (anything else the decoder refused)."""
 
-    Raises :class:`IngestError` (400 bad record, 403 another node's batch, 413 a list
-    longer than ``max_items``).
-    """
+    record: str
+    field: str
+    reason: str
+    message: str
+
+    def as_json(self) -> dict[str, str]:
+        return {"field": self.field, "reason": self.reason, "error": self.message}
+
+
+@dataclasses.dataclass(frozen=True)
+class TimeWindow:
+    """Record times accepted: ``max_age_s`` before the collector's clock ``now`` up to
+    ``max_future_s`` after it. A future time would freeze a GPU's latest row (later real
+    samples look older); an ancient one is a unit error or a broken clock."""
+
+    now: float
+    max_age_s: float
+    max_future_s: float
+
+    def check(self, t: float) -> str | None:
+        """Why ``t`` is outside the window (None when inside)."""
+        if t > self.now + self.max_future_s:
+            return (f"{t:.3f} is {t - self.now:.0f} s in the future of the collector's clock"
+                    f" (at most {self.max_future_s:g} s allowed: check the agent's clock)")
+        if t < self.now - self.max_age_s:
+            return (f"{t:.3f} is {self.now - t:.0f} s older than the collector's clock"
+                    f" (at most {self.max_age_s:g} s allowed)")
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckedBatch:
+    """A batch fit to store: ``body`` is the request body, or the batch re-encoded without
+    the ``refused`` records (what the staging log keeps must decode)."""
+
+    batch: AgentBatch
+    body: bytes
+    refused: tuple[Refusal, ...] = ()
+
+
+_PATH = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
+
+
+def _value_at(raw: bytes, path: str) -> Any:
+    """The value at msgspec error path ``path`` (``$.nvlink[2].replay``) of a raw record."""
     try:
-        batch = _batch_decoder.decode(body)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise IngestError(400, "decode", str(WireError(f"invalid AgentBatch: {exc}"))) from None
-    for name in _LISTS:
+        value: Any = msgspec.msgpack.decode(raw)
+    except DECODE_ERRORS:
+        return None
+    for key, index in _PATH.findall(path[1:]):
+        try:
+            value = value[int(index)] if index else value[key]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return value
+
+
+def _refusal(exc: Exception, raw: bytes, record: str, i: int) -> Refusal:
+    """Explain why record ``i`` of list ``record`` did not decode."""
+    text = decode_error_message(exc, record[:-1]).partition(": ")[2]
+    what, sep, where = text.rpartition(" - at `")
+    path = where.rstrip("`") if sep else "$"
+    what = what if sep else text
+    field = f"$.{record}[{i}]{path[1:]}"
+    value = _value_at(raw, path) if sep else None
+    if isinstance(value, float) and not math.isfinite(value):
+        return Refusal(record, field, "non_finite", f"{field}: {value} is not a finite number")
+    if field.endswith("time") and isinstance(value, int | float):
+        return Refusal(record, field, "time",
+                       f"{field}: {value!r} is not Unix seconds before 2100 ({what})")
+    reason = "range" if "<=" in what or ">=" in what else "type"
+    shown = f" (got {value!r:.60})" if value is not None and reason == "range" else ""
+    return Refusal(record, field, reason, f"{field}: {what}{shown}")
+
+
+def _check_lengths(batch: Any, max_items: int) -> None:
+    for name in _RECORDS:
         n = len(getattr(batch, name))
         if n > max_items:
             raise IngestError(413, "limits",
                               f"$.{name}: {n} items, more than the limit of {max_items}")
+
+
+Origin = dict[str, list[int]]
+"""Per record list, the index in the request of each record decoded (some were left out)."""
+
+
+def _at(origin: Origin | None, name: str, i: int) -> int:
+    """Index in the request of record ``i`` of the decoded list ``name``."""
+    return origin[name][i] if origin else i
+
+
+def _decode_by_record(body: bytes, max_items: int
+                      ) -> tuple[AgentBatch, list[Refusal], Origin]:
+    """Decode the batch's own fields, then each record alone, leaving out bad records."""
+    try:
+        envelope = _envelope_decoder.decode(body)
+    except DECODE_ERRORS as exc:
+        raise IngestError(400, "decode", decode_error_message(exc, "AgentBatch")) from None
+    _check_lengths(envelope, max_items)
+    refused: list[Refusal] = []
+    origin: Origin = {}
+    fields: dict[str, Any] = {}
+    for name in envelope.__struct_fields__:
+        if name not in _RECORDS:
+            fields[name] = getattr(envelope, name)
+            continue
+        kept = fields[name] = []
+        where = origin[name] = []
+        decoder = _record_decoders[name]
+        for i, raw in enumerate(getattr(envelope, name)):
+            try:
+                kept.append(decoder.decode(raw))
+                where.append(i)
+            except DECODE_ERRORS as exc:
+                refused.append(_refusal(exc, raw, name, i))
+    return AgentBatch(**fields), refused, origin
+
+
+def _outside_window(batch: AgentBatch, window: TimeWindow, origin: Origin | None
+                    ) -> list[tuple[int, Refusal]]:
+    """Records whose times lie outside ``window``: (index in ``batch``, refusal naming the
+    index in the request). Rank summaries: future times only (a last checkpoint may be old)."""
+    out: list[tuple[int, Refusal]] = []
+
+    def refuse(name: str, i: int, key: str, why: str) -> None:
+        field = f"$.{name}[{_at(origin, name, i)}].{key}"
+        out.append((i, Refusal(name, field, "time", f"{field}: {why}")))
+
+    lo, hi = window.now - window.max_age_s, window.now + window.max_future_s
+    for name in ("samples", "xids", "findings", "checkpoints"):
+        items = getattr(batch, name)
+        times = [item.time for item in items]
+        if not times or (lo <= min(times) and max(times) <= hi):  # the usual case, cheap
+            continue
+        for i, item in enumerate(items):
+            why = window.check(item.time)
+            if why is not None:
+                refuse(name, i, "time", why)
+    future = dataclasses.replace(window, max_age_s=math.inf)
+    for i, rank in enumerate(batch.ranks):
+        for key in ("last_step_time", "last_beat"):
+            t = getattr(rank, key)
+            why = None if t is None else future.check(t)
+            if why is not None:
+                refuse("ranks", i, key, why)
+                break
+    return out
+
+
+def _without(batch: AgentBatch, drops: Sequence[tuple[int, Refusal]]) -> AgentBatch:
+    """``batch`` without the records at ``drops`` (index in ``batch``, refusal)."""
+    gone: dict[str, set[int]] = collections.defaultdict(set)
+    for i, r in drops:
+        gone[r.record].add(i)
+    return msgspec.structs.replace(batch, **{
+        name: [x for i, x in enumerate(getattr(batch, name)) if i not in drop]
+        for name, drop in gone.items()})
+
+
+def check_batch(body: bytes, *, node: str, max_items: int,
+                window: TimeWindow | None = None) -> CheckedBatch:
+    """Decode ``body`` as an :class:`AgentBatch` sent by ``node``'s agent and check limits.
+
+    Bad records are left out (see the module docstring); records outside ``window`` too.
+    Raises :class:`IngestError` (400 bad batch, 403 another node's batch, 413 a list
+    longer than ``max_items``).
+    """
+    refused: list[Refusal] = []
+    origin: Origin | None = None
+    try:
+        batch = _batch_decoder.decode(body)
+    except msgspec.ValidationError:  # find the bad records (rare: the fast path is above)
+        batch, refused, origin = _decode_by_record(body, max_items)
+    except DECODE_ERRORS as exc:
+        raise IngestError(400, "decode", decode_error_message(exc, "AgentBatch")) from None
+    _check_lengths(batch, max_items)
     if batch.node != node:
         raise IngestError(403, "node_mismatch",
                           f"$.node: token is for node {node!r}, batch says {batch.node!r}")
@@ -80,16 +293,34 @@ def check_batch(body: bytes, *, node: str, max_items: int) -> AgentBatch:
         for i, item in enumerate(getattr(batch, name)):
             if item.node != node:
                 raise IngestError(403, "node_mismatch",
-                                  f"$.{name}[{i}].node: {item.node!r} is not this agent's "
-                                  f"node {node!r}")
+                                  f"$.{name}[{_at(origin, name, i)}].node: {item.node!r} is"
+                                  f" not this agent's node {node!r}")
     # An agent speaks for its own node only: a finding about another node's GPU would let
     # one compromised agent order checkpoints or drains elsewhere.
     for i, f in enumerate(batch.findings):
         if f.subject.node not in ("", node):
             raise IngestError(403, "node_mismatch",
-                              f"$.findings[{i}].subject.node: {f.subject.node!r} is not this "
-                              f"agent's node {node!r}")
-    return batch
+                              f"$.findings[{_at(origin, 'findings', i)}].subject.node:"
+                              f" {f.subject.node!r} is not this agent's node {node!r}")
+    if window is not None:
+        late = _outside_window(batch, window, origin)
+        if late:
+            batch = _without(batch, late)
+            refused.extend(r for _i, r in late)
+    if not refused:
+        return CheckedBatch(batch, body)
+    return CheckedBatch(batch, encode(batch), tuple(refused))
+
+
+def count_refusals(metrics: CollectorMetrics, checked: CheckedBatch) -> None:
+    """Count and log the records left out of a batch."""
+    if not checked.refused:
+        return
+    for r in checked.refused:
+        metrics.refused.labels(r.record, r.reason).inc()
+    b = checked.batch
+    log.warning("node %s batch %s/%s: %d record(s) refused: %s", b.node, b.agent_id, b.seq,
+                len(checked.refused), "; ".join(r.message for r in checked.refused[:5]))
 
 
 _FINDING_INSERT = (
@@ -155,6 +386,12 @@ def _write_batch(conn: sqlite3.Connection, batch: AgentBatch, body: bytes, recei
                  ) -> tuple[bool, int | None]:
     """Store one batch; (stored, id of its staged_samples row). ``ref`` is where the
     staging log holds the body; without it the body goes into the row."""
+    owner = conn.execute("SELECT node FROM batches WHERE agent_id = ? LIMIT 1",
+                         (batch.agent_id,)).fetchone()
+    if owner is not None and owner[0] != batch.node:
+        raise IngestError(403, "identity_mismatch",
+                          f"$.agent_id: {batch.agent_id!r} is node {owner[0]!r}'s agent; node"
+                          f" {batch.node!r} may not send as it")
     cur = conn.execute(
         "INSERT OR IGNORE INTO batches (agent_id, seq, node, created, received, urgent,"
         " samples, xids, findings, ranks, checkpoints) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
@@ -198,6 +435,10 @@ def _write_batch(conn: sqlite3.Connection, batch: AgentBatch, body: bytes, recei
     return True, staged_id
 
 
+QUARANTINE_MAX_BATCHES = 1000
+"""Poison batches kept in the quarantine folder; past this they are refused, not kept."""
+
+
 class _Item:
     __slots__ = ("address", "batch", "body", "future", "received")
 
@@ -222,8 +463,10 @@ class IngestWriter:
         on_staged: Callable[[list[tuple[int, str, int, list[GpuSample]]]], None] | None = None,
         staging: StagingLog | None = None,
         clock: Callable[[], float] = time.time,
+        quarantine_dir: Path | None = None,
     ) -> None:
         self.store = store
+        self.quarantine_dir = quarantine_dir
         self.metrics = metrics
         self.group_max = group_max
         self.on_stored = on_stored
@@ -272,6 +515,42 @@ class IngestWriter:
                          for _ in range(min(self.group_max, len(self._queue)))]
             self._commit(group)
 
+    def _refuse(self, item: _Item, exc: Exception) -> IngestError:
+        """The answer to a batch that cannot be stored; a poison batch is quarantined."""
+        if isinstance(exc, IngestError):
+            return exc
+        if isinstance(exc, NotYourJob):
+            return IngestError(403, "not_your_job", str(exc))
+        b = item.batch
+        kept = self._quarantine(item, exc)
+        log.error("batch %s/%s of node %s cannot be stored (%r); %s", b.agent_id, b.seq,
+                  b.node, exc, f"kept in {kept}" if kept else "not kept")
+        where = "kept for the operator in the collector's quarantine" if kept else "not kept"
+        return IngestError(422, "quarantined", f"batch {b.agent_id}/{b.seq} cannot be stored"
+                           f" ({type(exc).__name__}: {exc}); {where}; do not send it again")
+
+    def _quarantine(self, item: _Item, exc: Exception) -> Path | None:
+        """Keep a poison batch's body (and why) under ``quarantine_dir``; bounded."""
+        if self.quarantine_dir is None:
+            return None
+        b = item.batch
+        stem = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{b.node}-{b.agent_id}")[:120]
+        path = self.quarantine_dir / f"{stem}-{b.seq}.msgpack"
+        try:
+            self.quarantine_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if not path.exists() and sum(1 for _ in self.quarantine_dir.iterdir()) >= \
+                    2 * QUARANTINE_MAX_BATCHES:
+                return None
+            path.write_bytes(item.body)
+            path.with_suffix(".txt").write_text(
+                f"node {b.node} agent_id {b.agent_id} seq {b.seq} received {item.received}:"
+                f" {exc!r}\n")
+        except OSError as err:
+            log.error("cannot quarantine batch %s/%s: %s", b.agent_id, b.seq, err)
+            return None
+        self.metrics.quarantined.labels("poison_batch").inc()
+        return path
+
     def _commit(self, group: list[_Item]) -> None:
         started = time.perf_counter()
         results: list[IngestResult] = []
@@ -294,20 +573,13 @@ class IngestWriter:
                         stored, staged_id = _write_batch(conn, item.batch, item.body,
                                                          item.received, item.address,
                                                          refs.get(index))
-                    except NotYourJob as exc:
+                    except sqlite3.OperationalError:
+                        raise  # the store's own trouble (disk, lock): the whole group
+                    except Exception as exc:  # this batch's own: it alone is refused
                         conn.execute("ROLLBACK TO b")
                         conn.execute("RELEASE b")
-                        results.append(IngestResult.DUPLICATE)
-                        item.future.set_exception(IngestError(403, "not_your_job", str(exc)))
-                        continue
-                    except sqlite3.IntegrityError as exc:
-                        conn.execute("ROLLBACK TO b")
-                        conn.execute("RELEASE b")
-                        results.append(IngestResult.DUPLICATE)
-                        log.warning("batch %s/%s refused by the store: %s",
-                                    item.batch.agent_id, item.batch.seq, exc)
-                        item.future.set_exception(
-                            IngestError(422, "store", f"batch not storable: {exc}"))
+                        results.append(IngestResult.DUPLICATE)  # placeholder; future done
+                        item.future.set_exception(self._refuse(item, exc))
                         continue
                     conn.execute("RELEASE b")
                     if staged_id is not None:

@@ -4,9 +4,16 @@ Names (all prefixed ``forewarn_collector_``):
 
 * ``ingest_batches_total{result}``: batches by outcome: ``stored``, ``duplicate``, ``rejected``.
 * ``ingest_rejected_total{reason}``: rejected requests by reason (``auth``, ``too_large``,
-  ``decode``, ``limits``, ``node_mismatch``, ``not_your_job``, ``content_type``, ``store``).
+  ``decode``, ``limits``, ``node_mismatch``, ``identity_mismatch`` (another node's
+  ``agent_id``), ``not_your_job``, ``content_type``, ``quarantined`` (a batch the store
+  could not hold), ``store``).
 * ``ingest_ignored_records_total{reason}``: records of a stored batch not applied
   (``rank_held``, ``rank_moved``, ``other_node``: :mod:`forewarn.collector.authz`).
+* ``ingest_refused_records_total{record,reason}``: records left out of stored batches
+  (``record``: samples, xids, findings, ranks, checkpoints; ``reason``: ``time``,
+  ``non_finite``, ``range``, ``type``).
+* ``agent_clock_skew_seconds{node}``: the agent's clock minus the collector's, from the
+  send time on its last upload (positive: the agent is ahead).
 * ``ingest_samples_total``, ``ingest_bytes_total``, ``ingest_xids_total``.
 * ``ingest_lag_seconds``: histogram of receive time minus the batch's ``created`` time
   (a replayed spool shows up here as large lag).
@@ -14,10 +21,12 @@ Names (all prefixed ``forewarn_collector_``):
 * ``findings_total{health,origin}``, ``commands_total{kind,event}`` (``queued``,
   ``delivered``, ``acked``, ``failed``), ``commands_pending``, ``long_polls``.
 * ``telemetry_staged_samples``, ``telemetry_rows_total``, ``telemetry_flush_seconds``,
-  ``telemetry_flush_errors_total``.
+  ``telemetry_flush_errors_total`` (flushes that failed), ``telemetry_bad_rows_total``
+  (staged rows a flush could not write, left out so the rest is written).
 * ``quarantined_files_total{reason}``: files moved to ``<data_dir>/quarantine``:
   ``unrecorded`` (found at start-up, held nowhere else), ``damaged`` (failed a scrub or a
-  compaction read).
+  compaction read), ``poison_batch`` (an agent batch the store could not hold, kept in
+  ``quarantine/ingest/``).
 * ``telemetry_read_errors_total`` (a read skipped a damaged or missing Parquet file),
   ``telemetry_missing_files`` (recorded files not on disk at the last scrub).
 * ``pruned_rows_total{table}``: rows removed by retention (``telemetry``: Parquet rows);
@@ -59,6 +68,12 @@ class CollectorMetrics:
             "Records of stored batches not applied: rank_held (a live rank of another "
             "node), rank_moved (a dead rank now on another node), other_node (a finding "
             "asking for nothing about another node's job).", ["reason"], registry=r)
+        self.refused = Counter(P + "ingest_refused_records",
+                               "Records left out of stored batches, by record and reason.",
+                               ["record", "reason"], registry=r)
+        self.clock_skew = Gauge(P + "agent_clock_skew_seconds",
+                                "Agent clock minus collector clock at the last upload.",
+                                ["node"], registry=r)
         self.samples = Counter(P + "ingest_samples", "GPU samples accepted.", registry=r)
         self.bytes = Counter(P + "ingest_bytes", "Bytes of accepted batch bodies.", registry=r)
         self.xids = Counter(P + "ingest_xids", "XID events accepted.", registry=r)
@@ -105,6 +120,8 @@ class CollectorMetrics:
                                 ["part"], registry=r)
         self.upkeep_errors = Counter(P + "upkeep_errors", "Failed retention or scrub passes.",
                                      ["task"], registry=r)
+        self.bad_rows = Counter(P + "telemetry_bad_rows",
+                                "Staged rows a flush could not write (left out).", registry=r)
         self.policy_errors = Counter(P + "policy_errors", "Exceptions raised by the policy.",
                                      registry=r)
         self.policy_backlog = Gauge(P + "policy_backlog_batches",

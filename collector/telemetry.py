@@ -45,7 +45,7 @@ from forewarn.collector.datadir import Quarantine
 from forewarn.collector.metrics import CollectorMetrics
 from forewarn.collector.staging import StagingError, StagingLog
 from forewarn.collector.store import Store
-from forewarn.wire import GpuSample
+from forewarn.wire import DECODE_ERRORS, GpuSample, encode
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -60,7 +60,39 @@ class _SamplesOnly(msgspec.Struct):
     samples: list[GpuSample] = msgspec.field(default_factory=list)
 
 
+class _RawSamples(msgspec.Struct):
+    samples: list[msgspec.Raw] = msgspec.field(default_factory=list)
+
+
 _staged_decoder = msgspec.msgpack.Decoder(_SamplesOnly)
+_raw_samples_decoder = msgspec.msgpack.Decoder(_RawSamples)
+_sample_decoder = msgspec.msgpack.Decoder(GpuSample)
+
+
+def _decode_samples(body: bytes) -> tuple[list[GpuSample], list[str]]:
+    """The samples of a staged body, and why any were left out: one bad sample (staged
+    before ingest refused such values) costs only itself, never its batch or the flush."""
+    try:
+        return _staged_decoder.decode(body).samples, []
+    except msgspec.ValidationError:
+        pass
+    good, bad = [], []
+    for i, raw in enumerate(_raw_samples_decoder.decode(body).samples):
+        try:
+            good.append(_sample_decoder.decode(raw))
+        except DECODE_ERRORS as exc:
+            bad.append(f"samples[{i}]: {exc}")
+    return good, bad
+
+
+def _writable(sample: GpuSample) -> bool:
+    """Whether ``sample`` passes the wire decoder's checks (ranges, finite values)."""
+    try:
+        _sample_decoder.decode(encode(sample))
+    except DECODE_ERRORS:
+        return False
+    return True
+
 
 _FLOAT = ("temperature_c", "memory_temperature_c", "slowdown_margin_c", "power_w",
           "power_limit_w", "sm_clock_mhz", "mem_clock_mhz", "gpu_util_pct", "mem_util_pct")
@@ -258,7 +290,16 @@ class TelemetryWriter:
         else:
             body = self.staging.read(int(row["segment"]), int(row["offset"]),
                                      int(row["length"]))
-        return _staged_decoder.decode(body).samples
+        samples, bad = _decode_samples(body)
+        for why in bad:
+            self._bad_row(row["agent_id"], row["seq"], why)
+        return samples
+
+    def _bad_row(self, agent_id: str, seq: int, why: str) -> None:
+        """Count and log one staged row that cannot be written (it is left out)."""
+        self.metrics.bad_rows.inc()
+        log.error("staged batch %s/%s: a sample cannot be written and is left out: %s",
+                  agent_id, seq, why)
 
     def drop_segments(self) -> list[int]:
         """Delete staging segments no staged row refers to any more."""
@@ -362,7 +403,11 @@ class TelemetryWriter:
         Flushes never overlap (a lock): two at once would write the same staged rows twice.
         """
         with self._flush_lock:
-            return self._flush(max_rows)
+            try:
+                return self._flush(max_rows)
+            except Exception:
+                self.metrics.flush_errors.inc()
+                raise
 
     def _flush(self, max_rows: int) -> int:
         import pyarrow as pa
@@ -391,7 +436,7 @@ class TelemetryWriter:
                                        " FROM staged_samples WHERE id = ?", (staged_id,))[0]
                 try:
                     got = self._samples_of(row)
-                except (StagingError, msgspec.DecodeError, msgspec.ValidationError) as exc:
+                except (StagingError, *DECODE_ERRORS) as exc:
                     # Unreadable (a damaged staging segment): say which batch, count it,
                     # skip it, so one bad row never stalls every later flush.
                     log.error("staged batch %s/%s unreadable, its samples are lost: %s",
@@ -401,7 +446,12 @@ class TelemetryWriter:
                 entry_ = (row["agent_id"], int(row["seq"]), got)
             agent_id, seq, samples = entry_
             for s in samples:
-                entry = by_day.setdefault(_day(s.time), ([], [], []))
+                try:
+                    day = _day(s.time)
+                except (ValueError, OverflowError, OSError):  # not Unix seconds
+                    self._bad_row(agent_id, seq, f"time {s.time!r}")
+                    continue
+                entry = by_day.setdefault(day, ([], [], []))
                 entry[0].append(s)
                 entry[1].append(agent_id)
                 entry[2].append(seq)
@@ -409,8 +459,18 @@ class TelemetryWriter:
         written: list[tuple[str, str, int]] = []
         try:
             for day, (samples, agents, seqs) in sorted(by_day.items()):
-                table = pa.Table.from_pydict(samples_to_columns(samples, agents, seqs),
-                                             schema=schema)
+                try:
+                    table = pa.Table.from_pydict(samples_to_columns(samples, agents, seqs),
+                                                 schema=schema)
+                except (pa.ArrowException, OverflowError, TypeError, ValueError):
+                    # A value Arrow cannot hold: leave out the rows that cause it.
+                    keep = [i for i, s in enumerate(samples) if _writable(s)]
+                    for i in sorted(set(range(len(samples))) - set(keep)):
+                        self._bad_row(agents[i], seqs[i], f"gpu {samples[i].gpu}: a value"
+                                      " out of range")
+                    table = pa.Table.from_pydict(samples_to_columns(
+                        [samples[i] for i in keep], [agents[i] for i in keep],
+                        [seqs[i] for i in keep]), schema=schema)
                 folder = self.root / f"date={day}"
                 folder.mkdir(parents=True, exist_ok=True)
                 name = f"part-{first:012d}-{last:012d}.parquet"
@@ -434,7 +494,6 @@ class TelemetryWriter:
                 conn.execute("DELETE FROM staged_samples WHERE id BETWEEN ? AND ?",
                              (first, last))
         except BaseException:
-            self.metrics.flush_errors.inc()
             for rel, *_rest in written:
                 (self.root / rel).unlink(missing_ok=True)
             raise

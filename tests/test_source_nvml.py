@@ -174,6 +174,34 @@ def test_values_are_read_and_converted(script: Script, opened: Callable[..., Nvm
     assert wire.decode(wire.encode(s), GpuSample) == s
 
 
+def test_not_available_sentinels_become_missing_values(
+        script: Script, opened: Callable[..., NvmlBackend]) -> None:
+    """NVML answers NVML_VALUE_NOT_AVAILABLE (all bits set) where it has no value; passed
+    on as 2**64-1 it wedged the collector's Parquet flush. It must arrive as missing."""
+    script(FULL + """
+0.ecc_sbe_vol -1
+0.pcie_replay -1
+0.remap_pending -1
+0.memtemp -1
+0.temp -1
+0.power_mw -1
+0.sm_clock -1
+0.throttle -1
+0.pstate 32
+0.link_width -1
+0.nvlink_replay.1 0xFFFFFFFFFFFFFFFF
+""")
+    s = opened().sample(1000.0)[0]
+    assert s.ecc_corrected_volatile is None and s.pcie_replay_total is None
+    assert s.remap_pending is None and s.memory_temperature_c is None
+    assert s.temperature_c is None and s.power_w is None and s.sm_clock_mhz is None
+    assert s.throttle_reasons is None and s.pstate is None and s.pcie_link_width is None
+    assert s.slowdown_margin_c == 23.0 and s.mem_clock_mhz == 2619.0  # the others stay
+    assert s.ecc_uncorrected_volatile == 1
+    assert s.nvlink[1] == NvlinkCounters(link=1, crc_flit=10, crc_data=11, recovery=13)
+    assert wire.decode(wire.encode(s), GpuSample) == s
+
+
 def test_reused_field_request_reads_fresh_values_like_the_public_call(
         script: Script, opened: Callable[..., NvmlBackend], monkeypatch: pytest.MonkeyPatch
 ) -> None:

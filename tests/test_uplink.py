@@ -243,6 +243,61 @@ def test_refused_batch_is_dropped_and_server_errors_are_retried(tmp_path: Path) 
     assert len(up.spool) == 0
 
 
+def test_a_refused_batch_is_moved_aside_and_a_bad_token_is_retried(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The real collector refuses a batch for good (403: node b's batch under node a's
+    token): the agent moves it to ``rejected/`` with a log line, never sends it again, and
+    keeps sending. A wrong token (401) may be fixed: those batches stay in the spool."""
+    col = Collector(tmp_path)
+    col.start()
+    reg, reg_w = CollectorRegistry(), CollectorRegistry()
+    impostor = Uplink(agent_config(tmp_path, col.port, node="b", spool_dir=tmp_path / "b"),
+                      registry=reg, poll_wait_s=1.0, retry_s=0.05)
+    bad_token = Uplink(agent_config(tmp_path, col.port, token="wrong-token-0123456789",
+                                    spool_dir=tmp_path / "w"),
+                       registry=reg_w, poll_wait_s=1.0, retry_s=0.05)
+    for up in (impostor, bad_token):
+        up.start()
+    try:
+        impostor.add(samples=samples("b", time.time()), urgent=True)
+        bad_token.add(samples=samples("a", time.time()), urgent=True)
+        wait_for(lambda: metric(reg, "forewarn_uplink_rejected_batches_total") == 1)
+        wait_for(lambda: metric(reg_w, "forewarn_uplink_push_errors_total") >= 2)
+    finally:
+        for up in (impostor, bad_token):
+            up.stop()
+    rejected = sorted((tmp_path / "b" / "rejected").iterdir())
+    assert [p.name for p in rejected] == ["00000000000000000000.u.msgpack",
+                                          "00000000000000000000.u.txt"]
+    assert "403" in rejected[1].read_text()
+    assert decode(rejected[0].read_bytes(), AgentBatch).node == "b"
+    assert len(impostor.spool) == 0
+    assert any("rejected" in r.getMessage() and "403" in r.getMessage()
+               for r in caplog.records), caplog.text
+    assert len(bad_token.spool) >= 1  # kept for a fixed token
+    assert col.seqs() == []
+    col.stop()
+    col.store.close()
+
+
+def test_uploads_carry_the_agent_clock_for_the_skew_metric(tmp_path: Path) -> None:
+    col = Collector(tmp_path)
+    col.start()
+    up = Uplink(agent_config(tmp_path, col.port), registry=CollectorRegistry(),
+                clock=lambda: time.time() + 100.0, poll_wait_s=1.0, retry_s=0.05)
+    up.start()
+    try:
+        up.add(samples=samples("a", time.time()), urgent=True)
+        wait_for(lambda: len(col.seqs()) >= 1)
+    finally:
+        up.stop()
+    skew = col.app.state.ctx.metrics.registry.get_sample_value(
+        "forewarn_collector_agent_clock_skew_seconds", {"node": "a"})
+    assert skew is not None and 95 < skew < 101
+    col.stop()
+    col.store.close()
+
+
 def test_build_is_off_without_collector_url_and_checks_config(tmp_path: Path) -> None:
     assert build(AgentConfig(node="a", spool_dir=tmp_path)) is None
     with pytest.raises(ConfigError, match="collector_url"):

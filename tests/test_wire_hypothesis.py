@@ -4,6 +4,8 @@ raise :class:`WireError` naming the problem, never anything else."""
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -36,6 +38,8 @@ from forewarn.wire import (
     encode,
     encode_json,
 )
+
+from support.collector import TOKENS, Service, start_service, stop_service
 
 RECORDS: list[type[Any]] = [AgentBatch, GpuSample, XidEvent, Finding, RankSummary,
                             CheckpointReport, CheckpointOrder, Command, CommandAck, StepRecord,
@@ -167,3 +171,79 @@ def test_probability_out_of_range_names_the_field(bad: float) -> None:
                                    "probability": bad})
     with pytest.raises(WireError, match=r"\$\.probability"):
         decode(data, Finding)
+
+
+# -- the whole ingest route over real HTTP --------------------------------------------
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    svc = start_service(tmp_path_factory.mktemp("ingest-hypothesis"),
+                        sqlite_synchronous="NORMAL")
+    yield svc
+    stop_service(svc)
+
+
+NOW = time.time()
+live_samples = st.builds(
+    GpuSample, node=st.just("node1"), gpu=st.integers(0, 7), time=st.floats(NOW - 60, NOW),
+    source=st.just("sim"), temperature_c=st.none() | finite, power_w=st.none() | finite,
+    ecc_corrected_volatile=opt_count,
+    nvlink=st.lists(st.builds(NvlinkCounters, link=st.integers(0, 17), crc_flit=opt_count),
+                    max_size=2).map(tuple),
+)
+live_batches = st.builds(
+    AgentBatch, node=st.just("node1"), agent_id=st.just("agent-node1"),
+    seq=st.integers(0, 2**40), created=st.just(NOW), urgent=st.booleans(),
+    samples=st.lists(live_samples, min_size=1, max_size=4),
+)
+
+
+poisons = st.sampled_from([math.inf, -math.inf, math.nan, 2**63, 2**64 - 1, -1,
+                           NOW * 1000, NOW + 86400 * 365, 1e300, "x" * 300, [[[[]]]]])
+"""Values that once got through or crashed something: one is likely to be drawn."""
+
+
+@st.composite
+def hostile_bodies(draw: st.DrawFn) -> bytes:
+    """Arbitrary bytes, deep nesting, a valid batch with bytes flipped or cut, or one with
+    a field of itself or of a sample replaced by junk."""
+    kind = draw(st.sampled_from(["bytes", "nested", "flipped", "field", "field"]))
+    if kind == "bytes":
+        return draw(st.binary(max_size=2048))
+    if kind == "nested":  # inside a key the decoder would skip: msgspec recurses there
+        depth = draw(st.integers(500, 20_000))
+        return b"\x81\xa5extra" + draw(st.sampled_from([b"\x91", b"\x81\xa1k"])) * depth
+    batch = draw(live_batches)
+    if kind == "flipped":
+        body = bytearray(encode(batch))
+        for _ in range(draw(st.integers(1, 4))):
+            i = draw(st.integers(0, len(body) - 1))
+            body[i] = draw(st.integers(0, 255))
+        return bytes(body[:draw(st.integers(1, len(body)))])
+    raw: dict[str, Any] = msgspec.to_builtins(batch)
+    target = raw if draw(st.booleans()) else raw["samples"][0]
+    target[draw(st.sampled_from([*sorted(target), "extra"]))] = draw(poisons | values)
+    return msgspec.msgpack.encode(raw)
+
+
+HTTP_SETTINGS = settings(max_examples=200, deadline=None,
+                         suppress_health_check=[HealthCheck.too_slow])
+
+
+@HTTP_SETTINGS
+@given(body=hostile_bodies())
+def test_any_body_gets_a_2xx_or_a_4xx_with_a_reason_and_other_agents_keep_flowing(
+        live: Service, body: bytes) -> None:
+    r = live.client.post("/api/v1/ingest", content=body, headers={
+        "content-type": "application/msgpack", "authorization": f"Bearer {TOKENS['node1']}"})
+    assert r.status_code < 500, r.text
+    if r.status_code >= 400:
+        assert r.json()["error"], r.text
+    else:
+        assert r.json()["result"] in ("stored", "duplicate"), r.text
+    before = live.store.scalar("SELECT COUNT(*) FROM batches WHERE node = 'node2'")
+    live.push("node2", samples=[GpuSample(node="node2", gpu=0, time=time.time(),
+                                          source="sim", temperature_c=50.0)])
+    assert live.store.scalar("SELECT COUNT(*) FROM batches WHERE node = 'node2'") == before + 1
+    app: Any = live.server.server.config.app
+    app.state.ctx.telemetry.flush()  # nothing accepted can wedge the flush

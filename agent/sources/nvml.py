@@ -10,6 +10,8 @@ of :mod:`forewarn.agent.backend`:
   ``state`` ``lost`` / ``reset_required``; the other GPUs keep sampling and the GPU is
   tried again at the next poll.
 * any other error of one field: a ``"field: reason"`` entry in ``GpuSample.errors``.
+* a value at NVML's "not available" sentinel (:data:`NVML_VALUE_NOT_AVAILABLE`,
+  :data:`NVML_PSTATE_UNKNOWN`): the field is missing (``None``) in that sample.
 * no library / no kernel driver at :meth:`NvmlBackend.open`:
   :class:`~forewarn.agent.backend.SourceUnavailable` with a message that says so.
 
@@ -55,7 +57,7 @@ import pynvml
 from forewarn.agent.backend import GpuInfo, SourceUnavailable
 from forewarn.wire import GpuSample, GpuState, NvlinkCounters, XidEvent
 
-__all__ = ["NvmlBackend"]
+__all__ = ["NVML_PSTATE_UNKNOWN", "NVML_VALUE_NOT_AVAILABLE", "NvmlBackend"]
 
 log = logging.getLogger(__name__)
 
@@ -65,38 +67,67 @@ _UNSUPPORTED: Final = frozenset(
 _XID_EVENT: Final[int] = pynvml.nvmlEventTypeXidCriticalError
 _MAX_XID_QUEUE: Final = 10_000
 
+# NVML's "not available" answers, kept in this one place. nvml.h defines
+# NVML_VALUE_NOT_AVAILABLE as (-1): where the driver has no value for a field (on some
+# GPUs, vGPU and MIG setups, or briefly after a reset) the call still returns
+# NVML_SUCCESS and the unsigned value is all ones, 0xFFFFFFFF as unsigned int and
+# 0xFFFFFFFFFFFFFFFF as unsigned long long (nvidia-ml-py's NVML_VALUE_NOT_AVAILABLE_uint
+# and _ulonglong). Such a value is missing, never a reading: as a counter it would report
+# 2**64-1 errors, and no int64 store downstream can hold it.
+NVML_VALUE_NOT_AVAILABLE: Final = frozenset({
+    int(pynvml.NVML_VALUE_NOT_AVAILABLE_uint.value),
+    int(pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value),
+})
+# nvmlDeviceGetPerformanceState answers NVML_PSTATE_UNKNOWN (32) when it cannot tell.
+NVML_PSTATE_UNKNOWN: Final = int(pynvml.NVML_PSTATE_UNKNOWN)
+
+
+def _available(value: int) -> int | None:
+    """An integer NVML answer, or None for :data:`NVML_VALUE_NOT_AVAILABLE`."""
+    return None if value in NVML_VALUE_NOT_AVAILABLE else int(value)
+
+
+def _measure(value: int, divisor: float = 1.0) -> float | None:
+    """A measurement in our units (NVML's divided by ``divisor``), None when not available."""
+    return None if value in NVML_VALUE_NOT_AVAILABLE else value / divisor
+
+
+def _pstate(value: int) -> int | None:
+    return None if value == NVML_PSTATE_UNKNOWN else _available(value)
+
+
 # Getters called once per poll: (key, sample fields they fill, call). Units are converted
 # here: NVML reports power in milliwatts, clocks in MHz, temperatures in degrees C.
 _Getter = tuple[str, tuple[str, ...], Callable[[Any], tuple[Any, ...]]]
 _GETTERS: Final[tuple[_Getter, ...]] = (
     ("temperature_c", ("temperature_c",),
-     lambda h: (float(pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)),)),
-    ("power_w", ("power_w",), lambda h: (pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0,)),
+     lambda h: (_measure(pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)),)),
+    ("power_w", ("power_w",), lambda h: (_measure(pynvml.nvmlDeviceGetPowerUsage(h), 1000.0),)),
     ("power_limit_w", ("power_limit_w",),
-     lambda h: (pynvml.nvmlDeviceGetEnforcedPowerLimit(h) / 1000.0,)),
+     lambda h: (_measure(pynvml.nvmlDeviceGetEnforcedPowerLimit(h), 1000.0),)),
     ("sm_clock_mhz", ("sm_clock_mhz",),
-     lambda h: (float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),)),
+     lambda h: (_measure(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM)),)),
     ("mem_clock_mhz", ("mem_clock_mhz",),
-     lambda h: (float(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM)),)),
+     lambda h: (_measure(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM)),)),
     ("utilization", ("gpu_util_pct", "mem_util_pct"), lambda h: _utilization(h)),
     ("memory", ("memory_used_bytes", "memory_total_bytes"), lambda h: _memory(h)),
     # Clock-event ("throttle") reasons bitmask, nvmlClocksEventReason* (e.g. 0x40 HW
     # thermal slowdown, 0x80 HW power brake): the thermal and power-brake checks read it.
     ("throttle_reasons", ("throttle_reasons",),
-     lambda h: (pynvml.nvmlDeviceGetCurrentClocksEventReasons(h),)),
-    ("pstate", ("pstate",), lambda h: (pynvml.nvmlDeviceGetPerformanceState(h),)),
+     lambda h: (_available(pynvml.nvmlDeviceGetCurrentClocksEventReasons(h)),)),
+    ("pstate", ("pstate",), lambda h: (_pstate(pynvml.nvmlDeviceGetPerformanceState(h)),)),
     ("pcie_link_gen", ("pcie_link_gen",),
-     lambda h: (pynvml.nvmlDeviceGetCurrPcieLinkGeneration(h),)),
+     lambda h: (_available(pynvml.nvmlDeviceGetCurrPcieLinkGeneration(h)),)),
     ("pcie_link_width", ("pcie_link_width",),
-     lambda h: (pynvml.nvmlDeviceGetCurrPcieLinkWidth(h),)),
+     lambda h: (_available(pynvml.nvmlDeviceGetCurrPcieLinkWidth(h)),)),
 )
 
 # Facts that do not change while the driver runs, read once per GPU.
 _STATIC_GETTERS: Final[tuple[_Getter, ...]] = (
     ("pcie_link_gen_max", ("pcie_link_gen_max",),
-     lambda h: (pynvml.nvmlDeviceGetMaxPcieLinkGeneration(h),)),
+     lambda h: (_available(pynvml.nvmlDeviceGetMaxPcieLinkGeneration(h)),)),
     ("pcie_link_width_max", ("pcie_link_width_max",),
-     lambda h: (pynvml.nvmlDeviceGetMaxPcieLinkWidth(h),)),
+     lambda h: (_available(pynvml.nvmlDeviceGetMaxPcieLinkWidth(h)),)),
 )
 
 # Counters read in one nvmlDeviceGetFieldValues call: sample field -> NVML_FI_DEV_* id.
@@ -136,14 +167,14 @@ def _nvlink_field_id(stem: str, link: int) -> int:
     return int(getattr(pynvml, f"NVML_FI_DEV_NVLINK_{stem}_L{link}"))
 
 
-def _utilization(h: Any) -> tuple[float, float]:
+def _utilization(h: Any) -> tuple[float | None, float | None]:
     u = pynvml.nvmlDeviceGetUtilizationRates(h)
-    return float(u.gpu), float(u.memory)
+    return _measure(u.gpu), _measure(u.memory)
 
 
-def _memory(h: Any) -> tuple[int, int]:
+def _memory(h: Any) -> tuple[int | None, int | None]:
     m = pynvml.nvmlDeviceGetMemoryInfo(h)
-    return int(m.used), int(m.total)
+    return _available(m.used), _available(m.total)
 
 
 def _text(value: str | bytes) -> str:
@@ -567,6 +598,8 @@ class NvmlBackend:
         for i, (ret, value) in enumerate(_decode_fields(results)):
             name, link = targets[i]
             if ret == pynvml.NVML_SUCCESS:
+                if value in NVML_VALUE_NOT_AVAILABLE:
+                    continue  # missing this poll, not a reading
                 if link >= 0:
                     links.setdefault(link, {})[name] = int(value)
                 elif name in _BOOL_FIELDS:
@@ -609,8 +642,9 @@ class NvmlBackend:
         for item in gpu.link_counters:
             link, attr, counter = item
             try:
-                links.setdefault(link, {})[attr] = int(
-                    pynvml.nvmlDeviceGetNvLinkErrorCounter(h, link, counter))
+                value = _available(pynvml.nvmlDeviceGetNvLinkErrorCounter(h, link, counter))
+                if value is not None:
+                    links.setdefault(link, {})[attr] = value
             except pynvml.NVMLError as exc:
                 if exc.value in _UNSUPPORTED:
                     dropped.append(item)

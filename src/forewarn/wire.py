@@ -2,8 +2,11 @@
 
 Every record is a :class:`msgspec.Struct` carrying the wire version ``v``.  Decoding
 validates types and ranges and raises :class:`WireError` whose message names the field
-(``Expected `int`, got `str` - at `$.step```).  Nothing else is shared between the
-parts of forewarn.
+(``Expected `int`, got `str` - at `$.step```).  Ranges that protect storage hold for every
+record: integers fit in int64 (:data:`INT64_MAX`), times are Unix seconds before 2100
+(:data:`MAX_UNIX_TIME`), GPU measurements are finite; input nested deeper than the
+decoder's limit is a :class:`WireError` too.  Nothing else is shared between the parts of
+forewarn.
 
 Encodings:
 
@@ -16,13 +19,18 @@ Encodings:
 from __future__ import annotations
 
 import enum
+import sys
 from typing import Annotated, Any, Final, TypeVar
 
 import msgspec
 from msgspec import Meta, Struct, field
 
 __all__ = [
+    "DECODE_ERRORS",
+    "INT64_MAX",
+    "MAX_UNIX_TIME",
     "PREEMPTED",
+    "SENT_AT_HEADER",
     "WIRE_VERSION",
     "AgentBatch",
     "AgentMessage",
@@ -46,6 +54,7 @@ __all__ = [
     "XidEvent",
     "decode",
     "decode_agent_message",
+    "decode_error_message",
     "decode_hook_message",
     "decode_json",
     "decode_order",
@@ -56,13 +65,22 @@ __all__ = [
 WIRE_VERSION: Final = 1
 """Current wire version. Decoders accept versions 1..WIRE_VERSION."""
 
+INT64_MAX: Final = 2**63 - 1
+"""Largest integer any record carries: SQLite INTEGER and Parquet int64 hold no more (a
+counter at NVML's 2**64-1 "not available" sentinel would wedge every Parquet flush)."""
+MAX_UNIX_TIME: Final = 4_102_444_800.0
+"""2100-01-01 in Unix seconds: any time past it is a unit error (milliseconds) or garbage."""
+_FLOAT_MAX: Final = sys.float_info.max
+
 Version = Annotated[int, Meta(ge=1, le=WIRE_VERSION)]
-NonNegInt = Annotated[int, Meta(ge=0)]
+NonNegInt = Annotated[int, Meta(ge=0, le=INT64_MAX)]
 Rank = Annotated[int, Meta(ge=0, le=1_000_000)]
 Name = Annotated[str, Meta(min_length=1, max_length=256)]
 Text = Annotated[str, Meta(max_length=4096)]
-Seconds = Annotated[float, Meta(ge=0.0)]
-UnixTime = Annotated[float, Meta(ge=0.0)]
+# msgspec has no "finite" constraint; bounds at the largest float refuse NaN and +-Inf.
+Finite = Annotated[float, Meta(ge=-_FLOAT_MAX, le=_FLOAT_MAX)]
+Seconds = Annotated[float, Meta(ge=0.0, le=_FLOAT_MAX)]
+UnixTime = Annotated[float, Meta(ge=0.0, le=MAX_UNIX_TIME)]
 PhaseName = Annotated[str, Meta(max_length=32)]
 
 
@@ -113,6 +131,9 @@ class NvlinkCounters(Struct, frozen=True, kw_only=True):
 class GpuSample(Struct, frozen=True, kw_only=True):
     """One poll of one GPU. ``None`` means not read: see ``unsupported`` for why.
 
+    Measurements are finite, counters fit in int64 and ``time`` is Unix seconds (the
+    decoder refuses anything else, naming the field).
+
     Counters (``*_total`` style fields) are cumulative as NVML reports them. This is also
     the replay schema: one row per GPU per sample time, columns named as these fields.
     """
@@ -127,15 +148,15 @@ class GpuSample(Struct, frozen=True, kw_only=True):
     source: Annotated[str, Meta(max_length=32)]
     simulated: bool = False
     state: GpuState = GpuState.OK
-    temperature_c: float | None = None
-    memory_temperature_c: float | None = None
-    slowdown_margin_c: float | None = None
-    power_w: float | None = None
-    power_limit_w: float | None = None
-    sm_clock_mhz: float | None = None
-    mem_clock_mhz: float | None = None
-    gpu_util_pct: float | None = None
-    mem_util_pct: float | None = None
+    temperature_c: Finite | None = None
+    memory_temperature_c: Finite | None = None
+    slowdown_margin_c: Finite | None = None
+    power_w: Finite | None = None
+    power_limit_w: Finite | None = None
+    sm_clock_mhz: Finite | None = None
+    mem_clock_mhz: Finite | None = None
+    gpu_util_pct: Finite | None = None
+    mem_util_pct: Finite | None = None
     memory_used_bytes: NonNegInt | None = None
     memory_total_bytes: NonNegInt | None = None
     throttle_reasons: NonNegInt | None = None
@@ -227,7 +248,7 @@ class StepRecord(Struct, frozen=True, kw_only=True, tag="step"):
     rank: Rank
     local_rank: Rank = 0
     world_size: Annotated[int, Meta(ge=1, le=1_000_000)] = 1
-    pid: Annotated[int, Meta(ge=1)]
+    pid: Annotated[int, Meta(ge=1, le=INT64_MAX)]
     host: Name
     step: NonNegInt
     time: UnixTime
@@ -245,7 +266,7 @@ class Beat(Struct, frozen=True, kw_only=True, tag="beat"):
     rank: Rank
     local_rank: Rank = 0
     world_size: Annotated[int, Meta(ge=1, le=1_000_000)] = 1
-    pid: Annotated[int, Meta(ge=1)]
+    pid: Annotated[int, Meta(ge=1, le=INT64_MAX)]
     host: Name
     time: UnixTime
     last_step: NonNegInt | None = None
@@ -319,7 +340,7 @@ class IntervalAdvice(Struct, frozen=True, kw_only=True, tag="advice"):
 
     v: Version = WIRE_VERSION
     job: Name
-    every_steps: Annotated[int, Meta(ge=1)]
+    every_steps: Annotated[int, Meta(ge=1, le=INT64_MAX)]
     from_step: NonNegInt
     interval_s: Annotated[float, Meta(gt=0.0)]
     reason: Text = ""
@@ -340,7 +361,7 @@ class RankSummary(Struct, frozen=True, kw_only=True):
     world_size: Annotated[int, Meta(ge=1, le=1_000_000)] = 1
     node: Name
     gpu: NonNegInt | None = None
-    pid: Annotated[int, Meta(ge=1)]
+    pid: Annotated[int, Meta(ge=1, le=INT64_MAX)]
     last_step: NonNegInt | None = None
     last_step_time: UnixTime | None = None
     last_beat: UnixTime | None = None
@@ -421,15 +442,33 @@ def encode_json(record: Any) -> bytes:
     return _json_encoder.encode(record)
 
 
+SENT_AT_HEADER: Final = "forewarn-sent-at"
+"""HTTP header of an agent's batch upload: the agent's Unix time when it sent the request
+(the collector measures each agent's clock skew from it)."""
+
+DECODE_ERRORS: Final = (msgspec.ValidationError, msgspec.DecodeError, RecursionError,
+                        UnicodeDecodeError)
+"""What msgspec raises on bad input. RecursionError: nesting deeper than the decoder's
+limit (Python's recursion limit, ~1,000 levels), even inside a field it would skip;
+UnicodeDecodeError: a msgpack string that is not UTF-8."""
+
+
+def decode_error_message(exc: Exception, what: str) -> str:
+    """The :class:`WireError` message for ``exc`` (one of :data:`DECODE_ERRORS`)."""
+    if isinstance(exc, RecursionError):
+        return f"invalid {what}: nested too deeply (more than ~1,000 levels of arrays/maps)"
+    return f"invalid {what}: {exc}"
+
+
 def _wrap(exc: Exception, what: str) -> WireError:
-    return WireError(f"invalid {what}: {exc}")
+    return WireError(decode_error_message(exc, what))
 
 
 def decode(data: bytes, type: type[T]) -> T:
     """Decode msgpack ``data`` as ``type``; :class:`WireError` names the bad field."""
     try:
         return msgspec.msgpack.decode(data, type=type)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except DECODE_ERRORS as exc:
         raise _wrap(exc, type.__name__) from None
 
 
@@ -437,7 +476,7 @@ def decode_json(data: bytes | str, type: type[T]) -> T:
     """Decode JSON ``data`` as ``type``; :class:`WireError` names the bad field."""
     try:
         return msgspec.json.decode(data, type=type)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except DECODE_ERRORS as exc:
         raise _wrap(exc, type.__name__) from None
 
 
@@ -445,7 +484,7 @@ def decode_hook_message(data: bytes) -> StepRecord | Beat | CheckpointReport:
     """Decode one hook datagram."""
     try:
         return _hook_decoder.decode(data)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except DECODE_ERRORS as exc:
         raise _wrap(exc, "hook message") from None
 
 
@@ -453,7 +492,7 @@ def decode_agent_message(data: bytes) -> CheckpointOrder | IntervalAdvice:
     """Decode one agent -> hook datagram (an order or interval advice)."""
     try:
         return _agent_decoder.decode(data)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except DECODE_ERRORS as exc:
         raise _wrap(exc, "agent message") from None
 
 
@@ -461,5 +500,5 @@ def decode_order(data: bytes) -> CheckpointOrder:
     """Decode one checkpoint order datagram (agent -> hook)."""
     try:
         return _order_decoder.decode(data)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+    except DECODE_ERRORS as exc:
         raise _wrap(exc, "checkpoint order") from None
