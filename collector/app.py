@@ -15,7 +15,10 @@ Routes
 ``GET /api/v1/...``: ``nodes``, ``gpus``, ``jobs``, ``jobs/{job}``, ``findings``, ``xids``,
     ``actions``, ``decisions``, ``checkpoints``, ``commands/log``.
     Read API (JSON; ``api_token`` when configured). ``GET /openapi.json``, ``/metrics``,
-    ``/healthz``. These live in :mod:`forewarn.collector.api`.
+    ``/healthz`` (liveness). These live in :mod:`forewarn.collector.api`.
+``GET /readyz``
+    Readiness, JSON per component (storage writable, ingest writer alive, last telemetry
+    flush ok); 503 when not ready: :mod:`forewarn.collector.readiness`.
 
 The seam for the policy and actions (``policy=``)
 -------------------------------------------------
@@ -92,6 +95,7 @@ from forewarn.collector.ingest import (
 )
 from forewarn.collector.jobs import StoreJobView
 from forewarn.collector.metrics import CollectorMetrics
+from forewarn.collector.readiness import readyz
 from forewarn.collector.staging import StagingLog
 from forewarn.collector.store import Store
 from forewarn.collector.telemetry import TelemetryWriter
@@ -148,6 +152,10 @@ class CollectorContext:
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="forewarn-policy"))
     _flush_wanted: asyncio.Event | None = None
+    flush_error: str = ""
+    """Why the last telemetry flush failed ("" when it worked), for /readyz."""
+    flush_time: float = 0.0
+    """When the last telemetry flush ended (Unix time; 0 before the first)."""
     _staged: int = 0
     _policy_backlog: int = 0
     _backlog_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
@@ -305,7 +313,14 @@ async def _periodic_flush(ctx: CollectorContext) -> None:
         event.clear()
         try:
             ctx._staged = 0
-            await asyncio.to_thread(ctx.telemetry.flush, max_rows=10**9)
+            try:
+                await asyncio.to_thread(ctx.telemetry.flush, max_rows=10**9)
+            except Exception as exc:
+                ctx.flush_error = f"{type(exc).__name__}: {exc}"[:1000]
+                raise
+            finally:
+                ctx.flush_time = ctx.clock()
+            ctx.flush_error = ""
         except Exception:
             log.exception("telemetry flush failed; staged samples are kept and retried")
 
@@ -388,6 +403,7 @@ def create_app(
         Route("/api/v1/commands", poll_commands, methods=["GET"]),
         Route("/api/v1/commands/{id}/ack", ack_command, methods=["POST"]),
         *read_routes(),
+        Route("/readyz", readyz, methods=["GET"]),
         *statuspage.routes(),
         *extra_routes,
     ]

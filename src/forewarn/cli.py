@@ -15,6 +15,7 @@ from forewarn import __version__
 SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("agent", "forewarn.agent.cli"),
     ("collector", "forewarn.collector.cli"),
+    ("status", "forewarn.status"),
     ("demo", "forewarn.demo.run"),
     ("chaos", "forewarn.chaos.cli"),
     ("simulate", "forewarn.simulate"),
