@@ -48,7 +48,9 @@ and optionally any of (looked up with ``getattr``):
     reach the context as ``request.app.state.ctx``.
 
 All hook calls run one at a time on a single dedicated thread ("forewarn-policy"), in the
-order events arrived, so a policy need not be thread-safe and never blocks ingest; a hook
+order events arrived, so a policy need not be thread-safe and never blocks ingest (bulk
+work queued with ``ctx.submit_bulk(fn, *args)`` runs only while no other hook call
+waits: :mod:`forewarn.collector.policy_thread`); a hook
 that raises is logged and counted (``forewarn_collector_policy_errors_total``), never
 fatal. Routes added by the policy should pass findings through
 ``await ctx.submit_findings(findings, origin=...)`` (stores them, then runs the hook on
@@ -95,6 +97,7 @@ from forewarn.collector.ingest import (
 )
 from forewarn.collector.jobs import StoreJobView
 from forewarn.collector.metrics import CollectorMetrics
+from forewarn.collector.policy_thread import PolicyThread
 from forewarn.collector.readiness import readyz
 from forewarn.collector.staging import StagingLog
 from forewarn.collector.store import Store
@@ -148,9 +151,7 @@ class CollectorContext:
     policy: FindingsPolicy | None
     clock: Callable[[], float]
     loop: asyncio.AbstractEventLoop | None = None
-    _policy_pool: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
-        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="forewarn-policy"))
+    _policy_pool: PolicyThread = dataclasses.field(default_factory=PolicyThread)
     _flush_wanted: asyncio.Event | None = None
     flush_error: str = ""
     """Why the last telemetry flush failed ("" when it worked), for /readyz."""
@@ -164,6 +165,11 @@ class CollectorContext:
         """Run ``fn(*args)`` on the policy thread (serialised with every hook call)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._policy_pool, fn, *args)
+
+    def submit_bulk(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        """Queue ``fn(*args)`` on the policy thread's bulk lane: it runs only while no
+        decision work (agent batches, acks, timers) waits (alert storms)."""
+        return self._policy_pool.submit_bulk(fn, *args)
 
     async def submit_findings(self, findings: Sequence[Finding], *, origin: str = "collector",
                               node: str = "") -> None:

@@ -129,6 +129,13 @@ class CollectorConfig:
     empty = those routes refuse. Must differ from ``api_token`` and ``alert_token``, and
     a node's token is never accepted for it."""
     operator_token_file: Path | None = None
+    alert_ttl_s: float = 7200.0
+    """A firing alert not re-sent within this long is forgotten (Alertmanager re-sends at
+    ``repeat_interval``, 1 h in deploy/alertmanager.yml); the same labels firing again
+    within it only update the alert's row: no new finding, no new decision."""
+    alert_max_rows: int = 10_000
+    """Most alerts (label sets) kept, in memory and in the ``alerts`` table; the least
+    recently seen go first."""
     # -- failure predictor and goodput (forewarn.collector.predict / goodput_service) ----
     predictor_enabled: bool = True
     """Run the failure predictor on live telemetry (the model loads at start)."""
@@ -192,6 +199,9 @@ class CollectorConfig:
             raise ConfigError(f"log_level: unknown level {self.log_level!r}")
         _check_policy_keys(self)
         _check_tokens_distinct(self)
+        if not self.alert_ttl_s > 0 or not 1 <= self.alert_max_rows <= 10_000_000:
+            raise ConfigError(f"alert_ttl_s (> 0), alert_max_rows (1..10^7): got "
+                              f"{self.alert_ttl_s}, {self.alert_max_rows}")
         for key in ("predict_interval_s", "predict_refresh_s", "goodput_gpu_mtbf_h"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"{key}: must be positive, got {getattr(self, key)}")
