@@ -11,8 +11,8 @@ by source and label set (the same labels while firing are one alert):
 * a resolved alert leaves the book (a later firing is new again), as does one not re-sent
   within ``ttl_s`` (the sender went silent);
 * rows (table ``alerts``, one per label set) and the new findings are written by
-  :meth:`AlertBook.flush` in one transaction, every half second, never on the request
-  path; the table keeps at most ``max_rows`` rows (least recently seen dropped first) and
+  :meth:`AlertBook.flush` every half second in a few short transactions, never on the
+  request path; the table keeps at most ``max_rows`` rows (least recently seen dropped first) and
   nothing older than the retention.
 """
 
@@ -32,6 +32,9 @@ from forewarn.collector.jobview import JobView
 from forewarn.wire import Finding
 
 __all__ = ["AlertBook", "AlertIntake"]
+
+WRITE_CHUNK = 100
+"""Rows (or findings) per write transaction of a flush."""
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS alerts (
@@ -172,14 +175,22 @@ class AlertBook:
 
     def _write(self, store: Any, rows: dict[str, _Row], findings: list[tuple[Finding, str]]
                ) -> None:
+        """In transactions of at most :data:`WRITE_CHUNK` rows: the store has one writer,
+        and an agent's batch must not wait behind a storm's worth of rows."""
         now = self.clock()
+        items = list(rows.items())
+        for i in range(0, len(items), WRITE_CHUNK):
+            with store.write() as conn:
+                conn.executemany(_UPSERT, [
+                    (k, r.source, r.alertname, r.subject, r.status, r.labels, r.first_seen,
+                     r.last_seen, r.count) for k, r in items[i:i + WRITE_CHUNK]])
+        for i in range(0, len(findings), WRITE_CHUNK):
+            part = findings[i:i + WRITE_CHUNK]
+            with store.write() as conn:
+                for source in sorted({s for _f, s in part}):
+                    store_findings(conn, [f for f, s in part if s == source], node="",
+                                   origin=source, received=now)
         with store.write() as conn:
-            conn.executemany(_UPSERT, [
-                (k, r.source, r.alertname, r.subject, r.status, r.labels, r.first_seen,
-                 r.last_seen, r.count) for k, r in rows.items()])
-            for source in sorted({s for _f, s in findings}):
-                store_findings(conn, [f for f, s in findings if s == source], node="",
-                               origin=source, received=now)
             conn.execute("DELETE FROM alerts WHERE last_seen < ?", (now - self.retention_s,))
             excess = conn.execute("SELECT count(*) FROM alerts").fetchone()[0] - self.max_rows
             if excess > 0:

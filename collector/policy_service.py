@@ -59,7 +59,7 @@ __all__ = ["PolicyService", "settings_from_config"]
 
 log = logging.getLogger(__name__)
 
-ALERT_CHUNK = 8
+ALERT_CHUNK = 4
 """Alert findings the policy takes per turn on the bulk lane (bounds how long a decision
 about an agent's finding can wait behind alerts)."""
 ALERT_QUEUE_MAX = 10_000
