@@ -35,6 +35,8 @@ __all__ = ["AlertBook", "AlertIntake"]
 
 WRITE_CHUNK = 100
 """Rows (or findings) per write transaction of a flush."""
+PRUNE_EVERY_S = 60.0
+"""A flush with nothing new still prunes the table this often (retention)."""
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS alerts (
@@ -98,6 +100,7 @@ class AlertBook:
         """Rows to write at the next flush."""
         self._findings: list[tuple[Finding, str]] = []
         self._schema_ready = False
+        self._pruned = 0.0
 
     def accept(self, payload: AlertPayload, source: str, jobs: JobView, now: float
                ) -> AlertIntake:
@@ -153,8 +156,10 @@ class AlertBook:
                     del self._rows[stale]
 
     def flush(self, store: Any) -> int:
-        """Write the rows and new findings gathered since the last flush, in one
-        transaction, and keep the table bounded; returns rows written."""
+        """Write the rows and new findings gathered since the last flush (in short
+        transactions) and keep the table bounded; returns rows written. On a failure what
+        was not written is kept for the next flush (a part already written may count its
+        re-sends twice)."""
         with self._lock:
             rows, self._rows = self._rows, {}
             findings, self._findings = self._findings, []
@@ -163,6 +168,8 @@ class AlertBook:
                 conn.execute(SCHEMA)
             self._schema_ready = True
         if not rows and not findings:
+            if self.clock() - self._pruned > PRUNE_EVERY_S:
+                self._prune(store)
             return 0
         try:
             self._write(store, rows, findings)
@@ -190,6 +197,12 @@ class AlertBook:
                 for source in sorted({s for _f, s in part}):
                     store_findings(conn, [f for f, s in part if s == source], node="",
                                    origin=source, received=now)
+        self._prune(store)
+
+    def _prune(self, store: Any) -> None:
+        """Drop rows older than the retention, then the least recently seen beyond
+        ``max_rows``."""
+        now = self._pruned = self.clock()
         with store.write() as conn:
             conn.execute("DELETE FROM alerts WHERE last_seen < ?", (now - self.retention_s,))
             excess = conn.execute("SELECT count(*) FROM alerts").fetchone()[0] - self.max_rows
