@@ -36,6 +36,12 @@ object with a ``name`` attribute and any of these methods (all optional)::
             # called once at shutdown, in reverse order of start.
             ...
 
+        def readiness(self) -> dict[str, Any]:
+            # /readyz (any thread): {"ready": bool, "detail": str, ...}, reported under
+            # the component's ``ready_name`` (default ``name``). A component whose start
+            # raised is reported not ready with the error.
+            ...
+
 Add one with :meth:`Agent.add_component` before :meth:`Agent.start`. For the
 ``forewarn agent`` command, list the component's factory in :data:`COMPONENTS`: a
 ``(module, function)`` pair where ``function(config: AgentConfig) -> component | None``
@@ -212,6 +218,8 @@ class Agent:
         self._polls = 0
         self._last_poll_mono: float | None = None
         self._component_errors = 0
+        self._failed_start: dict[str, str] = {}
+        """ready_name -> why the component did not start (for /readyz)."""
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -227,7 +235,7 @@ class Agent:
             host, _, port = self.config.listen.rpartition(":")
             self.server = MetricsServer(
                 self.registry, host.strip("[]"), int(port),
-                healthy=self._healthz, findings=self.current_findings,
+                healthy=self._healthz, findings=self.current_findings, ready=self.readiness,
             )
             self.server.start()
             log.info("serving /metrics on http://%s:%d", *self.server.address)
@@ -237,9 +245,10 @@ class Agent:
                 if start is not None:
                     start(self)
                 self._started.append(comp)
-            except Exception:
+            except Exception as exc:
                 log.exception("component %s failed to start; running without it",
                               getattr(comp, "name", comp))
+                self._failed_start[_ready_name(comp)] = f"failed to start: {exc}"
 
     def stop(self) -> None:
         """Stop components (reverse order), the HTTP server, and close the sources."""
@@ -515,11 +524,44 @@ class Agent:
             return False, f"last poll {age:.1f}s ago (limit {limit:.1f}s)"
         return True, f"ok: source {self._source.name} {'up' if self._source.up else 'down'}"
 
+    def readiness(self) -> dict[str, Any]:
+        """``/readyz``: liveness of the poll loop, the source, the checks and every
+        component (rank socket, uplink with its spool depth); ready when all are."""
+        live, detail = self._healthz()
+        src = self._source
+        parts: dict[str, dict[str, Any]] = {
+            "poll": {"ready": live, "detail": detail},
+            "source": {"ready": src.opened and src.up,
+                       "detail": f"{src.name}: " + ("up" if src.opened and src.up
+                                                    else src.last_error or "not polled yet")},
+        }
+        runs = self.exporter.snapshot.check_runs
+        failing = sorted(r.name for r in runs if not r.ok)
+        parts["checks"] = {
+            "ready": bool(runs) and not failing,
+            "detail": (f"failing: {', '.join(failing)}" if failing
+                       else f"{len(runs)} ran" if runs else "not run yet")}
+        for comp in self._started:
+            report = getattr(comp, "readiness", None)
+            if report is not None:
+                try:
+                    parts[_ready_name(comp)] = report()
+                except Exception as exc:  # a report must not break /readyz
+                    parts[_ready_name(comp)] = {"ready": False, "detail": f"error: {exc!r}"}
+        for name, why in self._failed_start.items():
+            parts[name] = {"ready": False, "detail": why}
+        return {"ready": all(p["ready"] for p in parts.values()), "service": "agent",
+                "node": self.config.node, "components": parts}
+
     def _status_line(self, poll: Poll) -> str:
         with self._lock:
             bad = [f for f in self._findings.values() if f.health != Health.HEALTHY]
         return (f"{len(self.state.gpus)} GPU(s) via {self._source.name} "
                 f"({'up' if self._source.up else 'down'}), {len(bad)} finding(s) not healthy")
+
+
+def _ready_name(comp: Any) -> str:
+    return str(getattr(comp, "ready_name", getattr(comp, "name", type(comp).__name__)))
 
 
 # -- building the real parts -------------------------------------------------------------

@@ -442,10 +442,13 @@ _findings_encoder = msgspec.json.Encoder()
 
 
 class MetricsServer:
-    """Threaded HTTP server: ``/metrics`` (the registry), ``/healthz`` (200 while polls are
-    fresh, else 503) and ``/api/v1/findings`` (current findings as JSON, for debugging).
+    """Threaded HTTP server: ``/metrics`` (the registry), ``/healthz`` (liveness: 200 while
+    polls are fresh, else 503), ``/readyz`` (readiness: JSON ``{"ready": bool, "service":
+    "agent", "components": {name: {"ready": bool, "detail": str, ...}}}``, 503 when not
+    ready) and ``/api/v1/findings`` (current findings as JSON, for debugging).
 
-    ``healthy`` and ``findings`` are callables so the server holds no state of its own.
+    ``healthy``, ``ready`` and ``findings`` are callables so the server holds no state of
+    its own.
     """
 
     def __init__(
@@ -456,6 +459,7 @@ class MetricsServer:
         *,
         healthy: Callable[[], tuple[bool, str]],
         findings: Callable[[], list[Finding]],
+        ready: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.registry = registry
         server = self
@@ -470,6 +474,7 @@ class MetricsServer:
                 log.debug("http: " + format, *args)
 
         self._healthy = healthy
+        self._ready = ready
         self._findings = findings
         self._httpd = http.server.ThreadingHTTPServer((host, port), Handler)
         self._httpd.daemon_threads = True
@@ -522,11 +527,15 @@ class MetricsServer:
                 ok, detail = self._healthy()
                 status = 200 if ok else 503
                 body, ctype = (detail + "\n").encode(), "text/plain; charset=utf-8"
+            elif path == "/readyz" and self._ready is not None:
+                report = self._ready()
+                status = 200 if report["ready"] else 503
+                body, ctype = _findings_encoder.encode(report), "application/json"
             elif path == "/api/v1/findings":
                 body = _findings_encoder.encode(self._findings())
                 ctype = "application/json"
             elif path == "/":
-                body = b"forewarn agent: /metrics /healthz /api/v1/findings\n"
+                body = b"forewarn agent: /metrics /healthz /readyz /api/v1/findings\n"
                 ctype = "text/plain; charset=utf-8"
             else:
                 status, body, ctype = 404, b"not found\n", "text/plain; charset=utf-8"

@@ -154,6 +154,12 @@ class RankIngest:
         finally:
             probe.close()
 
+    @property
+    def listening(self) -> bool:
+        """The socket is bound and the receive thread runs."""
+        thread = self._thread
+        return self._sock is not None and thread is not None and thread.is_alive()
+
     # -- thread ------------------------------------------------------------------------------
     def start(self) -> None:
         """Bind (if not yet) and start the receive thread."""

@@ -49,6 +49,7 @@ class RankComponent:
     """Rank ingest, fast detectors, checkpoint orders and hang handling for one agent."""
 
     name = "ranks"
+    ready_name = "rank_socket"
 
     def __init__(
         self,
@@ -100,6 +101,13 @@ class RankComponent:
             self._watcher = None
         self.ingest.stop()
         self.terminator.close()
+
+    def readiness(self) -> dict[str, Any]:
+        """Ready while the socket is bound and its receive thread runs."""
+        bound = self.ingest.listening
+        return {"ready": bound, "socket": str(self.config.socket_path),
+                "detail": f"{'listening on' if bound else 'not listening on'} "
+                          f"{self.config.socket_path}"}
 
     def on_poll(self, poll: Any) -> None:
         now = poll.time

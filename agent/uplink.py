@@ -305,6 +305,9 @@ class Uplink:
         self._seen_commands: collections.OrderedDict[str, tuple[bool, str]] = (
             collections.OrderedDict())
         self._dropped_seen = 0
+        self._last_error = ""
+        """Why the last send failed ("" after a success), for /readyz."""
+        self._depth = (len(self.spool), self.spool.bytes)
 
     # -- component interface --------------------------------------------------------
 
@@ -434,6 +437,7 @@ class Uplink:
                 return False
             assert self.metrics is not None
             if r.status_code == 200:
+                self._last_error = ""
                 self.spool.remove(seq)
                 self.metrics.sent.inc()
                 self.metrics.last_success.set(self.clock())
@@ -451,12 +455,22 @@ class Uplink:
         self._update_gauges()
         return True
 
+    def readiness(self) -> dict[str, Any]:
+        """Ready unless the last attempt to send failed; with the spool depth."""
+        batches, size = self._depth
+        error = self._last_error
+        return {"ready": not error, "spool_batches": batches, "spool_bytes": size,
+                "detail": error or f"{self.config.collector_url}: ok, {batches} batch(es) "
+                                   "waiting"}
+
     def _count_error(self, message: str) -> None:
+        self._last_error = message
         if self.metrics is not None:
             self.metrics.errors.inc()
         log.warning("uplink: %s; batches stay in the spool", message)
 
     def _update_gauges(self) -> None:
+        self._depth = (len(self.spool), self.spool.bytes)
         m = self.metrics
         if m is None:
             return

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import shutil
 import socket
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -96,82 +98,107 @@ class Agent:
         return fut
 
 
-async def drive(url: str, tokens: dict[str, str], args: argparse.Namespace) -> dict[str, float]:
-    agents = {n: Agent(url, n, t) for n, t in tokens.items()}
-    nodes = sorted(agents)
-    jobs = {f"job{j}": nodes[j * args.job_nodes:(j + 1) * args.job_nodes]
-            for j in range(len(nodes) // args.job_nodes)}
-    now = time.time()
-    for job, members in jobs.items():
-        for i, node in enumerate(members):
-            ranks = [RankSummary(job=job, rank=i * 8 + g, world_size=8 * len(members),
-                                 node=node, gpu=g, pid=1000 + g, last_step=1000,
-                                 last_step_time=now, step_seconds_p50=0.5,
-                                 last_checkpoint_time=now - 3600, checkpoint_seconds=20.0)
-                     for g in range(8)]
-            await agents[node].post(ranks=ranks)
-    stop = asyncio.Event()
-    polls = [asyncio.create_task(a.poll(stop)) for a in agents.values()]
-    await asyncio.sleep(0.5)
-    latencies = []
-    names = sorted(jobs)
-    for trial in range(args.trials):
+class Fleet:
+    """Simulated agents with jobs spanning ``job_nodes`` nodes each, holding long polls."""
+
+    def __init__(self, url: str, tokens: dict[str, str], job_nodes: int) -> None:
+        self.agents = {n: Agent(url, n, t) for n, t in tokens.items()}
+        nodes = sorted(self.agents)
+        self.jobs = {f"job{j}": nodes[j * job_nodes:(j + 1) * job_nodes]
+                     for j in range(len(nodes) // job_nodes)}
+        self._stop = asyncio.Event()
+        self._polls: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        now = time.time()
+        for job, members in self.jobs.items():
+            for i, node in enumerate(members):
+                ranks = [RankSummary(job=job, rank=i * 8 + g, world_size=8 * len(members),
+                                     node=node, gpu=g, pid=1000 + g, last_step=1000,
+                                     last_step_time=now, step_seconds_p50=0.5,
+                                     last_checkpoint_time=now - 3600, checkpoint_seconds=20.0)
+                         for g in range(8)]
+                await self.agents[node].post(ranks=ranks)
+        self._polls = [asyncio.create_task(a.poll(self._stop)) for a in self.agents.values()]
+        await asyncio.sleep(0.5)
+
+    async def trial(self, trial: int) -> float:
+        """One fatal finding from an agent; seconds until every node of its job has the
+        order."""
+        names = sorted(self.jobs)
         job = names[trial % len(names)]
-        members = jobs[job]
-        waits = [agents[n].wait_order(job) for n in members]
-        reporter = agents[members[trial % len(members)]]
+        members = self.jobs[job]
+        waits = [self.agents[n].wait_order(job) for n in members]
+        reporter = self.agents[members[trial % len(members)]]
         finding = Finding(check="gpu_lost", health=Health.UNHEALTHY,
                           action=SuggestedAction.RESET_GPU, time=time.time(),
                           subject=Subject(kind="gpu", node=reporter.node, gpu=trial % 8),
                           reason=f"bench trial {trial}")
         t0 = time.perf_counter()
         await reporter.post(urgent=True, findings=[finding])
-        done = await asyncio.wait_for(asyncio.gather(*waits), 30)
-        latencies.append(max(done) - t0)
-        for a in agents.values():
+        done = await asyncio.wait_for(asyncio.gather(*waits), 60)
+        for a in self.agents.values():
             a.waiters.clear()
-        await asyncio.sleep(args.gap)
-    stop.set()
-    for a in agents.values():
-        await a.client.aclose()
-    for p in polls:
-        p.cancel()
-    await asyncio.gather(*polls, return_exceptions=True)
+        return max(done) - t0
+
+    async def close(self) -> None:
+        self._stop.set()
+        for a in self.agents.values():
+            await a.client.aclose()
+        for p in self._polls:
+            p.cancel()
+        await asyncio.gather(*self._polls, return_exceptions=True)
+
+
+def summary(latencies: list[float]) -> dict[str, float]:
+    """Trials, p50, p99 and max in milliseconds."""
     lat = sorted(latencies)
     return {
         "trials": len(lat),
-        "nodes": len(nodes),
-        "job_nodes": args.job_nodes,
         "p50_ms": 1000 * statistics.median(lat),
         "p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))],
         "max_ms": 1000 * lat[-1],
     }
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--nodes", type=int, default=64)
-    ap.add_argument("--job-nodes", type=int, default=8)
-    ap.add_argument("--trials", type=int, default=200)
-    ap.add_argument("--gap", type=float, default=0.02, help="seconds between trials")
-    args = ap.parse_args()
+async def drive(url: str, tokens: dict[str, str], args: argparse.Namespace) -> dict[str, float]:
+    fleet = Fleet(url, tokens, args.job_nodes)
+    await fleet.start()
+    latencies = []
+    for trial in range(args.trials):
+        latencies.append(await fleet.trial(trial))
+        await asyncio.sleep(args.gap)
+    await fleet.close()
+    return {"nodes": len(tokens), "job_nodes": args.job_nodes, **summary(latencies)}
+
+
+BENCH_POLICY = (
+    "policy_dedup_s = 0\npolicy_cooldown_checkpoint_s = 0\npolicy_cooldown_webhook_s = 0\n"
+    "policy_rate_checkpoint_per_min = 1000000\npolicy_breaker_checkpoint_share = 1.0\n")
+"""Policy gates open, so every trial's finding acts."""
+
+
+@contextlib.contextmanager
+def collector_process(nodes: int, extra_config: str = ""
+                      ) -> Iterator[tuple[str, dict[str, str], Path]]:
+    """A real ``forewarn collector`` (pinned to core 0 when ``taskset`` exists) with
+    ``nodes`` enrolled nodes and :data:`BENCH_POLICY`: (url, node -> token, data dir)."""
     tmp = Path(tempfile.mkdtemp(prefix="forewarn-order-bench-"))
-    tokens = {f"n{i:04d}": f"bench-token-{i:04d}-0123456789" for i in range(args.nodes)}
+    tokens = {f"n{i:04d}": f"bench-token-{i:04d}-0123456789" for i in range(nodes)}
     (tmp / "tokens.toml").write_text("".join(
         f'{n} = "{hash_token(t)}"\n' for n, t in tokens.items()))
     port = free_port()
     (tmp / "collector.toml").write_text(
         f'listen = "127.0.0.1:{port}"\ndata_dir = "{tmp / "data"}"\n'
         f'tokens_file = "{tmp / "tokens.toml"}"\nlog_level = "warning"\n'
-        "policy_dedup_s = 0\npolicy_cooldown_checkpoint_s = 0\npolicy_cooldown_webhook_s = 0\n"
-        "policy_rate_checkpoint_per_min = 1000000\npolicy_breaker_checkpoint_share = 1.0\n")
+        + BENCH_POLICY + extra_config)
     cmd = [sys.executable, "-m", "forewarn", "collector", "--config", str(tmp / "collector.toml")]
     if shutil.which("taskset"):
         cmd = ["taskset", "-c", "0", *cmd]
     proc = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60
         while True:
             try:
                 if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
@@ -181,11 +208,22 @@ def main() -> int:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit("collector did not start")
             time.sleep(0.1)
-        result = asyncio.run(drive(url, tokens, args))
+        yield url, tokens, tmp / "data"
     finally:
         proc.terminate()
         proc.wait(30)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, default=64)
+    ap.add_argument("--job-nodes", type=int, default=8)
+    ap.add_argument("--trials", type=int, default=200)
+    ap.add_argument("--gap", type=float, default=0.02, help="seconds between trials")
+    args = ap.parse_args()
+    with collector_process(args.nodes) as (url, tokens, _data):
+        result = asyncio.run(drive(url, tokens, args))
     print(json.dumps(result, indent=2))
     return 0
 

@@ -18,6 +18,12 @@ suggested action ``checkpoint``) that goes through the one policy with the cost 
 bypassed: an operator's alert rule asked for a checkpoint; dedup, cooldown, rate limits,
 the circuit breaker and shadow mode still apply.
 
+Only alerts that start firing become findings: the same labels firing again (Alertmanager
+re-sends at every group and repeat interval) only update the alert's row
+(:mod:`.alert_book`). The routes answer ``{"findings": new, "duplicates": n, "resolved": n,
+"skipped": [why, ...]}`` at once; the policy's decisions follow on its thread
+(``GET /api/v1/decisions``).
+
 Routes ``POST /api/v1/alerts/alertmanager`` and ``POST /api/v1/alerts/grafana`` require
 ``Authorization: Bearer <alert_token>`` (Alertmanager: ``http_config.authorization``;
 Grafana: the webhook contact point's authorization header). With no token configured the
@@ -49,10 +55,13 @@ from forewarn.wire import (
 
 __all__ = [
     "MAX_ALERT_BODY",
+    "Alert",
     "AlertHandler",
     "AlertPayload",
     "AlertTarget",
+    "alert_finding",
     "alert_findings",
+    "alert_labels",
     "alert_routes",
     "parse_alerts",
 ]
@@ -142,6 +151,38 @@ def _subject(labels: Labels, jobs: JobView) -> Subject | None:
     return Subject(kind="node", node=node)
 
 
+def alert_labels(payload: AlertPayload, alert: Alert) -> Labels:
+    """The alert's labels with the payload's common labels (the alert's win)."""
+    return {**payload.commonLabels, **alert.labels}
+
+
+def alert_finding(payload: AlertPayload, alert: Alert, jobs: JobView, source: str,
+                  now: float) -> Finding | str:
+    """The finding for one firing alert, or why it was skipped."""
+    labels = alert_labels(payload, alert)
+    name = labels.get("alertname", "") or payload.title or "alert"
+    if alert.status != "firing":
+        return f"{name}: status {alert.status!r}, not firing"
+    subject = _subject(labels, jobs)
+    if subject is None:
+        return f"{name}: no node, GPU or known job in the labels"
+    severity = labels.get("severity", "").lower()
+    summary = alert.annotations.get("summary") or alert.annotations.get("description") or ""
+    reason = f"{source} alert {name}: {summary}".strip().rstrip(":")
+    evidence: dict[str, float | int | str | bool | None] = {
+        k[:64]: v[:256] for k, v in list(labels.items())[:32]
+    }
+    return Finding(
+        check=f"alert:{name}"[:256],
+        health=Health.UNHEALTHY if severity in _CRITICAL else Health.DEGRADED,
+        subject=subject,
+        reason=reason[:4096],
+        action=SuggestedAction.CHECKPOINT,
+        evidence=evidence,
+        time=now,
+    )
+
+
 def alert_findings(
     payload: AlertPayload, jobs: JobView, source: str, now: float
 ) -> tuple[list[Finding], list[str]]:
@@ -149,32 +190,11 @@ def alert_findings(
     findings: list[Finding] = []
     skipped: list[str] = []
     for i, alert in enumerate(payload.alerts):
-        labels = {**payload.commonLabels, **alert.labels}
-        name = labels.get("alertname", "") or payload.title or "alert"
-        if alert.status != "firing":
-            skipped.append(f"alerts[{i}] {name}: status {alert.status!r}, not firing")
-            continue
-        subject = _subject(labels, jobs)
-        if subject is None:
-            skipped.append(f"alerts[{i}] {name}: no node, GPU or known job in the labels")
-            continue
-        severity = labels.get("severity", "").lower()
-        summary = alert.annotations.get("summary") or alert.annotations.get("description") or ""
-        reason = f"{source} alert {name}: {summary}".strip().rstrip(":")
-        evidence: dict[str, float | int | str | bool | None] = {
-            k[:64]: v[:256] for k, v in list(labels.items())[:32]
-        }
-        findings.append(
-            Finding(
-                check=f"alert:{name}"[:256],
-                health=Health.UNHEALTHY if severity in _CRITICAL else Health.DEGRADED,
-                subject=subject,
-                reason=reason[:4096],
-                action=SuggestedAction.CHECKPOINT,
-                evidence=evidence,
-                time=now,
-            )
-        )
+        found = alert_finding(payload, alert, jobs, source, now)
+        if isinstance(found, str):
+            skipped.append(f"alerts[{i}] {found}")
+        else:
+            findings.append(found)
     return findings, skipped
 
 

@@ -241,6 +241,9 @@ def openapi_schema() -> dict[str, Any]:
         "/metrics": {"get": {"summary": "Prometheus metrics",
                              "responses": {"200": {"description": "text exposition"}}}},
         "/healthz": {"get": {"summary": "Liveness", "responses": {"200": {"description": "ok"}}}},
+        "/readyz": {"get": {"summary": "Readiness per component (storage, ingest, flush)",
+                            "responses": {"200": {"description": "ready"},
+                                          "503": {"description": "not ready"}}}},
     }
     components["Finding"] = components.get("Finding", finding)
     return {

@@ -19,7 +19,10 @@ Routes
 ``GET /api/v1/...``: ``nodes``, ``gpus``, ``jobs``, ``jobs/{job}``, ``findings``, ``xids``,
     ``actions``, ``decisions``, ``checkpoints``, ``commands/log``.
     Read API (JSON; ``api_token`` when configured). ``GET /openapi.json``, ``/metrics``,
-    ``/healthz``. These live in :mod:`forewarn.collector.api`.
+    ``/healthz`` (liveness). These live in :mod:`forewarn.collector.api`.
+``GET /readyz``
+    Readiness, JSON per component (storage writable, ingest writer alive, last telemetry
+    flush ok); 503 when not ready: :mod:`forewarn.collector.readiness`.
 
 The seam for the policy and actions (``policy=``)
 -------------------------------------------------
@@ -49,7 +52,9 @@ and optionally any of (looked up with ``getattr``):
     reach the context as ``request.app.state.ctx``.
 
 All hook calls run one at a time on a single dedicated thread ("forewarn-policy"), in the
-order events arrived, so a policy need not be thread-safe and never blocks ingest; a hook
+order events arrived, so a policy need not be thread-safe and never blocks ingest (bulk
+work queued with ``ctx.submit_bulk(fn, *args)`` runs only while no other hook call
+waits: :mod:`forewarn.collector.policy_thread`); a hook
 that raises is logged and counted (``forewarn_collector_policy_errors_total``), never
 fatal. Routes added by the policy should pass findings through
 ``await ctx.submit_findings(findings, origin=...)`` (stores them, then runs the hook on
@@ -99,6 +104,8 @@ from forewarn.collector.ingest import (
 )
 from forewarn.collector.jobs import StoreJobView
 from forewarn.collector.metrics import CollectorMetrics
+from forewarn.collector.policy_thread import PolicyThread
+from forewarn.collector.readiness import readyz
 from forewarn.collector.staging import StagingLog
 from forewarn.collector.store import Store
 from forewarn.collector.telemetry import TelemetryWriter
@@ -153,10 +160,12 @@ class CollectorContext:
     policy: FindingsPolicy | None
     clock: Callable[[], float]
     loop: asyncio.AbstractEventLoop | None = None
-    _policy_pool: concurrent.futures.ThreadPoolExecutor = dataclasses.field(
-        default_factory=lambda: concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="forewarn-policy"))
+    _policy_pool: PolicyThread = dataclasses.field(default_factory=PolicyThread)
     _flush_wanted: asyncio.Event | None = None
+    flush_error: str = ""
+    """Why the last telemetry flush failed ("" when it worked), for /readyz."""
+    flush_time: float = 0.0
+    """When the last telemetry flush ended (Unix time; 0 before the first)."""
     _staged: int = 0
     _policy_backlog: int = 0
     _backlog_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
@@ -165,6 +174,11 @@ class CollectorContext:
         """Run ``fn(*args)`` on the policy thread (serialised with every hook call)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._policy_pool, fn, *args)
+
+    def submit_bulk(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        """Queue ``fn(*args)`` on the policy thread's bulk lane: it runs only while no
+        decision work (agent batches, acks, timers) waits (alert storms)."""
+        return self._policy_pool.submit_bulk(fn, *args)
 
     async def submit_findings(self, findings: Sequence[Finding], *, origin: str = "collector",
                               node: str = "") -> None:
@@ -337,7 +351,14 @@ async def _periodic_flush(ctx: CollectorContext) -> None:
         event.clear()
         try:
             ctx._staged = 0
-            await asyncio.to_thread(ctx.telemetry.flush, max_rows=10**9)
+            try:
+                await asyncio.to_thread(ctx.telemetry.flush, max_rows=10**9)
+            except Exception as exc:
+                ctx.flush_error = f"{type(exc).__name__}: {exc}"[:1000]
+                raise
+            finally:
+                ctx.flush_time = ctx.clock()
+            ctx.flush_error = ""
         except Exception:
             log.exception("telemetry flush failed; staged samples are kept and retried")
 
@@ -420,6 +441,7 @@ def create_app(
         Route("/api/v1/commands", poll_commands, methods=["GET"]),
         Route("/api/v1/commands/{id}/ack", ack_command, methods=["POST"]),
         *read_routes(),
+        Route("/readyz", readyz, methods=["GET"]),
         *statuspage.routes(),
         *extra_routes,
     ]

@@ -106,15 +106,30 @@ def _token_list(args: argparse.Namespace) -> int:
 
 
 def uvicorn_config(app: Starlette, config: CollectorConfig, **kw: Any) -> uvicorn.Config:
-    """uvicorn settings for ``app``: listen address, TLS, no access log (ingest is hot)."""
+    """uvicorn settings for ``app``: listen address, TLS, no access log (ingest is hot), and
+    the HTTP protocol guarded by the connection limits (:mod:`.connections`), whose metrics
+    go to the app's registry."""
     import uvicorn
+
+    from forewarn.collector.connections import (
+        ConnectionGuard,
+        connection_cap,
+        guarded_protocol,
+        protocol_class,
+    )
 
     tls: dict[str, Any] = {}
     if config.certfile is not None and config.keyfile is not None:
         tls = {"ssl_certfile": str(config.certfile), "ssl_keyfile": str(config.keyfile)}
+    cap, backlog = connection_cap(config.max_connections)
+    guard = ConnectionGuard(
+        max_connections=cap,
+        header_timeout_s=config.header_timeout_s, body_timeout_s=config.body_timeout_s,
+        registry=app.state.ctx.metrics.registry)
     return uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                           access_log=False, lifespan="on", timeout_keep_alive=75,
-                          http=config.http, **tls, **kw)
+                          http=guarded_protocol(protocol_class(config.http), guard),
+                          backlog=backlog, **tls, **kw)
 
 
 def collector_server(app: Starlette, config: CollectorConfig) -> uvicorn.Server:
@@ -159,6 +174,9 @@ def _run(args: argparse.Namespace) -> int:
         store.close()
         return 2
     server = collector_server(app, config)
+    from forewarn.collector.lograte import rate_limit_logging
+
+    rate_limit_logging(config.log_every_s)  # after uvicorn configured its loggers
     try:
         server.run()
     finally:

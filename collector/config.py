@@ -74,6 +74,21 @@ class CollectorConfig:
     log_level: str = "info"
     http: str = "auto"
     """uvicorn HTTP parser: auto (httptools when installed, the fast C one), httptools, h11."""
+    # -- connection limits (forewarn.collector.connections) -------------------------------
+    max_connections: int = 10_000
+    """Most open HTTP connections. Lowered at start to the open-file limit less 128
+    descriptors (database, Parquet, webhooks); the unit sets ``LimitNOFILE=65536``. At the
+    limit a new connection closes the longest-idle one (no request in progress), or is
+    refused with 503 when none is idle."""
+    header_timeout_s: float = 10.0
+    """A connection must send a complete request head within this many seconds of opening
+    or of its previous response, else it is closed (slowloris; also the keep-alive idle
+    limit: agents reuse a connection within 5 s)."""
+    body_timeout_s: float = 60.0
+    """A request body must arrive completely within this many seconds of its head."""
+    log_every_s: float = 10.0
+    """Log rate limit: one line per message kind per this many seconds, the next one
+    saying how many were suppressed (0 = log everything)."""
     # -- policy and actions (forewarn.collector.policy / actions / orders) -------------
     policy_shadow: bool = False
     """Global shadow mode: decisions are recorded, no action is taken."""
@@ -122,6 +137,13 @@ class CollectorConfig:
     empty = those routes refuse. Must differ from ``api_token`` and ``alert_token``, and
     a node's token is never accepted for it."""
     operator_token_file: Path | None = None
+    alert_ttl_s: float = 7200.0
+    """A firing alert not re-sent within this long is forgotten (Alertmanager re-sends at
+    ``repeat_interval``, 1 h in deploy/alertmanager.yml); the same labels firing again
+    within it only update the alert's row: no new finding, no new decision."""
+    alert_max_rows: int = 10_000
+    """Most alerts (label sets) kept, in memory and in the ``alerts`` table; the least
+    recently seen go first."""
     # -- failure predictor and goodput (forewarn.collector.predict / goodput_service) ----
     predictor_enabled: bool = True
     """Run the failure predictor on live telemetry (the model loads at start)."""
@@ -172,12 +194,23 @@ class CollectorConfig:
                 f"sqlite_synchronous: must be one of {', '.join(SYNCHRONOUS)}, "
                 f"got {self.sqlite_synchronous!r}"
             )
+        if not 1 <= self.max_connections <= 1_000_000:
+            raise ConfigError(
+                f"max_connections: must be within 1..10^6, got {self.max_connections}")
+        for key in ("header_timeout_s", "body_timeout_s"):
+            if not 0 < getattr(self, key) <= 3600:
+                raise ConfigError(f"{key}: must be within (0, 3600], got {getattr(self, key)}")
+        if not 0 <= self.log_every_s <= 3600:
+            raise ConfigError(f"log_every_s: must be within 0..3600, got {self.log_every_s}")
         if self.http not in ("auto", "httptools", "h11"):
             raise ConfigError(f"http: must be auto, httptools or h11, got {self.http!r}")
         if self.log_level not in ("critical", "error", "warning", "info", "debug"):
             raise ConfigError(f"log_level: unknown level {self.log_level!r}")
         _check_policy_keys(self)
         _check_tokens_distinct(self)
+        if not self.alert_ttl_s > 0 or not 1 <= self.alert_max_rows <= 10_000_000:
+            raise ConfigError(f"alert_ttl_s (> 0), alert_max_rows (1..10^7): got "
+                              f"{self.alert_ttl_s}, {self.alert_max_rows}")
         for key in ("predict_interval_s", "predict_refresh_s", "goodput_gpu_mtbf_h"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"{key}: must be positive, got {getattr(self, key)}")

@@ -481,6 +481,16 @@ class IngestWriter:
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def alive(self) -> bool:
+        """The writer thread runs (for /readyz)."""
+        return self._thread.is_alive()
+
+    @property
+    def queued(self) -> int:
+        """Batches waiting to be committed."""
+        return len(self._queue)
+
     def submit(self, batch: AgentBatch, body: bytes, *, address: str = ""
                ) -> concurrent.futures.Future[IngestResult]:
         """Queue ``batch`` (urgent ones ahead of the rest); the future resolves once it is

@@ -12,6 +12,11 @@ decision uses the predicted probability) and goodput accounting (:mod:`.goodput_
 both fed from the stored batches; every ``predict_interval_s`` a timer scores the fleet and
 refreshes goodput advice on the policy thread.
 
+Alert webhooks go through an :class:`~.alert_book.AlertBook` (deduplicated, stored in
+batches every half second); only alerts that start firing reach the policy, coalesced by
+check and subject and handed over in small chunks on the policy thread's bulk lane, so a
+storm never delays a decision about an agent's finding (:mod:`.policy_thread`).
+
 Threads: the hooks run on the service's single policy thread; the webhook sender runs on
 the event loop (events are handed over with ``call_soon_threadsafe``); drains run on their
 own one-thread pool.
@@ -20,17 +25,21 @@ own one-thread pool.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import functools
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from prometheus_client import Counter, Gauge
 from starlette.requests import Request
 from starlette.routing import BaseRoute
 
 from forewarn.collector.actions import ActionPipeline, store_decisions
-from forewarn.collector.alerts import AlertPayload, alert_findings, alert_routes
+from forewarn.collector.alert_book import AlertBook
+from forewarn.collector.alerts import AlertPayload, alert_routes
 from forewarn.collector.costmodel import CheckpointCostTracker
 from forewarn.collector.drain import DrainRunner, DrainTemplate
 from forewarn.collector.goodput_service import AdviceSender, GoodputService
@@ -49,6 +58,14 @@ if TYPE_CHECKING:
 __all__ = ["PolicyService", "settings_from_config"]
 
 log = logging.getLogger(__name__)
+
+ALERT_CHUNK = 4
+"""Alert findings the policy takes per turn on the bulk lane (bounds how long a decision
+about an agent's finding can wait behind alerts)."""
+ALERT_QUEUE_MAX = 10_000
+"""Alert findings (distinct check and subject) waiting for the policy; more are dropped
+and counted: their rows and findings are stored all the same."""
+ALERT_FLUSH_S = 0.5
 
 
 def settings_from_config(config: CollectorConfig) -> PolicySettings:
@@ -103,6 +120,9 @@ class PolicyService:
         predictor: PredictorService | None = None,
         goodput: GoodputService | None = None,
         advise_hooks: bool = True,
+        alert_ttl_s: float = 7200.0,
+        alert_max_rows: int = 10_000,
+        retention_days: int = 30,
     ) -> None:
         self.settings = settings
         self.order_settings = orders
@@ -118,8 +138,16 @@ class PolicyService:
         self.sender: WebhookSender | None = None
         self._ctx: CollectorContext | None = None
         self._drain_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="drain")
-        self._alerts: dict[int, tuple[Finding, str]] = {}
-        self._alert_decisions: dict[int, list[Decision]] = {}
+        self._forced: dict[int, tuple[Finding, str]] = {}
+        """Operator actions in flight (id of the finding -> source): cost model bypassed."""
+        self._forced_decisions: dict[int, list[Decision]] = {}
+        self._alert_settings = (alert_ttl_s, alert_max_rows, retention_days * 86400.0)
+        self.alert_book: AlertBook | None = None
+        self._alert_queue: collections.OrderedDict[str, tuple[Finding, str]] = (
+            collections.OrderedDict())
+        self._alert_lock = threading.Lock()
+        self._alert_turn_queued = False
+        self._alert_flusher: concurrent.futures.Future[None] | None = None
         self.predictor = predictor
         self.goodput = goodput
         self.policy: Policy | None = None
@@ -152,6 +180,9 @@ class PolicyService:
                                    gpu_mtbf_h=config.goodput_gpu_mtbf_h),
             # shadow mode acts on nothing: no advice reaches the ranks either
             advise_hooks=config.advise_hooks and not config.policy_shadow,
+            alert_ttl_s=config.alert_ttl_s,
+            alert_max_rows=config.alert_max_rows,
+            retention_days=config.retention_days,
         )
 
     # -- the app's hooks (policy thread) ------------------------------------------------
@@ -185,6 +216,18 @@ class PolicyService:
         self.policy = policy
         if self.drain is not None:
             self.drain.register(registry)
+        ttl_s, max_rows, retention_s = self._alert_settings
+        self.alert_book = AlertBook(ttl_s=ttl_s, max_rows=max_rows, retention_s=retention_s,
+                                    clock=ctx.clock)
+        self._m_alerts = Counter("forewarn_collector_alerts",
+                                 "Inbound alerts by result: new (a finding for the policy), "
+                                 "duplicate (already firing), resolved, skipped, dropped "
+                                 "(policy queue full).", ["source", "result"], registry=registry)
+        self._m_alert_queue = Gauge("forewarn_collector_alert_findings_queued",
+                                    "Alert findings waiting for the policy.", registry=registry)
+        if ctx.loop is not None:
+            self._alert_flusher = asyncio.run_coroutine_threadsafe(
+                _flush_alerts(self.alert_book, ctx), ctx.loop)
         for part in (self.predictor, self.goodput):
             if part is not None:
                 part.register(registry)
@@ -198,6 +241,13 @@ class PolicyService:
         ctx = self._ctx
         if self._ticker is not None:
             self._ticker.cancel()
+        if self._alert_flusher is not None:
+            self._alert_flusher.cancel()
+        if self.alert_book is not None and ctx is not None:
+            try:
+                self.alert_book.flush(ctx.store)
+            except Exception:
+                log.exception("storing the last alerts failed")
         if self.sender is not None and ctx is not None and ctx.loop is not None:
             try:
                 asyncio.run_coroutine_threadsafe(self.sender.stop(), ctx.loop).result(10)
@@ -213,10 +263,10 @@ class PolicyService:
         if self.goodput is not None and self._ctx is not None:
             self.goodput.on_findings(findings, self._ctx.jobs)
         for f in findings:
-            alert = self._alerts.pop(id(f), None)
-            if alert is not None:
-                self._alert_decisions[id(f)] = self.pipeline.handle_findings(
-                    [f], alert[1], force_checkpoint=True)
+            forced = self._forced.pop(id(f), None)
+            if forced is not None:
+                self._forced_decisions[id(f)] = self.pipeline.handle_findings(
+                    [f], forced[1], force_checkpoint=True)
             else:
                 self.pipeline.handle_findings([f])
 
@@ -291,29 +341,87 @@ class PolicyService:
     async def _handle_alert(
         self, request: Request, payload: AlertPayload, source: str
     ) -> dict[str, Any]:
+        """Sort the alerts (off the loop), queue the new ones for the policy, answer at
+        once: the policy's decisions are in ``GET /api/v1/decisions``."""
         ctx: CollectorContext = request.app.state.ctx
-        findings, skipped = await asyncio.to_thread(
-            alert_findings, payload, ctx.jobs, source, ctx.clock())
-        return {**await self._submit_forced(request, findings, source), "skipped": skipped}
+        book = self.alert_book
+        if book is None:
+            raise RuntimeError("alert webhook before the policy service started")
+        intake = await asyncio.to_thread(book.accept, payload, source, ctx.jobs, ctx.clock())
+        for f in intake.findings:
+            ctx.metrics.findings.labels(f.health.value, source).inc()
+        dropped = self._queue_alerts(intake.findings, source, ctx)
+        for result, n in (("new", len(intake.findings)), ("duplicate", intake.duplicates),
+                          ("resolved", intake.resolved), ("skipped", len(intake.skipped)),
+                          ("dropped", dropped)):
+            if n:
+                self._m_alerts.labels(source, result).inc(n)
+        return {"findings": len(intake.findings), "duplicates": intake.duplicates,
+                "resolved": intake.resolved, "skipped": intake.skipped}
+
+    def _queue_alerts(self, findings: list[Finding], source: str, ctx: CollectorContext
+                      ) -> int:
+        """Coalesce new alert findings by check and subject (the policy's dedup key) for
+        the bulk lane; returns how many were dropped because the queue is full."""
+        dropped = 0
+        with self._alert_lock:
+            for f in findings:
+                key = f"{f.check}|{f.subject.key()}"
+                if key not in self._alert_queue and len(self._alert_queue) >= ALERT_QUEUE_MAX:
+                    dropped += 1
+                    continue
+                self._alert_queue[key] = (f, source)
+            self._m_alert_queue.set(len(self._alert_queue))
+            start = bool(self._alert_queue) and not self._alert_turn_queued
+            self._alert_turn_queued = self._alert_turn_queued or start
+        if dropped:
+            log.warning("alert findings dropped: %d (the policy is %d behind)", dropped,
+                        ALERT_QUEUE_MAX)
+        if start:
+            ctx.submit_bulk(self._alert_turn, ctx)
+        return dropped
+
+    def _alert_turn(self, ctx: CollectorContext) -> None:
+        """Bulk lane: run up to :data:`ALERT_CHUNK` alert findings through the policy,
+        then queue the next turn behind any decision work that arrived meanwhile."""
+        with self._alert_lock:
+            chunk = [self._alert_queue.popitem(last=False)[1]
+                     for _ in range(min(ALERT_CHUNK, len(self._alert_queue)))]
+            self._m_alert_queue.set(len(self._alert_queue))
+            more = bool(self._alert_queue)
+            self._alert_turn_queued = more
+        if more:
+            ctx.submit_bulk(self._alert_turn, ctx)
+        if self.pipeline is None:
+            return
+        for finding, source in chunk:
+            try:
+                if self.goodput is not None:
+                    self.goodput.on_findings([finding], ctx.jobs)
+                self.pipeline.handle_findings([finding], source, force_checkpoint=True)
+            except Exception:
+                ctx.metrics.policy_errors.inc()
+                log.exception("policy failed on alert finding %s", finding.check)
 
     async def _submit_forced(
         self, request: Request, findings: list[Finding], source: str
     ) -> dict[str, Any]:
         """Store ``findings`` and run them through the policy with the cost model bypassed
-        (an alert rule or an operator asked); the decisions taken."""
+        (an operator asked), on the decision lane; the decisions taken. (Alerts take the
+        alert book and the bulk lane instead: :meth:`_handle_alert`.)"""
         ctx: CollectorContext = request.app.state.ctx
         for f in findings:
-            self._alerts[id(f)] = (f, source)
+            self._forced[id(f)] = (f, source)
         try:
             await ctx.submit_findings(findings, origin=source)
         finally:
             for f in findings:
-                self._alerts.pop(id(f), None)
+                self._forced.pop(id(f), None)
         decisions = [
             {"id": d.id, "action": d.action, "target": d.target, "outcome": d.outcome,
              "reason": d.reason}
             for f in findings
-            for d in self._alert_decisions.pop(id(f), [])
+            for d in self._forced_decisions.pop(id(f), [])
         ]
         return {"findings": len(findings), "decisions": decisions}
 
@@ -331,6 +439,16 @@ class PolicyService:
             asyncio.get_running_loop().run_in_executor(None, record)
         except RuntimeError:
             record()
+
+
+async def _flush_alerts(book: AlertBook, ctx: CollectorContext) -> None:
+    """Store the alert book's rows and new findings every :data:`ALERT_FLUSH_S`."""
+    while True:
+        await asyncio.sleep(ALERT_FLUSH_S)
+        try:
+            await asyncio.to_thread(book.flush, ctx.store)
+        except Exception:
+            log.exception("storing alerts failed; they are kept for the next try")
 
 
 async def _every(interval_s: float, ctx: CollectorContext, fn: Callable[[float], None]) -> None:

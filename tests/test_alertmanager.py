@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from support.collector import ALERT_TOKEN, ranks_on, start_service, stop_service
-from support.polling import free_port
+from support.polling import free_port, poll
 
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or "/usr/bin/prometheus-alertmanager"
 EXAMPLE = Path(__file__).resolve().parent.parent / "deploy" / "alertmanager.yml"
@@ -97,7 +97,8 @@ def test_alertmanager_alert_becomes_checkpoint_order(alertmanager: tuple[str, An
     assert orders["node1"]["step"] == orders["node2"]["step"] > 500
     assert "ForewarnGpuXidFatal" in orders["node1"]["reason"]
     assert svc.commands("node3") == []
-    findings = svc.client.get("/api/v1/findings").json()
+    # the finding is stored by the alert book's next flush (within half a second)
+    findings = poll(lambda: svc.client.get("/api/v1/findings").json(), 10)
     assert [(f["check_name"], f["origin"]) for f in findings] == [
         ("alert:ForewarnGpuXidFatal", "alertmanager")]
     decisions = svc.client.get("/api/v1/decisions", params={"job": "train-1"}).json()

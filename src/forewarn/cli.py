@@ -16,6 +16,7 @@ from forewarn.extras import missing_extra
 SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("agent", "forewarn.agent.cli"),
     ("collector", "forewarn.collector.cli"),
+    ("status", "forewarn.status"),
     ("demo", "forewarn.demo.run"),
     ("chaos", "forewarn.chaos.cli"),
     ("simulate", "forewarn.simulate"),

@@ -26,7 +26,8 @@ from forewarn.collector.store import Store
 from forewarn.wire import AgentBatch, RankSummary, encode
 
 __all__ = ["ALERT_TOKEN", "NODE", "NODE_TOKENS", "TOKENS", "Clock", "ClockedService",
-           "Service", "ranks_on", "serve", "start_clocked", "start_service", "stop_service"]
+           "Service", "ranks_on", "serve", "start_clocked", "start_job_service", "start_service",
+           "stop_service"]
 
 ALERT_TOKEN = "alert-token-0123456789"
 TOKENS = {"node1": "token-one-0123456789", "node2": "token-two-0123456789",
@@ -86,6 +87,17 @@ def start_service(tmp_path: Path, **overrides: Any) -> Service:
     server, store, client = serve(tmp_path, TOKENS, **{
         "alert_token": ALERT_TOKEN, "advise_hooks": False, **overrides})
     return Service(server, store, client, {})
+
+
+def start_job_service(tmp_path: Path) -> Service:
+    """:func:`start_service` with job train-1 on node1 and node2 (ranks 0-3, see
+    :func:`ranks_on`) and node3 known without a job."""
+    s = start_service(tmp_path)
+    now = time.time()
+    s.push("node1", ranks=ranks_on("node1", 0, now))
+    s.push("node2", ranks=ranks_on("node2", 2, now))
+    s.push("node3")
+    return s
 
 
 def stop_service(svc: Service | ClockedService) -> None:

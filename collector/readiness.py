@@ -1,0 +1,74 @@
+"""``GET /readyz``: is the collector able to do its work, component by component.
+
+``/healthz`` is liveness (the process answers and its database opens: restart it when
+not); ``/readyz`` is readiness: JSON ``{"ready": bool, "service": "collector",
+"components": {name: {"ready": bool, "detail": str, ...}}}``, status 503 when any
+component is not ready:
+
+* ``storage``: a small file can be written and fsync'd in ``data_dir`` (disk full,
+  read-only or missing directory) and the database answers;
+* ``ingest``: the group-commit writer thread runs (with its queue length);
+* ``telemetry_flush``: the last staging-to-Parquet flush worked (its error otherwise,
+  with the samples still staged).
+
+``forewarn status URL`` prints it for a person.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from forewarn.collector.api import ctx_of, json_response
+
+if TYPE_CHECKING:
+    from forewarn.collector.app import CollectorContext
+
+__all__ = ["collector_readiness", "readyz"]
+
+PROBE = ".readyz-probe"
+
+
+def _storage(ctx: CollectorContext) -> dict[str, Any]:
+    path = ctx.config.data_dir / PROBE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, b"\0" * 4096)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+        ctx.store.scalar("SELECT 1")
+    except Exception as exc:  # any failure is the answer, never a 500
+        return {"ready": False, "detail": f"{ctx.config.data_dir}: {exc}"}
+    return {"ready": True, "detail": f"{ctx.config.data_dir} writable"}
+
+
+def collector_readiness(ctx: CollectorContext) -> dict[str, Any]:
+    """The ``/readyz`` report (blocking: the storage probe writes a file)."""
+    alive = ctx.writer.alive
+    flush_error = ctx.flush_error
+    try:
+        staged: int | None = ctx.telemetry.staged_samples()
+    except Exception:  # the storage part says why
+        staged = None
+    parts = {
+        "storage": _storage(ctx),
+        "ingest": {"ready": alive, "queued": ctx.writer.queued,
+                   "detail": "writer thread running" if alive else "writer thread stopped"},
+        "telemetry_flush": {
+            "ready": not flush_error, "staged_samples": staged, "last_flush": ctx.flush_time,
+            "detail": flush_error or ("last flush ok" if ctx.flush_time else "no flush yet")},
+    }
+    return {"ready": all(p["ready"] for p in parts.values()), "service": "collector",
+            "components": parts}
+
+
+async def readyz(request: Request) -> Response:
+    report = await asyncio.to_thread(collector_readiness, ctx_of(request))
+    return json_response(report, 200 if report["ready"] else 503)
