@@ -250,9 +250,7 @@ class LiveScorer:
             rows = np.where(too_early[:, None], self._first[live],
                             self._ring[(m - k) % _RING, live])
             lag[k] = {c: rows[:, j] for j, c in enumerate(CUM_COLUMNS)}
-        first = {c: self._first[live, j] for j, c in enumerate(CUM_COLUMNS)}
-        minutes = np.maximum(m - max(LAGS) - self._first_minute[live], 0).astype(np.float64)
-        return live, derive(cols, lag, first, minutes), (m + 1) * GRID_S
+        return live, derive(cols, lag), (m + 1) * GRID_S
 
     def score(self, now: float) -> list[Finding]:
         """Findings for every GPU whose failure probability is at or above threshold."""

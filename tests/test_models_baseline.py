@@ -44,8 +44,12 @@ def model() -> FailurePredictor:
 
 
 _BASELINE_H = 6.0
+_NO_BASELINE = pytest.mark.xfail(
+    strict=True, reason="issue 17 point 1: features are levels, not change against the "
+    "GPU's own baseline; the shipped model alarms on a steady ECC trickle")
 
 
+@_NO_BASELINE
 @pytest.mark.parametrize("per_hour", [6.0, 30.0, 120.0])
 def test_chronic_trickle_does_not_alarm_after_its_baseline_is_learned(
         model: FailurePredictor, per_hour: float) -> None:
@@ -67,6 +71,7 @@ def test_the_same_gpu_alarms_when_its_rate_accelerates(
     assert (p >= model.threshold).any(), f"no alarm as the rate grows (max p {p.max():.2f})"
 
 
+@_NO_BASELINE
 def test_live_scorer_learns_the_baseline_too(model: FailurePredictor) -> None:
     """The collector's path: quiet through the trickle once learned, alarms as it grows."""
     from forewarn.models.live import LiveScorer
