@@ -8,7 +8,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from forewarn.models.features import GRID_S, gpu_features
+from forewarn.models.features import FEATURE_NAMES, GRID_S, gpu_features
 from forewarn.models.persist import load_default_model
 from forewarn.models.predictor import FailurePredictor
 
@@ -43,13 +43,9 @@ def model() -> FailurePredictor:
     return load_default_model()
 
 
-_BASELINE_H = 6.0
-_NO_BASELINE = pytest.mark.xfail(
-    strict=True, reason="issue 17 point 1: features are levels, not change against the "
-    "GPU's own baseline; the shipped model alarms on a steady ECC trickle")
+_BASELINE_H = 10.0
 
 
-@_NO_BASELINE
 @pytest.mark.parametrize("per_hour", [6.0, 30.0, 120.0])
 def test_chronic_trickle_does_not_alarm_after_its_baseline_is_learned(
         model: FailurePredictor, per_hour: float) -> None:
@@ -71,20 +67,25 @@ def test_the_same_gpu_alarms_when_its_rate_accelerates(
     assert (p >= model.threshold).any(), f"no alarm as the rate grows (max p {p.max():.2f})"
 
 
-@_NO_BASELINE
 def test_live_scorer_learns_the_baseline_too(model: FailurePredictor) -> None:
-    """The collector's path: quiet through the trickle once learned, alarms as it grows."""
+    """The collector's path: quiet through the trickle once learned, alarms as it grows;
+    its features (baseline included) equal the batch features."""
     from forewarn.models.live import LiveScorer
     from forewarn.wire import GpuSample
 
-    hours = 10.0
+    hours = 14.0
     df = _trickle(30.0, hours, accel_hours=2.0, seed=3)
+    batch = gpu_features(df).set_index("time")
     scorer = LiveScorer(model)
-    quiet, grows = [], []
+    quiet: list[int] = []
+    grows: list[int] = []
     next_score = _T0 + _BASELINE_H * 3600
     cols = [c for c in df.columns if c not in ("node", "gpu", "time")]
     for row in df.itertuples(index=False):
         if row.time >= next_score:
+            _slots, feats, ft = scorer.features(next_score)
+            for c in FEATURE_NAMES:
+                np.testing.assert_allclose(feats[c], [batch.loc[ft, c]], atol=1e-6, err_msg=c)
             found = scorer.score(next_score)
             (grows if next_score > _T0 + hours * 3600 else quiet).append(len(found))
             next_score += 10 * GRID_S
