@@ -5,6 +5,7 @@
 ``eval``            report: precision, recall, lead times, false alarms, baseline, PNGs
 ``backtest``        run a model over replay files; list alarms (and judge them if labelled)
 ``rank``            rank GPUs and nodes by risk from an event-history CSV ("lemons")
+``rank-backtest``   judge the ranking against baselines at rolling cuts of an event history
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ __all__ = ["register"]
 
 def register(sub: Any) -> None:
     p: argparse.ArgumentParser = sub.add_parser(
-        "models", help="failure-prediction models: simulate, train, eval, backtest, rank",
+        "models", help="failure-prediction models: simulate, train, eval, backtest, ranking",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ms = p.add_subparsers(dest="models_command", metavar="ACTION", required=True)
 
@@ -68,11 +69,29 @@ def register(sub: Any) -> None:
 
     r = ms.add_parser("rank", help="rank GPUs/nodes by failure risk from an events CSV")
     r.add_argument("--events", required=True, help="events CSV (docs/models.md)")
-    r.add_argument("--days", type=float, default=7.0, help="risk horizon N in days")
-    r.add_argument("--as-of", type=float, help="rank as of this time (epoch seconds)")
+    r.add_argument("--days", type=float, default=90.0, help="risk horizon N in days")
+    r.add_argument("--as-of", type=float,
+                   help="rank as of this time (epoch seconds); later events are not read")
     r.add_argument("--top", type=int, default=20)
     r.add_argument("--out", help="write the full ranking to this CSV")
     r.set_defaults(func=_rank)
+
+    rb = ms.add_parser("rank-backtest", help="judge the lemon ranking against baselines")
+    rb.add_argument("--events", help="events CSV (docs/models.md)")
+    rb.add_argument("--simulate", action="store_true",
+                    help="use a generated fleet history (models/lifesim.py) instead")
+    rb.add_argument("--gpus", type=int, default=20_000, help="size of the generated fleet")
+    rb.add_argument("--seed", type=int, default=0, help="seed of the generated fleet")
+    rb.add_argument("--days", type=float, default=90.0, help="risk horizon in days")
+    rb.add_argument("--every", type=float, default=182.5, help="days between cuts")
+    rb.add_argument("--warmup", type=float, default=365.0, help="days of history before "
+                    "the first cut")
+    rb.add_argument("--top-share", type=float, default=0.01,
+                    help="k of precision@k as a share of the GPUs in service")
+    rb.add_argument("--out", help="write the per-cut, per-method results to this CSV")
+    rb.add_argument("--markdown", help="replace the backtest table in this Markdown file "
+                    "(between its rank-backtest markers)")
+    rb.set_defaults(func=_rank_backtest)
 
 
 def _load_dir(d: str) -> tuple[Any, Any, Any]:
@@ -234,13 +253,57 @@ def _rank(args: argparse.Namespace) -> int:
     except (DataError, OSError) as exc:
         print(f"forewarn models rank: {exc}", file=sys.stderr)
         return 2
-    ranker = LemonRanker(horizon_days=args.days).fit(ev)
-    ranked = ranker.rank(ev, args.as_of)
+    ranker = LemonRanker(horizon_days=args.days).fit(ev, as_of=args.as_of)
+    ranked = ranker.rank()
     print(f"method: {ranked['method'].iloc[0]}; risk of a hard failure in {args.days:g} days")
-    print(ranked.head(args.top)[["gpu_id", "node", "slot", "risk", "hard_all", "soft_30"]]
-          .to_string(index=False))
+    print(ranked.head(args.top)[["gpu_id", "location", "cohort", "risk", "hard_all",
+                                 "age_days"]].to_string(index=False))
     print("\nnodes:")
     print(ranker.node_risk(ranked).head(args.top).to_string(index=False))
     if args.out:
         ranked.to_csv(args.out, index=False)
+    return 0
+
+
+_BEGIN = "<!-- rank-backtest:begin -->"
+_END = "<!-- rank-backtest:end -->"
+
+
+def _rank_backtest(args: argparse.Namespace) -> int:
+    from forewarn.models.lemon import read_events
+    from forewarn.models.lemon_backtest import backtest, markdown
+    from forewarn.models.schema import DataError
+
+    try:
+        if args.simulate:
+            from forewarn.models.lifesim import LifeParams, simulate_life
+
+            source = f"generated fleet (models/lifesim.py, --gpus {args.gpus} --seed {args.seed})"
+            ev = read_events(simulate_life(LifeParams(gpus=args.gpus, seed=args.seed)))
+        elif args.events:
+            source, ev = args.events, read_events(args.events)
+        else:
+            print("forewarn models rank-backtest: give --events CSV or --simulate",
+                  file=sys.stderr)
+            return 2
+    except (DataError, OSError) as exc:
+        print(f"forewarn models rank-backtest: {exc}", file=sys.stderr)
+        return 2
+    res = backtest(ev, horizon_days=args.days, every_days=args.every,
+                   warmup_days=args.warmup, top_share=args.top_share)
+    table = (f"Events: {source}. Horizon {args.days:g} days, a cut every {args.every:g} "
+             f"days after {args.warmup:g} days of history; k = {args.top_share:.0%} of the "
+             f"GPUs in service.\n\n" + markdown(res))
+    print(table)
+    if args.out:
+        res.to_csv(args.out, index=False)
+    if args.markdown:
+        doc = Path(args.markdown).read_text()
+        if _BEGIN not in doc or _END not in doc:
+            print(f"forewarn models rank-backtest: {args.markdown} has no {_BEGIN} ... {_END}",
+                  file=sys.stderr)
+            return 2
+        head, rest = doc.split(_BEGIN, 1)
+        Path(args.markdown).write_text(
+            f"{head}{_BEGIN}\n{table}{_END}{rest.split(_END, 1)[1]}")
     return 0

@@ -10,8 +10,15 @@ a fraction -- so :func:`derive` computes the same numbers from a pandas table (t
 and from a ring buffer of the last hour (:mod:`forewarn.models.live`), vectorised over all
 GPUs in both cases.
 
-Windows: 5, 15 and 60 minutes. Rates are counts per window (``log1p``); acceleration is
-the last 5 minutes' rate against the hour's; temperature level, 5-vs-15 minute slope and
+Windows: 5, 15 and 60 minutes. Rates are counts per window (``log1p``) *beyond the GPU's
+own long-run baseline*: the GPU's rate from its first grid row to the last
+:data:`BASELINE_BLOCK` boundary but one (4 to 8 hours back, so that a precursor of a few
+hours does not leak into it), once that spans :data:`BASELINE_MIN_MINUTES` and is at least
+:data:`CHRONIC_PER_HOUR`, is
+subtracted from each window with a generous Poisson allowance (a steady trickle of
+correctable ECC is common on healthy GPUs in real fleets and normal for that GPU: issue
+17); active minutes likewise. Acceleration is the last 5 minutes' excess rate against the
+hour's; temperature level, 5-vs-15 minute slope and
 excursion from the hour's mean; slowdown margin; throttle fractions (thermal:
 ``SW_THERMAL``/``HW_THERMAL``/``HW_SLOWDOWN``, power: ``SW_POWER_CAP``/``HW_POWER_BRAKE``,
 nvmlClocksEventReasons bits); power standard deviation over 15 minutes as a share of the
@@ -30,6 +37,9 @@ import pandas as pd
 from forewarn.models.schema import nvlink_columns, validate_samples, validate_xids
 
 __all__ = [
+    "BASELINE_BLOCK",
+    "BASELINE_MIN_MINUTES",
+    "CHRONIC_PER_HOUR",
     "CUM_COLUMNS",
     "FEATURE_NAMES",
     "GRID_S",
@@ -47,6 +57,15 @@ GRID_S: Final = 60.0
 """Feature grid step in seconds."""
 LAGS: Final = (5, 15, 60)
 """Window lengths in grid steps (minutes)."""
+BASELINE_BLOCK: Final = 240
+"""The baseline ends at the start of the previous block of this many minutes (absolute
+minute numbers), i.e. 4 to 8 hours back: precursors of up to a few hours stay out of it."""
+BASELINE_MIN_MINUTES: Final = 120
+"""History (up to the baseline's end) a GPU needs before its own baseline rate is used."""
+CHRONIC_PER_HOUR: Final = 1.0
+"""A baseline is used only when errors came in at least this many distinct minutes per
+hour: a stray error now and then, or a one-off burst, is not a chronic behaviour, and a
+clean GPU's features stay as they were."""
 
 COUNTERS: Final = (
     "ecc", "ecc_unc", "remap_c", "remap_u", "ret_sbe", "ret_dbe", "pcie",
@@ -107,27 +126,74 @@ def _mean(sum_a: np.ndarray, sum_b: np.ndarray, n_a: np.ndarray, n_b: np.ndarray
     return np.where(n > 0, m, fallback)
 
 
-def derive(now: Mapping[str, np.ndarray], lag: Mapping[int, Mapping[str, np.ndarray]]
-           ) -> dict[str, np.ndarray]:
-    """Features from the current grid row (cumulative and latest columns) and the rows
-    :data:`LAGS` steps back. Arrays are aligned (one element per GPU or per grid row)."""
+def baseline_end(minute: np.ndarray) -> np.ndarray:
+    """The absolute minute the own baseline of a row at ``minute`` ends at."""
+    out: np.ndarray = (minute // BASELINE_BLOCK - 1) * BASELINE_BLOCK
+    return out
+
+
+def _baseline_rate(first: Mapping[str, np.ndarray], end: Mapping[str, np.ndarray],
+                   minutes: np.ndarray, col: str) -> np.ndarray:
+    """The GPU's own per-minute rate of ``col`` from its first row to the baseline's end
+    row; zero until that spans :data:`BASELINE_MIN_MINUTES`, for counters without active
+    minutes, and unless errors came in at least :data:`CHRONIC_PER_HOUR` distinct minutes
+    an hour: a one-off burst is not a chronic behaviour."""
+    if col not in ACTIVE:
+        return np.zeros_like(minutes)
+    a = f"{col}_active"
+    with np.errstate(invalid="ignore", divide="ignore"):
+        r = np.maximum(end[col] - first[col], 0.0) / minutes
+        active = np.maximum(end[a] - first[a], 0.0) / minutes
+    chronic = (minutes >= BASELINE_MIN_MINUTES) & (active * 60.0 >= CHRONIC_PER_HOUR)
+    out: np.ndarray = np.where(chronic, r, 0.0)
+    return out
+
+
+def _excess(d: np.ndarray, rate: np.ndarray, window: float) -> np.ndarray:
+    """Count ``d`` in a ``window``-minute window beyond what the baseline ``rate``
+    explains: beyond the Poisson upper bound (sqrt(mu) + 2.5)^2, about five standard
+    deviations on the square-root (variance-stabilised) scale, so that even at a few
+    errors per hour a fleet of 100,000 GPUs rarely sees a chance excess. No baseline
+    (rate 0): the count as it is."""
+    mu = rate * window
+    out: np.ndarray = np.where(mu > 0, np.maximum(d - (np.sqrt(mu) + 2.5) ** 2, 0.0), d)
+    return out
+
+
+def derive(now: Mapping[str, np.ndarray], lag: Mapping[int, Mapping[str, np.ndarray]],
+           first: Mapping[str, np.ndarray] | None = None,
+           end: Mapping[str, np.ndarray] | None = None,
+           minutes: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Features from the current grid row (cumulative and latest columns), the rows
+    :data:`LAGS` steps back and, for the GPU's own baseline, its first grid row, the row
+    at :func:`baseline_end` and the ``minutes`` between them (without them: no
+    baseline). Arrays are aligned (one element per GPU or per grid row)."""
     out: dict[str, np.ndarray] = {}
     l5, l15, l60 = lag[5], lag[15], lag[60]
+    zero = np.zeros_like(np.asarray(now["n"], dtype=np.float64))
     for c in _RATE_COUNTERS:
-        d5 = np.maximum(now[c] - l5[c], 0.0)
-        d15 = np.maximum(now[c] - l15[c], 0.0)
-        d60 = np.maximum(now[c] - l60[c], 0.0)
+        r = zero if first is None or end is None or minutes is None \
+            else _baseline_rate(first, end, minutes, c)
+        d5 = _excess(np.maximum(now[c] - l5[c], 0.0), r, 5.0)
+        d15 = _excess(np.maximum(now[c] - l15[c], 0.0), r, 15.0)
+        d60 = _excess(np.maximum(now[c] - l60[c], 0.0), r, 60.0)
         out[f"{c}_d5"] = np.log1p(d5)
         out[f"{c}_d15"] = np.log1p(d15)
         out[f"{c}_d60"] = np.log1p(d60)
         # Acceleration: per-minute rate in the last 5 minutes vs the 55 before.
         out[f"{c}_accel"] = np.log1p(d5 / 5.0) - np.log1p(np.maximum(d60 - d5, 0.0) / 55.0)
     for c in ACTIVE:
-        out[f"{c}_active15"] = np.maximum(now[f"{c}_active"] - l15[f"{c}_active"], 0.0)
-        out[f"{c}_active60"] = np.maximum(now[f"{c}_active"] - l60[f"{c}_active"], 0.0)
+        # Active minutes count only as far as there are errors beyond the baseline: a
+        # trickle is active every minute and that is its normal.
+        r = zero if first is None or end is None or minutes is None \
+            else _baseline_rate(first, end, minutes, c)
+        d15 = _excess(np.maximum(now[c] - l15[c], 0.0), r, 15.0)
+        d60 = _excess(np.maximum(now[c] - l60[c], 0.0), r, 60.0)
+        a = f"{c}_active"
+        out[f"{c}_active15"] = np.minimum(np.maximum(now[a] - l15[a], 0.0), d15)
+        out[f"{c}_active60"] = np.minimum(np.maximum(now[a] - l60[a], 0.0), d60)
         # Concentration: errors per active minute. A burst packs many errors into a few
         # minutes; a precursor spreads a growing rate over many.
-        d15 = np.maximum(now[c] - l15[c], 0.0)
         out[f"{c}_conc15"] = np.log1p(d15 / np.maximum(out[f"{c}_active15"], 1.0))
     out["remap_c_total"] = np.log1p(np.maximum(now["remap_c"], 0.0))
     out["remap_u_total"] = np.log1p(np.maximum(now["remap_u"], 0.0))
@@ -145,7 +211,6 @@ def derive(now: Mapping[str, np.ndarray], lag: Mapping[int, Mapping[str, np.ndar
     out["margin_mean5"] = _mean(now["margin"], l5["margin"], now["n"], l5["n"],
                                 now["margin_last"])
     out["margin_last"] = now["margin_last"]
-    zero = np.zeros_like(t5)
     out["thr_thermal_frac15"] = _mean(now["thr_thermal"], l15["thr_thermal"], now["n"],
                                       l15["n"], zero)
     out["thr_thermal_frac60"] = _mean(now["thr_thermal"], l60["thr_thermal"], now["n"],
@@ -290,7 +355,15 @@ def gpu_features(samples: pd.DataFrame, xids: pd.DataFrame | None = None) -> pd.
         shifted = g.groupby(gid)[cols].shift(k).fillna(first)
         lag[k] = {c: shifted[c].to_numpy() for c in cols}
     now = {c: g[c].to_numpy(dtype=np.float64) for c in (*cols, *LAST_COLUMNS)}
-    feats = derive(now, lag)
+    # Own baseline: the row at baseline_end(minute) of the same GPU (the grid is regular).
+    minute = g["minute"].to_numpy()
+    pos = g.groupby(gid).cumcount().to_numpy()
+    first_minute = minute - pos
+    span = np.maximum(baseline_end(minute) - first_minute, 0)
+    at = np.arange(len(g)) - pos + span
+    base = {c: first[c].to_numpy() for c in cols}
+    end = {c: g[c].to_numpy(dtype=np.float64)[at] for c in cols}
+    feats = derive(now, lag, base, end, span.astype(np.float64))
     out = pd.DataFrame(feats)
     out.insert(0, "time", (g["minute"].to_numpy() + 1) * GRID_S)
     out.insert(0, "gpu", g["gpu"].to_numpy())

@@ -22,11 +22,13 @@ import numpy as np
 
 from forewarn.models.features import (
     ACTIVE,
+    BASELINE_BLOCK,
     COUNTERS,
     CUM_COLUMNS,
     GRID_S,
     LAGS,
     LAST_COLUMNS,
+    baseline_end,
     derive,
     xid_class,
 )
@@ -113,6 +115,9 @@ class LiveScorer:
         self._ring = np.zeros((_RING, capacity, _N_CUM))
         self._first = np.zeros((capacity, _N_CUM))
         self._first_minute = np.full(capacity, -1, np.int64)
+        # State at the last two BASELINE_BLOCK boundaries: the own baseline's end row.
+        self._block = np.zeros((2, capacity, _N_CUM))
+        self._block_minute = np.full(2, -1, np.int64)
         self._last_seen = np.full(capacity, -np.inf)
         self._minute: int | None = None  # last minute snapshotted
         self._episodes: dict[int, list[_Episode]] = {}
@@ -143,6 +148,7 @@ class LiveScorer:
         self._cur = np.concatenate([self._cur, np.zeros_like(self._cur)])
         self._ring = np.concatenate([self._ring, np.zeros_like(self._ring)], axis=1)
         self._first = np.concatenate([self._first, np.zeros_like(self._first)])
+        self._block = np.concatenate([self._block, np.zeros_like(self._block)], axis=1)
         self._first_minute = np.concatenate([self._first_minute,
                                              np.full(cap // 2, -1, np.int64)])
         self._last_seen = np.concatenate([self._last_seen, np.full(cap // 2, -np.inf)])
@@ -229,6 +235,10 @@ class LiveScorer:
                 snap[:, _IX[f"{c}_active"]] += inc
             self._ring[m % _RING, :n] = snap
             self._first[:n][fresh] = snap[fresh]
+            if m % BASELINE_BLOCK == 0:
+                self._block[0] = self._block[1]
+                self._block[1, :n] = snap
+                self._block_minute[:] = (self._block_minute[1], m)
             self._minute = m
 
     # -- scoring ----------------------------------------------------------------------
@@ -250,7 +260,15 @@ class LiveScorer:
             rows = np.where(too_early[:, None], self._first[live],
                             self._ring[(m - k) % _RING, live])
             lag[k] = {c: rows[:, j] for j, c in enumerate(CUM_COLUMNS)}
-        return live, derive(cols, lag), (m + 1) * GRID_S
+        first = {c: self._first[live, j] for j, c in enumerate(CUM_COLUMNS)}
+        e = int(baseline_end(np.array(m)))
+        held = np.nonzero(self._block_minute == e)[0]
+        minutes = np.maximum(e - self._first_minute[live], 0).astype(np.float64)
+        if len(held) == 0:  # not running then: no baseline yet
+            minutes[:] = 0.0
+        rows = self._block[held[0] if len(held) else 0, live]
+        end = {c: rows[:, j] for j, c in enumerate(CUM_COLUMNS)}
+        return live, derive(cols, lag, first, end, minutes), (m + 1) * GRID_S
 
     def score(self, now: float) -> list[Finding]:
         """Findings for every GPU whose failure probability is at or above threshold."""

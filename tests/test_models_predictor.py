@@ -176,7 +176,7 @@ def test_cli_errors_name_the_problem(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 def test_cli_retrains_on_a_collector_style_store_and_ranks_events(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from forewarn.models.lemon import simulate_events
+    from forewarn.models.lifesim import LifeParams, simulate_life
 
     data = simulate_fleet(_params(seed=61, nodes=3))
     day = tmp_path / "store" / "telemetry" / "date=2026-01-01"
@@ -188,7 +188,7 @@ def test_cli_retrains_on_a_collector_style_store_and_ranks_events(
     assert "found in the telemetry" in capsys.readouterr().err
     assert load_model(tmp_path / "own.skops").threshold == 0.5
     events = tmp_path / "events.csv"
-    simulate_events(nodes=16, days=120, seed=1).to_csv(events, index=False)
+    simulate_life(LifeParams(gpus=512, years=1.5, seed=1)).to_csv(events, index=False)
     assert main(["models", "rank", "--events", str(events), "--days", "14", "--top", "5",
                  "--out", str(tmp_path / "ranked.csv")]) == 0
     out = capsys.readouterr().out
