@@ -12,9 +12,6 @@ or any other soft event (``xid:63``, ``sbe``, ``remap``...);  ``location``  for
 A GPU is at risk from an ``install`` until the next ``remove`` or ``retire`` (a ``move``
 changes its location and keeps it at risk); a failure does not by itself end service.
 
-Meta's HPCA 2025 study found that removing lemon nodes cut large-job failures from 14% to 4%
-(docs/reference.md): a few GPUs and nodes carry much of the risk.
-
 Method: a discrete-time hazard model. Rows are GPU-periods: at each cut time t (every
 ``step_days`` back from the as-of time, the last ``max_cuts`` of them), every GPU in
 service, labelled 1 when it fails within ``horizon_days`` after t. Covariates at t use only
@@ -31,7 +28,7 @@ logistic regression (scikit-learn) on these covariates gives the hazard of the n
 
 ``as_of`` uses nothing after it: events later than the as-of time are dropped first.
 Meta's HPCA 2025 study found that removing lemon nodes cut large-job failures from 14% to
-4% (REFERENCE.md): a few GPUs and nodes carry much of the risk.
+4% (docs/reference.md): a few GPUs and nodes carry much of the risk.
 """
 
 from __future__ import annotations
