@@ -350,10 +350,10 @@ def test_rank_metrics_exposition(proc: FakeProcTree) -> None:
     reg = CollectorRegistry()
     reg.register(RankCollector("n1", table, clock=lambda: T0 + 5.0))
     text = generate_latest(reg).decode()
-    labels = 'job="j",node="n1",rank="0"'
+    labels = 'node="n1",rank="0",training_job="j"'
     for line in (
         f"forewarn_rank_step{{{labels}}} 3.0",
-        'forewarn_rank_step_seconds{job="j",node="n1",quantile="0.99",rank="0"} 0.5',
+        'forewarn_rank_step_seconds{node="n1",quantile="0.99",rank="0",training_job="j"} 0.5',
         f"forewarn_rank_step_seconds_count{{{labels}}} 4.0",
         f"forewarn_rank_loss{{{labels}}} NaN",
         f"forewarn_rank_grad_norm{{{labels}}} 2.0",

@@ -218,7 +218,7 @@ def grad_explosion(lab: Lab, out: Outcome) -> None:
     attempt = tr.ready(new_steps=20)
 
     def local_orders() -> float:
-        return tr.agent.metric("forewarn_checkpoint_orders_total", job=TRAIN_JOB,
+        return tr.agent.metric("forewarn_checkpoint_orders_total", training_job=TRAIN_JOB,
                                reason="grad_spike") or 0.0
 
     local0 = local_orders()
