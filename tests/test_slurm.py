@@ -69,7 +69,7 @@ i = m.identity
 m.close()
 keys = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS",
         "SLURM_LOCALID", "SLURM_STEP_NODELIST")
-env = {k: os.environ[k] for k in keys}
+env = {k: os.environ.get(k) for k in keys}
 print(json.dumps({"job": i.job, "rank": i.rank, "world_size": i.world_size,
                   "local_rank": i.local_rank, "host": i.host, "env": env}), flush=True)
 """
@@ -111,6 +111,17 @@ def test_two_steps_of_one_allocation_are_two_jobs(idle: SlurmCluster, tmp_path: 
     assert len(ids) == 2, out
     assert ids[0]["job"] != ids[1]["job"]
     assert all(d["rank"] == 0 and d["world_size"] == 1 for d in ids)
+
+
+def test_batch_script_itself_is_the_job(idle: SlurmCluster, tmp_path: Path) -> None:
+    task = tmp_path / "identity.py"
+    task.write_text(IDENTITY_TASK)
+    script = _write(tmp_path / "batch.sh", f"#!/bin/sh\n#SBATCH --output={tmp_path}/b.out\n"
+                    f"exec {PY} {task}\n")
+    job = _submit(idle, script)
+    assert idle.wait_job(job, ("COMPLETED", "FAILED")) == "COMPLETED"
+    [d] = _identities((tmp_path / "b.out").read_text())
+    assert (d["job"], d["rank"], d["world_size"]) == (f"slurm-{job}", 0, 1)
 
 
 # -- 2. drain through the collector's template -------------------------------------------
@@ -177,13 +188,17 @@ def _resume(cluster: SlurmCluster, tmp_path: Path, ckpt: Path, saved: int) -> No
     assert f"start step {saved + 1}" in text, text
 
 
+@pytest.mark.parametrize("scancel", [
+    ["scancel"],  # SIGCONT+SIGTERM to every task and the batch shell, SIGKILL after KillWait
+    ["scancel", "--signal=TERM"],  # SIGTERM to every task only
+], ids=["scancel", "scancel-signal-TERM"])
 def test_scancel_every_rank_saves_one_step_and_a_new_job_resumes(
-        idle: SlurmCluster, tmp_path: Path) -> None:
+        idle: SlurmCluster, tmp_path: Path, scancel: list[str]) -> None:
     ckpt = tmp_path / "ckpt"
     job = _submit(idle, _train_script(tmp_path, ckpt, 100_000, "train"))
     out = tmp_path / "train.out"
     _wait_output(out, r"^step 20 ")
-    idle.run(["scancel", job])  # SIGCONT+SIGTERM to every task, SIGKILL after KillWait
+    idle.run([*scancel, job])
     idle.wait_job(job, ("CANCELLED", "COMPLETED", "FAILED"), timeout=60)
     saved = _saved_steps(out.read_text())
     assert set(saved) == {0, 1} and len(set(saved.values())) == 1, out.read_text()[-3000:]
