@@ -14,8 +14,10 @@ through :attr:`SlurmCluster.env` (``SLURM_CONF``).
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -37,6 +39,12 @@ DEPLOY = REPO / "deploy" / "slurm"
 def missing_binaries() -> list[str]:
     """The Slurm/munge programs that are not installed."""
     return [b for b in BINARIES if shutil.which(b) is None]
+
+
+def _die_with_parent() -> None:
+    """In the daemon's child before exec: SIGTERM it when the test process dies, so a
+    killed test run leaves no daemon behind (prctl PR_SET_PDEATHSIG)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
 
 
 def _mknod_gpus(devdir: Path, count: int) -> list[Path]:
@@ -71,7 +79,8 @@ class SlurmCluster:
             log = open(self.dir / f"{daemon}.out", "wb")  # noqa: SIM115 (owned by the process)
             self._procs.append(subprocess.Popen(
                 [daemon, "-D", "-f", str(self.conf)], env=self.env, stdout=log,
-                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent))
             log.close()
         self.wait_state("idle", timeout)
 
@@ -183,7 +192,8 @@ class SlurmCluster:
         shutil.chown(run, "munge", "munge")
         self._procs.append(subprocess.Popen(
             ["runuser", "-u", "munge", "--", "munged", "--foreground"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL))
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent))
         deadline = time.monotonic() + 20
         while subprocess.run("munge -n | unmunge", shell=True, capture_output=True,
                              check=False).returncode != 0:
