@@ -2,7 +2,10 @@
 
 torchrun sets ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` and ``TORCHELASTIC_RUN_ID`` (the
 rendezvous id, ``"none"`` unless ``--rdzv-id`` or ``--standalone`` gave one); Slurm sets
-``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``/``SLURM_JOB_ID``. Explicit arguments win.
+``SLURM_PROCID``/``SLURM_NTASKS``/``SLURM_LOCALID``/``SLURM_JOB_ID`` and, in a task that
+``srun`` started, ``SLURM_STEP_ID``: the job is then ``slurm-<job id>.<step id>``, since
+steps of one allocation can run side by side, each with its own rank 0 (``slurm-<job id>``
+in the batch script itself). Explicit arguments win.
 Garbage in the environment is logged and replaced by the default: the hook never stops a
 training run because of a variable it does not own.
 """
@@ -21,6 +24,7 @@ _log = logging.getLogger("forewarn.hook")
 
 _MAX_NAME = 256  # wire.Name max_length
 _MAX_RANK = 1_000_000  # wire.Rank le
+_SLURM_SPECIAL_STEPS = 0xFFFFFFF0  # batch, extern, interactive... steps are ids above this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +56,9 @@ def _env_job(env: Mapping[str, str]) -> str:
     if run_id and run_id != "none":
         return run_id
     if env.get("SLURM_JOB_ID"):
+        step = env.get("SLURM_STEP_ID", "")
+        if step.isdigit() and int(step) < _SLURM_SPECIAL_STEPS:
+            return f"slurm-{env['SLURM_JOB_ID']}.{step}"
         return "slurm-" + env["SLURM_JOB_ID"]
     if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
         # torchrun without a rendezvous id: the store address is shared by all ranks

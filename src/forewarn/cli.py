@@ -20,6 +20,7 @@ SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("demo", "forewarn.demo.run"),
     ("chaos", "forewarn.chaos.cli"),
     ("simulate", "forewarn.simulate"),
+    ("check", "forewarn.check"),
     ("dashboards", "forewarn.dashboards.cli"),
     ("models", "forewarn.models.cli"),
     ("deploy", "forewarn.deploy.cli"),
