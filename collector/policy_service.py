@@ -49,6 +49,7 @@ from forewarn.collector.orders import OrderBook, OrderSettings
 from forewarn.collector.policy import Decision, Policy, PolicySettings
 from forewarn.collector.predict import PredictorService
 from forewarn.collector.webhooks import Delivery, WebhookEndpoint, WebhookSender
+from forewarn.config import ConfigError
 from forewarn.wire import AgentBatch, CommandAck, Finding
 
 if TYPE_CHECKING:
@@ -96,10 +97,15 @@ def settings_from_config(config: CollectorConfig) -> PolicySettings:
     )
 
 
-def _secret(value: str, path: Any) -> str:
+def _secret(value: str, path: Any, key: str) -> str:
+    """``value``, else the contents of the file ``path`` (config key ``key``); a file that
+    cannot be read is a :class:`ConfigError` naming the key (the CLI exits 2 with it)."""
     if value or path is None:
         return value
-    return str(path.read_text()).strip()
+    try:
+        return str(path.read_text()).strip()
+    except OSError as exc:
+        raise ConfigError(f"{key}: cannot read {path}: {exc.strerror or exc}") from None
 
 
 class PolicyService:
@@ -156,7 +162,8 @@ class PolicyService:
     @classmethod
     def from_config(cls, config: CollectorConfig) -> PolicyService:
         """Everything from the collector config (secrets from their files when given)."""
-        secret = _secret(config.webhook_secret, config.webhook_secret_file).encode()
+        secret = _secret(config.webhook_secret, config.webhook_secret_file,
+                         "webhook_secret_file").encode()
         endpoints = [WebhookEndpoint(u, "json", secret) for u in config.webhook_urls]
         endpoints += [WebhookEndpoint(u, "slack") for u in config.webhook_slack_urls]
         drain = None
@@ -172,8 +179,9 @@ class PolicyService:
             webhook_max_attempts=config.webhook_max_attempts,
             webhook_backoff_s=config.webhook_backoff_s,
             drain=drain,
-            alert_token=_secret(config.alert_token, config.alert_token_file),
-            operator_token=_secret(config.operator_token, config.operator_token_file),
+            alert_token=_secret(config.alert_token, config.alert_token_file, "alert_token_file"),
+            operator_token=_secret(config.operator_token, config.operator_token_file,
+                                   "operator_token_file"),
             checkpoint_default_s=config.checkpoint_default_s,
             predictor=PredictorService.from_config(config),
             goodput=GoodputService(checkpoint_default_s=config.checkpoint_default_s,

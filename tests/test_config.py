@@ -140,3 +140,17 @@ def test_example_config_loads_and_documents_every_key() -> None:
     text = example.read_text()
     for f in dataclasses.fields(AgentConfig):
         assert f"{f.name} =" in text, f"deploy/agent.toml does not document {f.name}"
+
+
+def test_collector_secret_file_it_cannot_read_exits_2_naming_the_key(tmp_path: Path) -> None:
+    """An alert/operator/webhook secret file that cannot be read is a config error naming the
+    key, not a traceback (it used to escape the CLI's error handling as an OSError)."""
+    config = tmp_path / "collector.toml"
+    config.write_text(f'data_dir = "{tmp_path / "data"}"\n'
+                      f'tokens_file = "{tmp_path / "tokens.toml"}"\n'
+                      f'alert_token_file = "{tmp_path / "missing-alert-token"}"\n'
+                      'predictor_enabled = false\n')
+    r = subprocess.run([sys.executable, "-m", "forewarn", "collector", "--config",
+                        str(config)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "alert_token_file" in r.stderr and "Traceback" not in r.stderr, r.stderr
