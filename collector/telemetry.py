@@ -324,8 +324,7 @@ class TelemetryWriter:
         recovered = Recovered()
         with self._flush_lock:
             known = {r["name"] for r in self.store.query("SELECT name FROM telemetry_files")}
-            staged = {(r["agent_id"], int(r["seq"])) for r in self.store.query(
-                "SELECT agent_id, seq FROM staged_samples")}
+            staged = self._readable_staged()
             for path in sorted(self.root.glob("date=*/*")):
                 rel = path.relative_to(self.root).as_posix()
                 if path.suffix == ".tmp":
@@ -341,6 +340,26 @@ class TelemetryWriter:
             log.info("recovery removed %d files whose rows are held elsewhere: %s",
                      len(recovered.removed), ", ".join(p.name for p in recovered.removed))
         return recovered
+
+    def _readable_staged(self) -> set[tuple[str, int]]:
+        """The staged batches whose bodies can still be read: in SQLite, or in a staging
+        segment that exists and is long enough. A database older than the data can name
+        batches staged in a segment a later flush deleted; those hold their rows nowhere."""
+        out: set[tuple[str, int]] = set()
+        sizes: dict[int, int] = {}
+        for r in self.store.query(
+                "SELECT agent_id, seq, segment, offset, length FROM staged_samples"):
+            segment = r["segment"]
+            if segment is not None:
+                if self.staging is None:
+                    continue
+                if segment not in sizes:
+                    path = self.staging.path(segment)
+                    sizes[segment] = path.stat().st_size if path.exists() else -1
+                if sizes[segment] < int(r["offset"] or 0) + int(r["length"] or 0):
+                    continue
+            out.add((r["agent_id"], int(r["seq"])))
+        return out
 
     def _batches_in(self, path: Path) -> set[tuple[str, int]]:
         """The (agent_id, seq) pairs of the rows of a Parquet file."""

@@ -262,6 +262,28 @@ def test_recovery_deletes_only_files_whose_every_row_is_held_elsewhere(
     close_parts(store, tel)
 
 
+def test_a_batch_staged_in_a_segment_that_is_gone_does_not_make_its_file_redundant(
+        tmp_path: Path) -> None:
+    """An older database can name a batch as staged in a segment a later flush deleted: the
+    Parquet file holding it is then its only copy (chaos collector_mismatched_db lost rows
+    this way: recovery deleted the file, then found the staged body unreadable)."""
+    data = tmp_path / "data"
+    store, tel = open_parts(data)
+    ingest(store, tel, batch(0, T0))
+    tel.flush()
+    recorded = next(data.glob("telemetry/date=*/*.parquet"))
+    ingest(store, tel, batch(1, T0))
+    pq.write_table(with_seq(pq.read_table(recorded), 1), recorded.with_name("part-2-2.parquet"))
+    segments = list((data / "staging").glob("seg-*.log"))
+    assert segments, "batch 1 is staged in a segment"
+    for seg in segments:
+        seg.unlink()
+    got = tel.recover()
+    assert [p.name for p in got.quarantined] == ["part-2-2.parquet"], got
+    assert not [p for p in got.removed if p.suffix == ".parquet"]
+    close_parts(store, tel)
+
+
 # -- point 14: damaged Parquet files -----------------------------------------------------
 
 
