@@ -996,11 +996,12 @@ STORM_JOB = "chaos-storm-job"
 
 
 def _storm_payload(start: int, n: int) -> dict[str, Any]:
-    """An Alertmanager body of ``n`` firing alerts (400 distinct label sets)."""
+    """An Alertmanager body of ``n`` firing alerts, each a label set of its own (nodes
+    without jobs): a storm that deduplication cannot shrink."""
     alerts = [{"status": "firing", "annotations": {"summary": "hot"},
-               "labels": {"alertname": f"Storm{i % 20}", "node": f"storm{i % 400 // 20}",
-                          "gpu": str(i % 8), "severity": "warning"},
-               "startsAt": "2026-01-01T00:00:00Z", "fingerprint": f"{i % 400:016x}"}
+               "labels": {"alertname": f"Storm{i % 20}", "node": f"storm{i // 160}",
+                          "gpu": str(i % 8), "instance": str(i), "severity": "warning"},
+               "startsAt": "2026-01-01T00:00:00Z", "fingerprint": f"{i:016x}"}
               for i in range(start, start + n)]
     return {"version": "4", "status": "firing", "receiver": "forewarn", "groupLabels": {},
             "commonLabels": {}, "alerts": alerts}
