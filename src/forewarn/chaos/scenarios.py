@@ -1153,10 +1153,18 @@ def collector_mismatched_db(lab: Lab, out: Outcome) -> None:
     c = rig.collector
     db = c.data / "collector.db"
     wait_until(lambda: rig.stored_batches() >= 5 and _parquet_files(c.data / "telemetry"), 30)
-    older = c.dir / "older.db"  # a consistent copy, as a backup taken now would be
-    with contextlib.closing(sqlite3.connect(db)) as src, \
-            contextlib.closing(sqlite3.connect(older)) as dst:
-        src.backup(dst)
+    older = c.dir / "older.db"
+
+    def backup_while_staged() -> int:
+        """A consistent copy, as a backup taken now would be; taken again until it holds
+        staged (not yet flushed) batches, the case where a backup is oldest."""
+        with contextlib.closing(sqlite3.connect(db)) as src, \
+                contextlib.closing(sqlite3.connect(older)) as dst:
+            src.backup(dst)
+            return int(dst.execute("SELECT count(*) FROM staged_samples").fetchone()[0])
+
+    staged = wait_until(backup_while_staged, 20, step=0.05) or 0
+    out.figures["staged_batches_in_backup"] = staged
     _new_parquet(rig, time.time() + 0.1)  # files the older database will not know
     c.stop()
     rows = _kept_rows(c.data)
