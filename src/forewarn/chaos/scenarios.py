@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import signal
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -934,10 +935,19 @@ def _log_lines(path: Path) -> int:
 def _late_batches(rig: TelemetryRig, after_s: float) -> tuple[int, int]:
     """(batches received, batches received more than ``after_s`` after they were sealed)
     by the rig's collector so far (its ingest lag histogram)."""
-    lag = "forewarn_collector_ingest_lag_seconds"
-    total = int(rig.collector.metric(lag + "_count") or 0)
-    prompt = int(rig.collector.metric(lag + "_bucket", le=f"{after_s:.1f}") or 0)
-    return total, total - prompt
+    from prometheus_client.parser import text_string_to_metric_families
+
+    got = {}
+    with urllib.request.urlopen(rig.collector.url + "/metrics", timeout=5) as r:
+        text = r.read().decode()  # one scrape: the count and the bucket agree
+    for fam in text_string_to_metric_families(text):
+        for smp in fam.samples:
+            if smp.name == "forewarn_collector_ingest_lag_seconds_count" or (
+                    smp.name == "forewarn_collector_ingest_lag_seconds_bucket"
+                    and float(smp.labels.get("le", "nan")) == after_s):
+                got[smp.name.rsplit("_", 1)[1]] = int(smp.value)
+    total = got.get("count", 0)
+    return total, total - got.get("bucket", 0)
 
 
 SLOWLORIS_LATE_S = 5.0
