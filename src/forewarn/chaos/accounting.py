@@ -59,11 +59,12 @@ def _ranges(seqs: list[int]) -> list[str]:
     return out
 
 
-def account(spool_dir: Path, data_dir: Path, *, allowed_gap_s: float,
+def account(spool_dir: Path, data_dir: Path, *, node: str, allowed_gap_s: float,
             excused: Sequence[tuple[float, float]] = ()) -> Account:
-    """Count what the agent with spool ``spool_dir`` produced and what the collector with
-    data ``data_dir`` stored (both stopped). Gaps that overlap an ``excused`` window (the
-    agent was not running) are not counted."""
+    """Count what the agent of ``node`` with spool ``spool_dir`` produced and what the
+    collector with data ``data_dir`` stored (both stopped). Only rows stored for ``node``
+    count: a batch another node sent under this agent's id is not this agent's. Gaps that
+    overlap an ``excused`` window (the agent was not running) are not counted."""
     from forewarn.collector.metrics import CollectorMetrics
     from forewarn.collector.staging import StagingLog
     from forewarn.collector.store import Store
@@ -79,14 +80,15 @@ def account(spool_dir: Path, data_dir: Path, *, allowed_gap_s: float,
         telemetry = TelemetryWriter(store, data_dir / "telemetry", CollectorMetrics(),
                                     staging=StagingLog(data_dir / "staging"))
         telemetry.recover()
-        rows = store.query("SELECT seq, samples FROM batches WHERE agent_id = ? ORDER BY seq",
-                           (agent_id,))
+        rows = store.query("SELECT seq, samples FROM batches WHERE agent_id = ? AND node = ?"
+                           " ORDER BY seq", (agent_id, node))
         seqs = {int(r["seq"]) for r in rows}
         in_batches = sum(int(r["samples"]) for r in rows)
         history = telemetry.read()
     finally:
         store.close()
-    mine = history[history["agent_id"] == agent_id] if len(history) else history
+    mine = history[(history["agent_id"] == agent_id) & (history["node"] == node)] \
+        if len(history) else history
     dups = int(mine.duplicated(["seq", "gpu", "time"]).sum()) if len(mine) else 0
     max_gap, gaps, excused_gaps = 0.0, [], []
     if len(mine):

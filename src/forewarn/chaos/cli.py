@@ -66,7 +66,8 @@ def render(outcomes: Sequence[Outcome]) -> Any:
     for col in ("scenario", "result", "detected", "how fast", "action", "lost"):
         t.add_column(col, overflow="fold")
     for o in outcomes:
-        result = "[green]pass[/green]" if o.passed else "[red]FAIL[/red]\n" + "\n".join(
+        result = f"[yellow]skip[/yellow]\n{o.skipped}" if o.skipped else \
+            "[green]pass[/green]" if o.passed else "[red]FAIL[/red]\n" + "\n".join(
             o.problems)
         t.add_row(o.name, result, o.detected, _fmt_s(o.detection_s), o.action, o.lost)
     return t

@@ -75,14 +75,16 @@ class Options:
 class _Collector:
     """One ``forewarn collector run`` process with its config, tokens and data."""
 
-    def __init__(self, lab: Lab, name: str, nodes: list[str], extra: str = "") -> None:
+    def __init__(self, lab: Lab, name: str, nodes: list[str], extra: str = "",
+                 data: Path | None = None) -> None:
         self.lab = lab
         self.name = name
         self.dir = lab.dir / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.data = self.dir / "data"
+        self.data = data or self.dir / "data"
+        self.log = self.dir / "collector.log"
         self.config = self.dir / "collector.toml"
         self.config.write_text(
             "# forewarn chaos collector: short cooldowns so each scenario can act; the\n"
@@ -109,11 +111,17 @@ class _Collector:
         self.start()
 
     def start(self) -> None:
-        log = self.dir / "collector.log"
         proc = self.lab.procs.spawn(
             self.name, [sys.executable, "-m", "forewarn", "collector", "--config",
-                        str(self.config), "run"], log)
-        wait_http(self.url + "/healthz", 60, proc, log)
+                        str(self.config), "run"], self.log)
+        wait_http(self.url + "/healthz", 60, proc, self.log)
+
+    @property
+    def pid(self) -> int:
+        return self.lab.procs.procs[self.name].pid
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        return scrape(self.url + "/metrics", name, labels)
 
     def kill9(self) -> float:
         return self.lab.procs.kill9(self.name)
@@ -137,7 +145,7 @@ class _Agent:
 
     def __init__(self, lab: Lab, name: str, node: str, collector_url: str, token: Path,
                  scenario: str, *, interval_s: float, push_s: float, sim_speed: float = 1.0,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, spool: Path | None = None) -> None:
         self.lab = lab
         self.name = name
         self.node = node
@@ -146,7 +154,7 @@ class _Agent:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.socket = str(self.dir / "agent.sock")
-        self.spool = self.dir / "spool"
+        self.spool = spool or self.dir / "spool"
         (self.dir / "scenario.toml").write_text(scenario)
         self.argv = [sys.executable, "-m", "forewarn", "agent", "--node", node, "--listen",
                      f"127.0.0.1:{self.port}", "--socket", self.socket, "--no-kmsg",
@@ -360,19 +368,33 @@ class HardwareRig:
 
 @dataclasses.dataclass
 class TelemetryRig:
-    """A collector and an agent of their own, the uplink through a cuttable proxy."""
+    """A collector and an agent of their own, the uplink through a cuttable proxy.
+
+    ``others``: more nodes with tokens on that collector, for a scenario's own client
+    (an impostor, a poisoned or skewed agent) beside the real agent. ``disk``: a folder
+    (a small file system) that holds the collector's data dir and the agent's spool.
+    ``collector_extra``: more collector config lines."""
 
     lab: Lab
     name: str
     spool_max_bytes: int | None = None
+    others: tuple[str, ...] = ()
+    disk: Path | None = None
+    collector_extra: str = ""
     collector: _Collector = dataclasses.field(init=False)
     agent: _Agent = dataclasses.field(init=False)
     proxy: TcpProxy = dataclasses.field(init=False)
 
+    @property
+    def node(self) -> str:
+        return f"chaos-{self.name}"
+
     def __post_init__(self) -> None:
-        node = f"chaos-{self.name}"
+        node = self.node
         o = self.lab.options
-        self.collector = _Collector(self.lab, f"{self.name}-collector", [node])
+        self.collector = _Collector(self.lab, f"{self.name}-collector", [node, *self.others],
+                                    self.collector_extra,
+                                    data=self.disk / "data" if self.disk else None)
         self.proxy = TcpProxy(("127.0.0.1", self.collector.port))
         self.lab.proxies.append(self.proxy)
         env = {}
@@ -381,7 +403,12 @@ class TelemetryRig:
         self.agent = _Agent(
             self.lab, f"{self.name}-agent", node, self.proxy.url, self.collector.tokens[node],
             f'name = "{node}"\ndescription = "quiet"\ngpus = 4\nseed = 2\n',
-            interval_s=o.telemetry_interval_s, push_s=o.push_interval_s, env=env)
+            interval_s=o.telemetry_interval_s, push_s=o.push_interval_s, env=env,
+            spool=self.disk / "spool" if self.disk else None)
+
+    def token(self, node: str) -> str:
+        """The bearer token of ``node`` on this rig's collector."""
+        return self.collector.tokens[node].read_text().strip()
 
     @property
     def gpus(self) -> int:
@@ -424,8 +451,10 @@ class Lab:
             self._hardware = HardwareRig(self)
         return self._hardware
 
-    def telemetry(self, name: str, spool_max_bytes: int | None = None) -> TelemetryRig:
-        return TelemetryRig(self, name, spool_max_bytes)
+    def telemetry(self, name: str, spool_max_bytes: int | None = None, *,
+                  others: tuple[str, ...] = (), disk: Path | None = None,
+                  collector_extra: str = "") -> TelemetryRig:
+        return TelemetryRig(self, name, spool_max_bytes, others, disk, collector_extra)
 
     def close(self) -> None:
         if self._training is not None:
