@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -41,8 +42,22 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
         print("\nchaos figures:\n" + "\n".join(lines))
 
 
+KNOWN_GAPS = {
+    "row_remap_failure": "issue 14: row remaps grow from 1 to 8 under one unchanged 'remap "
+                         "pending' finding; the agent reports a finding only when its health or "
+                         "action changes and the policy decides only on findings, so no second "
+                         "order comes while unsaved work grows (about 70 % of progress lost)",
+}
+"""Scenarios whose stated bound the product does not meet yet: strict xfail, so a fix shows."""
+
+
+def _params() -> list[Any]:
+    return [pytest.param(s, marks=pytest.mark.xfail(reason=KNOWN_GAPS[s.name], strict=True))
+            if s.name in KNOWN_GAPS else s for s in SCENARIOS]
+
+
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
+@pytest.mark.parametrize("scenario", _params(), ids=[s.name for s in SCENARIOS])
 def test_scenario_meets_its_expectation(lab: Lab, scenario: Scenario) -> None:
     out = run_one(lab, scenario)
     REPORT[scenario.name] = out
