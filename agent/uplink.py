@@ -44,7 +44,6 @@ Transport (``httpx.BaseTransport``) and clock are injectable for tests.
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
 import logging
 import os
@@ -62,6 +61,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from forewarn.agent.config import AgentConfig
 from forewarn.config import ConfigError
+from forewarn.files import fsync_dir
 from forewarn.wire import (
     SENT_AT_HEADER,
     AgentBatch,
@@ -92,15 +92,6 @@ MAX_SAMPLES_PER_BATCH = 10_000
 _RETRY_4XX = frozenset({401, 408, 429})
 """Client errors that may pass later (a fixed token, a less busy collector); every other
 4xx means this batch will never be accepted: move it aside rather than block the spool."""
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -153,7 +144,7 @@ class Spool:
     def _write_state(self) -> None:
         _write_atomic(self.root / "state.json",
                       json.dumps({"agent_id": self.agent_id, "next_seq": self.next_seq}).encode())
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
     @property
     def bytes(self) -> int:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from forewarn.collector.metrics import CollectorMetrics
 from forewarn.collector.store import Store, StoreError
+from forewarn.files import fsync_dir
 
 __all__ = ["DataDirError", "Quarantine", "check_data_dir", "data_sizes"]
 
@@ -31,15 +32,6 @@ log = logging.getLogger(__name__)
 class DataDirError(StoreError):
     """The database and the files of the data directory do not belong together; the
     message names both and says what to do. The collector does not start."""
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 class Quarantine:
@@ -59,8 +51,8 @@ class Quarantine:
             target = self.root / f"{relative}.{n}"
         target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.replace(path, target)  # same file system: data_dir holds both
-        _fsync_dir(target.parent)
-        _fsync_dir(path.parent)
+        fsync_dir(target.parent)
+        fsync_dir(path.parent)
         self.metrics.quarantined.labels(reason).inc()
         log.warning("moved %s to quarantine %s: %s; the collector no longer reads it. "
                     "Inspect it, then delete it or put it back with a matching database.",
