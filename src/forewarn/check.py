@@ -21,6 +21,8 @@ import logging
 import sys
 from typing import Any, TextIO
 
+from forewarn.agent.cli import add_source_arguments
+
 __all__ = ["EXIT_CANNOT_RUN", "EXIT_HEALTHY", "EXIT_UNHEALTHY", "register", "run_check"]
 
 EXIT_HEALTHY = 0
@@ -40,15 +42,7 @@ def register(sub: Any) -> None:
             "and torchrun pre-start hooks."
         ),
     )
-    p.add_argument("--config", metavar="FILE",
-                   help="agent config file (TOML; default /etc/forewarn/agent.toml if present)")
-    p.add_argument("--source", choices=["auto", "nvml", "dcgm", "sim", "replay"],
-                   help="GPU telemetry source (default: the config's, else nvml)")
-    p.add_argument("--scenario", metavar="FILE", help="sim source: scenario file")
-    p.add_argument("--sim-gpus", type=int, metavar="N", help="sim source: number of GPUs")
-    p.add_argument("--replay", metavar="FILE", help="replay source: recorded telemetry")
-    p.add_argument("--dcgm-url", metavar="URL", help="dcgm source: dcgm-exporter URL")
-    p.add_argument("--node", metavar="NAME", help="name of this node (default: hostname)")
+    add_source_arguments(p)
     p.set_defaults(func=_run)
 
 
