@@ -100,17 +100,11 @@ class Storm:
 async def drive(url: str, tokens: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
     fleet = Fleet(url, tokens, args.job_nodes)
     await fleet.start()
-    unloaded = []
-    for trial in range(args.trials):
-        unloaded.append(await fleet.trial(trial))
-        await asyncio.sleep(args.gap)
+    unloaded = await fleet.trials(0, args.trials, args.gap)
     storm = Storm(url, args)
     storm_task = asyncio.create_task(storm.run())
     await asyncio.sleep(args.warmup)
-    loaded = []
-    for trial in range(args.trials):
-        loaded.append(await fleet.trial(args.trials + trial))
-        await asyncio.sleep(args.gap)
+    loaded = await fleet.trials(args.trials, args.trials, args.gap)
     storm.stop()
     await storm_task
     await fleet.close()

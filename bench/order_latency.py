@@ -141,6 +141,14 @@ class Fleet:
             a.waiters.clear()
         return max(done) - t0
 
+    async def trials(self, first: int, count: int, gap: float) -> list[float]:
+        """Latencies of ``count`` trials numbered from ``first``, ``gap`` s apart."""
+        out = []
+        for trial in range(first, first + count):
+            out.append(await self.trial(trial))
+            await asyncio.sleep(gap)
+        return out
+
     async def close(self) -> None:
         self._stop.set()
         for a in self.agents.values():
@@ -164,10 +172,7 @@ def summary(latencies: list[float]) -> dict[str, float]:
 async def drive(url: str, tokens: dict[str, str], args: argparse.Namespace) -> dict[str, float]:
     fleet = Fleet(url, tokens, args.job_nodes)
     await fleet.start()
-    latencies = []
-    for trial in range(args.trials):
-        latencies.append(await fleet.trial(trial))
-        await asyncio.sleep(args.gap)
+    latencies = await fleet.trials(0, args.trials, args.gap)
     await fleet.close()
     return {"nodes": len(tokens), "job_nodes": args.job_nodes, **summary(latencies)}
 
