@@ -36,7 +36,7 @@ from pathlib import Path
 
 import msgspec
 
-from forewarn.collector.auth import hash_token
+from forewarn.collector.http.auth import hash_token
 from forewarn.wire import AgentBatch, GpuSample, NvlinkCounters
 
 

@@ -1,4 +1,4 @@
-"""Scoring cost of the collector's live failure predictor (forewarn.collector.predict).
+"""Scoring cost of the collector's live failure predictor (forewarn.collector.decide.predict).
 
 Feeds a simulated fleet of N GPUs through :class:`PredictorService` exactly as the policy
 thread does (agent batches of one sample per GPU, thinned to ``predict_sample_s``), then
@@ -19,7 +19,7 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from forewarn.collector.predict import PredictorService
+from forewarn.collector.decide.predict import PredictorService
 from forewarn.models.persist import default_model_path, load_model
 from forewarn.wire import AgentBatch, GpuSample, NvlinkCounters
 

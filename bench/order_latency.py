@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 import msgspec
 
-from forewarn.collector.auth import hash_token
+from forewarn.collector.http.auth import hash_token
 from forewarn.wire import (
     AgentBatch,
     Command,

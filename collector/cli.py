@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     import uvicorn
     from starlette.applications import Starlette
 
-    from forewarn.collector.config import CollectorConfig
+    from .config import CollectorConfig
 
 __all__ = ["ServerThread", "collector_server", "main", "register", "uvicorn_config"]
 
@@ -61,8 +61,9 @@ def register(sub: Any) -> None:
 
 
 def _load(args: argparse.Namespace) -> CollectorConfig:
-    from forewarn.collector.config import DEFAULT_CONFIG_PATH, CollectorConfig
     from forewarn.config import load_config
+
+    from .config import DEFAULT_CONFIG_PATH, CollectorConfig
 
     return load_config(
         CollectorConfig,
@@ -75,8 +76,9 @@ def _load(args: argparse.Namespace) -> CollectorConfig:
 
 
 def _token_add(args: argparse.Namespace) -> int:
-    from forewarn.collector.auth import AuthError, add_token
     from forewarn.config import ConfigError
+
+    from .http.auth import AuthError, add_token
 
     try:
         config = _load(args)
@@ -91,8 +93,9 @@ def _token_add(args: argparse.Namespace) -> int:
 
 
 def _token_list(args: argparse.Namespace) -> int:
-    from forewarn.collector.auth import AuthError, TokenRegistry
     from forewarn.config import ConfigError
+
+    from .http.auth import AuthError, TokenRegistry
 
     try:
         config = _load(args)
@@ -107,11 +110,11 @@ def _token_list(args: argparse.Namespace) -> int:
 
 def uvicorn_config(app: Starlette, config: CollectorConfig, **kw: Any) -> uvicorn.Config:
     """uvicorn settings for ``app``: listen address, TLS, no access log (ingest is hot), and
-    the HTTP protocol guarded by the connection limits (:mod:`.connections`), whose metrics
+    the HTTP protocol guarded by the connection limits (:mod:`.http.connections`), whose metrics
     go to the app's registry."""
     import uvicorn
 
-    from forewarn.collector.connections import (
+    from .http.connections import (
         ConnectionGuard,
         connection_cap,
         guarded_protocol,
@@ -153,10 +156,11 @@ def _run(args: argparse.Namespace) -> int:
     # reported (by `forewarn`) before the store and the model load.
     import uvicorn  # noqa: F401
 
-    from forewarn.collector.app import create_app
-    from forewarn.collector.auth import AuthError
-    from forewarn.collector.store import Store, StoreError
     from forewarn.config import ConfigError
+
+    from .http.app import create_app
+    from .http.auth import AuthError
+    from .storage.store import Store, StoreError
 
     try:
         config = _load(args)
@@ -174,7 +178,7 @@ def _run(args: argparse.Namespace) -> int:
         store.close()
         return 2
     server = collector_server(app, config)
-    from forewarn.collector.lograte import rate_limit_logging
+    from .http.lograte import rate_limit_logging
 
     rate_limit_logging(config.log_every_s)  # after uvicorn configured its loggers
     try:
@@ -187,7 +191,7 @@ def _run(args: argparse.Namespace) -> int:
 def _default_policy(config: CollectorConfig) -> Any:
     """The policy engine, when the policy package provides a factory for it."""
     try:
-        from forewarn.collector import policy as policy_module
+        from .decide import policy as policy_module
     except ImportError:
         return None
     factory: Callable[[CollectorConfig], Any] | None = getattr(

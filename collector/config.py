@@ -74,7 +74,7 @@ class CollectorConfig:
     log_level: str = "info"
     http: str = "auto"
     """uvicorn HTTP parser: auto (httptools when installed, the fast C one), httptools, h11."""
-    # -- connection limits (forewarn.collector.connections) -------------------------------
+    # -- connection limits (forewarn.collector.http.connections) -------------------------------
     max_connections: int = 10_000
     """Most open HTTP connections. Lowered at start to the open-file limit less 128
     descriptors (database, Parquet, webhooks); the unit sets ``LimitNOFILE=65536``. At the
@@ -89,7 +89,7 @@ class CollectorConfig:
     log_every_s: float = 10.0
     """Log rate limit: one line per message kind per this many seconds, the next one
     saying how many were suppressed (0 = log everything)."""
-    # -- policy and actions (forewarn.collector.policy / actions / orders) -------------
+    # -- policy and actions (forewarn.collector.decide.policy / actions / orders) -------------
     policy_shadow: bool = False
     """Global shadow mode: decisions are recorded, no action is taken."""
     policy_shadow_actions: tuple[str, ...] = ()
@@ -144,7 +144,7 @@ class CollectorConfig:
     alert_max_rows: int = 10_000
     """Most alerts (label sets) kept, in memory and in the ``alerts`` table; the least
     recently seen go first."""
-    # -- failure predictor and goodput (forewarn.collector.predict / goodput_service) ----
+    # -- failure predictor and goodput (forewarn.collector.decide.predict / goodput_service) ----
     predictor_enabled: bool = True
     """Run the failure predictor on live telemetry (the model loads at start)."""
     model_path: Path | None = None
@@ -253,8 +253,8 @@ def _check_tokens_distinct(c: CollectorConfig) -> None:
 
 def _check_policy_keys(c: CollectorConfig) -> None:
     """Ranges of the policy and action keys (named in the error)."""
-    from forewarn.collector.drain import DrainError, DrainTemplate
-    from forewarn.collector.webhooks import WebhookEndpoint
+    from .decide.drain import DrainError, DrainTemplate
+    from .decide.webhooks import WebhookEndpoint
 
     kinds = ("checkpoint", "webhook", "drain")
     for kind in c.policy_shadow_actions:

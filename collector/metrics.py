@@ -8,7 +8,7 @@ Names (all prefixed ``forewarn_collector_``):
   ``agent_id``), ``not_your_job``, ``content_type``, ``quarantined`` (a batch the store
   could not hold), ``store``).
 * ``ingest_ignored_records_total{reason}``: records of a stored batch not applied
-  (``rank_held``, ``rank_moved``, ``other_node``: :mod:`forewarn.collector.authz`).
+  (``rank_held``, ``rank_moved``, ``other_node``: :mod:`forewarn.collector.ingest.authz`).
 * ``ingest_refused_records_total{record,reason}``: records left out of stored batches
   (``record``: samples, xids, findings, ranks, checkpoints; ``reason``: ``time``,
   ``non_finite``, ``range``, ``type``).

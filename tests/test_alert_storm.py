@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 import pytest
 
-from forewarn.collector.alert_book import AlertBook
-from forewarn.collector.alerts import parse_alerts
-from forewarn.collector.jobs import StoreJobView
-from forewarn.collector.store import Store
+from forewarn.collector.ingest.alert_book import AlertBook
+from forewarn.collector.ingest.alerts import parse_alerts
+from forewarn.collector.jobs.jobmap import StoreJobView
+from forewarn.collector.storage.store import Store
 from forewarn.wire import Finding, Health, Subject, SuggestedAction
 
 from support.collector import ALERT_TOKEN, Service, start_job_service, stop_service

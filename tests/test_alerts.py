@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from forewarn.collector.alerts import alert_findings, parse_alerts
-from forewarn.collector.jobview import RankTable, node_of_instance
+from forewarn.collector.ingest.alerts import alert_findings, parse_alerts
+from forewarn.collector.jobs.jobview import RankTable, node_of_instance
 from forewarn.wire import CheckpointReport, Health, RankSummary
 
 from support.collector import (

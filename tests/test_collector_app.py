@@ -17,13 +17,13 @@ import httpx
 import msgspec
 import pytest
 
-from forewarn.collector.app import create_app
-from forewarn.collector.auth import TokenRegistry, hash_token
 from forewarn.collector.cli import ServerThread
-from forewarn.collector.commands import NodeCommand
 from forewarn.collector.config import CollectorConfig
-from forewarn.collector.jobs import StoreJobView
-from forewarn.collector.store import Store
+from forewarn.collector.http.app import create_app
+from forewarn.collector.http.auth import TokenRegistry, hash_token
+from forewarn.collector.jobs.jobmap import StoreJobView
+from forewarn.collector.storage.commands import NodeCommand
+from forewarn.collector.storage.store import Store
 from forewarn.wire import (
     AgentBatch,
     CheckpointOrder,
@@ -387,7 +387,7 @@ class FailingPolicy:
 
 def test_a_failing_or_slow_policy_never_blocks_ingest(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    import forewarn.collector.app as app_module
+    import forewarn.collector.http.app as app_module
 
     monkeypatch.setattr(app_module, "POLICY_BACKLOG_MAX", 2)
     policy = FailingPolicy()

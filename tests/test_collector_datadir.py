@@ -20,15 +20,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from forewarn.collector.app import create_app
-from forewarn.collector.auth import TokenRegistry, add_token
 from forewarn.collector.cli import ServerThread
 from forewarn.collector.config import CollectorConfig
-from forewarn.collector.ingest import IngestWriter
+from forewarn.collector.http.app import create_app
+from forewarn.collector.http.auth import TokenRegistry, add_token
+from forewarn.collector.ingest.batch import IngestWriter
 from forewarn.collector.metrics import CollectorMetrics
-from forewarn.collector.staging import StagingLog
-from forewarn.collector.store import MIGRATIONS, Store
-from forewarn.collector.telemetry import TelemetryWriter
+from forewarn.collector.storage.staging import StagingLog
+from forewarn.collector.storage.store import MIGRATIONS, Store
+from forewarn.collector.storage.telemetry import TelemetryWriter
 from forewarn.wire import AgentBatch, GpuSample, encode
 
 from support.polling import free_port, wait_for
@@ -356,7 +356,7 @@ def test_the_running_collector_scrubs_periodically(tmp_path: Path) -> None:
 
 
 def test_a_written_file_is_verified_by_reading_its_footer_back(tmp_path: Path) -> None:
-    from forewarn.collector.telemetry import TelemetryError, verify_parquet
+    from forewarn.collector.storage.telemetry import TelemetryError, verify_parquet
 
     data = tmp_path / "data"
     history_in(data, 1)

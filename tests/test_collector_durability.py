@@ -15,11 +15,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from forewarn.collector.auth import add_token
+from forewarn.collector.http.auth import add_token
 from forewarn.collector.metrics import CollectorMetrics
-from forewarn.collector.staging import StagingLog
-from forewarn.collector.store import Store
-from forewarn.collector.telemetry import TelemetryWriter
+from forewarn.collector.storage.staging import StagingLog
+from forewarn.collector.storage.store import Store
+from forewarn.collector.storage.telemetry import TelemetryWriter
 
 from support.polling import free_port, wait_for
 

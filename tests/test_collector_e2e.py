@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
-from forewarn.collector.auth import add_token
-from forewarn.collector.webhooks import WebhookVerifier
+from forewarn.collector.decide.webhooks import WebhookVerifier
+from forewarn.collector.http.auth import add_token
 
 from support.polling import free_port, wait_for
 from support.webhooks import Receiver

@@ -13,14 +13,14 @@ from typing import Any
 
 import pytest
 
-from forewarn.collector.goodput import (
+from forewarn.collector.decide.goodput_service import GoodputService
+from forewarn.collector.jobs.goodput import (
     GoodputTracker,
     advise_interval,
     daly_interval,
     expected_goodput,
 )
-from forewarn.collector.goodput_service import GoodputService
-from forewarn.collector.jobview import RankTable
+from forewarn.collector.jobs.jobview import RankTable
 from forewarn.wire import (
     AgentBatch,
     CheckpointReport,

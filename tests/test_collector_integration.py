@@ -17,11 +17,11 @@ from prometheus_client import CollectorRegistry
 
 from forewarn.agent.config import AgentConfig
 from forewarn.agent.uplink import Uplink
-from forewarn.collector.app import create_app
-from forewarn.collector.auth import TokenRegistry
 from forewarn.collector.cli import ServerThread
 from forewarn.collector.config import CollectorConfig
-from forewarn.collector.store import Store
+from forewarn.collector.http.app import create_app
+from forewarn.collector.http.auth import TokenRegistry
+from forewarn.collector.storage.store import Store
 from forewarn.wire import CheckpointOrder, GpuSample
 
 from support.polling import wait_for

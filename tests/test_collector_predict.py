@@ -24,7 +24,7 @@ import pandas as pd
 import pytest
 
 from forewarn.collector.config import CollectorConfig
-from forewarn.collector.policy_service import PolicyService
+from forewarn.collector.decide.policy_service import PolicyService
 from forewarn.config import ConfigError
 from forewarn.models.features import FEATURE_NAMES, gpu_features
 from forewarn.models.fleetsim import FleetData, load_params, simulate_fleet

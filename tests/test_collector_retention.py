@@ -91,7 +91,7 @@ def test_the_running_collector_prunes_old_records_but_never_live_state(
 
 
 def test_a_large_prune_runs_in_chunks_and_removes_everything_old(tmp_path: Path) -> None:
-    from forewarn.collector.store import Store
+    from forewarn.collector.storage.store import Store
 
     store = Store(tmp_path / "c.db")
     try:

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from forewarn.collector.auth import add_token
+from forewarn.collector.http.auth import add_token
 
 from support.polling import free_port, poll, wait_for
 
@@ -222,7 +222,7 @@ def test_collector_unit_gives_room_for_max_connections() -> None:
     """The unit's LimitNOFILE leaves the default max_connections its descriptors (else the
     collector lowers the cap to fit systemd's default of 1,024)."""
     from forewarn.collector.config import CollectorConfig
-    from forewarn.collector.connections import FD_RESERVE
+    from forewarn.collector.http.connections import FD_RESERVE
 
     unit = Path(__file__).resolve().parents[1] / "deploy" / "forewarn-collector.service"
     limits = re.findall(r"^LimitNOFILE=(\d+)$", unit.read_text(), re.M)

@@ -10,11 +10,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from forewarn.collector.ingest import IngestResult, IngestWriter
+from forewarn.collector.ingest.batch import IngestResult, IngestWriter
 from forewarn.collector.metrics import CollectorMetrics
-from forewarn.collector.staging import StagingLog
-from forewarn.collector.store import MIGRATIONS, Store, StoreError
-from forewarn.collector.telemetry import COLUMNS, TelemetryWriter
+from forewarn.collector.storage.staging import StagingLog
+from forewarn.collector.storage.store import MIGRATIONS, Store, StoreError
+from forewarn.collector.storage.telemetry import COLUMNS, TelemetryWriter
 from forewarn.wire import AgentBatch, GpuSample, NvlinkCounters
 
 DAY = 86400.0

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from forewarn.collector.auth import AuthError, TokenRegistry, add_token
+from forewarn.collector.http.auth import AuthError, TokenRegistry, add_token
 
 NOBODY = 65534
 
@@ -62,7 +62,7 @@ def test_an_unusable_tokens_file_is_logged_and_counted(
     counted: list[int] = []
     registry = TokenRegistry(path, reload_s=0.0, on_error=lambda: counted.append(1))
     path.write_text('"node-1" = "not a hash"\n')
-    with caplog.at_level(logging.ERROR, logger="forewarn.collector.auth"):
+    with caplog.at_level(logging.ERROR, logger="forewarn.collector.http.auth"):
         # The last good tokens keep working; the error names the file and the entry.
         assert registry.authenticate(_bearer(first)) == "node-1"
         assert registry.authenticate(_bearer(first)) == "node-1"

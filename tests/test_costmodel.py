@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from forewarn.collector.costmodel import (
+from forewarn.collector.decide.costmodel import (
     CHECK_PROBABILITY,
     DEFAULT_CHECKPOINT_S,
     HEALTH_PROBABILITY,
@@ -12,7 +12,7 @@ from forewarn.collector.costmodel import (
     decide_checkpoint,
     failure_probability,
 )
-from forewarn.collector.jobview import JobInfo, RankTable
+from forewarn.collector.jobs.jobview import JobInfo, RankTable
 from forewarn.wire import CheckpointReport, Finding, Health, RankSummary, Subject
 
 NOW = 1_700_000_000.0

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from forewarn.collector.drain import DrainError, DrainRunner, DrainTemplate, sanitize_reason
+from forewarn.collector.decide.drain import DrainError, DrainRunner, DrainTemplate, sanitize_reason
 
 SCONTROL = ["scontrol", "update", "nodename={node}", "state=drain", "reason={reason}"]
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from forewarn.collector.goodput import (
+from forewarn.collector.jobs.goodput import (
     GoodputTracker,
     advise_interval,
     daly_interval,

@@ -17,11 +17,11 @@ import httpx
 import msgspec
 import pytest
 
-from forewarn.collector.ingest import IngestError, IngestResult, IngestWriter
+from forewarn.collector.ingest.batch import IngestError, IngestResult, IngestWriter
 from forewarn.collector.metrics import CollectorMetrics
-from forewarn.collector.staging import StagingLog
-from forewarn.collector.store import Store
-from forewarn.collector.telemetry import TelemetryWriter
+from forewarn.collector.storage.staging import StagingLog
+from forewarn.collector.storage.store import Store
+from forewarn.collector.storage.telemetry import TelemetryWriter
 from forewarn.wire import AgentBatch, CommandAck, GpuSample, encode, encode_json
 
 from support.collector import TOKENS, Service, start_service, stop_service

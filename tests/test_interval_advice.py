@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from forewarn.collector.config import CollectorConfig
-from forewarn.collector.goodput import advise_interval
+from forewarn.collector.jobs.goodput import advise_interval
 
 from support.collector import ranks_on, start_service, stop_service
 from support.polling import poll

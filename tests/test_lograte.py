@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from forewarn.collector.lograte import RateLimitFilter
+from forewarn.collector.http.lograte import RateLimitFilter
 
 
 def test_one_line_per_kind_per_interval_then_the_count() -> None:

@@ -20,7 +20,7 @@ from forewarn.agent.backend import GpuInfo
 from forewarn.agent.config import AgentConfig
 from forewarn.agent.daemon import Agent
 from forewarn.agent.testing import ScriptedBackend
-from forewarn.collector.webhooks import WebhookEndpoint, WebhookSender, WebhookVerifier
+from forewarn.collector.decide.webhooks import WebhookEndpoint, WebhookSender, WebhookVerifier
 from forewarn.labels import LABEL_MAX
 from forewarn.wire import AgentBatch, RankSummary, encode
 

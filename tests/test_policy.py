@@ -6,8 +6,7 @@ from __future__ import annotations
 import msgspec
 from prometheus_client import CollectorRegistry
 
-from forewarn.collector.jobview import RankTable
-from forewarn.collector.policy import (
+from forewarn.collector.decide.policy import (
     ActionKind,
     CircuitBreaker,
     Decision,
@@ -17,6 +16,7 @@ from forewarn.collector.policy import (
     TokenBucket,
     actions_for,
 )
+from forewarn.collector.jobs.jobview import RankTable
 from forewarn.wire import Finding, Health, RankSummary, Subject, SuggestedAction
 
 T0 = 1_700_000_000.0

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from forewarn.collector.webhooks import WebhookVerifier
+from forewarn.collector.decide.webhooks import WebhookVerifier
 from forewarn.wire import AgentBatch, Finding, Health, Subject, SuggestedAction, encode
 
 from support.collector import TOKENS, ranks_on, start_service, stop_service

@@ -17,11 +17,11 @@ from typing import Any
 import httpx
 import pytest
 
-from forewarn.collector.app import create_app
-from forewarn.collector.auth import TokenRegistry
 from forewarn.collector.cli import ServerThread
 from forewarn.collector.config import CollectorConfig
-from forewarn.collector.store import Store
+from forewarn.collector.http.app import create_app
+from forewarn.collector.http.auth import TokenRegistry
+from forewarn.collector.storage.store import Store
 from forewarn.wire import AgentBatch, GpuSample, encode
 
 from support.polling import free_port, poll, wait_for

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from forewarn.collector.goodput import daly_interval
+from forewarn.collector.jobs.goodput import daly_interval
 from forewarn.simulate import (
     ElasticParams,
     RunParams,

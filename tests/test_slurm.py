@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from forewarn.collector.drain import DrainRunner
+from forewarn.collector.decide.drain import DrainRunner
 
 from support.polling import free_port
 from support.slurm import CPUS, REPO, SlurmCluster, missing_binaries

@@ -11,7 +11,7 @@ from collections.abc import Iterator, Mapping
 import pytest
 from prometheus_client import CollectorRegistry
 
-from forewarn.collector.webhooks import (
+from forewarn.collector.decide.webhooks import (
     SIGNATURE_HEADER,
     TIMESTAMP_HEADER,
     Delivery,

@@ -4,8 +4,9 @@ A job of ``gpus`` GPUs trains for ``days`` of wall time. Failures arrive as a Po
 at a per-node rate (8 GPUs a node). Three ways to run it are compared on the same failures:
 
 (a) ``baseline``: periodic checkpoints at Daly's optimum (Young's ``sqrt(2·C·M)`` refined,
-    :func:`forewarn.collector.goodput.daly_interval`, the interval the collector advises); a failure
-    is noticed only when NCCL's watchdog fires (10 min, PyTorch's default collective timeout).
+    :func:`forewarn.collector.jobs.goodput.daly_interval`, the interval the collector advises);
+    a failure is noticed only when NCCL's watchdog fires (10 min, PyTorch's default
+    collective timeout).
 (b) ``fast_detection``: the same, but the agent notices the stuck ranks within
     ``detect_s`` (forewarn's measured hang-detection latency) and the launcher restarts.
 (c) ``proactive``: (b) plus prediction-driven checkpoints: a failure that has a precursor is
@@ -37,7 +38,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from forewarn.collector.goodput import daly_interval
+from forewarn.collector.jobs.goodput import daly_interval
 
 __all__ = [
     "Breakdown",

@@ -17,12 +17,12 @@ from typing import Any
 
 import httpx
 
-from forewarn.collector.app import create_app
-from forewarn.collector.auth import TokenRegistry
 from forewarn.collector.cli import ServerThread
 from forewarn.collector.config import CollectorConfig
-from forewarn.collector.policy_service import PolicyService
-from forewarn.collector.store import Store
+from forewarn.collector.decide.policy_service import PolicyService
+from forewarn.collector.http.app import create_app
+from forewarn.collector.http.auth import TokenRegistry
+from forewarn.collector.storage.store import Store
 from forewarn.wire import AgentBatch, RankSummary, encode
 
 __all__ = ["ALERT_TOKEN", "NODE", "NODE_TOKENS", "TOKENS", "Clock", "ClockedService",

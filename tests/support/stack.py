@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from forewarn.collector.auth import add_token
+from forewarn.collector.http.auth import add_token
 
 from support.polling import free_port, wait_for
 

@@ -66,9 +66,9 @@ def account(spool_dir: Path, data_dir: Path, *, node: str, allowed_gap_s: float,
     count: a batch another node sent under this agent's id is not this agent's. Gaps that
     overlap an ``excused`` window (the agent was not running) are not counted."""
     from forewarn.collector.metrics import CollectorMetrics
-    from forewarn.collector.staging import StagingLog
-    from forewarn.collector.store import Store
-    from forewarn.collector.telemetry import TelemetryWriter
+    from forewarn.collector.storage.staging import StagingLog
+    from forewarn.collector.storage.store import Store
+    from forewarn.collector.storage.telemetry import TelemetryWriter
 
     state = json.loads((spool_dir / "state.json").read_text())
     agent_id, produced = str(state["agent_id"]), int(state["next_seq"])

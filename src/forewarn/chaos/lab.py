@@ -99,7 +99,7 @@ class _Collector:
             "command_redeliver_s = 2.0\n"
             "flush_interval_s = 0.5\n"
             'log_level = "warning"\n' + extra)
-        from forewarn.collector.auth import add_token
+        from forewarn.collector.http.auth import add_token
 
         self.tokens: dict[str, Path] = {}
         for node in nodes:

@@ -1112,9 +1112,9 @@ def _kept_rows(data: Path) -> set[tuple[Any, ...]]:
     import pyarrow.parquet as pq
 
     from forewarn.collector.metrics import CollectorMetrics
-    from forewarn.collector.staging import StagingLog
-    from forewarn.collector.store import Store
-    from forewarn.collector.telemetry import TelemetryWriter
+    from forewarn.collector.storage.staging import StagingLog
+    from forewarn.collector.storage.store import Store
+    from forewarn.collector.storage.telemetry import TelemetryWriter
 
     rows: set[tuple[Any, ...]] = set()
     for p in _parquet_files(data):

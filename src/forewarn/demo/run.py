@@ -198,7 +198,7 @@ class Demo:
             "flush_interval_s = 2.0\n"
             'log_level = "warning"\n'
         )
-        from forewarn.collector.auth import add_token
+        from forewarn.collector.http.auth import add_token
 
         for node in ("demo-node-1", "demo-node-2"):
             token = add_token(self.dir / "tokens.toml", node)

@@ -19,10 +19,11 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from forewarn.collector.drain import DrainError, DrainRunner
-from forewarn.collector.orders import JobOrder, OrderBook
-from forewarn.collector.policy import ActionKind, Decision, Outcome, PlannedAction, Policy
 from forewarn.wire import CheckpointReport, CommandAck, Finding
+
+from .drain import DrainError, DrainRunner
+from .orders import JobOrder, OrderBook
+from .policy import ActionKind, Decision, Outcome, PlannedAction, Policy
 
 __all__ = ["ActionLog", "ActionPipeline", "event_for", "store_decisions"]
 
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 
 
 class ActionLog(Protocol):
-    """Where actions are recorded (the service's :class:`~forewarn.collector.store.Store`)."""
+    """Where actions are recorded (the service's :class:`~..storage.store.Store`)."""
 
     def record_action(
         self,

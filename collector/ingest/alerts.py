@@ -43,7 +43,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from forewarn.collector.jobview import JobView, node_of_instance
 from forewarn.wire import (
     DECODE_ERRORS,
     Finding,
@@ -52,6 +51,8 @@ from forewarn.wire import (
     SuggestedAction,
     decode_error_message,
 )
+
+from ..jobs.jobview import JobView, node_of_instance
 
 __all__ = [
     "MAX_ALERT_BODY",

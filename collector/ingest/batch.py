@@ -14,11 +14,11 @@ batch is acknowledged only once it is durable. ``(agent_id, seq)`` is the primar
 that never got its answer simply sends the batch again.
 
 Per batch, inside the transaction: its jobs authorised against the job map
-(:mod:`forewarn.collector.authz`: another node's job is refused with 403, a rank another
+(:mod:`forewarn.collector.ingest.authz`: another node's job is refused with 403, a rank another
 node holds is not applied); the ``batches`` row; the body in ``staged_samples``
-(GPU samples go on to Parquet, :mod:`forewarn.collector.telemetry`); the latest sample
+(GPU samples go on to Parquet, :mod:`forewarn.collector.storage.telemetry`); the latest sample
 per GPU in ``gpus``; XIDs; findings (GPU findings also set that GPU's health); rank
-summaries and checkpoint reports (the job map, :mod:`forewarn.collector.jobs`); the node.
+summaries and checkpoint reports (the job map, :mod:`forewarn.collector.jobs.jobmap`); the node.
 An ``agent_id`` belongs to the node that first sent it: another node's batch under it is
 refused (403), so no node can make another's batches look like duplicates. A batch whose
 write fails for a reason of its own (not the store's) is rolled back alone, its body kept
@@ -44,11 +44,6 @@ from typing import Any
 
 import msgspec
 
-from forewarn.collector.authz import NotYourJob, authorise_batch
-from forewarn.collector.jobs import apply_checkpoints, apply_ranks
-from forewarn.collector.metrics import CollectorMetrics
-from forewarn.collector.staging import StagingLog
-from forewarn.collector.store import Store
 from forewarn.wire import (
     DECODE_ERRORS,
     AgentBatch,
@@ -61,6 +56,12 @@ from forewarn.wire import (
     decode_error_message,
     encode,
 )
+
+from ..jobs.jobmap import apply_checkpoints, apply_ranks
+from ..metrics import CollectorMetrics
+from ..storage.staging import StagingLog
+from ..storage.store import Store
+from .authz import NotYourJob, authorise_batch
 
 __all__ = ["CheckedBatch", "IngestError", "IngestResult", "IngestWriter", "Refusal",
            "TimeWindow", "check_batch", "count_refusals", "store_findings"]

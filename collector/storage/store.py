@@ -4,7 +4,7 @@ Tables: ``nodes``, ``gpus``, ``jobs``, ``ranks`` (the job map), ``findings``, ``
 ``actions``, ``decisions``, ``checkpoints``, ``commands``, ``batches`` (every accepted
 agent batch by ``(agent_id, seq)``: the exactly-once record), ``staged_samples`` (raw
 ingest bodies whose GPU samples are not yet in Parquet) and ``telemetry_files`` (the
-Parquet files that hold compacted samples; see :mod:`forewarn.collector.telemetry`).
+Parquet files that hold compacted samples; see :mod:`forewarn.collector.storage.telemetry`).
 
 Concurrency: one write connection behind a lock (every write is one transaction, see
 :meth:`Store.write`), and one read connection per thread (WAL lets reads run beside the
@@ -106,7 +106,7 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             inputs TEXT NOT NULL)""",
         "CREATE INDEX decisions_time ON decisions (time)",
     ),
-    # 2: staged bodies live in the staging log (forewarn.collector.staging); the row
+    # 2: staged bodies live in the staging log (forewarn.collector.storage.staging); the row
     # points at them. ``body`` stays for rows staged before (and is empty otherwise).
     (
         "ALTER TABLE staged_samples ADD COLUMN segment INTEGER",

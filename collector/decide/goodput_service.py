@@ -1,4 +1,4 @@
-"""Goodput accounting inside the collector: :class:`~.goodput.GoodputTracker` fed from the
+"""Goodput accounting inside the collector: :class:`~..jobs.goodput.GoodputTracker` fed from the
 stored batches and findings, exported as metrics and ``GET /api/v1/goodput``.
 
 What the batches carry is not one record per step but, per rank and batch, a
@@ -24,7 +24,7 @@ Metrics (rendered from the last :meth:`GoodputService.refresh`, every predictor 
 ``forewarn_job_lost_seconds_total{training_job,cause}`` (cause
 ``checkpoint``, ``rework``, ``detection``, ``restart``) and
 ``forewarn_job_checkpoint_interval_advice_seconds{training_job}``: Daly's interval
-(:func:`~.goodput.advise_interval`) from the job's measured checkpoint cost (the cost
+(:func:`~..jobs.goodput.advise_interval`) from the job's measured checkpoint cost (the cost
 model's tracker, else what the ranks report, else ``checkpoint_default_s``), its GPU count
 from the job map, the fleet's per-GPU failure rate (prior updated with the failures the
 predictor saw) and the job's current risk (highest failure probability over its GPUs).
@@ -43,8 +43,10 @@ from prometheus_client.registry import CollectorRegistry
 from starlette.requests import Request
 from starlette.routing import BaseRoute
 
-from forewarn.collector.commands import NodeCommand
-from forewarn.collector.goodput import (
+from forewarn.wire import AgentBatch, Command, Finding, Health, IntervalAdvice, RankSummary
+
+from ..http.read_routes import policy_read_route
+from ..jobs.goodput import (
     DEFAULT_GPU_MTBF_H,
     DEFAULT_RESTART_S,
     GoodputTracker,
@@ -52,14 +54,13 @@ from forewarn.collector.goodput import (
     expected_goodput,
     job_mtbf_s,
 )
-from forewarn.collector.orders import OrderSettings, choose_step
-from forewarn.collector.read_routes import policy_read_route
-from forewarn.wire import AgentBatch, Command, Finding, Health, IntervalAdvice, RankSummary
+from ..storage.commands import NodeCommand
+from .orders import OrderSettings, choose_step
 
 if TYPE_CHECKING:
-    from forewarn.collector.app import CollectorContext
-    from forewarn.collector.costmodel import CheckpointCostTracker
-    from forewarn.collector.jobview import JobInfo, JobView
+    from ..http.app import CollectorContext
+    from ..jobs.jobview import JobInfo, JobView
+    from .costmodel import CheckpointCostTracker
 
 __all__ = ["FAILURE_CHECKS", "AdviceSender", "GoodputService", "JobAdvice"]
 

@@ -33,9 +33,10 @@ from typing import Any
 import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
-from forewarn.collector.costmodel import CheckpointCostTracker, decide_checkpoint
-from forewarn.collector.jobview import JobInfo, JobView
 from forewarn.wire import Finding, Health, Subject, SuggestedAction
+
+from ..jobs.jobview import JobInfo, JobView
+from .costmodel import CheckpointCostTracker, decide_checkpoint
 
 __all__ = [
     "SEVERITY_RULES",
@@ -569,7 +570,7 @@ class Policy:
 
 def service_policy(config: Any) -> Any:
     """The policy wired into the collector service (``forewarn collector`` looks this up):
-    a :class:`forewarn.collector.policy_service.PolicyService` built from ``config``."""
-    from forewarn.collector.policy_service import PolicyService
+    a :class:`forewarn.collector.decide.policy_service.PolicyService` built from ``config``."""
+    from .policy_service import PolicyService
 
     return PolicyService.from_config(config)

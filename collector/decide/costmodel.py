@@ -43,8 +43,9 @@ import statistics
 from collections.abc import Mapping
 from typing import Any
 
-from forewarn.collector.jobview import JobInfo
 from forewarn.wire import CheckpointReport, Finding, Health
+
+from ..jobs.jobview import JobInfo
 
 __all__ = [
     "CHECK_PROBABILITY",

@@ -1,5 +1,5 @@
 """HTTP helpers shared by the collector's routes, the read API, ``/metrics``, ``/healthz``
-and the OpenAPI document. The routes are mounted by :func:`forewarn.collector.app.create_app`.
+and the OpenAPI document. The routes are mounted by :func:`forewarn.collector.http.app.create_app`.
 """
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from forewarn.collector.ingest import IngestError, finding_rows_json
-from forewarn.collector.jobs import job_detail, list_jobs
-from forewarn.collector.read_routes import check_reader, float_param, int_param
 from forewarn.wire import AgentBatch, Command, CommandAck, Finding
 
+from ..ingest.batch import IngestError, finding_rows_json
+from ..jobs.jobmap import job_detail, list_jobs
+from .read_routes import check_reader, float_param, int_param
+
 if TYPE_CHECKING:
-    from forewarn.collector.app import CollectorContext
+    from .app import CollectorContext
 
 __all__ = [
     "agent_node",

@@ -11,9 +11,10 @@ import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
-from forewarn.collector.jobview import JobInfo
-from forewarn.collector.store import Store
 from forewarn.wire import CheckpointReport, RankSummary
+
+from ..storage.store import Store
+from .jobview import JobInfo
 
 __all__ = [
     "StoreJobView",
@@ -168,7 +169,7 @@ def _summary(row: dict[str, Any]) -> RankSummary:
 
 
 class StoreJobView:
-    """The job map in SQLite as a :class:`forewarn.collector.jobview.JobView` (what the
+    """The job map in SQLite as a :class:`forewarn.collector.jobs.jobview.JobView` (what the
     policy and the order book read). Snapshots; safe from any thread."""
 
     def __init__(self, store: Store) -> None:

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from forewarn.collector.api import ctx_of, json_response
+from .api import ctx_of, json_response
 
 if TYPE_CHECKING:
-    from forewarn.collector.app import CollectorContext
+    from .app import CollectorContext
 
 __all__ = ["collector_readiness", "readyz"]
 

@@ -1,6 +1,6 @@
 """What the policy and the order book need to know about jobs, and nothing more.
 
-The collector's job map (``forewarn.collector.jobs``) is the source of truth: which ranks
+The collector's job map (``forewarn.collector.jobs.jobmap``) is the source of truth: which ranks
 of which job run on which node and GPU, built from the agents' :class:`RankSummary`
 reports. The policy only reads it through :class:`JobView`, so it can be tested against
 :class:`RankTable` (a small in-memory job map fed with the same reports) and adapted to

@@ -26,10 +26,11 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from forewarn.collector.alerts import AlertPayload, alert_finding, alert_labels
-from forewarn.collector.ingest import store_findings
-from forewarn.collector.jobview import JobView
 from forewarn.wire import Finding
+
+from ..jobs.jobview import JobView
+from .alerts import AlertPayload, alert_finding, alert_labels
+from .batch import store_findings
 
 __all__ = ["AlertBook", "AlertIntake"]
 

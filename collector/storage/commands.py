@@ -19,9 +19,10 @@ from typing import Any
 
 import msgspec
 
-from forewarn.collector.metrics import CollectorMetrics
-from forewarn.collector.store import Store
 from forewarn.wire import CheckpointOrder, Command, CommandAck, decode, encode
+
+from ..metrics import CollectorMetrics
+from .store import Store
 
 __all__ = ["CommandQueue", "NodeCommand"]
 

@@ -19,10 +19,10 @@ Routes
 ``GET /api/v1/...``: ``nodes``, ``gpus``, ``jobs``, ``jobs/{job}``, ``findings``, ``xids``,
     ``actions``, ``decisions``, ``checkpoints``, ``commands/log``.
     Read API (JSON; ``api_token`` when configured). ``GET /openapi.json``, ``/metrics``,
-    ``/healthz`` (liveness). These live in :mod:`forewarn.collector.api`.
+    ``/healthz`` (liveness). These live in :mod:`forewarn.collector.http.api`.
 ``GET /readyz``
     Readiness, JSON per component (storage writable, ingest writer alive, last telemetry
-    flush ok); 503 when not ready: :mod:`forewarn.collector.readiness`.
+    flush ok); 503 when not ready: :mod:`forewarn.collector.http.readiness`.
 
 The seam for the policy and actions (``policy=``)
 -------------------------------------------------
@@ -32,7 +32,7 @@ The seam for the policy and actions (``policy=``)
     (``findings: Sequence[Finding]``, ``store: Store``, ``now: float`` Unix time.)
     Called with every newly stored finding (from agents' batches, urgent ones first, and
     from :meth:`CollectorContext.submit_findings`). Returned
-    :class:`~forewarn.collector.commands.NodeCommand`\\ s are queued for their agents; the
+    :class:`~forewarn.collector.storage.commands.NodeCommand`\\ s are queued for their agents; the
     policy may also queue itself through ``ctx.commands`` (a ``CommandSink``:
     ``order_checkpoint(nodes, order)``).
 
@@ -40,7 +40,7 @@ and optionally any of (looked up with ``getattr``):
 
 ``start(ctx: CollectorContext) -> None`` / ``stop() -> None``
     At app start-up / shutdown. ``ctx`` holds ``config``, ``store``, ``commands``,
-    ``jobs`` (a :class:`~forewarn.collector.jobs.StoreJobView`, the ``JobView`` protocol),
+    ``jobs`` (a :class:`~forewarn.collector.jobs.jobmap.StoreJobView`, the ``JobView`` protocol),
     ``metrics`` (``metrics.registry`` for the policy's own metrics), ``outbound`` (the
     injected ``httpx.AsyncClient`` or ``None``), ``clock`` and ``loop``.
 ``on_batches(batches: Sequence[AgentBatch], now: float) -> None``
@@ -54,7 +54,7 @@ and optionally any of (looked up with ``getattr``):
 All hook calls run one at a time on a single dedicated thread ("forewarn-policy"), in the
 order events arrived, so a policy need not be thread-safe and never blocks ingest (bulk
 work queued with ``ctx.submit_bulk(fn, *args)`` runs only while no other hook call
-waits: :mod:`forewarn.collector.policy_thread`); a hook
+waits: :mod:`forewarn.collector.decide.policy_thread`); a hook
 that raises is logged and counted (``forewarn_collector_policy_errors_total``), never
 fatal. Routes added by the policy should pass findings through
 ``await ctx.submit_findings(findings, origin=...)`` (stores them, then runs the hook on
@@ -79,37 +79,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from forewarn.collector import statuspage
-from forewarn.collector.api import (
-    agent_node,
-    ctx_of,
-    error_response,
-    float_param,
-    handled,
-    json_response,
-    read_limited,
-    read_routes,
-)
-from forewarn.collector.auth import TokenRegistry
-from forewarn.collector.commands import CommandQueue, NodeCommand
-from forewarn.collector.config import CollectorConfig
-from forewarn.collector.datadir import check_data_dir
-from forewarn.collector.ingest import (
-    IngestError,
-    IngestWriter,
-    TimeWindow,
-    check_batch,
-    count_refusals,
-    store_findings,
-)
-from forewarn.collector.jobs import StoreJobView
-from forewarn.collector.metrics import CollectorMetrics
-from forewarn.collector.policy_thread import PolicyThread
-from forewarn.collector.readiness import readyz
-from forewarn.collector.staging import StagingLog
-from forewarn.collector.store import Store
-from forewarn.collector.telemetry import TelemetryWriter
-from forewarn.collector.upkeep import run_upkeep
 from forewarn.wire import (
     MAX_UNIX_TIME,
     SENT_AT_HEADER,
@@ -120,6 +89,38 @@ from forewarn.wire import (
     decode,
     decode_json,
 )
+
+from ..config import CollectorConfig
+from ..decide.policy_thread import PolicyThread
+from ..ingest.batch import (
+    IngestError,
+    IngestWriter,
+    TimeWindow,
+    check_batch,
+    count_refusals,
+    store_findings,
+)
+from ..jobs.jobmap import StoreJobView
+from ..metrics import CollectorMetrics
+from ..storage.commands import CommandQueue, NodeCommand
+from ..storage.datadir import check_data_dir
+from ..storage.staging import StagingLog
+from ..storage.store import Store
+from ..storage.telemetry import TelemetryWriter
+from ..storage.upkeep import run_upkeep
+from . import statuspage
+from .api import (
+    agent_node,
+    ctx_of,
+    error_response,
+    float_param,
+    handled,
+    json_response,
+    read_limited,
+    read_routes,
+)
+from .auth import TokenRegistry
+from .readiness import readyz
 
 if TYPE_CHECKING:
     import httpx
@@ -377,7 +378,7 @@ def create_app(
     """Build the collector app. ``store`` is the caller's to close after the app stops;
     ``tokens`` defaults to ``config.tokens_file``; ``policy``: see the module docstring.
 
-    Raises :class:`~forewarn.collector.datadir.DataDirError` when ``store`` is not the
+    Raises :class:`~forewarn.collector.storage.datadir.DataDirError` when ``store`` is not the
     database of ``config.data_dir``'s files (nothing is moved or deleted then)."""
     metrics = metrics or CollectorMetrics()
     tokens = tokens or TokenRegistry(config.tokens_file, on_error=metrics.tokens_errors.inc)

@@ -1,10 +1,10 @@
 """Upkeep of the collector's data while it runs: retention and scrub.
 
 :func:`apply_retention` prunes everything older than ``retention_days`` (Parquet days,
-then database rows, see :meth:`~forewarn.collector.store.Store.prune`), compacts finished
+then database rows, see :meth:`~forewarn.collector.storage.store.Store.prune`), compacts finished
 days and publishes the rows pruned and the size of the data directory as metrics.
 :func:`run_upkeep` is the app's periodic task: retention every ``retention_interval_s``,
-the scrub (:meth:`~forewarn.collector.telemetry.TelemetryWriter.scrub`) every
+the scrub (:meth:`~forewarn.collector.storage.telemetry.TelemetryWriter.scrub`) every
 ``scrub_interval_s``, both in worker threads and apart from the Parquet flush, so neither
 delays a flush nor ingest. A failed pass is logged and counted
 (``upkeep_errors_total{task}``) and tried again at its next interval.
@@ -17,11 +17,11 @@ import logging
 import time
 from collections.abc import Callable
 
-from forewarn.collector.config import CollectorConfig
-from forewarn.collector.datadir import data_sizes
-from forewarn.collector.metrics import CollectorMetrics
-from forewarn.collector.store import Store
-from forewarn.collector.telemetry import TelemetryWriter
+from ..config import CollectorConfig
+from ..metrics import CollectorMetrics
+from .datadir import data_sizes
+from .store import Store
+from .telemetry import TelemetryWriter
 
 __all__ = ["apply_retention", "run_upkeep"]
 

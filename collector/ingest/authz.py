@@ -1,9 +1,9 @@
 """What an agent may do: act on the jobs its own node hosts, nothing else.
 
-A node's token authenticates one node (:mod:`.auth`), and :func:`~.ingest.check_batch`
+A node's token authenticates one node (:mod:`..http.auth`), and :func:`~.batch.check_batch`
 binds every node name in a batch to it. This module binds the *jobs*: a batch's rank
 summaries, checkpoint reports and findings about a job are checked against the job map
-(the ``ranks`` table, :mod:`.jobs`) inside the ingest transaction, so the decision and
+(the ``ranks`` table, :mod:`..jobs.jobmap`) inside the ingest transaction, so the decision and
 the write see the same map.
 
 Rules, for a batch from node N:

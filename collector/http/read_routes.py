@@ -1,7 +1,7 @@
 """Read-API routes mounted through the policy seam (``GET /api/v1/risk``,
 ``GET /api/v1/goodput``): the same bearer-token rule as the app's own read API
 (``api_token`` when configured) and JSON answers encoded with msgspec. The query-parameter
-and read-token helpers here serve the app's own read API too (:mod:`forewarn.collector.api`).
+and read-token helpers here serve the app's own read API too (:mod:`forewarn.collector.http.api`).
 
 The handler runs on the policy thread (``ctx.run_policy``), so it reads the policy's state
 without locks; keep it cheap.
@@ -18,18 +18,18 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from forewarn.collector.auth import parse_bearer
-from forewarn.collector.ingest import IngestError
+from ..ingest.batch import IngestError
+from .auth import parse_bearer
 
 if TYPE_CHECKING:
-    from forewarn.collector.app import CollectorContext
+    from .app import CollectorContext
 
 __all__ = ["QueryError", "check_reader", "float_param", "int_param", "policy_read_route"]
 
 
 class QueryError(IngestError):
     """A bad query parameter; answered with 400 and this message (counted as a ``decode``
-    rejection where the app's :func:`~forewarn.collector.api.handled` answers it)."""
+    rejection where the app's :func:`~forewarn.collector.http.api.handled` answers it)."""
 
     def __init__(self, message: str) -> None:
         super().__init__(400, "decode", message)

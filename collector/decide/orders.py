@@ -29,8 +29,9 @@ from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter
 
-from forewarn.collector.jobview import JobInfo
 from forewarn.wire import CheckpointOrder, CheckpointReport, CommandAck
+
+from ..jobs.jobview import JobInfo
 
 __all__ = ["CommandSink", "JobOrder", "OrderBook", "OrderSettings", "choose_step"]
 

@@ -1,18 +1,18 @@
 """The policy plugged into the collector service (the ``policy=`` seam of
-:func:`forewarn.collector.app.create_app`).
+:func:`forewarn.collector.http.app.create_app`).
 
 :class:`PolicyService` builds the :class:`~.policy.Policy`, :class:`~.orders.OrderBook`,
 :class:`~.webhooks.WebhookSender` and :class:`~.drain.DrainRunner` from
 :class:`~forewarn.collector.config.CollectorConfig` and wires them to the service: the job
 map (``ctx.jobs``), the command queues (``ctx.commands``), the store (decisions and
 actions tables) and the metrics registry. It also mounts the Alertmanager and Grafana
-webhook routes (:mod:`.alerts`). With them run the live failure predictor
+webhook routes (:mod:`..ingest.alerts`). With them run the live failure predictor
 (:mod:`.predict`: its findings go through the same policy, so the cost-aware checkpoint
 decision uses the predicted probability) and goodput accounting (:mod:`.goodput_service`),
 both fed from the stored batches; every ``predict_interval_s`` a timer scores the fleet and
 refreshes goodput advice on the policy thread.
 
-Alert webhooks go through an :class:`~.alert_book.AlertBook` (deduplicated, stored in
+Alert webhooks go through an :class:`~..ingest.alert_book.AlertBook` (deduplicated, stored in
 batches every half second); only alerts that start firing reach the policy, coalesced by
 check and subject and handed over in small chunks on the policy thread's bulk lane, so a
 storm never delays a decision about an agent's finding (:mod:`.policy_thread`).
@@ -37,24 +37,25 @@ from prometheus_client import Counter, Gauge
 from starlette.requests import Request
 from starlette.routing import BaseRoute
 
-from forewarn.collector.actions import ActionPipeline, store_decisions
-from forewarn.collector.alert_book import AlertBook
-from forewarn.collector.alerts import AlertPayload, alert_routes
-from forewarn.collector.costmodel import CheckpointCostTracker
-from forewarn.collector.drain import DrainRunner, DrainTemplate
-from forewarn.collector.goodput_service import AdviceSender, GoodputService
-from forewarn.collector.ingest import store_findings
-from forewarn.collector.operator import operator_routes
-from forewarn.collector.orders import OrderBook, OrderSettings
-from forewarn.collector.policy import Decision, Policy, PolicySettings
-from forewarn.collector.predict import PredictorService
-from forewarn.collector.webhooks import Delivery, WebhookEndpoint, WebhookSender
 from forewarn.config import ConfigError
 from forewarn.wire import AgentBatch, CommandAck, Finding
 
+from ..http.operator import operator_routes
+from ..ingest.alert_book import AlertBook
+from ..ingest.alerts import AlertPayload, alert_routes
+from ..ingest.batch import store_findings
+from .actions import ActionPipeline, store_decisions
+from .costmodel import CheckpointCostTracker
+from .drain import DrainRunner, DrainTemplate
+from .goodput_service import AdviceSender, GoodputService
+from .orders import OrderBook, OrderSettings
+from .policy import Decision, Policy, PolicySettings
+from .predict import PredictorService
+from .webhooks import Delivery, WebhookEndpoint, WebhookSender
+
 if TYPE_CHECKING:
-    from forewarn.collector.app import CollectorContext
-    from forewarn.collector.config import CollectorConfig
+    from ..config import CollectorConfig
+    from ..http.app import CollectorContext
 
 __all__ = ["PolicyService", "settings_from_config"]
 

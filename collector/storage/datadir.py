@@ -9,7 +9,7 @@ deleted by the collector).
 The rule: the collector never deletes data on a guess. Before it serves,
 :func:`check_data_dir` refuses a database that cannot be the one these files belong to
 (a missing or empty ``collector.db`` beside Parquet files), and start-up
-recovery (:meth:`~forewarn.collector.telemetry.TelemetryWriter.recover`) deletes only what
+recovery (:meth:`~forewarn.collector.storage.telemetry.TelemetryWriter.recover`) deletes only what
 it can prove is held elsewhere; the rest goes to :class:`Quarantine`.
 """
 
@@ -20,9 +20,10 @@ import logging
 import os
 from pathlib import Path
 
-from forewarn.collector.metrics import CollectorMetrics
-from forewarn.collector.store import Store, StoreError
 from forewarn.files import fsync_dir
+
+from ..metrics import CollectorMetrics
+from .store import Store, StoreError
 
 __all__ = ["DataDirError", "Quarantine", "check_data_dir", "data_sizes"]
 

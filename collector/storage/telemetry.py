@@ -41,11 +41,12 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from forewarn.collector.datadir import Quarantine
-from forewarn.collector.metrics import CollectorMetrics
-from forewarn.collector.staging import StagingError, StagingLog
-from forewarn.collector.store import Store
 from forewarn.wire import DECODE_ERRORS, GpuSample, encode
+
+from ..metrics import CollectorMetrics
+from .datadir import Quarantine
+from .staging import StagingError, StagingLog
+from .store import Store
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -9,7 +9,7 @@ cooldown, rate limits, the circuit breaker and shadow mode still apply, and drai
 shadow until ``drain_enabled``. The answer lists the decisions taken.
 
 The operator token is distinct from every other token: node tokens (an agent acts on its
-own node's jobs only, :mod:`.authz`), the read token (``api_token``) and the alert token.
+own node's jobs only, :mod:`..ingest.authz`), the read token (``api_token``) and the alert token.
 A request bearing a node's token is refused with 403 even if it matched, and the
 collector does not start when ``operator_token`` equals ``api_token`` or ``alert_token``
 (:class:`~forewarn.collector.config.CollectorConfig`). With no operator token configured
@@ -28,13 +28,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from forewarn.collector.api import read_limited
-from forewarn.collector.auth import parse_bearer
-from forewarn.collector.ingest import IngestError
 from forewarn.wire import Finding, Health, Subject, SuggestedAction
 
+from ..ingest.batch import IngestError
+from .api import read_limited
+from .auth import parse_bearer
+
 if TYPE_CHECKING:
-    from forewarn.collector.app import CollectorContext
+    from .app import CollectorContext
 
 __all__ = ["MAX_BODY", "OperatorRequest", "check_operator", "operator_routes"]
 

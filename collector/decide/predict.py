@@ -2,7 +2,7 @@
 
 :class:`PredictorService` holds a :class:`~forewarn.models.live.LiveScorer` around the
 model the collector loads at start (the shipped default, or the operator's retrained skops
-file from ``model_path``). :class:`~forewarn.collector.policy_service.PolicyService` drives
+file from ``model_path``). :class:`~forewarn.collector.decide.policy_service.PolicyService` drives
 it from the policy thread:
 
 * :meth:`PredictorService.observe` takes every stored batch's samples and XIDs. One sample
@@ -46,16 +46,18 @@ from prometheus_client.registry import CollectorRegistry
 from starlette.requests import Request
 from starlette.routing import BaseRoute
 
-from forewarn.collector.read_routes import float_param, int_param, policy_read_route
 from forewarn.config import ConfigError
 from forewarn.wire import AgentBatch, Finding, GpuState, Health
 
+from ..http.read_routes import float_param, int_param, policy_read_route
+
 if TYPE_CHECKING:
-    from forewarn.collector.app import CollectorContext
-    from forewarn.collector.config import CollectorConfig
-    from forewarn.collector.jobview import JobInfo
     from forewarn.models.live import ShadowStats
     from forewarn.models.predictor import FailurePredictor
+
+    from ..config import CollectorConfig
+    from ..http.app import CollectorContext
+    from ..jobs.jobview import JobInfo
 
 __all__ = ["PredictorService", "RiskScores", "load_predictor_model"]
 
@@ -65,7 +67,7 @@ _SEVERITY = {Health.HEALTHY: 0, Health.UNKNOWN: 1, Health.DEGRADED: 2, Health.UN
 
 DEFAULT_GPU_MTBF_H = 24.0 * 1000.0 / 6.5 * 8
 """Per-GPU MTBF prior (hours): 6.5 failures per 1,000 node-days of 8 GPUs (Meta, HPCA 2025,
-docs/reference.md); same figure as :data:`forewarn.collector.goodput.DEFAULT_GPU_MTBF_H`."""
+docs/reference.md); same figure as :data:`forewarn.collector.jobs.goodput.DEFAULT_GPU_MTBF_H`."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""Findings in, actions out: prediction, cost model, policy, orders, webhooks, drains."""

@@ -1,0 +1,1 @@
+"""What comes in: agent batches (validated, bounded, authorised) and alert webhooks."""
