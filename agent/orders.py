@@ -77,7 +77,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 
-from forewarn.agent.ranks import RankTable, RankView, by_job, quantile
+from forewarn.agent.ranks import RankTable, RankView, quantile
 from forewarn.wire import (
     PREEMPTED,
     CheckpointOrder,
@@ -191,7 +191,6 @@ class CheckpointOrders:
         self.monotonic = monotonic
         self._lock = threading.RLock()
         self._orders: dict[str, OrderStatus] = {}
-        self._closed: collections.deque[OrderStatus] = collections.deque(maxlen=256)
         self._fired: dict[str, float] = {}
         self.orders_total: collections.Counter[tuple[str, str]] = collections.Counter()
         """``(job, reason) -> orders issued`` (reissues included)."""
@@ -284,7 +283,6 @@ class CheckpointOrders:
         st.closed = why
         self.outcomes_total[why] += 1
         self._orders.pop(st.order.request_id, None)
-        self._closed.append(st)
 
     # -- reports -------------------------------------------------------------------------
     def on_report(self, view: RankView | None, rep: CheckpointReport) -> None:
@@ -351,9 +349,6 @@ class CheckpointOrders:
         with self._lock:
             return list(self._orders.values())
 
-    def closed_orders(self) -> list[OrderStatus]:
-        with self._lock:
-            return list(self._closed)
 
     # -- local fast path -------------------------------------------------------------------
     def jobs_on_gpu(self, gpu: int | None) -> list[str]:
@@ -538,6 +533,3 @@ class HangTerminator:
         self._kills = []
 
 
-def ranks_by_job(table: RankTable) -> dict[str, list[RankView]]:
-    """Current ranks grouped by job (convenience for the component and tests)."""
-    return by_job(table.views())

@@ -419,9 +419,6 @@ class RankView:
     def step_p99(self) -> float | None:
         return quantile(self.step_seconds, 0.99)
 
-    def beat_age(self, now: float) -> float | None:
-        return None if self.last_beat is None else max(0.0, now - self.last_beat)
-
 
 StepListener = Callable[[RankView, StepRecord], None]
 PreemptListener = Callable[[RankView], object]

@@ -39,16 +39,6 @@ class GpuHistory:
         while self.samples and self.samples[0].time < horizon:
             self.samples.popleft()
 
-    def at_or_before(self, t: float) -> GpuSample | None:
-        """The newest sample taken at or before ``t`` (for rates over a window)."""
-        found = None
-        for s in self.samples:
-            if s.time <= t:
-                found = s
-            else:
-                break
-        return found
-
 
 @dataclasses.dataclass
 class AgentState:

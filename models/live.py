@@ -23,7 +23,6 @@ import numpy as np
 from forewarn.models.features import (
     ACTIVE,
     BASELINE_BLOCK,
-    COUNTERS,
     CUM_COLUMNS,
     GRID_S,
     LAGS,
@@ -343,6 +342,3 @@ class LiveScorer:
         """GPUs seen so far."""
         return len(self._nodes)
 
-    def counters_snapshot(self) -> dict[str, float]:
-        """Raw counter columns of the current state (for debugging)."""
-        return {c: float(self._cur[:, _IX[c]].sum()) for c in COUNTERS}

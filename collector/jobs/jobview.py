@@ -140,20 +140,11 @@ class RankTable:
             self._first_seen.setdefault(s.job, now)
             self._nodes.add(s.node)
 
-    def add_node(self, node: str) -> None:
-        """Count a node in the fleet even when it runs no job."""
-        self._nodes.add(node)
-
     def add_gpu(self, node: str, gpu: int, uuid: str) -> None:
         """Remember a GPU's UUID (alert labels from DCGM name GPUs by UUID)."""
         if uuid:
             self._uuids[uuid] = (node, gpu)
         self._nodes.add(node)
-
-    def remove_job(self, job: str) -> None:
-        """Forget a finished job."""
-        self._ranks.pop(job, None)
-        self._first_seen.pop(job, None)
 
     def jobs_on(self, node: str, gpu: int | None = None) -> list[str]:
         return sorted(

@@ -259,16 +259,6 @@ class Store:
             )
             return int(cur.lastrowid or 0)
 
-    def update_action(self, action_id: int, *, status: str, detail: dict[str, Any] | None = None
-                      ) -> None:
-        """Change an action's status (e.g. a webhook delivery that succeeded later)."""
-        with self.write() as conn:
-            if detail is None:
-                conn.execute("UPDATE actions SET status = ? WHERE id = ?", (status, action_id))
-            else:
-                conn.execute("UPDATE actions SET status = ?, detail = ? WHERE id = ?",
-                             (status, json.dumps(detail, default=str), action_id))
-
     def record_decision(
         self,
         *,

@@ -362,9 +362,6 @@ class HardwareRig:
         sim clock starts when the agent opens its backend, within a second of this)."""
         return self.agent.started
 
-    def wall_of(self, sim_s: float) -> float:
-        return self.sim_start() + sim_s / self.lab.options.hw_sim_speed
-
 
 @dataclasses.dataclass
 class TelemetryRig:
