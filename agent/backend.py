@@ -1,9 +1,9 @@
 """The hardware seam. Every GPU source implements :class:`GpuBackend`; everything else in
 the agent takes a backend object and never imports a vendor library.
 
-Vendor errors are classified once, here, into a few typed errors (after gpud's
-``pkg/nvidia/errors``): :class:`GpuLost`, :class:`GpuResetRequired`,
-:class:`SourceUnavailable`. "Not supported" is not an error at all: the field is listed in
+Vendor errors that stop a source are classified once, here, as :class:`SourceUnavailable`
+(a GPU that stops answering is a finding, not an error: the ``gpu_lost`` check).
+"Not supported" is not an error at all: the field is listed in
 :attr:`forewarn.wire.GpuSample.unsupported`.
 """
 
@@ -13,33 +13,24 @@ from typing import Protocol
 
 import msgspec
 
+from forewarn.errors import UnavailableError
 from forewarn.wire import GpuSample, XidEvent
 
 __all__ = [
     "BackendError",
     "GpuBackend",
     "GpuInfo",
-    "GpuLost",
-    "GpuResetRequired",
     "SourceUnavailable",
     "XidSource",
 ]
 
 
-class BackendError(Exception):
+class BackendError(UnavailableError):
     """Base of the typed errors a GPU source raises."""
 
 
 class SourceUnavailable(BackendError):
     """The source cannot run on this machine (no driver, no endpoint, bad file)."""
-
-
-class GpuLost(BackendError):
-    """The GPU stopped answering (NVML_ERROR_GPU_IS_LOST, XID 79)."""
-
-
-class GpuResetRequired(BackendError):
-    """The GPU needs a reset before it can be used (NVML_ERROR_RESET_REQUIRED)."""
 
 
 class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):

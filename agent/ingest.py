@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from forewarn.agent.ranks import Credentials, RankTable
+from forewarn.errors import UnavailableError
 from forewarn.wire import Beat, CheckpointReport, StepRecord, WireError, decode_hook_message
 
 __all__ = ["DROP_REASONS", "MAX_DATAGRAM", "RankIngest", "SocketError"]
@@ -50,7 +51,7 @@ _CRED = struct.Struct("3i")  # struct ucred { pid_t pid; uid_t uid; gid_t gid; }
 _LOG_EVERY_S = 60.0
 
 
-class SocketError(OSError):
+class SocketError(UnavailableError, OSError):
     """The agent socket cannot be created (path taken by a non-socket, bad group, ...)."""
 
 

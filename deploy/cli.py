@@ -30,11 +30,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from forewarn.errors import InputError
+
 __all__ = ["ROLES", "DeployError", "Role", "forewarn_binary", "install", "register",
            "render"]
 
 
-class DeployError(Exception):
+class DeployError(InputError):
     """Something ``install`` or ``print`` cannot do; the message says what."""
 
 

@@ -15,6 +15,7 @@ from typing import Any, Final
 
 import skops.io as sio
 
+from forewarn.errors import InputError
 from forewarn.models.predictor import FailurePredictor
 
 __all__ = [
@@ -70,7 +71,7 @@ TRUSTED_TYPES: Final = (
 """Every type a forewarn model file may contain. Anything else is refused."""
 
 
-class ModelError(ValueError):
+class ModelError(InputError, ValueError):
     """A model file is unusable: wrong format, missing key or unreadable."""
 
 

@@ -24,6 +24,8 @@ from typing import Final
 import numpy as np
 import pandas as pd
 
+from forewarn.errors import InputError
+
 __all__ = [
     "LABEL_COLUMNS",
     "REQUIRED_SAMPLE_COLUMNS",
@@ -39,7 +41,7 @@ __all__ = [
 ]
 
 
-class DataError(ValueError):
+class DataError(InputError, ValueError):
     """A data file is unusable; the message names the file, the column and the problem."""
 
 

@@ -45,6 +45,8 @@ from collections.abc import Callable, Sequence
 
 from prometheus_client import CollectorRegistry, Counter
 
+from forewarn.errors import InputError
+
 __all__ = [
     "NODE_RE",
     "REASON_MAX",
@@ -65,7 +67,7 @@ REASON_MAX = 128
 _FIELDS = frozenset({"node", "reason"})
 
 
-class DrainError(ValueError):
+class DrainError(InputError, ValueError):
     """A drain template or value was rejected; nothing was run. ``slot`` names the
     refused value (``node``, ``reason``), empty for a bad template."""
 

@@ -44,6 +44,8 @@ import httpx
 import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
+from forewarn.errors import InputError
+
 __all__ = [
     "SIGNATURE_HEADER",
     "TIMESTAMP_HEADER",
@@ -74,7 +76,7 @@ MAX_BODY_BYTES = 64 * 1024
 and 10 items."""
 
 
-class SignatureError(ValueError):
+class SignatureError(InputError, ValueError):
     """A webhook request failed verification; the message says why."""
 
 

@@ -33,6 +33,8 @@ import tomllib
 from collections.abc import Callable
 from pathlib import Path
 
+from forewarn.errors import InputError
+
 __all__ = ["AuthError", "TokenRegistry", "add_token", "hash_token", "parse_bearer"]
 
 PREFIX = "sha256:"
@@ -40,7 +42,7 @@ PREFIX = "sha256:"
 log = logging.getLogger(__name__)
 
 
-class AuthError(ValueError):
+class AuthError(InputError, ValueError):
     """The tokens file is unreadable or malformed; the message names the entry."""
 
 

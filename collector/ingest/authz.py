@@ -37,6 +37,7 @@ import sqlite3
 
 import msgspec
 
+from forewarn.errors import InputError
 from forewarn.wire import AgentBatch, Health, RankSummary
 
 __all__ = ["RANK_TAKEOVER_S", "NotYourJob", "authorise_batch"]
@@ -48,7 +49,7 @@ node (agents report their ranks every ``push_interval_s``, 5 s by default)."""
 _Holder = tuple[str, bool, float]  # node, alive, collector time of its last report
 
 
-class NotYourJob(ValueError):
+class NotYourJob(InputError, ValueError):
     """A record acts on a job or rank the sending node does not host."""
 
 

@@ -44,6 +44,7 @@ from typing import Any
 
 import msgspec
 
+from forewarn.errors import InputError
 from forewarn.wire import (
     DECODE_ERRORS,
     AgentBatch,
@@ -90,7 +91,7 @@ _envelope_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(
     msgspec.defstruct("_BatchEnvelope", _envelope_fields(), kw_only=True))
 
 
-class IngestError(ValueError):
+class IngestError(InputError, ValueError):
     """A request was refused; ``status`` is the HTTP status, the message names the problem."""
 
     def __init__(self, status: int, reason: str, message: str) -> None:

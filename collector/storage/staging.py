@@ -22,12 +22,14 @@ import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from forewarn.errors import StorageError
+
 __all__ = ["StagingError", "StagingLog"]
 
 _NAME = re.compile(r"^seg-(\d{12})\.log$")
 
 
-class StagingError(OSError):
+class StagingError(StorageError, OSError):
     """A body could not be written or read back; the message names the segment."""
 
 

@@ -22,10 +22,12 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from forewarn.errors import StorageError
+
 __all__ = ["MIGRATIONS", "Store", "StoreError"]
 
 
-class StoreError(RuntimeError):
+class StoreError(StorageError, RuntimeError):
     """The database could not be opened or migrated; the message says why."""
 
 

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from forewarn.errors import StorageError
 from forewarn.wire import DECODE_ERRORS, GpuSample, encode
 
 from ..metrics import CollectorMetrics
@@ -123,7 +124,7 @@ _WRITE_OPTIONS: dict[str, Any] = {"compression": "zstd", "write_page_checksum": 
 """How every Parquet file is written: page CRCs let a read or the scrub detect damage."""
 
 
-class TelemetryError(OSError):
+class TelemetryError(StorageError, OSError):
     """A Parquet file is damaged or not what was written; the message names the file."""
 
 

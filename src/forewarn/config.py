@@ -17,12 +17,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
+from forewarn.errors import InputError
+
 __all__ = ["ConfigError", "load_config"]
 
 C = TypeVar("C")
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError, ValueError):
     """A config key is unknown or its value is bad; the message names the key."""
 
 

@@ -25,6 +25,8 @@ from typing import Annotated, Any, Final, TypeVar
 import msgspec
 from msgspec import Meta, Struct, field
 
+from forewarn.errors import InputError
+
 __all__ = [
     "DECODE_ERRORS",
     "INT64_MAX",
@@ -84,7 +86,7 @@ UnixTime = Annotated[float, Meta(ge=0.0, le=MAX_UNIX_TIME)]
 PhaseName = Annotated[str, Meta(max_length=32)]
 
 
-class WireError(ValueError):
+class WireError(InputError, ValueError):
     """A record failed to decode; the message names the offending field."""
 
 

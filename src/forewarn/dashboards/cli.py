@@ -8,12 +8,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from forewarn.errors import UnavailableError
+
 __all__ = ["PushError", "push", "register"]
 
 REPO_DASHBOARDS = Path(__file__).resolve().parents[3] / "dashboards"
 
 
-class PushError(RuntimeError):
+class PushError(UnavailableError, RuntimeError):
     """Grafana refused a request; the message says which and why."""
 
 
