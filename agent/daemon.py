@@ -72,12 +72,12 @@ import msgspec
 from forewarn import __version__
 from forewarn.agent.backend import GpuBackend, SourceUnavailable, XidSource
 from forewarn.agent.checks.base import Check, CheckRun, run_checks
-from forewarn.agent.checks.xid import classify_xid
 from forewarn.agent.config import DEFAULT_CONFIG_PATH, AgentConfig
 from forewarn.agent.exporter import AgentExporter, MetricsServer, Snapshot, SourceStatus
 from forewarn.agent.sdnotify import Notifier
 from forewarn.agent.state import AgentState
 from forewarn.config import ConfigError, load_config
+from forewarn.gpu import classify_xid
 from forewarn.labels import BoundedLabelsRegistry
 from forewarn.wire import Finding, GpuSample, Health, SuggestedAction, XidEvent
 

@@ -73,6 +73,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from forewarn.agent.checks.base import CheckRun
+from forewarn.gpu import CLOCK_EVENT_REASONS
 from forewarn.wire import Finding, GpuSample, GpuState, Health
 
 __all__ = [
@@ -94,20 +95,6 @@ HEALTH_VALUE: dict[Health, int] = {
 }
 """Gauge value of each health; higher is worse except unknown (3: could not tell)."""
 
-_HEALTH_RANK = {Health.HEALTHY: 0, Health.UNKNOWN: 1, Health.DEGRADED: 2, Health.UNHEALTHY: 3}
-
-CLOCK_EVENT_REASONS: dict[str, int] = {
-    # nvmlClocksEventReason* / nvmlClocksThrottleReason* bits (nvml.h)
-    "gpu_idle": 0x1,
-    "applications_clocks_setting": 0x2,
-    "sw_power_cap": 0x4,
-    "hw_slowdown": 0x8,
-    "sync_boost": 0x10,
-    "sw_thermal_slowdown": 0x20,
-    "hw_thermal_slowdown": 0x40,
-    "hw_power_brake_slowdown": 0x80,
-    "display_clock_setting": 0x100,
-}
 
 # (sample field, metric name, help, scale)
 _GAUGES: tuple[tuple[str, str, str, float], ...] = (
@@ -361,7 +348,7 @@ class AgentExporter:
                 check_health.add_metric([snap.node, gpu, uuid, _b(f.simulated), f.check],
                                         HEALTH_VALUE[f.health])
                 prev = worst.get(subj.gpu, Health.HEALTHY)
-                if _HEALTH_RANK[f.health] > _HEALTH_RANK[prev]:
+                if f.health.severity > prev.severity:
                     worst[subj.gpu] = f.health
                 else:
                     worst.setdefault(subj.gpu, prev)

@@ -34,6 +34,7 @@ from typing import Final
 import numpy as np
 import pandas as pd
 
+from forewarn.gpu import POWER_BITS, THERMAL_BITS, XID_CATALOG
 from forewarn.models.schema import nvlink_columns, validate_samples, validate_xids
 
 __all__ = [
@@ -82,15 +83,8 @@ CUM_COLUMNS: Final = COUNTERS + SUMS + tuple(f"xid_{c}" for c in XID_CLASSES) \
 LAST_COLUMNS: Final = ("temp_last", "margin_last", "limit_last", "width_ratio")
 """Latest-value grid columns."""
 
-# nvmlClocksEventReasons bits (nvml.h).
-_THERMAL_BITS: Final = 0x8 | 0x20 | 0x40  # HW_SLOWDOWN, SW_THERMAL, HW_THERMAL
-_POWER_BITS: Final = 0x4 | 0x80  # SW_POWER_CAP, HW_POWER_BRAKE
 
-_XID_CLASS: Final = {
-    13: "application", 31: "application", 43: "application", 45: "application",
-    48: "memory", 63: "memory", 64: "memory", 92: "memory", 94: "memory", 95: "memory",
-    74: "interconnect", 79: "bus", 119: "gsp", 120: "gsp",
-}
+_XID_CLASS: Final = {code: c.cls for code, c in XID_CATALOG.items()}
 
 _RATE_COUNTERS: Final = ("ecc", "remap_c", "ret_sbe", "pcie", "nvl_crc", "nvl_replay",
                          "nvl_recovery")
@@ -261,8 +255,8 @@ def _row_values(samples: pd.DataFrame) -> pd.DataFrame:
         "n": (has_t | has_p).astype(np.float64),
         "temp": temp.fillna(0), "margin": _num(s, "slowdown_margin_c").fillna(0),
         "power": power.fillna(0), "power2": power.fillna(0) ** 2,
-        "thr_thermal": ((thr & _THERMAL_BITS) != 0).astype(np.float64),
-        "thr_power": ((thr & _POWER_BITS) != 0).astype(np.float64),
+        "thr_thermal": ((thr & THERMAL_BITS) != 0).astype(np.float64),
+        "thr_power": ((thr & POWER_BITS) != 0).astype(np.float64),
         "pending": _num(s, "remap_pending").fillna(0).clip(0, 1),
         "temp_last": temp, "margin_last": _num(s, "slowdown_margin_c"),
         "limit_last": _num(s, "power_limit_w"),

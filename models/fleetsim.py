@@ -37,6 +37,14 @@ import numpy as np
 import pandas as pd
 from scipy.signal import lfilter  # type: ignore[import-untyped]
 
+from forewarn.gpu import (
+    GPU_IDLE,
+    HW_SLOWDOWN,
+    HW_THERMAL_SLOWDOWN,
+    SW_POWER_CAP,
+    SW_THERMAL_SLOWDOWN,
+)
+
 __all__ = [
     "CauseParams",
     "FleetData",
@@ -46,12 +54,9 @@ __all__ = [
     "write_fleet",
 ]
 
-# NVML clock-event (throttle) reason bits (nvmlClocksEventReasons*).
-IDLE = 0x1
-SW_POWER_CAP = 0x4
-HW_SLOWDOWN = 0x8
-SW_THERMAL = 0x20
-HW_THERMAL = 0x40
+IDLE = GPU_IDLE
+SW_THERMAL = SW_THERMAL_SLOWDOWN
+HW_THERMAL = HW_THERMAL_SLOWDOWN
 N_LINKS = 4
 
 

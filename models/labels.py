@@ -9,16 +9,14 @@ failure. ``had_precursor`` is unknown for real data and set true (it only splits
 
 from __future__ import annotations
 
-from typing import Final
-
 import numpy as np
 import pandas as pd
 
+from forewarn.gpu import FATAL_XIDS
 from forewarn.models.schema import validate_samples, validate_xids
 
-__all__ = ["FATAL_XIDS", "labels_from_telemetry"]
+__all__ = ["labels_from_telemetry"]
 
-FATAL_XIDS: Final = (48, 64, 74, 79, 95, 119, 120)
 
 
 def labels_from_telemetry(samples: pd.DataFrame, xids: pd.DataFrame | None = None,
@@ -37,7 +35,7 @@ def labels_from_telemetry(samples: pd.DataFrame, xids: pd.DataFrame | None = Non
             parts.append(s.loc[inc, ["node", "gpu", "time"]].assign(cause=cause))
     if xids is not None and len(xids):
         x = validate_xids(xids)
-        x = x[x["code"].isin(FATAL_XIDS)]
+        x = x[x["code"].isin(sorted(FATAL_XIDS))]
         parts.append(x[["node", "gpu", "time"]].assign(cause="xid:" + x["code"].astype(str)))
     ev = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(
         columns=["node", "gpu", "time", "cause"])

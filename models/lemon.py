@@ -42,6 +42,7 @@ from sklearn.linear_model import LogisticRegression
 from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 
+from forewarn.gpu import FATAL_XIDS
 from forewarn.models.schema import DataError
 
 __all__ = ["DAY", "EVENT_COLUMNS", "HARD_EVENTS", "LIFE_EVENTS", "PRIOR_WEIGHTS", "SEP",
@@ -50,8 +51,7 @@ __all__ = ["DAY", "EVENT_COLUMNS", "HARD_EVENTS", "LIFE_EVENTS", "PRIOR_WEIGHTS"
 EVENT_COLUMNS: Final = ("gpu_id", "event_time", "event_type")
 """Required columns; ``location`` and ``cohort`` are optional."""
 LIFE_EVENTS: Final = frozenset({"install", "move", "remove", "retire"})
-HARD_EVENTS: Final = frozenset({"dbe", "off_bus", "xid:48", "xid:64", "xid:74", "xid:79",
-                                "xid:95", "xid:119", "xid:120"})
+HARD_EVENTS: Final = frozenset({"dbe", "off_bus", *(f"xid:{c}" for c in FATAL_XIDS)})
 DAY: Final = 86400.0
 SEP: Final = "/"
 PRIOR_WEIGHTS: Final = {"hard_r180": 2.0, "hard_r730": 1.0, "soft_r30": 0.5,

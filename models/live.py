@@ -20,6 +20,7 @@ from typing import Final
 
 import numpy as np
 
+from forewarn.gpu import FATAL_XIDS, POWER_BITS, THERMAL_BITS
 from forewarn.models.features import (
     ACTIVE,
     BASELINE_BLOCK,
@@ -34,9 +35,8 @@ from forewarn.models.features import (
 from forewarn.models.predictor import FailurePredictor
 from forewarn.wire import Finding, GpuSample, GpuState, XidEvent
 
-__all__ = ["FATAL_XIDS", "LiveScorer", "ShadowStats"]
+__all__ = ["LiveScorer", "ShadowStats"]
 
-FATAL_XIDS: Final = frozenset({48, 64, 74, 79, 95, 119, 120})
 """XIDs that count as a failure for shadow scoring (double-bit ECC, remap failure,
 NVLink, off the bus, uncontained ECC, GSP: docs/reference.md XID classes)."""
 
@@ -44,8 +44,6 @@ _COLS: Final = CUM_COLUMNS + LAST_COLUMNS
 _IX: Final = {c: i for i, c in enumerate(_COLS)}
 _N_CUM: Final = len(CUM_COLUMNS)
 _RING: Final = max(LAGS) + 1
-_THERMAL_BITS: Final = 0x8 | 0x20 | 0x40
-_POWER_BITS: Final = 0x4 | 0x80
 _MAX_JUMP: Final = 7 * 24 * 60  # minutes
 
 
@@ -196,8 +194,8 @@ class LiveScorer:
         if s.power_limit_w is not None:
             row[ix["limit_last"]] = s.power_limit_w
         thr = s.throttle_reasons or 0
-        row[ix["thr_thermal"]] += (thr & _THERMAL_BITS) != 0
-        row[ix["thr_power"]] += (thr & _POWER_BITS) != 0
+        row[ix["thr_thermal"]] += (thr & THERMAL_BITS) != 0
+        row[ix["thr_power"]] += (thr & POWER_BITS) != 0
         row[ix["pending"]] += bool(s.remap_pending)
         if s.pcie_link_width is not None and s.pcie_link_width_max:
             row[ix["width_ratio"]] = s.pcie_link_width / s.pcie_link_width_max

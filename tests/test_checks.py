@@ -23,8 +23,9 @@ from forewarn.agent.checks.power_brake import PowerBrakeCheck
 from forewarn.agent.checks.remap import RemapCheck
 from forewarn.agent.checks.retired_pages import RetiredPagesCheck
 from forewarn.agent.checks.thermal import ThermalCheck
-from forewarn.agent.checks.xid import XidCheck, classify_xid
+from forewarn.agent.checks.xid import XidCheck
 from forewarn.agent.state import AgentState, GpuHistory
+from forewarn.gpu import classify_xid
 from forewarn.wire import (
     Finding,
     GpuSample,

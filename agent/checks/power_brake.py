@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from forewarn.agent.checks.common import WindowFraction, gpu_finding, live_gpus
 from forewarn.agent.state import AgentState
+from forewarn.gpu import HW_POWER_BRAKE_SLOWDOWN
 from forewarn.wire import Finding, Health, SuggestedAction
 
-__all__ = ["HW_POWER_BRAKE_SLOWDOWN", "PowerBrakeCheck"]
-
-HW_POWER_BRAKE_SLOWDOWN = 0x80
+__all__ = ["PowerBrakeCheck"]
 
 
 class PowerBrakeCheck:

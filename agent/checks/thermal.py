@@ -14,13 +14,12 @@ from __future__ import annotations
 
 from forewarn.agent.checks.common import WindowFraction, gpu_finding, live_gpus
 from forewarn.agent.state import AgentState
+from forewarn.gpu import HW_POWER_BRAKE_SLOWDOWN, HW_SLOWDOWN, HW_THERMAL_SLOWDOWN
 from forewarn.wire import Finding, Health, SuggestedAction
 
-__all__ = ["HW_POWER_BRAKE", "HW_SLOWDOWN", "HW_THERMAL_SLOWDOWN", "ThermalCheck"]
+__all__ = ["ThermalCheck"]
 
-HW_SLOWDOWN = 0x8
-HW_THERMAL_SLOWDOWN = 0x40
-HW_POWER_BRAKE = 0x80
+HW_POWER_BRAKE = HW_POWER_BRAKE_SLOWDOWN
 """NVML sets HW_SLOWDOWN (0x08) for the external power brake too: with 0x80 set it is the
 power brake's (checks/power_brake.py), not heat."""
 

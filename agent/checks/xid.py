@@ -16,63 +16,14 @@ judged on the node.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import Counter
 
 from forewarn.agent.checks.common import gpu_finding
 from forewarn.agent.state import AgentState
+from forewarn.gpu import classify_xid
 from forewarn.wire import Finding, Health, Subject, SuggestedAction, XidEvent
 
-__all__ = ["XID_CATALOG", "XidCheck", "XidClass", "classify_xid"]
-
-
-@dataclasses.dataclass(frozen=True)
-class XidClass:
-    """What an XID code means for the GPU."""
-
-    cls: str
-    """application, memory, interconnect, bus, gsp or other."""
-    meaning: str
-    health: Health
-    action: SuggestedAction
-
-    @property
-    def fatal(self) -> bool:
-        """Counts toward repeat escalation (the GPU itself is at fault)."""
-        return self.health == Health.UNHEALTHY
-
-
-_H, _D = Health.HEALTHY, Health.DEGRADED
-_U = Health.UNHEALTHY
-_A = SuggestedAction
-
-XID_CATALOG: dict[int, XidClass] = {
-    13: XidClass("application", "graphics engine exception", _H, _A.NONE),
-    31: XidClass("application", "GPU memory page fault", _H, _A.NONE),
-    43: XidClass("application", "GPU stopped processing", _H, _A.NONE),
-    45: XidClass("application", "preemptive cleanup", _H, _A.NONE),
-    48: XidClass("memory", "double-bit ECC error", _U, _A.RESET_GPU),
-    63: XidClass("memory", "row remap / page retirement recorded", _D, _A.RESET_GPU),
-    64: XidClass("memory", "row remap / page retirement failure", _U, _A.INSPECT_HARDWARE),
-    # A correctable storm precedes uncorrectable errors (docs/reference.md, SC20): a precursor
-    # worth a cost-aware checkpoint, not yet a broken GPU.
-    92: XidClass("memory", "high single-bit ECC error rate", _D, _A.CHECKPOINT),
-    94: XidClass("memory", "contained ECC error", _D, _A.RESET_GPU),
-    95: XidClass("memory", "uncontained ECC error", _U, _A.RESET_GPU),
-    74: XidClass("interconnect", "NVLink error", _U, _A.RESET_GPU),
-    79: XidClass("bus", "GPU has fallen off the bus", _U, _A.REBOOT),
-    119: XidClass("gsp", "GSP RPC timeout", _U, _A.RESET_GPU),
-    120: XidClass("gsp", "GSP error", _U, _A.RESET_GPU),
-}
-"""The codes forewarn knows; others are class ``other`` (degraded, watch)."""
-
-
-def classify_xid(code: int) -> XidClass:
-    """The class of an XID code; unknown codes are ``other``: degraded, watch."""
-    return XID_CATALOG.get(code) or XidClass("other", "not in forewarn's catalog", _D, _A.WATCH)
-
-
-_RANK = {Health.HEALTHY: 0, Health.UNKNOWN: 1, Health.DEGRADED: 2, Health.UNHEALTHY: 3}
+__all__ = ["XidCheck"]
 
 
 class XidCheck:
@@ -140,9 +91,8 @@ class XidCheck:
                     f"hardware ({seen})", evidence)
         worst: XidEvent | None = None
         for e in active:
-            if worst is None or _RANK[classify_xid(e.code).health] >= _RANK[
-                classify_xid(worst.code).health
-            ]:
+            if worst is None or (classify_xid(e.code).health.severity
+                                 >= classify_xid(worst.code).health.severity):
                 worst = e
         if worst is None:
             return (Health.HEALTHY, SuggestedAction.NONE,

@@ -55,9 +55,10 @@ from typing import Any, Final
 import pynvml
 
 from forewarn.agent.backend import GpuInfo, SourceUnavailable
+from forewarn.gpu import NVML_VALUE_NOT_AVAILABLE
 from forewarn.wire import GpuSample, GpuState, NvlinkCounters, XidEvent
 
-__all__ = ["NVML_PSTATE_UNKNOWN", "NVML_VALUE_NOT_AVAILABLE", "NvmlBackend"]
+__all__ = ["NVML_PSTATE_UNKNOWN", "NvmlBackend"]
 
 log = logging.getLogger(__name__)
 
@@ -67,17 +68,8 @@ _UNSUPPORTED: Final = frozenset(
 _XID_EVENT: Final[int] = pynvml.nvmlEventTypeXidCriticalError
 _MAX_XID_QUEUE: Final = 10_000
 
-# NVML's "not available" answers, kept in this one place. nvml.h defines
-# NVML_VALUE_NOT_AVAILABLE as (-1): where the driver has no value for a field (on some
-# GPUs, vGPU and MIG setups, or briefly after a reset) the call still returns
-# NVML_SUCCESS and the unsigned value is all ones, 0xFFFFFFFF as unsigned int and
-# 0xFFFFFFFFFFFFFFFF as unsigned long long (nvidia-ml-py's NVML_VALUE_NOT_AVAILABLE_uint
-# and _ulonglong). Such a value is missing, never a reading: as a counter it would report
-# 2**64-1 errors, and no int64 store downstream can hold it.
-NVML_VALUE_NOT_AVAILABLE: Final = frozenset({
-    int(pynvml.NVML_VALUE_NOT_AVAILABLE_uint.value),
-    int(pynvml.NVML_VALUE_NOT_AVAILABLE_ulonglong.value),
-})
+# NVML's "not available" answers: forewarn.gpu.NVML_VALUE_NOT_AVAILABLE (nvidia-ml-py's
+# NVML_VALUE_NOT_AVAILABLE_uint and _ulonglong; a test checks they agree).
 # nvmlDeviceGetPerformanceState answers NVML_PSTATE_UNKNOWN (32) when it cannot tell.
 NVML_PSTATE_UNKNOWN: Final = int(pynvml.NVML_PSTATE_UNKNOWN)
 

@@ -57,6 +57,12 @@ import msgspec
 from msgspec import Meta, Struct, field
 
 from forewarn.agent.backend import GpuInfo, SourceUnavailable
+from forewarn.gpu import (
+    HW_POWER_BRAKE_SLOWDOWN,
+    HW_SLOWDOWN,
+    HW_THERMAL_SLOWDOWN,
+    SW_THERMAL_SLOWDOWN,
+)
 from forewarn.wire import GpuSample, GpuState, NvlinkCounters, XidEvent
 
 __all__ = [
@@ -83,11 +89,6 @@ __all__ = [
 DEFAULT_SCENARIO = "default.toml"
 """Name of the embedded scenario (``agent/sources/scenarios/``) used when none is given."""
 
-# NVML clock-event (throttle) reason bits, nvml.h nvmlClocksEventReason*.
-HW_SLOWDOWN = 0x8
-SW_THERMAL_SLOWDOWN = 0x20
-HW_THERMAL_SLOWDOWN = 0x40
-HW_POWER_BRAKE_SLOWDOWN = 0x80
 
 # XID texts as the driver prints them (NVIDIA XID catalog).
 XID_TEXT = {

@@ -117,7 +117,6 @@ def actions_for(finding: Finding) -> tuple[ActionKind, ...]:
     return ()
 
 
-_SEVERITY_RANK = {Health.HEALTHY: 0, Health.UNKNOWN: 1, Health.DEGRADED: 2, Health.UNHEALTHY: 3}
 
 
 class Decision(msgspec.Struct, frozen=True, kw_only=True):
@@ -337,7 +336,7 @@ class Policy:
         if (
             seen is not None
             and now - seen[0] < self.settings.dedup_s
-            and _SEVERITY_RANK[finding.health] <= _SEVERITY_RANK[seen[1]]
+            and finding.health.severity <= seen[1].severity
         ):
             self._m_findings.labels("duplicate").inc()
             return []

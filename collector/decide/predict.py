@@ -63,7 +63,6 @@ __all__ = ["PredictorService", "RiskScores", "load_predictor_model"]
 
 log = logging.getLogger(__name__)
 
-_SEVERITY = {Health.HEALTHY: 0, Health.UNKNOWN: 1, Health.DEGRADED: 2, Health.UNHEALTHY: 3}
 
 DEFAULT_GPU_MTBF_H = 24.0 * 1000.0 / 6.5 * 8
 """Per-GPU MTBF prior (hours): 6.5 failures per 1,000 node-days of 8 GPUs (Meta, HPCA 2025,
@@ -257,7 +256,7 @@ class PredictorService:
             key = (f.subject.node, f.subject.gpu or 0)
             seen = self._submitted.get(key)
             if (seen is None or now - seen[0] >= self.refresh_s or now < seen[0]
-                    or _SEVERITY[f.health] > _SEVERITY[seen[1]]):
+                    or f.health.severity > seen[1].severity):
                 self._submitted[key] = (now, f.health)
                 out.append(f)
         if len(self._submitted) > 10_000:

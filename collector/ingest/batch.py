@@ -336,7 +336,6 @@ _WORST_HEALTH = (
     "SELECT f.health, f.reason, f.time FROM findings f JOIN (SELECT MAX(id) AS id FROM findings"
     " WHERE subject_key = ? GROUP BY check_name) m ON f.id = m.id WHERE f.health != 'unknown'"
 )
-_RANK = {Health.HEALTHY.value: 0, Health.DEGRADED.value: 1, Health.UNHEALTHY.value: 2}
 
 
 def store_findings(conn: sqlite3.Connection, findings: Sequence[Finding], *, node: str,
@@ -357,7 +356,7 @@ def store_findings(conn: sqlite3.Connection, findings: Sequence[Finding], *, nod
         # A GPU is as healthy as its worst current check: the newest finding of each check
         # (``unknown`` = that check cannot tell, so it does not count).
         rows = conn.execute(_WORST_HEALTH, (key,)).fetchall()
-        worst = max(rows, key=lambda r: (_RANK.get(r[0], 0), r[2]), default=None)
+        worst = max(rows, key=lambda r: (Health(r[0]).severity, r[2]), default=None)
         if worst is not None:
             conn.execute("UPDATE gpus SET health = ?, health_reason = ?, health_time = ?"
                          " WHERE node = ? AND gpu = ?", (*worst, gpu_node, gpu))

@@ -94,12 +94,9 @@ def _line(check: str, findings: Any) -> tuple[str, bool]:
     bad = [f for f in findings if f.health != Health.HEALTHY]
     if not bad:
         return f"ok        {check}", False
-    worst = min(bad, key=lambda f: _ORDER.get(f.health.value, 9))
+    worst = max(bad, key=lambda f: f.health.severity)
     what = "; ".join(f"{_who(f.subject)}: {f.reason}" for f in bad if f.health == worst.health)
     return f"{worst.health.value:<9} {check}: {what}", worst.health == Health.UNHEALTHY
-
-
-_ORDER = {"unhealthy": 0, "degraded": 1, "unknown": 2}
 
 
 def _who(subject: Any) -> str:

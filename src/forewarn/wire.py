@@ -98,6 +98,15 @@ class Health(enum.StrEnum):
     UNHEALTHY = "unhealthy"
     UNKNOWN = "unknown"
 
+    @property
+    def severity(self) -> int:
+        """Order for "worst of": healthy 0 < unknown 1 < degraded 2 < unhealthy 3."""
+        return _SEVERITY[self]
+
+
+_SEVERITY: dict[Health, int] = {Health.HEALTHY: 0, Health.UNKNOWN: 1, Health.DEGRADED: 2,
+                                 Health.UNHEALTHY: 3}
+
 
 class SuggestedAction(enum.StrEnum):
     """What a person or the policy should do about a finding."""
