@@ -177,34 +177,38 @@ def test_status_page_renders_hostile_job_names_as_text(
         stop_service(svc)
 
 
+def red_gpus(svc: Any, node: str, gpus: int, repeats: int, now: float) -> None:
+    """``node``'s GPUs 0..gpus-1: fine 100 s ago, then ``repeats`` XID 48 findings in turn
+    across them (newest last)."""
+    samples = [GpuSample(node=node, gpu=g, time=now, source="dcgm") for g in range(gpus)]
+    fine = [Finding(check="xid", health=Health.HEALTHY, reason="no XID", time=now - 100,
+                    subject=Subject(kind="gpu", node=node, gpu=g)) for g in range(gpus)]
+    red = [Finding(check="xid", health=Health.UNHEALTHY, time=now - k * 0.1,
+                   reason=f"XID 48: double-bit ECC error (event {k})",
+                   subject=Subject(kind="gpu", node=node, gpu=k % gpus))
+           for k in range(repeats, 0, -1)]
+    svc.push(node, samples=samples, findings=fine)
+    svc.push(node, findings=red)
+
+
 @pytest.mark.timeout(120)
-def test_status_page_job_state_risk_and_repeated_findings(
+def test_status_page_job_state_and_risk(
     tmp_path: Path, require_binary: Callable[[str], str]
 ) -> None:
     """A job whose GPUs are all red never shows a green risk, whatever the model says; a
-    job whose ranks ended cleanly is finished (no rank shown gone); 300 repeats of the same
-    XID on four GPUs are four rows with their counts (of the findings the page reads), and
-    the page stays short."""
+    job whose ranks ended cleanly is finished (no rank shown gone, no risk)."""
     chromium = require_binary("chromium")
     svc = start_service(tmp_path)
     try:
         now = time.time()
-        for node in ("node1", "node2"):
-            samples = [GpuSample(node=node, gpu=g, time=now, source="dcgm") for g in range(4)]
-            findings = [Finding(check="xid", health=Health.HEALTHY, reason="no XID",
-                                time=now - 100, subject=Subject(kind="gpu", node=node, gpu=g))
-                        for g in range(4)]
-            svc.push(node, samples=samples, findings=findings)
-        repeats = [Finding(check="xid", health=Health.UNHEALTHY, time=now - k * 0.1,
-                           reason=f"XID 48: double-bit ECC error (event {k})",
-                           subject=Subject(kind="gpu", node="node1", gpu=k % 4))
-                   for k in range(300, 0, -1)]
+        red_gpus(svc, "node1", 4, 4, now)
+        red_gpus(svc, "node2", 4, 0, now)
         red = [RankSummary(job="all-red", rank=g, world_size=4, node="node1", gpu=g,
                            pid=100 + g, last_step=900, last_step_time=now) for g in range(4)]
         done = [RankSummary(job="done", rank=g, world_size=4, node="node2", gpu=g, pid=200 + g,
                             last_step=500, last_step_time=now - 5, last_beat=now - 4,
                             alive=False, finished=True) for g in range(4)]
-        svc.push("node1", ranks=red, findings=repeats)
+        svc.push("node1", ranks=red)
         svc.push("node2", ranks=done)
         with chromium_page(chromium, svc.server.url + "/") as (page, errors):
             red_row = page.locator('#jobs tr[data-job="all-red"]')
@@ -222,7 +226,23 @@ def test_status_page_job_state_risk_and_repeated_findings(
             page.locator('#job-detail[data-loaded="yes"]').wait_for(timeout=10_000)
             states = page.locator("#job-detail tbody td.rank-state").all_inner_texts()
             assert states == ["finished"] * 4, states
+            assert not errors, errors
+    finally:
+        stop_service(svc)
 
+
+@pytest.mark.timeout(120)
+def test_status_page_collapses_repeated_findings(
+    tmp_path: Path, require_binary: Callable[[str], str]
+) -> None:
+    """300 repeats of the same XID on four GPUs are four rows with their counts (of the
+    findings the page reads), and the page stays short."""
+    chromium = require_binary("chromium")
+    svc = start_service(tmp_path)
+    try:
+        red_gpus(svc, "node1", 4, 300, time.time())
+        with chromium_page(chromium, svc.server.url + "/") as (page, errors):
+            page.locator("#findings tbody .badge.unhealthy").first.wait_for(timeout=30_000)
             rows = page.locator("#findings tbody tr")
             texts = rows.all_inner_texts()
             assert rows.count() == 4, texts  # one row per GPU and check, not 300
