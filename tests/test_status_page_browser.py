@@ -8,18 +8,21 @@ screenshot is saved and checked for size.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from forewarn.wire import Finding, GpuSample, Health, RankSummary, Subject
 
 from support.collector import start_service, stop_service
-from support.hostile import HOSTILE
+from support.fleet import Fleet, node_name, start_fleet_collector
+from support.hostile import AWKWARD
 from support.stack import JOB, NODE, running_stack
 
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
@@ -104,50 +107,228 @@ def test_status_page_shows_unhealthy_gpu_and_checkpoint_order(
     assert width == 1400 and height >= 1000, (width, height)
 
 
+@contextlib.contextmanager
+def chromium_page(chromium: str, url: str) -> Iterator[tuple[Any, list[str]]]:
+    """A headless Chromium page (1400 x 1000) on ``url``, and the page errors it collects."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(url)
+            yield page, errors
+        finally:
+            browser.close()
+
+
 @pytest.mark.timeout(120)
 def test_status_page_renders_hostile_job_names_as_text(
     tmp_path: Path, require_binary: Callable[[str], str]
 ) -> None:
-    """Job names with "/", quotes, markup, newlines, non-BMP characters and the longest
-    name the wire allows, plus a long reason with markup: each job gets its row, shown as
-    text (no script runs), and the page keeps refreshing and stays within its width."""
+    """Job names with "/", "..", "%2F", quotes, markup, newlines, non-BMP characters and the
+    longest name the wire allows, plus a long reason with markup: each job gets its row and
+    its detail (fetched by name), shown as text (no script runs), and the page keeps
+    refreshing and stays within its width."""
     chromium = require_binary("chromium")
-    sync_api = pytest.importorskip("playwright.sync_api")
     svc = start_service(tmp_path)
     try:
         now = time.time()
-        ranks = [RankSummary(job=job, rank=0, node="node1", gpu=0, pid=100 + i, last_step=10,
-                             last_step_time=now) for i, job in enumerate(HOSTILE)]
+        ranks = [RankSummary(job=job, rank=0, node="node1", gpu=0, pid=100 + i, last_step=i,
+                             last_step_time=now) for i, job in enumerate(AWKWARD)]
         reason = ("<script>window.__xss=1</script> \"quoted\" " * 200)[:4096]
         finding = Finding(check="xid", health=Health.UNHEALTHY, reason=reason, time=now,
                           subject=Subject(kind="gpu", node="node1", gpu=0))
         svc.push("node1", ranks=ranks, findings=[finding], samples=[
             GpuSample(node="node1", gpu=0, time=now, source="sim", simulated=True)])
-        with sync_api.sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-            try:
-                page = browser.new_page(viewport={"width": 1400, "height": 1000})
-                errors: list[str] = []
-                page.on("pageerror", lambda exc: errors.append(str(exc)))
-                page.goto(svc.server.url + "/")
-                page.locator("#jobs tbody tr[data-job]").nth(len(HOSTILE) - 1).wait_for(
-                    timeout=30_000)
-                shown = page.eval_on_selector_all(
-                    "#jobs tbody tr[data-job]",
-                    "rows => rows.map(r => [r.dataset.job, r.cells[0].textContent,"
-                    " r.cells[1].textContent])")
-                assert sorted(s[0] for s in shown) == sorted(HOSTILE)
-                assert all(s[0] == s[1] for s in shown), shown
-                ranks_of = {s[0]: s[2] for s in shown}
-                assert ranks_of["team/a/run-1"].startswith("1 / "), ranks_of  # detail loaded
-                page.locator("#findings tbody td.reason").first.wait_for(timeout=10_000)
-                assert "<script>" in page.locator("#findings td.reason").first.inner_text()
-                assert page.evaluate("window.__xss") is None
-                assert page.locator("#updated").inner_text().startswith("updated")
-                width = page.evaluate("document.documentElement.scrollWidth")
-                assert width <= 1400, width
-                assert not errors, errors
-            finally:
-                browser.close()
+        with chromium_page(chromium, svc.server.url + "/") as (page, errors):
+            page.locator("#jobs tbody tr[data-job]").nth(len(AWKWARD) - 1).wait_for(
+                timeout=30_000)
+            shown = page.eval_on_selector_all(
+                "#jobs tbody tr[data-job]",
+                "rows => rows.map(r => [r.dataset.job, r.cells[0].textContent,"
+                " r.cells[1].textContent])")
+            assert sorted(s[0] for s in shown) == sorted(AWKWARD)
+            assert all(s[0] == s[1] for s in shown), shown
+            # every job's detail comes by name, whatever the name
+            for i in range(len(AWKWARD)):
+                row = page.locator("#jobs tbody tr[data-job]").nth(i)
+                name = row.get_attribute("data-job")
+                row.locator("button.job-name").click()
+                page.wait_for_function(
+                    "name => { const d = document.getElementById('job-detail');"
+                    " return d.dataset.job === name && d.dataset.loaded === 'yes'; }",
+                    arg=name, timeout=10_000)
+                detail = page.locator("#job-detail")
+                assert detail.locator(".job-title").text_content() == name
+                rows = detail.locator("tbody tr").all_inner_texts()
+                assert len(rows) == 1 and "node1" in rows[0], (name, rows)
+                step = AWKWARD.index(name or "")
+                assert f"· step {step} ·" in detail.locator(".job-summary").inner_text()
+            page.locator("#findings tbody td.reason").first.wait_for(timeout=10_000)
+            assert "<script>" in page.locator("#findings td.reason").first.inner_text()
+            assert page.evaluate("window.__xss") is None
+            assert page.locator("#updated").inner_text().startswith("updated")
+            width = page.evaluate("document.documentElement.scrollWidth")
+            assert width <= 1400, width
+            assert not errors, errors
     finally:
         stop_service(svc)
+
+
+def red_gpus(svc: Any, node: str, gpus: int, repeats: int, now: float) -> None:
+    """``node``'s GPUs 0..gpus-1: fine 100 s ago, then ``repeats`` XID 48 findings in turn
+    across them (newest last)."""
+    samples = [GpuSample(node=node, gpu=g, time=now, source="dcgm") for g in range(gpus)]
+    fine = [Finding(check="xid", health=Health.HEALTHY, reason="no XID", time=now - 100,
+                    subject=Subject(kind="gpu", node=node, gpu=g)) for g in range(gpus)]
+    red = [Finding(check="xid", health=Health.UNHEALTHY, time=now - k * 0.1,
+                   reason=f"XID 48: double-bit ECC error (event {k})",
+                   subject=Subject(kind="gpu", node=node, gpu=k % gpus))
+           for k in range(repeats, 0, -1)]
+    svc.push(node, samples=samples, findings=fine)
+    svc.push(node, findings=red)
+
+
+@pytest.mark.timeout(120)
+def test_status_page_job_state_and_risk(
+    tmp_path: Path, require_binary: Callable[[str], str]
+) -> None:
+    """A job whose GPUs are all red never shows a green risk, whatever the model says; a
+    job whose ranks ended cleanly is finished (no rank shown gone, no risk)."""
+    chromium = require_binary("chromium")
+    svc = start_service(tmp_path)
+    try:
+        now = time.time()
+        red_gpus(svc, "node1", 4, 4, now)
+        red_gpus(svc, "node2", 4, 0, now)
+        red = [RankSummary(job="all-red", rank=g, world_size=4, node="node1", gpu=g,
+                           pid=100 + g, last_step=900, last_step_time=now) for g in range(4)]
+        done = [RankSummary(job="done", rank=g, world_size=4, node="node2", gpu=g, pid=200 + g,
+                            last_step=500, last_step_time=now - 5, last_beat=now - 4,
+                            alive=False, finished=True) for g in range(4)]
+        svc.push("node1", ranks=red)
+        svc.push("node2", ranks=done)
+        with chromium_page(chromium, svc.server.url + "/") as (page, errors):
+            red_row = page.locator('#jobs tr[data-job="all-red"]')
+            red_row.wait_for(timeout=30_000)
+            risk = red_row.locator("td.risk .badge")
+            risk.wait_for(timeout=30_000)
+            assert "unhealthy" in (risk.get_attribute("class") or ""), risk.inner_html()
+            assert "unhealthy" in risk.inner_text(), risk.inner_text()
+
+            done_row = page.locator('#jobs tr[data-job="done"]')
+            assert done_row.locator("td.state").inner_text() == "finished"
+            assert "gone" not in done_row.inner_text(), done_row.inner_text()
+            assert done_row.locator("td.risk").inner_text() == "—"
+            done_row.locator("button.job-name").click()
+            page.locator('#job-detail[data-loaded="yes"]').wait_for(timeout=10_000)
+            states = page.locator("#job-detail tbody td.rank-state").all_inner_texts()
+            assert states == ["finished"] * 4, states
+            assert not errors, errors
+    finally:
+        stop_service(svc)
+
+
+@pytest.mark.timeout(120)
+def test_status_page_collapses_repeated_findings(
+    tmp_path: Path, require_binary: Callable[[str], str]
+) -> None:
+    """300 repeats of the same XID on four GPUs are four rows with their counts (of the
+    findings the page reads), and the page stays short."""
+    chromium = require_binary("chromium")
+    svc = start_service(tmp_path)
+    try:
+        red_gpus(svc, "node1", 4, 300, time.time())
+        with chromium_page(chromium, svc.server.url + "/") as (page, errors):
+            page.locator("#findings tbody .badge.unhealthy").first.wait_for(timeout=30_000)
+            rows = page.locator("#findings tbody tr")
+            texts = rows.all_inner_texts()
+            assert rows.count() == 4, texts  # one row per GPU and check, not 300
+            for g in range(4):
+                mine = [t for t in texts if f"gpu:node1/{g}" in t]
+                # the page reads the newest 200 findings: 50 repeats per GPU there
+                assert len(mine) == 1 and "×50" in mine[0], (g, texts)
+            height = page.evaluate("document.documentElement.scrollHeight")
+            assert height <= 2500, height
+            assert not errors, errors
+    finally:
+        stop_service(svc)
+
+
+@pytest.mark.timeout(400)
+def test_status_page_with_1000_nodes_and_200_jobs(
+    tmp_path: Path, require_binary: Callable[[str], str]
+) -> None:
+    """A fleet of 1,000 nodes (8,000 GPUs) and 200 jobs, pushed through the ingest API:
+    every node and every job can be reached on the page (paging, search, a problems-only
+    filter), the page height stays bounded, and a screenshot is saved."""
+    chromium = require_binary("chromium")
+    fleet = Fleet()
+    server, store, client = start_fleet_collector(tmp_path, fleet)
+    shot = tmp_path / "status-page-fleet.png"
+    nodes = {node_name(i) for i in range(fleet.nodes)}
+    sick = {node_name(i) for i in range(fleet.nodes) if fleet.sick(i)} | {node_name(0)}
+    try:
+        with chromium_page(chromium, server.url + "/") as (page, errors):
+            page.wait_for_function(
+                "() => document.getElementById('summary').textContent"
+                ".startsWith('8000 GPUs')", timeout=60_000)
+            height = page.evaluate("document.documentElement.scrollHeight")
+            assert height <= 3000, height
+
+            def every(what: str, item: str, attr: str) -> list[str]:
+                seen: list[str] = []
+                while True:
+                    seen += [page.locator(item).nth(i).get_attribute(attr) or ""
+                             for i in range(page.locator(item).count())]
+                    nxt = page.locator(f"#{what}-pager button.next")
+                    if nxt.is_disabled():
+                        return seen
+                    before = page.locator(f"#{what}-pager .info").inner_text()
+                    nxt.click()
+                    page.wait_for_function(
+                        "([id, before]) => document.querySelector(id).textContent"
+                        " !== before", arg=[f"#{what}-pager .info", before])
+
+            shown = every("fleet", "#fleet .node", "data-node")
+            assert len(shown) == len(nodes) and set(shown) == nodes
+            jobs = every("jobs", "#jobs tbody tr[data-job]", "data-job")
+            assert sorted(jobs) == [f"job-{j:03d}" for j in range(fleet.jobs)]
+            # the worst come first: the first page of the grid starts with the sick nodes
+            page.locator("#fleet-pager button.first").click()
+            first = page.locator("#fleet .node").first.get_attribute("data-node")
+            assert first in sick, first
+
+            page.fill("#fleet-search", "gpu-node-0737")
+            page.wait_for_function(
+                "() => document.querySelectorAll('#fleet .node').length === 1")
+            cells = page.locator('#fleet .node[data-node="gpu-node-0737"] .cell')
+            assert cells.count() == fleet.gpus
+            page.fill("#fleet-search", "")
+            page.check("#fleet-problems")
+            page.wait_for_function(
+                "n => document.querySelectorAll('#fleet .node').length === n",
+                arg=len(sick))
+            assert set(page.eval_on_selector_all(
+                "#fleet .node", "ns => ns.map(n => n.dataset.node)")) == sick
+            page.uncheck("#fleet-problems")
+
+            page.fill("#jobs-search", "job-137")
+            page.wait_for_function(
+                "() => document.querySelectorAll('#jobs tbody tr[data-job]').length === 1")
+            assert page.locator('#jobs tr[data-job="job-137"]').count() == 1
+            page.fill("#jobs-search", "")
+
+            height = page.evaluate("document.documentElement.scrollHeight")
+            assert height <= 3000, height
+            assert not errors, errors
+            page.screenshot(path=str(shot), full_page=True)
+            print(f"screenshot: {shot}")
+    finally:
+        client.close()
+        server.stop()
+        store.close()
+    width, shot_height = png_size(shot.read_bytes())
+    assert width == 1400 and 1000 <= shot_height <= 3000, (width, shot_height)

@@ -109,6 +109,12 @@ class _JobRow:
     advice: JobAdvice | None
 
 
+def _ended(r: RankSummary, created: float) -> float:
+    """When a finished rank ended: its last beat (the hook's ``finished`` beat), else its
+    last step, else when the batch saying so was created."""
+    return max((t for t in (r.last_beat, r.last_step_time) if t is not None), default=created)
+
+
 class GoodputService:
     """See the module docstring. Call from the policy thread; the metrics collector reads
     the snapshot :meth:`refresh` leaves."""
@@ -144,7 +150,7 @@ class GoodputService:
         key = (r.job, r.rank)
         prev = self._ranks.get(key)
         if r.last_step is None or r.last_step_time is None:
-            self.tracker.touch(r.job, created)
+            self.tracker.touch(r.job, _ended(r, created) if r.finished else created)
             return
         step, at = r.last_step, r.last_step_time
         self._ranks[key] = _RankSeen(r.pid, step, at)
@@ -163,7 +169,9 @@ class GoodputService:
             self._resumed[r.job] = job.last_progress
         elif g is None or step > g.last_step:
             self.tracker.observe_step(r.job, step, at, r.step_seconds_p50)
-        self.tracker.touch(r.job, max(created, at))
+        # A rank that ended cleanly stops its job's wall clock at its end, not at each
+        # later report the agent still sends about it (goodput frozen at the end).
+        self.tracker.touch(r.job, _ended(r, created) if r.finished else max(created, at))
 
     def on_findings(self, findings: Sequence[Finding], jobs: JobView) -> None:
         """Findings that mean a job stopped mark when its failure was noticed."""

@@ -17,7 +17,7 @@ from forewarn.wire import AgentBatch, Command, CommandAck, Finding
 
 from ..ingest.batch import IngestError, finding_rows_json
 from ..jobs.jobmap import job_detail, list_jobs
-from .read_routes import check_reader, float_param, int_param
+from .read_routes import QueryError, check_reader, float_param, int_param
 
 if TYPE_CHECKING:
     from .app import CollectorContext
@@ -113,8 +113,10 @@ def reader(sql_fn: Callable[[CollectorContext, Request], Any]) -> Callable[[Requ
     return handled(endpoint)
 
 
-def filtered(table: str, order: str, filters: Sequence[str], time_col: str | None = "time"
-              ) -> Callable[[CollectorContext, Request], Any]:
+def filtered(table: str, order: str, filters: Sequence[str], time_col: str | None = "time",
+             most: int = 10_000) -> Callable[[CollectorContext, Request], Any]:
+    """Rows of ``table`` matching the query's ``filters``, newest ``limit`` (at most
+    ``most``) in ``order``."""
     def fn(ctx: CollectorContext, request: Request) -> Any:
         where: list[str] = []
         params: list[Any] = []
@@ -128,7 +130,7 @@ def filtered(table: str, order: str, filters: Sequence[str], time_col: str | Non
             if since is not None:
                 where.append(f"{time_col} >= ?")
                 params.append(since)
-        limit = int_param(request, "limit", 500, 1, 10_000)
+        limit = int_param(request, "limit", 500, 1, most)
         sql = f"SELECT * FROM {table}"
         if where:
             sql += " WHERE " + " AND ".join(where)
@@ -151,7 +153,17 @@ def _jobs(ctx: CollectorContext, request: Request) -> Any:
 
 
 def _job(ctx: CollectorContext, request: Request) -> Any:
-    """One job with its ranks (node, GPU) and checkpoints."""
+    """One job with its ranks (node, GPU) and checkpoints, named by the ``name`` query
+    parameter: any name the wire accepts fits there percent-encoded, where a path segment
+    cannot carry ``..``, ``.`` or a newline."""
+    name = request.query_params.get("name")
+    if name is None:
+        raise QueryError("query parameter name: required (the job's name)")
+    return job_detail(ctx.store, name)
+
+
+def _job_by_path(ctx: CollectorContext, request: Request) -> Any:
+    """One job, named in the path (names a URL path can carry; see :func:`_job`)."""
     return job_detail(ctx.store, request.path_params["job"])
 
 
@@ -186,7 +198,7 @@ def openapi_schema() -> dict[str, Any]:
                "type": "object", "properties": {"error": {"type": "string"}}}}}}
     rows = {"description": "rows", "content": {"application/json": {"schema": {
         "type": "array", "items": {"type": "object"}}}}}
-    listing = {"limit": "int, default 500", "since": "Unix time"}
+    listing = {"limit": "int, default 500", "since": "Unix time", "name": "the job's name"}
 
     def read(summary: str, params: Sequence[str] = ()) -> dict[str, Any]:
         return {"get": {"summary": summary, "parameters": [
@@ -229,9 +241,13 @@ def openapi_schema() -> dict[str, Any]:
         "/api/v1/drains": operator("Drain a node (operator; shadow until drain_enabled)",
                                    "node"),
         "/api/v1/nodes": read("Nodes"),
-        "/api/v1/gpus": read("GPUs with their latest sample and health", ["node"]),
-        "/api/v1/jobs": read("Jobs"),
-        "/api/v1/jobs/{job}": read("One job: ranks on nodes/GPUs, checkpoints"),
+        "/api/v1/gpus": read("GPUs with their latest sample and health (limit up to "
+                             "100,000)", ["node", "limit"]),
+        "/api/v1/jobs": read("Jobs: state (running, finished, stopped), ranks alive and "
+                             "finished, health of their GPUs"),
+        "/api/v1/job": read("One job by name (any name the wire accepts): ranks on "
+                            "nodes/GPUs, checkpoints", ["name"]),
+        "/api/v1/jobs/{job}": read("One job named in the path (names a path can carry)"),
         "/api/v1/findings": read("Findings",
                                  ["node", "job", "health", "check_name", "since", "limit"]),
         "/api/v1/xids": read("XID events", ["node", "code", "since", "limit"]),
@@ -266,11 +282,13 @@ def read_routes() -> list[Route]:
     return [
         Route("/api/v1/commands/log", reader(_command_log), methods=["GET"]),
         Route("/api/v1/nodes", reader(_nodes), methods=["GET"]),
-        Route("/api/v1/gpus", reader(filtered("gpus", "node, gpu", ["node"], None)),
+        # the status page draws every GPU of the fleet: up to 100,000 in one answer
+        Route("/api/v1/gpus", reader(filtered("gpus", "node, gpu", ["node"], None, 100_000)),
               methods=["GET"]),
         Route("/api/v1/jobs", reader(_jobs), methods=["GET"]),
+        Route("/api/v1/job", reader(_job), methods=["GET"]),
         # ``path``: a job name may contain "/" (sent percent-encoded, decoded by the server)
-        Route("/api/v1/jobs/{job:path}", reader(_job), methods=["GET"]),
+        Route("/api/v1/jobs/{job:path}", reader(_job_by_path), methods=["GET"]),
         Route("/api/v1/findings", reader(filtered(
             "findings", "time DESC, id DESC", ["node", "job", "health", "check_name"])),
             methods=["GET"]),

@@ -29,8 +29,8 @@ __all__ = [
 _RANK_UPSERT = """
 INSERT INTO ranks (job, rank, node, gpu, local_rank, world_size, pid, last_step,
     last_step_time, last_beat, step_seconds_p50, step_seconds_p99, loss, grad_norm, alive,
-    last_checkpoint_step, last_checkpoint_time, checkpoint_seconds, updated)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+    last_checkpoint_step, last_checkpoint_time, checkpoint_seconds, updated, finished)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 ON CONFLICT (job, rank) DO UPDATE SET node=excluded.node, gpu=excluded.gpu,
     local_rank=excluded.local_rank, world_size=excluded.world_size, pid=excluded.pid,
     last_step=excluded.last_step, last_step_time=excluded.last_step_time,
@@ -40,7 +40,7 @@ ON CONFLICT (job, rank) DO UPDATE SET node=excluded.node, gpu=excluded.gpu,
     last_checkpoint_step=COALESCE(excluded.last_checkpoint_step, ranks.last_checkpoint_step),
     last_checkpoint_time=COALESCE(excluded.last_checkpoint_time, ranks.last_checkpoint_time),
     checkpoint_seconds=COALESCE(excluded.checkpoint_seconds, ranks.checkpoint_seconds),
-    updated=excluded.updated
+    updated=excluded.updated, finished=excluded.finished
 """
 
 _JOB_UPSERT = """
@@ -71,7 +71,7 @@ def apply_ranks(conn: sqlite3.Connection, ranks: Sequence[RankSummary], now: flo
         (r.job, r.rank, r.node, r.gpu, r.local_rank, r.world_size, r.pid, r.last_step,
          r.last_step_time, r.last_beat, r.step_seconds_p50, r.step_seconds_p99,
          _finite(r.loss), _finite(r.grad_norm), int(r.alive), r.last_checkpoint_step,
-         r.last_checkpoint_time, r.checkpoint_seconds, now)
+         r.last_checkpoint_time, r.checkpoint_seconds, now, int(r.finished))
         for r in ranks
     ])
     jobs: dict[str, RankSummary] = {}
@@ -136,12 +136,47 @@ def job_nodes(store: Store, job: str) -> list[str]:
     return [str(r["node"]) for r in rows]
 
 
+_JOB_LIST = """
+SELECT j.*, COUNT(r.rank) AS ranks, COUNT(DISTINCT r.node) AS nodes,
+    COALESCE(SUM(r.alive), 0) AS alive, COALESCE(SUM(r.finished), 0) AS finished
+FROM jobs j LEFT JOIN ranks r ON r.job = j.job GROUP BY j.job ORDER BY j.job
+"""
+
+_JOB_HEALTH = """
+SELECT r.job, MAX(CASE WHEN g.node IS NULL THEN 1 WHEN g.state != 'ok' THEN 3
+    WHEN g.health = 'unhealthy' THEN 3 WHEN g.health = 'degraded' THEN 2
+    WHEN g.health = 'healthy' THEN 0 ELSE 1 END) AS severity,
+    r.node || '/' || r.gpu AS worst_gpu
+FROM ranks r LEFT JOIN gpus g ON g.node = r.node AND g.gpu = r.gpu
+WHERE r.gpu IS NOT NULL GROUP BY r.job
+"""
+"""Per job, its worst GPU (SQLite takes the bare ``worst_gpu`` from the row holding the
+MAX): a GPU that stopped answering is unhealthy whatever its checks last said, a GPU
+nothing is known about yet is unknown (the same rule as the status page's grid)."""
+
+_HEALTH_OF = ("healthy", "unknown", "degraded", "unhealthy")
+
+
+def _state(alive: int, finished: int, ranks: int) -> str:
+    """``running`` while a rank is alive, ``finished`` once every rank ended cleanly
+    (``RankSummary.finished``), else ``stopped`` (ranks gone without saying so)."""
+    if alive > 0:
+        return "running"
+    return "finished" if ranks > 0 and finished == ranks else "stopped"
+
+
 def list_jobs(store: Store) -> list[dict[str, Any]]:
-    """Every job with its rank and node counts."""
-    return store.query(
-        "SELECT j.*, (SELECT COUNT(*) FROM ranks r WHERE r.job = j.job) AS ranks,"
-        " (SELECT COUNT(DISTINCT node) FROM ranks r WHERE r.job = j.job) AS nodes"
-        " FROM jobs j ORDER BY j.job")
+    """Every job with its rank and node counts, its ``state`` (:func:`_state`), ranks
+    ``alive`` and ``finished``, and ``health``: the worst of its GPUs' (``worst_gpu`` names
+    one, ``node/gpu``)."""
+    health = {str(r["job"]): r for r in store.query(_JOB_HEALTH)}
+    rows = store.query(_JOB_LIST)
+    for row in rows:
+        h = health.get(str(row["job"]))
+        row["state"] = _state(int(row["alive"]), int(row["finished"]), int(row["ranks"]))
+        row["health"] = _HEALTH_OF[int(h["severity"])] if h is not None else "unknown"
+        row["worst_gpu"] = str(h["worst_gpu"]) if h is not None else ""
+    return rows
 
 
 def job_detail(store: Store, job: str) -> dict[str, Any] | None:
@@ -165,7 +200,7 @@ _RANK_FIELDS = ("job", "rank", "local_rank", "world_size", "node", "gpu", "pid",
 
 def _summary(row: dict[str, Any]) -> RankSummary:
     values = {k: row[k] for k in _RANK_FIELDS}
-    return RankSummary(alive=bool(row["alive"]), **values)
+    return RankSummary(alive=bool(row["alive"]), finished=bool(row["finished"]), **values)
 
 
 class StoreJobView:

@@ -116,6 +116,8 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "ALTER TABLE staged_samples ADD COLUMN length INTEGER",
         "CREATE INDEX staged_segment ON staged_samples (segment)",
     ),
+    # 3: a rank that ended cleanly (``RankSummary.finished``): its job is finished, not gone.
+    ("ALTER TABLE ranks ADD COLUMN finished INTEGER NOT NULL DEFAULT 0",),
 )
 """Schema migrations in order; never edit a released entry, append a new one."""
 

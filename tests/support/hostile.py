@@ -3,7 +3,7 @@ and valid UTF-8."""
 
 from __future__ import annotations
 
-__all__ = ["HOSTILE", "TEN_KB"]
+__all__ = ["AWKWARD", "HOSTILE", "TEN_KB"]
 
 HOSTILE = [
     "team/a/run-1",
@@ -19,3 +19,8 @@ HOSTILE = [
 """Job names that pass the wire (a ``Name`` is 1..256 characters of any Unicode)."""
 TEN_KB = "n" * 10_000
 """Longer than any name the wire accepts: for free text (reasons, evidence, driver names)."""
+AWKWARD = [*HOSTILE, "a%2Fb", " spaced name ", "../etc", "a/../b", "./x", "?q=1#f", "a\tb",
+           "\x00nul", "%", "é/🚀/", "/", "."]
+"""Job names a URL path cannot carry as they are (``..`` and ``.`` are normalised away by
+clients, a newline does not match a path parameter, ``%2F`` is decoded once more by some
+proxies), plus :data:`HOSTILE`."""
