@@ -8,6 +8,7 @@ sync. The agent picks S ahead of the fastest rank::
     s_now = max over ranks (last_step + floor((now - t_last_step) / p50))
     S     = s_now + ceil((delivery_latency_s + safety_s) / p50) + 1
 
+(the one rule both agent and collector use: :mod:`forewarn.ordering`).
 ``p50`` is the job's median step time on this node, ``t_last_step`` when the agent saw the
 rank's last step, ``delivery_latency_s`` covers the datagram and the hook noticing it
 (defaults 0.05 s) and ``safety_s`` (0.25 s) the jitter of step times. Each reissue after a
@@ -78,6 +79,7 @@ import uuid
 from collections.abc import Callable, Iterable
 
 from forewarn.agent.ranks import RankTable, RankView, quantile
+from forewarn.ordering import RankProgress, estimated_step, order_step
 from forewarn.wire import (
     PREEMPTED,
     CheckpointOrder,
@@ -120,22 +122,15 @@ def choose_step(
     margin_scale: float = 1.0,
     fallback_steps: int = 10,
 ) -> int:
-    """The step S every rank of a job should save at (formula in the module doc)."""
+    """The step S every rank of a job should save at: :func:`forewarn.ordering.order_step`
+    with the job's median step time on this node as every rank's pace."""
     views = list(views)
     p50 = quantile([s for v in views for s in v.step_seconds], 0.5)
-    s_now = 0
-    for v in views:
-        if v.last_step is None:
-            continue
-        est = v.last_step
-        if p50 and p50 > 0 and v.last_progress is not None:
-            est += int(max(0.0, now - v.last_progress) // p50)
-        s_now = max(s_now, est)
-    if p50 and p50 > 0:
-        margin = math.ceil(margin_scale * (delivery_latency_s + safety_s) / p50)
-    else:
-        margin = math.ceil(margin_scale * fallback_steps)
-    return s_now + margin + 1
+    estimated = estimated_step(
+        (RankProgress(v.last_step, v.last_progress, p50) for v in views), now)
+    step, _ = order_step(estimated, p50, lead_s=margin_scale * (delivery_latency_s + safety_s),
+                         unknown_margin=math.ceil(margin_scale * fallback_steps))
+    return step
 
 
 @dataclasses.dataclass

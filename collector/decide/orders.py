@@ -5,7 +5,8 @@ The collector chooses S ahead of the fastest rank (docs/design.md, "Contracts at
     S = estimated current step of the furthest rank + margin
     margin = ceil((delivery latency + safety) / p50 step time of the fastest rank) + 1
 
-clamped to ``[min_margin_steps, max_margin_steps]``. The furthest rank's step is its last
+clamped to ``[min_margin_steps, max_margin_steps]`` (the one rule both agent and collector
+use: :mod:`forewarn.ordering`). The furthest rank's step is its last
 reported step advanced by its own p50 pace since the report (agents report every few
 seconds, so the raw number is stale). Delivery over the long poll is near zero; ``safety``
 covers agent -> hook hand-off and clock skew. No collective and no device sync is added
@@ -21,7 +22,6 @@ step, up to ``max_reissues`` times; ``failed`` when a rank failed or reissues ra
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter
 
+from forewarn.ordering import order_step
 from forewarn.wire import CheckpointOrder, CheckpointReport, CommandAck
 
 from ..jobs.jobview import JobInfo
@@ -71,10 +72,9 @@ def choose_step(
     (the step a rank reported when it missed the previous order)."""
     current = job.estimated_step(now)
     p50 = job.step_seconds_p50 or settings.unknown_step_s
-    raw = math.ceil((settings.delivery_latency_s + settings.safety_s) / p50) + 1
-    margin = min(settings.max_margin_steps, max(settings.min_margin_steps, raw))
-    base = max(current or 0, floor or 0)
-    step = base + margin
+    step, margin = order_step(current, p50, lead_s=settings.delivery_latency_s + settings.safety_s,
+                              floor=floor, min_margin=settings.min_margin_steps,
+                              max_margin=settings.max_margin_steps)
     return step, {
         "estimated_step": current,
         "floor": floor,

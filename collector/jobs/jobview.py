@@ -10,10 +10,10 @@ the service's store without changing.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
+from forewarn.ordering import RankProgress, estimated_step
 from forewarn.wire import RankSummary
 
 __all__ = ["JobInfo", "JobView", "RankTable", "node_of_instance"]
@@ -80,16 +80,9 @@ class JobInfo:
     def estimated_step(self, now: float) -> int | None:
         """The furthest step any rank has probably reached by ``now``: its last reported
         step plus the steps it made since the report at its own median pace."""
-        best: int | None = None
-        for r in self.ranks:
-            if r.last_step is None:
-                continue
-            step = r.last_step
-            p50 = r.step_seconds_p50
-            if r.last_step_time is not None and p50 and p50 > 0 and now > r.last_step_time:
-                step += math.floor((now - r.last_step_time) / p50)
-            best = step if best is None else max(best, step)
-        return best
+        return estimated_step(
+            (RankProgress(r.last_step, r.last_step_time, r.step_seconds_p50) for r in self.ranks),
+            now)
 
 
 class JobView(Protocol):

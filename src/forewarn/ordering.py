@@ -1,0 +1,72 @@
+"""The one rule for the checkpoint step S that every rank of a job saves at.
+
+Agent (a job on its own node) and collector (a job across nodes) both call it; neither adds
+a collective or a device sync to the training step. The contract:
+
+    estimated = max over ranks (last_step + floor((now - t_last_step) / p50_rank))
+    margin    = ceil(lead_s / p50) + 1            clamped to [min_margin, max_margin]
+              = unknown_margin + 1                 when no step time is known
+    S         = max(estimated, floor) + margin
+
+``t_last_step`` is when the rank's last step was seen and ``p50_rank`` the pace used to
+advance it (its own median step time, or the job's); a rank that reported no step counts
+for nothing; a report from the future (clock skew) advances nothing. ``lead_s`` is the time
+the order needs to reach every rank (delivery latency + safety). ``floor`` is a step S must
+exceed, e.g. the step a rank reported when it missed the previous order.
+
+Properties (tests/test_ordering.py checks them with hypothesis): S is greater than every
+rank's estimated step and than ``floor``; S never decreases when ``lead_s`` or time grows;
+with a known pace, S - estimated is at least the number of steps the fastest rank makes
+in ``lead_s``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+
+__all__ = ["RankProgress", "estimated_step", "order_step"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RankProgress:
+    """What the rule needs of one rank."""
+
+    last_step: int | None
+    last_step_time: float | None
+    """When that step was seen (seconds, the caller's clock)."""
+    step_s: float | None
+    """The pace to advance it by (seconds per step), None when unknown."""
+
+
+def estimated_step(ranks: Iterable[RankProgress], now: float) -> int | None:
+    """The furthest step any rank has probably reached by ``now`` (None: no rank reported)."""
+    best: int | None = None
+    for r in ranks:
+        if r.last_step is None:
+            continue
+        step = r.last_step
+        if r.last_step_time is not None and r.step_s and r.step_s > 0 and now > r.last_step_time:
+            step += math.floor((now - r.last_step_time) / r.step_s)
+        best = step if best is None else max(best, step)
+    return best
+
+
+def order_step(
+    estimated: int | None,
+    p50_s: float | None,
+    *,
+    lead_s: float,
+    unknown_margin: int = 10,
+    floor: int | None = None,
+    min_margin: int = 1,
+    max_margin: int | None = None,
+) -> tuple[int, int]:
+    """``(S, margin)`` by the rule in the module doc."""
+    known = p50_s is not None and p50_s > 0
+    margin = math.ceil(lead_s / p50_s) + 1 if known and p50_s else unknown_margin + 1
+    margin = max(min_margin, margin)
+    if max_margin is not None:
+        margin = min(max_margin, margin)
+    return max(estimated or 0, floor or 0) + margin, margin
