@@ -4,15 +4,14 @@ them into a one-line error and exit status 2."""
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from forewarn.agent.cli import config_from_args
 from forewarn.agent.config import AgentConfig
-from forewarn.agent.daemon import config_from_args
 from forewarn.cli import build_parser
 from forewarn.config import ConfigError, load_config
 
@@ -93,7 +92,8 @@ def test_flags_map_to_config_keys(tmp_path: Path) -> None:
     assert cfg.socket_path == Path("/run/x.sock") and cfg.collector_url == "http://c:8080"
     assert cfg.token_file == Path("/t") and cfg.node == "flag-node"
     # Without --no-kmsg the file/env value stands.
-    cfg = config_from_args(argparse.Namespace(config=str(tmp_path / "a.toml"), no_kmsg=None),
+    cfg = config_from_args(build_parser().parse_args(["agent", "--config",
+                                                      str(tmp_path / "a.toml")]),
                            env={"FOREWARN_AGENT_KMSG": "false"})
     assert cfg.kmsg is False and cfg.node == "from-file"
 
