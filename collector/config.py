@@ -272,10 +272,9 @@ def _check_tokens_distinct(c: CollectorConfig) -> None:
 
 
 def _check_policy_keys(c: CollectorConfig) -> None:
-    """Ranges of the policy and action keys (named in the error)."""
-    from .decide.drain import DrainError, DrainTemplate
-    from .decide.webhooks import WebhookEndpoint
-
+    """Ranges of the policy and action keys (named in the error). Webhook URLs and the
+    drain template are parsed, and refused, where they are used
+    (:meth:`forewarn.collector.decide.policy_service.PolicyService.from_config`)."""
     kinds = ("checkpoint", "webhook", "drain")
     for kind in c.policy_shadow_actions:
         if kind not in kinds:
@@ -296,13 +295,3 @@ def _check_policy_keys(c: CollectorConfig) -> None:
         raise ConfigError("checkpoint_default_s, drain_timeout_s: must be positive")
     if not 1 <= c.webhook_max_attempts <= 100 or not 0 <= c.order_max_reissues <= 100:
         raise ConfigError("webhook_max_attempts (1..100), order_max_reissues (0..100)")
-    for url in (*c.webhook_urls, *c.webhook_slack_urls):
-        try:
-            WebhookEndpoint(url)
-        except ValueError as exc:
-            raise ConfigError(f"webhook_urls: {exc}") from None
-    if c.drain_command:
-        try:
-            DrainTemplate(c.drain_command)
-        except DrainError as exc:
-            raise ConfigError(f"drain_command: {exc}") from None

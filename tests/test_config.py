@@ -154,3 +154,32 @@ def test_collector_secret_file_it_cannot_read_exits_2_naming_the_key(tmp_path: P
                         str(config)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert "alert_token_file" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(("service", "cls"), [("agent", "AgentConfig"),
+                                             ("collector", "CollectorConfig")])
+def test_config_modules_import_no_runtime_module(service: str, cls: str) -> None:
+    """A config is data: loading and validating one imports nothing of the daemon (the
+    collector's used to import the drain and webhook modules to check their settings)."""
+    code = (f"import sys, forewarn.{service}.config as c; c.{cls}(); "
+            "print(' '.join(sorted(n for n in sys.modules if n.startswith('forewarn'))))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert set(r.stdout.split()) == {"forewarn", "forewarn.config", f"forewarn.{service}",
+                                     f"forewarn.{service}.config"}, r.stdout
+
+
+@pytest.mark.parametrize(("flag", "value", "needle"), [
+    ("--webhook-urls", "ftp://hooks.example/x", "webhook_urls"),
+    ("--drain-command", "kubectl,cordon,{nodes}", "drain_command"),
+])
+def test_collector_action_settings_are_still_checked_at_start(
+        tmp_path: Path, flag: str, value: str, needle: str) -> None:
+    """Moved out of the config module, a bad webhook URL or drain template still stops
+    the collector at start with one line naming the key (exit 2)."""
+    r = subprocess.run([sys.executable, "-m", "forewarn", "collector", "run", "--data-dir",
+                        str(tmp_path / "data"), "--tokens-file", str(tmp_path / "t.toml"),
+                        "--listen", "127.0.0.1:0", "--no-predictor-enabled", flag, value],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr and "Traceback" not in r.stderr, r.stderr
