@@ -58,10 +58,12 @@ def test_paths_convert(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("toml", "env", "needle"), [
     ("intervl_s = 1\n", {}, "unknown key 'intervl_s'"),
     ("", {"FOREWARN_AGENT_LISTN": "x"}, "FOREWARN_AGENT_LISTN: unknown key 'listn'"),
-    ('interval_s = "fast"\n', {}, "interval_s: expected a number"),
-    ("sim_gpus = 1.5\n", {}, "sim_gpus: expected an integer"),
-    ("kmsg = 3\n", {}, "kmsg: expected true or false"),
-    ("", {"FOREWARN_AGENT_KMSG": "maybe"}, "kmsg: expected true or false"),
+    # Type errors are msgspec's, after the origin and the key.
+    ('interval_s = "fast"\n', {}, "agent.toml: interval_s: Expected `float`, got `str`"),
+    ("sim_gpus = 1.5\n", {}, "agent.toml: sim_gpus: Expected `int`, got `float`"),
+    ("kmsg = 3\n", {}, "agent.toml: kmsg: Expected `bool`, got `int`"),
+    ("", {"FOREWARN_AGENT_KMSG": "maybe"},
+     "environment FOREWARN_AGENT_KMSG: kmsg: Expected `bool`, got `str`"),
     ('source = "cuda"\n', {}, "source: must be one of"),
     ("interval_s = 0\n", {}, "interval_s: must be within"),
     ('listen = "9403"\n', {}, "listen: expected host:port"),

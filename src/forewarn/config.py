@@ -1,7 +1,8 @@
 """Config is data: a frozen dataclass per service, loaded from TOML, then ``FOREWARN_*``
 environment variables, then command-line flags (later wins).
 
-Keys are the dataclass field names. Every key is also an environment variable,
+Keys are the dataclass field names; the values of all three are decoded into the
+dataclass in one :func:`msgspec.convert`. Every key is also an environment variable,
 ``FOREWARN_<SERVICE>_<KEY>`` in upper case (``FOREWARN_AGENT_INTERVAL_S=0.5``), and a flag,
 ``--<key>`` with dashes (``--interval-s 0.5``; a boolean is ``--kmsg`` / ``--no-kmsg``),
 generated from the dataclass by :func:`add_config_arguments` so that flags, variables and
@@ -18,6 +19,7 @@ import dataclasses
 import inspect
 import itertools
 import os
+import re
 import textwrap
 import tomllib
 import types
@@ -25,6 +27,8 @@ import typing
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
+
+import msgspec
 
 from forewarn.errors import InputError
 
@@ -43,74 +47,43 @@ class ConfigError(InputError, ValueError):
     """A config key is unknown or its value is bad; the message names the key."""
 
 
-def _convert(key: str, origin: str, value: Any, hint: Any) -> Any:
-    """Coerce ``value`` to the field's type ``hint``; strings (from env/flags) are parsed."""
-    args = typing.get_args(hint)
+def _base(hint: Any) -> tuple[Any, bool]:
+    """``(type, optional)`` of a field's hint: ``Path | None`` is ``(Path, True)``."""
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        is_none = value is None or (isinstance(value, str) and value.lower() in ("", "none"))
-        if is_none and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _convert(key, origin, value, arg)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(errors[0] if errors else f"{origin}: {key}: bad value {value!r}")
-    if hint is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on"):
-            return True
-        if isinstance(value, str) and value.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"{origin}: {key}: expected true or false, got {value!r}")
-    if hint is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{origin}: {key}: expected an integer, got {value!r}")
-        try:
-            if isinstance(value, str | int):
-                return int(value)
-            return _bad(key, origin, value, "an integer")
-        except ValueError:
-            return _bad(key, origin, value, "an integer")
-    if hint is float:
-        if isinstance(value, bool):
-            return _bad(key, origin, value, "a number")
-        try:
-            if isinstance(value, str | int | float):
-                return float(value)
-            return _bad(key, origin, value, "a number")
-        except ValueError:
-            return _bad(key, origin, value, "a number")
-    if hint is str:
-        if isinstance(value, str):
-            return value
-        return _bad(key, origin, value, "a string")
-    if hint is Path:
-        if isinstance(value, str | Path):
-            return Path(value)
-        return _bad(key, origin, value, "a path")
-    if typing.get_origin(hint) is tuple:
-        item = args[0]
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, list | tuple):
-            return _bad(key, origin, value, "a list")
-        return tuple(_convert(key, origin, v, item) for v in value)
-    if typing.get_origin(hint) is dict:
-        if isinstance(value, str):
-            value = _parse_table(key, origin, value)
-        if not isinstance(value, dict):
-            return _bad(key, origin, value, "a table")
-        return {str(k): _convert(f"{key}.{k}", origin, v, args[1]) for k, v in value.items()}
-    raise ConfigError(f"{origin}: {key}: unsupported config type {hint!r}")
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0], len(args) < len(typing.get_args(hint))
+    return hint, False
 
 
-def _bad(key: str, origin: str, value: Any, what: str) -> Any:
-    raise ConfigError(f"{origin}: {key}: expected {what}, got {value!r}")
+def _prepare(key: str, origin: str, value: Any, hint: Any) -> Any:
+    """A string value (every environment variable and flag; some TOML values) in the shape
+    :func:`msgspec.convert` takes for ``hint``: a list or table written inline (``a,b``,
+    ``name=x,...``), ``none`` or empty for an optional key, yes/no/on/off for a boolean.
+    Anything else goes to msgspec as it is."""
+    if not isinstance(value, str):
+        return value
+    base, optional = _base(hint)
+    if optional and value.strip().lower() in ("", "none"):
+        return None
+    if base is bool:
+        return {"yes": "true", "on": "true", "no": "false", "off": "false"}.get(
+            value.strip().lower(), value)
+    if typing.get_origin(base) is tuple:
+        return [v.strip() for v in value.split(",") if v.strip()]
+    if typing.get_origin(base) is dict:
+        return _parse_table(key, origin, value)
+    return value
+
+
+def _dec_hook(typ: Any, obj: Any) -> Any:
+    """Paths, which msgspec does not know, from strings (a TypeError becomes msgspec's
+    ValidationError, naming the key)."""
+    if typ is Path and isinstance(obj, str | Path):
+        return Path(obj)
+    raise TypeError(f"Expected a path, got {obj!r}")
+
+
+_AT_KEY = re.compile(r"^(?P<msg>.*) - at `\$\.(?P<key>\w+)(?P<rest>[^`]*)`$", re.S)
 
 
 def _parse_table(key: str, origin: str, text: str) -> dict[str, str]:
@@ -153,12 +126,14 @@ def load_config(
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls) if f.init}
     values: dict[str, Any] = {}
+    origins: dict[str, str] = {}
 
     def put(origin: str, key: str, value: Any) -> None:
         if key not in fields:
             known = ", ".join(sorted(fields))
             raise ConfigError(f"{origin}: unknown key {key!r} (known keys: {known})")
-        values[key] = _convert(key, origin, value, hints[key])
+        values[key] = _prepare(key, origin, value, hints[key])
+        origins[key] = origin
 
     if path is not None:
         if path.exists():
@@ -181,9 +156,17 @@ def load_config(
             put(flag_name(key), key, value)
 
     try:
-        return cls(**values)
-    except TypeError as exc:
-        raise ConfigError(str(exc)) from None
+        # Non-strict: strings from the environment and flags become numbers and booleans.
+        # cls.__post_init__ runs inside; its ConfigError arrives as a ValidationError.
+        config: C = msgspec.convert(values, cls, strict=False, dec_hook=_dec_hook)
+    except msgspec.ValidationError as exc:
+        m = _AT_KEY.match(str(exc))
+        if m is None:
+            raise ConfigError(str(exc)) from None
+        key = m["key"]
+        raise ConfigError(f"{origins.get(key, 'default')}: {key}{m['rest']}: "
+                          f"{m['msg']}") from None
+    return config
 
 
 def env_name(service: str, key: str) -> str:
