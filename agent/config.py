@@ -6,7 +6,7 @@ import dataclasses
 import socket
 from pathlib import Path
 
-from forewarn.config import ConfigError
+from forewarn.config import ConfigError, check_logging
 
 __all__ = ["DEFAULT_CONFIG_PATH", "AgentConfig"]
 
@@ -36,14 +36,19 @@ class AgentConfig:
     """Simulated seconds per real second."""
     # replay source
     replay_path: Path | None = None
+    """Recorded telemetry (CSV or Parquet) for source = replay."""
     replay_speed: float = 1.0
+    """Recorded seconds replayed per real second."""
     # dcgm source
     dcgm_url: str = "http://127.0.0.1:9400/metrics"
+    """dcgm-exporter /metrics URL for source = dcgm."""
     dcgm_timeout_s: float = 2.0
+    """Seconds to wait for one dcgm-exporter scrape."""
     # kernel log
     kmsg: bool = True
     """Read NVRM Xid lines from the kernel log."""
     kmsg_path: Path = Path("/dev/kmsg")
+    """Kernel log to read XIDs from."""
     # training ranks
     socket_path: Path = Path("/run/forewarn/agent.sock")
     """Unix datagram socket the training hooks report to."""
@@ -65,15 +70,26 @@ class AgentConfig:
     collector_url: str = ""
     """Base URL of the collector; empty = run standalone."""
     token: str = ""
+    """This node's collector token (visible to other users in a flag or variable: prefer
+    token_file)."""
     token_file: Path | None = None
+    """File holding this node's collector token (``forewarn collector token add`` prints it)."""
     collector_ca_file: Path | None = None
     """PEM CA bundle that signed the collector's TLS certificate (none = system CAs)."""
     spool_dir: Path = Path("/var/lib/forewarn/spool")
+    """Batches not yet accepted by the collector wait here, replayed in order."""
     spool_max_bytes: int = 256 * 1024 * 1024
+    """Spool size limit; over it the oldest batches are dropped (and counted)."""
     push_interval_s: float = 5.0
-    # systemd
+    """Seconds between batches sent to the collector (urgent events go at once)."""
+    # systemd and logging
     watchdog: bool = True
     """Send READY and WATCHDOG pings when started by systemd (NOTIFY_SOCKET set)."""
+    log_level: str = "info"
+    """Logging level: critical, error, warning, info, debug."""
+    log_format: str = "text"
+    """Log lines: text (no timestamp under systemd's journal, which adds its own) or json
+    (one JSON object per line)."""
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -106,3 +122,4 @@ class AgentConfig:
             raise ConfigError(f"listen: expected host:port, got {self.listen!r}")
         if not self.node:
             raise ConfigError("node: must not be empty")
+        check_logging(self.log_level, self.log_format)

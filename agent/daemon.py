@@ -53,7 +53,6 @@ in the next poll's ``transitions``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import importlib
 import logging
@@ -64,7 +63,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import Any, Protocol
 
 import msgspec
@@ -72,11 +70,11 @@ import msgspec
 from forewarn import __version__
 from forewarn.agent.backend import GpuBackend, SourceUnavailable, XidSource
 from forewarn.agent.checks.base import Check, CheckRun, run_checks
-from forewarn.agent.config import DEFAULT_CONFIG_PATH, AgentConfig
+from forewarn.agent.config import AgentConfig
 from forewarn.agent.exporter import AgentExporter, MetricsServer, Snapshot, SourceStatus
 from forewarn.agent.sdnotify import Notifier
 from forewarn.agent.state import AgentState
-from forewarn.config import ConfigError, load_config
+from forewarn.config import ConfigError
 from forewarn.gpu import classify_xid
 from forewarn.labels import BoundedLabelsRegistry
 from forewarn.wire import Finding, GpuSample, Health, SuggestedAction, XidEvent
@@ -616,45 +614,10 @@ def build_xid_sources(config: AgentConfig) -> list[tuple[str, XidSource]]:
     return [("kmsg", kmsg)]
 
 
-_FLAG_KEYS = {
-    "source": "source",
-    "interval": "interval_s",
-    "listen": "listen",
-    "scenario": "scenario",
-    "sim_gpus": "sim_gpus",
-    "sim_speed": "sim_speed",
-    "replay": "replay_path",
-    "dcgm_url": "dcgm_url",
-    "kmsg_path": "kmsg_path",
-    "socket": "socket_path",
-    "collector": "collector_url",
-    "token_file": "token_file",
-    "node": "node",
-}
-
-
-def config_from_args(args: argparse.Namespace, env: dict[str, str] | None = None) -> AgentConfig:
-    """Load the agent config: TOML file, ``FOREWARN_AGENT_*``, then the flags."""
-    overrides: dict[str, Any] = {
-        key: getattr(args, flag, None) for flag, key in _FLAG_KEYS.items()
-    }
-    if getattr(args, "no_kmsg", False):
-        overrides["kmsg"] = False
-    path: str | None = getattr(args, "config", None)
-    return load_config(
-        AgentConfig, service="agent", path=Path(path) if path else DEFAULT_CONFIG_PATH,
-        required=path is not None, env=env, overrides=overrides,
-    )
-
-
-def main(args: argparse.Namespace) -> int:
-    """``forewarn agent``: run until SIGTERM/SIGINT. Exit 2 on a configuration error."""
-    logging.basicConfig(
-        level=getattr(logging, str(getattr(args, "log_level", "info")).upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+def main(config: AgentConfig) -> int:
+    """Run the agent of ``config`` until SIGTERM/SIGINT (``forewarn agent``, which loads
+    the config and sets up logging). Exit 2 on a configuration error."""
     try:
-        config = config_from_args(args)
         backend = build_backend(config)
     except ConfigError as exc:
         print(f"forewarn agent: config error: {exc}", file=sys.stderr)

@@ -32,6 +32,12 @@ labels; ``simulated="true"`` marks made-up data from the sim source):
 ``forewarn_gpu_pcie_link_generation`` / ``_max``, ``forewarn_gpu_pcie_link_width`` / ``_max``
 ``forewarn_gpu_nvlink_errors_total``           ``link``, ``type`` crc_flit/crc_data/replay/recovery
 ``forewarn_gpu_performance_state``             P-state (0 fastest)
+``forewarn_gpu_energy_joules_total``           energy since the driver loaded (NVML's mJ / 1000)
+``forewarn_gpu_sm_active_ratio``               DCGM profiling, where the source gives them:
+``forewarn_gpu_tensor_active_ratio``           SM, tensor pipe and memory interface active
+``forewarn_gpu_dram_active_ratio``             (0..1)
+``forewarn_gpu_pcie_tx_bytes_per_second``      ... and PCIe / NVLink bytes per second sent
+``forewarn_gpu_nvlink_tx_bytes_per_second``    (``_tx_``) and received (``_rx_``)
 ``forewarn_gpu_field_supported``               ``field``: 1 read, 0 not supported by this GPU
 ``forewarn_gpu_field_errors_total``            ``field``: reads that failed for another reason
 ``forewarn_gpu_xid_errors_total``              ``code``, ``class`` (checks/xid.py)
@@ -121,6 +127,21 @@ _GAUGES: tuple[tuple[str, str, str, float], ...] = (
     ("pcie_link_width_max", "forewarn_gpu_pcie_link_width_max",
      "Maximum PCIe link width (lanes).", 1.0),
     ("pstate", "forewarn_gpu_performance_state", "Performance state (0 = fastest).", 1.0),
+    # DCGM profiling fields (GpuSample documents each DCGM_FI_PROF_* field).
+    ("sm_active", "forewarn_gpu_sm_active_ratio",
+     "Share of cycles an SM has at least one warp assigned (0..1).", 1.0),
+    ("tensor_active", "forewarn_gpu_tensor_active_ratio",
+     "Share of cycles the tensor (HMMA) pipe is active (0..1).", 1.0),
+    ("dram_active", "forewarn_gpu_dram_active_ratio",
+     "Share of cycles the device memory interface is active (0..1).", 1.0),
+    ("pcie_tx_bytes_per_s", "forewarn_gpu_pcie_tx_bytes_per_second",
+     "PCIe bytes sent per second, protocol headers included.", 1.0),
+    ("pcie_rx_bytes_per_s", "forewarn_gpu_pcie_rx_bytes_per_second",
+     "PCIe bytes received per second, protocol headers included.", 1.0),
+    ("nvlink_tx_bytes_per_s", "forewarn_gpu_nvlink_tx_bytes_per_second",
+     "NVLink bytes sent per second over all links.", 1.0),
+    ("nvlink_rx_bytes_per_s", "forewarn_gpu_nvlink_rx_bytes_per_second",
+     "NVLink bytes received per second over all links.", 1.0),
 )
 
 FIELDS: tuple[str, ...] = (
@@ -131,7 +152,7 @@ FIELDS: tuple[str, ...] = (
     "retired_pages_sbe", "retired_pages_dbe", "retired_pages_pending",
     "remapped_rows_correctable", "remapped_rows_uncorrectable", "remap_pending",
     "remap_failure", "pcie_replay_total", "pcie_link_gen", "pcie_link_gen_max",
-    "pcie_link_width", "pcie_link_width_max", "nvlink", "pstate",
+    "pcie_link_width", "pcie_link_width_max", "nvlink", "pstate", "energy_mj",
 )
 """Sample fields reported in ``forewarn_gpu_field_supported``."""
 
@@ -259,6 +280,9 @@ class AgentExporter:
         pcie = CounterMetricFamily("forewarn_gpu_pcie_replays_total",
                                    "PCIe replay counter (link-level retransmissions).",
                                    labels=base)
+        energy = CounterMetricFamily("forewarn_gpu_energy_joules_total",
+                                     "Energy used since the driver loaded "
+                                     "(nvmlDeviceGetTotalEnergyConsumption).", labels=base)
         nvlink = CounterMetricFamily("forewarn_gpu_nvlink_errors_total",
                                      "NVLink error counters (NVML_NVLINK_ERROR_DL_*) per link.",
                                      labels=[*base, "link", "type"])
@@ -291,6 +315,8 @@ class AgentExporter:
                     fam.add_metric(k, 1.0 if flag else 0.0)
             if s.pcie_replay_total is not None:
                 pcie.add_metric(k, s.pcie_replay_total)
+            if s.energy_mj is not None:
+                energy.add_metric(k, s.energy_mj / 1000.0)
             for link in s.nvlink:
                 for kind in ("crc_flit", "crc_data", "replay", "recovery"):
                     v = getattr(link, kind)
@@ -305,6 +331,7 @@ class AgentExporter:
         yield remapped
         yield from flags.values()
         yield pcie
+        yield energy
         yield nvlink
         yield supported
 

@@ -17,7 +17,6 @@ import logging
 import sys
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -35,22 +34,30 @@ log = logging.getLogger(__name__)
 
 
 def register(sub: Any) -> None:
-    """Add ``collector`` to the ``forewarn`` command."""
+    """Add ``collector`` to the ``forewarn`` command.
+
+    Every key of :class:`~.config.CollectorConfig` is a flag, accepted before the action
+    (``forewarn collector --data-dir D run``) and after it (``forewarn collector run
+    --data-dir D``, shown by ``forewarn collector run --help``); after wins."""
+    from forewarn.config import add_config_arguments
+
+    from .config import CollectorConfig
+
     p: argparse.ArgumentParser = sub.add_parser(
         "collector",
         help="run the central collector (ingest, job map, policy, commands, API)",
-        description="Run the central collector service, or manage agent tokens.",
+        description="Run the central collector service (the default action), or manage "
+                    "agent tokens. Settings come from the config file, then "
+                    "FOREWARN_COLLECTOR_<KEY> environment variables, then flags.",
     )
-    p.add_argument("--config", type=Path, default=None,
-                   help="config file (default /etc/forewarn/collector.toml)")
-    p.add_argument("--listen", default=None, help="host:port to serve on (default 127.0.0.1:9404)")
-    p.add_argument("--data-dir", type=Path, default=None, help="SQLite and Parquet directory")
-    p.add_argument("--tokens-file", type=Path, default=None, help="per-agent tokens file")
-    p.add_argument("--log-level", default=None, help="critical, error, warning, info, debug")
+    add_config_arguments(p, CollectorConfig, service="collector")
     p.set_defaults(func=_run, collector_cmd="run")
     csub = p.add_subparsers(dest="collector_cmd", metavar="ACTION")
-    run = csub.add_parser("run", help="run the collector service (the default)")
+    actions: list[argparse.ArgumentParser] = []
+    run = csub.add_parser("run", help="run the collector service (the default)",
+                          description="Run the collector service.")
     run.set_defaults(func=_run)
+    actions.append(run)
     tok = csub.add_parser("token", help="manage per-agent tokens")
     toksub = tok.add_subparsers(dest="token_cmd", metavar="ACTION", required=True)
     add = toksub.add_parser("add", help="enrol NODE: store a new token's hash, print the token")
@@ -58,21 +65,18 @@ def register(sub: Any) -> None:
     add.set_defaults(func=_token_add)
     ls = toksub.add_parser("list", help="list enrolled nodes")
     ls.set_defaults(func=_token_list)
+    actions += [add, ls]
+    for action in actions:
+        add_config_arguments(action, CollectorConfig, service="collector", suppress=True)
 
 
 def _load(args: argparse.Namespace) -> CollectorConfig:
-    from forewarn.config import load_config
+    from forewarn.config import load_from_args
 
     from .config import DEFAULT_CONFIG_PATH, CollectorConfig
 
-    return load_config(
-        CollectorConfig,
-        service="collector",
-        path=args.config or DEFAULT_CONFIG_PATH,
-        required=args.config is not None,
-        overrides={"listen": args.listen, "data_dir": args.data_dir,
-                   "tokens_file": args.tokens_file, "log_level": args.log_level},
-    )
+    return load_from_args(CollectorConfig, service="collector", args=args,
+                          default_path=DEFAULT_CONFIG_PATH)
 
 
 def _token_add(args: argparse.Namespace) -> int:
@@ -109,7 +113,8 @@ def _token_list(args: argparse.Namespace) -> int:
 
 
 def uvicorn_config(app: Starlette, config: CollectorConfig, **kw: Any) -> uvicorn.Config:
-    """uvicorn settings for ``app``: listen address, TLS, no access log (ingest is hot), and
+    """uvicorn settings for ``app``: listen address, TLS, no access log (ingest is hot), the
+    logging of :mod:`forewarn.logs`, and
     the HTTP protocol guarded by the connection limits (:mod:`.http.connections`), whose metrics
     go to the app's registry."""
     import uvicorn
@@ -129,8 +134,11 @@ def uvicorn_config(app: Starlette, config: CollectorConfig, **kw: Any) -> uvicor
         max_connections=cap,
         header_timeout_s=config.header_timeout_s, body_timeout_s=config.body_timeout_s,
         registry=app.state.ctx.metrics.registry)
+    # log_config=None: uvicorn's records go to the root handler of forewarn.logs (same
+    # format, journal detection, JSON) instead of uvicorn's own handlers.
     return uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                          access_log=False, lifespan="on", timeout_keep_alive=75,
+                          log_config=None, access_log=False, lifespan="on",
+                          timeout_keep_alive=75,
                           http=guarded_protocol(protocol_class(config.http), guard),
                           backlog=backlog, **tls, **kw)
 
@@ -157,6 +165,7 @@ def _run(args: argparse.Namespace) -> int:
     import uvicorn  # noqa: F401
 
     from forewarn.config import ConfigError
+    from forewarn.logs import setup_logging
 
     from .http.app import create_app
     from .http.auth import AuthError
@@ -164,8 +173,7 @@ def _run(args: argparse.Namespace) -> int:
 
     try:
         config = _load(args)
-        logging.basicConfig(level=config.log_level.upper(),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        setup_logging(config.log_level, config.log_format)
         store = Store(config.db_path, synchronous=config.sqlite_synchronous)
     except (ConfigError, StoreError, OSError) as exc:
         print(f"forewarn collector: {exc}", file=sys.stderr)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from forewarn.config import ConfigError
+from forewarn.config import ConfigError, check_logging
 
 __all__ = ["DEFAULT_CONFIG_PATH", "CollectorConfig"]
 
@@ -34,6 +34,7 @@ class CollectorConfig:
     certfile: Path | None = None
     """TLS certificate (PEM); with ``keyfile`` the API is served over HTTPS only."""
     keyfile: Path | None = None
+    """TLS private key (PEM) of ``certfile``."""
     api_token: str = ""
     """Bearer token required on the read API (empty = read API open; keep it on loopback)."""
     max_body_bytes: int = 8 * 1024 * 1024
@@ -72,6 +73,10 @@ class CollectorConfig:
     group_commit_max: int = 256
     """Most ingest batches committed in one SQLite transaction (group commit)."""
     log_level: str = "info"
+    """Logging level: critical, error, warning, info, debug."""
+    log_format: str = "text"
+    """Log lines: text (no timestamp under systemd's journal, which adds its own) or json
+    (one JSON object per line)."""
     http: str = "auto"
     """uvicorn HTTP parser: auto (httptools when installed, the fast C one), httptools, h11."""
     # -- connection limits (forewarn.collector.http.connections) -------------------------------
@@ -98,16 +103,23 @@ class CollectorConfig:
     policy_dedup_s: float = 300.0
     """The same check about the same subject within this window is one finding."""
     policy_cooldown_checkpoint_s: float = 600.0
+    """No second checkpoint order for the same job within this many seconds."""
     policy_cooldown_webhook_s: float = 300.0
+    """No second webhook about the same subject within this many seconds."""
     policy_cooldown_drain_s: float = 3600.0
+    """No second drain of the same node within this many seconds."""
     policy_rate_checkpoint_per_min: float = 30.0
+    """Most checkpoint orders per minute, fleet-wide."""
     policy_rate_webhook_per_min: float = 60.0
+    """Most webhooks per minute, fleet-wide."""
     policy_rate_drain_per_min: float = 2.0
+    """Most drains per minute, fleet-wide."""
     policy_breaker_checkpoint_share: float = 0.5
     """Circuit breaker: most of the jobs ordered to checkpoint within the window."""
     policy_breaker_drain_share: float = 0.1
     """Circuit breaker: most of the fleet's nodes drained within the window."""
     policy_breaker_window_s: float = 600.0
+    """Window of the circuit breakers' shares, in seconds."""
     policy_probability: dict[str, float] = dataclasses.field(default_factory=dict)
     """P(failure within the hour) per check name, overriding the cost model's table."""
     checkpoint_default_s: float = 60.0
@@ -115,28 +127,37 @@ class CollectorConfig:
     order_delivery_latency_s: float = 0.5
     """Expected order delivery time (long poll) used to place the step S ahead."""
     order_safety_s: float = 2.0
+    """Checkpoint order margin: seconds of step-time jitter added ahead of the fastest rank."""
     order_max_reissues: int = 3
+    """A step S that a rank had already passed is reissued (later) at most this often."""
     webhook_urls: tuple[str, ...] = ()
     """Generic JSON webhooks, signed with ``webhook_secret`` (HMAC-SHA256)."""
     webhook_slack_urls: tuple[str, ...] = ()
     """Slack-compatible incoming webhooks (``text`` + ``blocks``)."""
     webhook_secret: str = ""
+    """HMAC-SHA256 key of the generic webhooks (prefer webhook_secret_file)."""
     webhook_secret_file: Path | None = None
+    """File holding webhook_secret."""
     webhook_max_attempts: int = 5
+    """Attempts per webhook delivery before it is given up (and counted)."""
     webhook_backoff_s: float = 1.0
+    """First retry delay of a webhook, doubled on each attempt."""
     drain_command: tuple[str, ...] = ()
     """Drain template as an argument list, e.g. ["kubectl", "cordon", "{node}"]; empty = none."""
     drain_enabled: bool = False
     """Run the drain command; off = shadow (record what would have run)."""
     drain_timeout_s: float = 30.0
+    """Seconds the drain command may run before it is killed."""
     alert_token: str = ""
     """Bearer token of the Alertmanager/Grafana webhook routes (empty = routes refuse)."""
     alert_token_file: Path | None = None
+    """File holding alert_token."""
     operator_token: str = ""
     """Bearer token of operator actions (``POST /api/v1/orders``, ``/api/v1/drains``);
     empty = those routes refuse. Must differ from ``api_token`` and ``alert_token``, and
     a node's token is never accepted for it."""
     operator_token_file: Path | None = None
+    """File holding operator_token."""
     alert_ttl_s: float = 7200.0
     """A firing alert not re-sent within this long is forgotten (Alertmanager re-sends at
     ``repeat_interval``, 1 h in deploy/alertmanager.yml); the same labels firing again
@@ -204,8 +225,7 @@ class CollectorConfig:
             raise ConfigError(f"log_every_s: must be within 0..3600, got {self.log_every_s}")
         if self.http not in ("auto", "httptools", "h11"):
             raise ConfigError(f"http: must be auto, httptools or h11, got {self.http!r}")
-        if self.log_level not in ("critical", "error", "warning", "info", "debug"):
-            raise ConfigError(f"log_level: unknown level {self.log_level!r}")
+        check_logging(self.log_level, self.log_format)
         _check_policy_keys(self)
         _check_tokens_distinct(self)
         if not self.alert_ttl_s > 0 or not 1 <= self.alert_max_rows <= 10_000_000:
@@ -252,10 +272,9 @@ def _check_tokens_distinct(c: CollectorConfig) -> None:
 
 
 def _check_policy_keys(c: CollectorConfig) -> None:
-    """Ranges of the policy and action keys (named in the error)."""
-    from .decide.drain import DrainError, DrainTemplate
-    from .decide.webhooks import WebhookEndpoint
-
+    """Ranges of the policy and action keys (named in the error). Webhook URLs and the
+    drain template are parsed, and refused, where they are used
+    (:meth:`forewarn.collector.decide.policy_service.PolicyService.from_config`)."""
     kinds = ("checkpoint", "webhook", "drain")
     for kind in c.policy_shadow_actions:
         if kind not in kinds:
@@ -276,13 +295,3 @@ def _check_policy_keys(c: CollectorConfig) -> None:
         raise ConfigError("checkpoint_default_s, drain_timeout_s: must be positive")
     if not 1 <= c.webhook_max_attempts <= 100 or not 0 <= c.order_max_reissues <= 100:
         raise ConfigError("webhook_max_attempts (1..100), order_max_reissues (0..100)")
-    for url in (*c.webhook_urls, *c.webhook_slack_urls):
-        try:
-            WebhookEndpoint(url)
-        except ValueError as exc:
-            raise ConfigError(f"webhook_urls: {exc}") from None
-    if c.drain_command:
-        try:
-            DrainTemplate(c.drain_command)
-        except DrainError as exc:
-            raise ConfigError(f"drain_command: {exc}") from None

@@ -4,15 +4,14 @@ them into a one-line error and exit status 2."""
 
 from __future__ import annotations
 
-import argparse
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from forewarn.agent.cli import config_from_args
 from forewarn.agent.config import AgentConfig
-from forewarn.agent.daemon import config_from_args
 from forewarn.cli import build_parser
 from forewarn.config import ConfigError, load_config
 
@@ -59,10 +58,12 @@ def test_paths_convert(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("toml", "env", "needle"), [
     ("intervl_s = 1\n", {}, "unknown key 'intervl_s'"),
     ("", {"FOREWARN_AGENT_LISTN": "x"}, "FOREWARN_AGENT_LISTN: unknown key 'listn'"),
-    ('interval_s = "fast"\n', {}, "interval_s: expected a number"),
-    ("sim_gpus = 1.5\n", {}, "sim_gpus: expected an integer"),
-    ("kmsg = 3\n", {}, "kmsg: expected true or false"),
-    ("", {"FOREWARN_AGENT_KMSG": "maybe"}, "kmsg: expected true or false"),
+    # Type errors are msgspec's, after the origin and the key.
+    ('interval_s = "fast"\n', {}, "agent.toml: interval_s: Expected `float`, got `str`"),
+    ("sim_gpus = 1.5\n", {}, "agent.toml: sim_gpus: Expected `int`, got `float`"),
+    ("kmsg = 3\n", {}, "agent.toml: kmsg: Expected `bool`, got `int`"),
+    ("", {"FOREWARN_AGENT_KMSG": "maybe"},
+     "environment FOREWARN_AGENT_KMSG: kmsg: Expected `bool`, got `str`"),
     ('source = "cuda"\n', {}, "source: must be one of"),
     ("interval_s = 0\n", {}, "interval_s: must be within"),
     ('listen = "9403"\n', {}, "listen: expected host:port"),
@@ -93,7 +94,8 @@ def test_flags_map_to_config_keys(tmp_path: Path) -> None:
     assert cfg.socket_path == Path("/run/x.sock") and cfg.collector_url == "http://c:8080"
     assert cfg.token_file == Path("/t") and cfg.node == "flag-node"
     # Without --no-kmsg the file/env value stands.
-    cfg = config_from_args(argparse.Namespace(config=str(tmp_path / "a.toml"), no_kmsg=None),
+    cfg = config_from_args(build_parser().parse_args(["agent", "--config",
+                                                      str(tmp_path / "a.toml")]),
                            env={"FOREWARN_AGENT_KMSG": "false"})
     assert cfg.kmsg is False and cfg.node == "from-file"
 
@@ -154,3 +156,33 @@ def test_collector_secret_file_it_cannot_read_exits_2_naming_the_key(tmp_path: P
                         str(config)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert "alert_token_file" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(("service", "cls"), [("agent", "AgentConfig"),
+                                             ("collector", "CollectorConfig")])
+def test_config_modules_import_no_runtime_module(service: str, cls: str) -> None:
+    """A config is data: loading and validating one imports nothing of the daemon (the
+    collector's used to import the drain and webhook modules to check their settings)."""
+    code = (f"import sys, forewarn.{service}.config as c; c.{cls}(); "
+            "print(' '.join(sorted(n for n in sys.modules if n.startswith('forewarn'))))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    # forewarn.errors: the leaf module of the exception tree ConfigError belongs to.
+    assert set(r.stdout.split()) == {"forewarn", "forewarn.config", "forewarn.errors",
+                                     f"forewarn.{service}", f"forewarn.{service}.config"}, r.stdout
+
+
+@pytest.mark.parametrize(("flag", "value", "needle"), [
+    ("--webhook-urls", "ftp://hooks.example/x", "webhook_urls"),
+    ("--drain-command", "kubectl,cordon,{nodes}", "drain_command"),
+])
+def test_collector_action_settings_are_still_checked_at_start(
+        tmp_path: Path, flag: str, value: str, needle: str) -> None:
+    """Moved out of the config module, a bad webhook URL or drain template still stops
+    the collector at start with one line naming the key (exit 2)."""
+    r = subprocess.run([sys.executable, "-m", "forewarn", "collector", "run", "--data-dir",
+                        str(tmp_path / "data"), "--tokens-file", str(tmp_path / "t.toml"),
+                        "--listen", "127.0.0.1:0", "--no-predictor-enabled", flag, value],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr and "Traceback" not in r.stderr, r.stderr

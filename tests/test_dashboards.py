@@ -45,6 +45,31 @@ def test_every_panel_is_configured_not_left_on_defaults() -> None:
             assert p["targets"] and all(t["expr"] and t["refId"] for t in p["targets"]), where
 
 
+# What users of NVIDIA's dcgm-exporter dashboard (Grafana 12239) look for first (issue
+# 13.13): (dashboard, metric the panel must query, what the panel shows).
+COMPARED_WITH_DCGM = [
+    ("node", "forewarn_gpu_energy_joules_total", "energy per GPU"),
+    ("training", "forewarn_gpu_energy_joules_total", "energy per job"),
+    ("fleet", "forewarn_gpu_power_limit_watts", "power against limit per node"),
+    ("node", "forewarn_gpu_sm_active_ratio", "SM active"),
+    ("node", "forewarn_gpu_tensor_active_ratio", "tensor pipe active"),
+    ("node", "forewarn_gpu_dram_active_ratio", "DRAM active"),
+    ("node", "forewarn_gpu_nvlink_tx_bytes_per_second", "NVLink bandwidth"),
+    ("node", "forewarn_gpu_pcie_rx_bytes_per_second", "PCIe bandwidth"),
+]
+
+
+@pytest.mark.parametrize(("name", "metric", "what"), COMPARED_WITH_DCGM)
+def test_panels_dcgm_exporter_users_look_for(name: str, metric: str, what: str) -> None:
+    exprs = [t["expr"] for p in _panels(DASHBOARDS[name]()) for t in p["targets"]]
+    assert any(metric in e for e in exprs), f"{name}: no panel shows {what} ({metric})"
+    if what == "energy per job":
+        assert any(metric in e and "sum by (training_job)" in e for e in exprs)
+    if what == "power against limit per node":
+        assert any("forewarn_gpu_power_watts" in e and "by (node)" in e and " / " in e
+                   for e in exprs)
+
+
 def test_stale_file_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["dashboards", "generate", "--out", str(tmp_path)]) == 0
     (tmp_path / "fleet.json").write_text("{}")

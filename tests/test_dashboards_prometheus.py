@@ -116,15 +116,17 @@ def run_panel_query(stack: Stack, expr: str, instant: bool, since: float
 
 def joined_labels_wrong(expr: str, series: list[dict[str, Any]]) -> str:
     """Panels that join labels in (the node of an agent's self-metrics, the job and rank
-    over a GPU) must carry the stack's values; '' when they do."""
+    over a GPU, or the job alone for a per-job sum) must carry the stack's values; '' when
+    they do."""
     want: dict[str, str] = {}
     if "group_left(node)" in expr:
         want["node"] = NODE
+    per_rank = "forewarn_rank_info" in expr and not expr.startswith("sum by (training_job)")
     if "forewarn_rank_info" in expr:
-        want.update(node=NODE, training_job=JOB)
+        want.update(training_job=JOB, **({"node": NODE} if per_rank else {}))
     for s in series:
         got = {k: s["metric"].get(k) for k in want}
-        if got != want or ("forewarn_rank_info" in expr and not s["metric"].get("rank")):
+        if got != want or (per_rank and not s["metric"].get("rank")):
             return f"series {s['metric']} lacks {want} (or a rank)"
     return ""
 

@@ -46,7 +46,13 @@ def scenario(gpu: int, now: float) -> dict[str, Any]:
         "pcie_link_gen": 5, "pcie_link_gen_max": 5, "pcie_link_width": 16,
         "pcie_link_width_max": 16,
         "nvlink": (NvlinkCounters(link=0, crc_flit=0, crc_data=0, replay=0, recovery=0),),
+        # 300 W for t seconds on top of what the GPU used before: NVML's millijoules.
+        "energy_mj": 1_000_000_000 + int(300_000 * t),
     }
+    if gpu == 0:  # profiling fields, as a DCGM source gives them
+        v.update(sm_active=0.9, tensor_active=0.625, dram_active=0.375,
+                 pcie_tx_bytes_per_s=2e9, pcie_rx_bytes_per_s=1e9,
+                 nvlink_tx_bytes_per_s=1e11, nvlink_rx_bytes_per_s=9e10)
     if gpu == 1 and t >= 5:
         v.update(ecc_uncorrected_volatile=1, ecc_uncorrected_aggregate=1, remap_pending=True)
     if gpu == 3:
@@ -167,6 +173,18 @@ def test_names_units_and_labels() -> None:
                  field="memory_temperature_c") == 0
     assert value(text, "forewarn_gpu_field_supported", gpu="0", field="temperature_c") == 1
     assert value(text, "forewarn_gpu_field_errors_total", gpu="3", field="power_limit_w") == 11
+    # Energy: NVML's millijoules as a counter in joules (t = 10 s at 300 W: +3000 J).
+    assert value(text, "forewarn_gpu_energy_joules_total", gpu="0") == 1_000_000.0 + 3000.0
+    assert value(text, "forewarn_gpu_field_supported", gpu="0", field="energy_mj") == 1
+    # DCGM profiling fields, where the source gives them (GPU 0 only here).
+    assert value(text, "forewarn_gpu_sm_active_ratio", gpu="0") == 0.9
+    assert value(text, "forewarn_gpu_tensor_active_ratio", gpu="0") == 0.625
+    assert value(text, "forewarn_gpu_dram_active_ratio", gpu="0") == 0.375
+    assert value(text, "forewarn_gpu_pcie_tx_bytes_per_second", gpu="0") == 2e9
+    assert value(text, "forewarn_gpu_pcie_rx_bytes_per_second", gpu="0") == 1e9
+    assert value(text, "forewarn_gpu_nvlink_tx_bytes_per_second", gpu="0") == 1e11
+    assert value(text, "forewarn_gpu_nvlink_rx_bytes_per_second", gpu="0") == 9e10
+    assert not [lab for lab, _ in s.get("forewarn_gpu_sm_active_ratio", []) if lab["gpu"] != "0"]
     # Simulated data is plainly marked on every GPU series.
     for name, rows in s.items():
         if name.startswith("forewarn_gpu_") and name not in (

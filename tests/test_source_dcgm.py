@@ -96,8 +96,38 @@ def test_inventory_and_values_from_recorded_exposition(exporter: Exporter) -> No
     assert (s1.pcie_replay_total, s1.pcie_link_gen, s1.pcie_link_width_max) == (3, 5, 16)
     assert s1.throttle_reasons == 4 and s1.pstate == 0
     assert len(s1.nvlink) == 1 and s1.nvlink[0].crc_flit == 17 and s1.nvlink[0].replay == 9
+    # Energy (mJ, as NVML) and the profiling fields the recording has.
+    assert (s0.energy_mj, s1.energy_mj) == (193848119245, 190112274901)
+    assert (s0.tensor_active, s0.dram_active) == (0.512876, 0.398114)
+    assert s0.sm_active is None and s0.pcie_tx_bytes_per_s is None  # not in the recording
     assert b.drain_xids() == []  # XID 13 was already there at open: not news
     assert b.skipped == 0
+    b.close()
+
+
+PROFILING = """\
+DCGM_FI_PROF_SM_ACTIVE{gpu="0",UUID="GPU-3f6c1a02-58e1-2b7d-9a41-0c8e5d7b1f20"} 0.87
+DCGM_FI_PROF_PCIE_TX_BYTES{gpu="0",UUID="GPU-3f6c1a02-58e1-2b7d-9a41-0c8e5d7b1f20"} 1.5e+09
+DCGM_FI_PROF_PCIE_RX_BYTES{gpu="0",UUID="GPU-3f6c1a02-58e1-2b7d-9a41-0c8e5d7b1f20"} 2.5e+09
+DCGM_FI_PROF_NVLINK_TX_BYTES{gpu="0",UUID="GPU-3f6c1a02-58e1-2b7d-9a41-0c8e5d7b1f20"} 1.2e+11
+DCGM_FI_PROF_NVLINK_RX_BYTES{gpu="0",UUID="GPU-3f6c1a02-58e1-2b7d-9a41-0c8e5d7b1f20"} 1.1e+11
+DCGM_FI_PROF_SM_ACTIVE{gpu="1",UUID="GPU-8b02e7d4-c91a-4f3e-7d55-2a6b9e0c4d18"} 1.7
+DCGM_FI_PROF_PCIE_TX_BYTES{gpu="1",UUID="GPU-8b02e7d4-c91a-4f3e-7d55-2a6b9e0c4d18"} -5
+"""
+
+
+def test_profiling_fields_of_dcgm_exporter_are_mapped(exporter: Exporter) -> None:
+    """The DCGM_FI_PROF_* fields of dcgm-exporter's profiling counters (a DCGM 3 exporter
+    with the DCP metrics enabled); a ratio above 1 or a negative rate is dropped."""
+    exporter.body = HEALTHY + PROFILING
+    b = _backend(exporter)
+    b.open()
+    s0, s1 = b.sample(NOW)
+    assert s0.sm_active == 0.87
+    assert (s0.pcie_tx_bytes_per_s, s0.pcie_rx_bytes_per_s) == (1.5e9, 2.5e9)
+    assert (s0.nvlink_tx_bytes_per_s, s0.nvlink_rx_bytes_per_s) == (1.2e11, 1.1e11)
+    assert s1.sm_active is None and s1.pcie_tx_bytes_per_s is None
+    assert s1.tensor_active == 0.487221  # the rest of the GPU's sample stands
     b.close()
 
 

@@ -119,6 +119,7 @@ count 2
 *.remap_pending 1
 *.remap_failure 0
 *.pcie_replay 33
+*.energy_mj 987654321012
 *.link_gen 4
 *.link_gen_max 5
 *.link_width 8
@@ -159,6 +160,7 @@ def test_values_are_read_and_converted(script: Script, opened: Callable[..., Nvm
     assert (s.remapped_rows_correctable, s.remapped_rows_uncorrectable) == (5, 1)
     assert (s.remap_pending, s.remap_failure) == (True, False)
     assert s.pcie_replay_total == 33
+    assert s.energy_mj == 987654321012  # nvmlDeviceGetTotalEnergyConsumption, mJ
     assert (s.pcie_link_gen, s.pcie_link_gen_max) == (4, 5)
     assert (s.pcie_link_width, s.pcie_link_width_max) == (8, 16)
     assert s.nvlink == (
@@ -189,6 +191,7 @@ def test_not_available_sentinels_become_missing_values(
 0.throttle -1
 0.pstate 32
 0.link_width -1
+0.energy_mj -1
 0.nvlink_replay.1 0xFFFFFFFFFFFFFFFF
 """)
     s = opened().sample(1000.0)[0]
@@ -196,6 +199,7 @@ def test_not_available_sentinels_become_missing_values(
     assert s.remap_pending is None and s.memory_temperature_c is None
     assert s.temperature_c is None and s.power_w is None and s.sm_clock_mhz is None
     assert s.throttle_reasons is None and s.pstate is None and s.pcie_link_width is None
+    assert s.energy_mj is None
     assert s.slowdown_margin_c == 23.0 and s.mem_clock_mhz == 2619.0  # the others stay
     assert s.ecc_uncorrected_volatile == 1
     assert s.nvlink[1] == NvlinkCounters(link=1, crc_flit=10, crc_data=11, recovery=13)
@@ -264,7 +268,8 @@ def test_not_supported_fields_are_listed_and_not_asked_again(
 ) -> None:
     script(
         "count 1\n0.temp 50\n0.slowdown 87\n0.nvlinks 2\n"
-        "0.unsupported ecc,memtemp,margin,util,remap,nvlink_crc_data,link_width_max\n"
+        "0.unsupported ecc,memtemp,margin,util,remap,nvlink_crc_data,link_width_max,"
+        "energy_mj\n"
     )
     backend = opened()
     for t in range(3):
@@ -283,10 +288,11 @@ def test_not_supported_fields_are_listed_and_not_asked_again(
         "ecc_corrected_volatile", "ecc_uncorrected_volatile", "ecc_corrected_aggregate",
         "ecc_uncorrected_aggregate", "memory_temperature_c", "gpu_util_pct", "mem_util_pct",
         "remapped_rows_correctable", "remapped_rows_uncorrectable", "remap_pending",
-        "remap_failure", "nvlink.crc_data", "pcie_link_width_max",
+        "remap_failure", "nvlink.crc_data", "pcie_link_width_max", "energy_mj",
     }
     # asked once, on the first poll only; supported fields every poll
-    for key in ("ecc_sbe_vol", "memtemp", "margin", "util_gpu", "remap_cor", "nvlink_crc_data"):
+    for key in ("ecc_sbe_vol", "memtemp", "margin", "util_gpu", "remap_cor", "nvlink_crc_data",
+                "energy_mj"):
         assert fake_calls(fake_lib, key) == {"nvlink_crc_data": 2}.get(key, 1), key
     assert fake_calls(fake_lib, "temp") == 3
     assert fake_calls(fake_lib, "pcie_replay") == 3

@@ -371,3 +371,21 @@ def test_default_scenario_fires_the_agent_checks_before_each_failure() -> None:
         assert first[key] <= deadline, (key, first[key])
     assert first[(6, "gpu_lost", "unhealthy")] == 150  # sudden: no warning before
     assert not [k for k in first if k[0] == 6 and first[k] < 150]
+
+
+def test_energy_counter_and_profiling_fields_follow_the_scenario() -> None:
+    """The sim GPU reports what the energy and DCGM profiling panels show: an energy
+    counter (baseline watts times simulated seconds, in mJ) and activity ratios."""
+    from forewarn.agent.sources.sim import SimBackend
+
+    clock = iter([0.0]).__next__
+    backend = SimBackend(node="n", gpus=2, speed=1.0, clock=clock)
+    backend.open()
+    b = backend.scenario.baseline
+    first, later = backend.sample(10.0)[0], backend.sample(20.0)[0]
+    assert first.energy_mj == int(1000 * b.power_w * 10) and later.energy_mj is not None
+    assert later.energy_mj - first.energy_mj == int(1000 * b.power_w * 10)
+    for s in (first, later):
+        assert s.sm_active is not None and 0 < s.sm_active <= 1
+        assert s.tensor_active is not None and s.dram_active is not None
+        assert s.pcie_tx_bytes_per_s and s.nvlink_rx_bytes_per_s

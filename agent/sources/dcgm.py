@@ -78,12 +78,24 @@ FIELD_MAP: dict[str, str] = {
     "DCGM_FI_DEV_CLOCK_THROTTLE_REASONS": "throttle_reasons",
     "DCGM_FI_DEV_CLOCKS_EVENT_REASONS": "throttle_reasons",  # renamed in DCGM 3.3
     "DCGM_FI_DEV_PSTATE": "pstate",
+    "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": "energy_mj",  # mJ, as NVML
+    # Profiling (DCP) fields: dcgm-exporter's dcp-metrics-included.csv, DCGM 2.1 and later.
+    "DCGM_FI_PROF_SM_ACTIVE": "sm_active",
+    "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE": "tensor_active",
+    "DCGM_FI_PROF_DRAM_ACTIVE": "dram_active",
+    "DCGM_FI_PROF_PCIE_TX_BYTES": "pcie_tx_bytes_per_s",  # a rate despite the name
+    "DCGM_FI_PROF_PCIE_RX_BYTES": "pcie_rx_bytes_per_s",
+    "DCGM_FI_PROF_NVLINK_TX_BYTES": "nvlink_tx_bytes_per_s",
+    "DCGM_FI_PROF_NVLINK_RX_BYTES": "nvlink_rx_bytes_per_s",
 }
 """dcgm-exporter series -> GpuSample field (same units unless converted below)."""
 
 _FLOAT_FIELDS = {"temperature_c", "memory_temperature_c", "power_w", "power_limit_w",
                  "sm_clock_mhz", "mem_clock_mhz", "gpu_util_pct", "mem_util_pct"}
 _BOOL_FIELDS = {"retired_pages_pending", "remap_pending", "remap_failure"}
+_RATIO_FIELDS = {"sm_active", "tensor_active", "dram_active"}
+_RATE_FIELDS = {"pcie_tx_bytes_per_s", "pcie_rx_bytes_per_s", "nvlink_tx_bytes_per_s",
+                "nvlink_rx_bytes_per_s"}
 _NVLINK = re.compile(
     r"^DCGM_FI_DEV_NVLINK_(CRC_FLIT|CRC_DATA|REPLAY|RECOVERY)_ERROR_COUNT_(TOTAL|L(\d{1,2}))$")
 _NVLINK_FIELD = {"CRC_FLIT": "crc_flit", "CRC_DATA": "crc_data", "REPLAY": "replay",
@@ -131,7 +143,7 @@ def parse_exposition(text: str) -> tuple[dict[int, _Gpu], int]:
                 skipped += 1
     gpus: dict[int, _Gpu] = {}
     for name, s in samples:
-        if not name.startswith("DCGM_FI_DEV_"):
+        if not name.startswith(("DCGM_FI_DEV_", "DCGM_FI_PROF_")):
             continue
         idx = s.labels.get("gpu", "")
         if not idx.isdigit() or not math.isfinite(s.value):
@@ -331,6 +343,9 @@ def _fields(values: dict[str, float]) -> dict[str, Any]:
             continue
         if fld in _FLOAT_FIELDS:
             out[fld] = float(value)
+        elif fld in _RATIO_FIELDS or fld in _RATE_FIELDS:
+            if value >= 0 and (value <= 1 or fld in _RATE_FIELDS):
+                out[fld] = float(value)
         elif fld in _BOOL_FIELDS:
             out[fld] = value > 0
         elif value >= 0:

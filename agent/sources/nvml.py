@@ -34,6 +34,7 @@ NVML entry points used (for the record of what a driver must provide):
 ``nvmlDeviceGetCurrentClocksEventReasons``, ``nvmlDeviceGetPerformanceState``,
 ``nvmlDeviceGetCurrPcieLinkGeneration``, ``nvmlDeviceGetCurrPcieLinkWidth``,
 ``nvmlDeviceGetMaxPcieLinkGeneration``, ``nvmlDeviceGetMaxPcieLinkWidth``,
+``nvmlDeviceGetTotalEnergyConsumption``,
 ``nvmlDeviceGetFieldValues``, ``nvmlDeviceGetNvLinkErrorCounter`` (links 12 and up only),
 ``nvmlEventSetCreate``, ``nvmlDeviceGetSupportedEventTypes``, ``nvmlDeviceRegisterEvents``,
 ``nvmlEventSetWait_v2``, ``nvmlEventSetFree``, ``nvmlErrorString``.
@@ -112,6 +113,9 @@ _GETTERS: Final[tuple[_Getter, ...]] = (
      lambda h: (_available(pynvml.nvmlDeviceGetCurrPcieLinkGeneration(h)),)),
     ("pcie_link_width", ("pcie_link_width",),
      lambda h: (_available(pynvml.nvmlDeviceGetCurrPcieLinkWidth(h)),)),
+    # Millijoules since the driver loaded (Volta and later): the exporter's energy counter.
+    ("energy_mj", ("energy_mj",),
+     lambda h: (_available(pynvml.nvmlDeviceGetTotalEnergyConsumption(h)),)),
 )
 
 # Facts that do not change while the driver runs, read once per GPU.

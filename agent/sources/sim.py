@@ -36,6 +36,10 @@ Fault kinds and the signals they drive (NVML fields in brackets):
   XID 79, ``state = lost``.
 * ``nvlink_crc``: CRC flit/data, replay and recovery counters of one NVLink
   [NVML_NVLINK_ERROR_DL_CRC_FLIT/DATA/REPLAY/RECOVERY] grow, ending in XID 74.
+* every GPU also reports its energy counter [nvmlDeviceGetTotalEnergyConsumption, the
+  baseline power times the scenario position] and, as a node with DCGM's profiling
+  metrics would, SM / tensor pipe / memory interface activity and PCIe / NVLink bytes per
+  second, following its utilization.
 * ``sudden``: no precursor at all: XID 79 (lost), 48 (DBE), 95 (uncontained ECC, reset
   required) or any other code, at ``start_s``.
 * ``ecc_burst``: benign: an isolated burst of correctable ECC errors that leads nowhere.
@@ -585,6 +589,7 @@ class SimBackend:
         mem_temp = b.memory_temperature_c + (v.temp - b.temperature_c) * 0.6 + (
             b.temperature_noise_c * _noise(seed, gpu, 4, t, 5.0))
         used = int(b.memory_total_bytes * b.memory_used_fraction)
+        busy, nvlink_on = v.util / 100.0, 1.0 if b.nvlinks else 0.0
         links = tuple(
             NvlinkCounters(link=link, crc_flit=c[0], crc_data=c[1], replay=c[2], recovery=c[3])
             for link in range(b.nvlinks)
@@ -622,6 +627,16 @@ class SimBackend:
             pcie_link_width_max=b.pcie_link_width,
             nvlink=links,
             pstate=b.pstate,
+            energy_mj=int(1000.0 * b.power_w * max(0.0, t)),
+            # DCGM profiling fields of a training GPU busy this share of the time: most SMs
+            # occupied, the tensor pipe and HBM active part of it, gradients on the links.
+            sm_active=round(0.95 * busy, 3),
+            tensor_active=round(0.55 * busy, 3),
+            dram_active=round(b.mem_util_pct / 100.0 * busy, 3),
+            pcie_tx_bytes_per_s=round(2e9 * busy, -3),
+            pcie_rx_bytes_per_s=round(3e9 * busy, -3),
+            nvlink_tx_bytes_per_s=round(1.5e11 * busy * nvlink_on, -3),
+            nvlink_rx_bytes_per_s=round(1.5e11 * busy * nvlink_on, -3),
         )
 
 

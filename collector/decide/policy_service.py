@@ -46,7 +46,7 @@ from ..ingest.alerts import AlertPayload, alert_routes
 from ..ingest.batch import store_findings
 from .actions import ActionPipeline, store_decisions
 from .costmodel import CheckpointCostTracker
-from .drain import DrainRunner, DrainTemplate
+from .drain import DrainError, DrainRunner, DrainTemplate
 from .goodput_service import AdviceSender, GoodputService
 from .orders import OrderBook, OrderSettings
 from .policy import Decision, Policy, PolicySettings
@@ -109,6 +109,14 @@ def _secret(value: str, path: Any, key: str) -> str:
         raise ConfigError(f"{key}: cannot read {path}: {exc.strerror or exc}") from None
 
 
+def _endpoints(key: str, urls: Sequence[str], fmt: str,
+               secret: bytes = b"") -> list[WebhookEndpoint]:
+    try:
+        return [WebhookEndpoint(u, fmt, secret) for u in urls]
+    except ValueError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+
+
 class PolicyService:
     """See the module docstring. Build with :meth:`from_config`."""
 
@@ -162,15 +170,21 @@ class PolicyService:
 
     @classmethod
     def from_config(cls, config: CollectorConfig) -> PolicyService:
-        """Everything from the collector config (secrets from their files when given)."""
+        """Everything from the collector config (secrets from their files when given). A
+        webhook URL or drain template this module refuses is a :class:`ConfigError`
+        naming the key (checked here, where they are parsed, not in the config module)."""
         secret = _secret(config.webhook_secret, config.webhook_secret_file,
                          "webhook_secret_file").encode()
-        endpoints = [WebhookEndpoint(u, "json", secret) for u in config.webhook_urls]
-        endpoints += [WebhookEndpoint(u, "slack") for u in config.webhook_slack_urls]
+        endpoints = (_endpoints("webhook_urls", config.webhook_urls, "json", secret)
+                     + _endpoints("webhook_slack_urls", config.webhook_slack_urls, "slack"))
         drain = None
         if config.drain_command:
-            drain = DrainRunner(DrainTemplate(config.drain_command),
-                                enabled=config.drain_enabled, timeout_s=config.drain_timeout_s)
+            try:
+                template = DrainTemplate(config.drain_command)
+            except DrainError as exc:
+                raise ConfigError(f"drain_command: {exc}") from None
+            drain = DrainRunner(template, enabled=config.drain_enabled,
+                                timeout_s=config.drain_timeout_s)
         return cls(
             settings_from_config(config),
             OrderSettings(delivery_latency_s=config.order_delivery_latency_s,

@@ -43,18 +43,14 @@ def register(sub: Any) -> None:
         ),
     )
     add_source_arguments(p)
-    p.set_defaults(func=_run)
-
-
-def _run(args: argparse.Namespace) -> int:
-    args.no_kmsg = True  # the kernel log holds the node's past, not its state now
-    return run_check(args)
+    p.set_defaults(func=run_check)
 
 
 def run_check(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run the checks once with the agent's settings from ``args``; return the exit code."""
     from forewarn.agent.backend import SourceUnavailable
-    from forewarn.agent.daemon import Agent, build_backend, config_from_args
+    from forewarn.agent.cli import config_from_args
+    from forewarn.agent.daemon import Agent, build_backend
     from forewarn.agent.sdnotify import Notifier
     from forewarn.config import ConfigError
 
@@ -62,7 +58,8 @@ def run_check(args: argparse.Namespace, out: TextIO | None = None) -> int:
     # The agent logs why a source failed; the preflight shows only that on stderr.
     logging.basicConfig(level=logging.ERROR, format="forewarn check: %(message)s")
     try:
-        config = config_from_args(args)
+        # The kernel log holds the node's past, not its state now.
+        config = config_from_args(args, kmsg=False)
         backend = build_backend(config)
     except (ConfigError, SourceUnavailable, ValueError) as exc:
         print(f"forewarn check: cannot run: {exc}", file=sys.stderr)

@@ -82,6 +82,8 @@ Text = Annotated[str, Meta(max_length=4096)]
 # msgspec has no "finite" constraint; bounds at the largest float refuse NaN and +-Inf.
 Finite = Annotated[float, Meta(ge=-_FLOAT_MAX, le=_FLOAT_MAX)]
 Seconds = Annotated[float, Meta(ge=0.0, le=_FLOAT_MAX)]
+Ratio = Annotated[float, Meta(ge=0.0, le=1.0)]
+Rate = Annotated[float, Meta(ge=0.0, le=_FLOAT_MAX)]
 UnixTime = Annotated[float, Meta(ge=0.0, le=MAX_UNIX_TIME)]
 PhaseName = Annotated[str, Meta(max_length=32)]
 
@@ -189,6 +191,25 @@ class GpuSample(Struct, frozen=True, kw_only=True):
     pcie_link_width_max: NonNegInt | None = None
     nvlink: tuple[NvlinkCounters, ...] = ()
     pstate: NonNegInt | None = None
+    energy_mj: NonNegInt | None = None
+    """Energy used since the driver loaded, millijoules: a counter
+    (nvmlDeviceGetTotalEnergyConsumption, Volta and later; DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION)."""
+    # Profiling fields (DCGM's DCP metrics: dcgm-exporter's DCGM_FI_PROF_*, averaged by DCGM
+    # over its sampling period); NVML does not read them.
+    sm_active: Ratio | None = None
+    """Share of cycles an SM has at least one warp assigned (DCGM_FI_PROF_SM_ACTIVE)."""
+    tensor_active: Ratio | None = None
+    """Share of cycles the tensor (HMMA) pipe is active (DCGM_FI_PROF_PIPE_TENSOR_ACTIVE)."""
+    dram_active: Ratio | None = None
+    """Share of cycles the memory interface sends or receives (DCGM_FI_PROF_DRAM_ACTIVE)."""
+    pcie_tx_bytes_per_s: Rate | None = None
+    """PCIe bytes sent per second, headers included (DCGM_FI_PROF_PCIE_TX_BYTES)."""
+    pcie_rx_bytes_per_s: Rate | None = None
+    """PCIe bytes received per second (DCGM_FI_PROF_PCIE_RX_BYTES)."""
+    nvlink_tx_bytes_per_s: Rate | None = None
+    """NVLink bytes sent per second, all links (DCGM_FI_PROF_NVLINK_TX_BYTES)."""
+    nvlink_rx_bytes_per_s: Rate | None = None
+    """NVLink bytes received per second, all links (DCGM_FI_PROF_NVLINK_RX_BYTES)."""
     unsupported: tuple[str, ...] = ()
     """Fields this GPU does not support (NVML_ERROR_NOT_SUPPORTED): not errors."""
     errors: tuple[str, ...] = ()

@@ -18,7 +18,7 @@
  * power_limit_mw sm_clock mem_clock util_gpu util_mem mem_total mem_used throttle pstate
  * ecc_sbe_vol ecc_dbe_vol ecc_sbe_agg ecc_dbe_agg retired_sbe retired_dbe retired_pending
  * remap_cor remap_unc remap_pending remap_failure pcie_replay link_gen link_gen_max
- * link_width link_width_max nvlinks lost reset_required (integers);
+ * link_width link_width_max nvlinks energy_mj lost reset_required (integers);
  * nvlink_crc_flit nvlink_crc_data nvlink_replay nvlink_recovery (integers; all links, or
  * one link with a ".<link>" suffix: "0.nvlink_replay.3 5");
  * unsupported, fail: comma-separated keys (or groups: ecc retired remap nvlink events
@@ -66,7 +66,7 @@ enum {
     K_RETIRED_SBE, K_RETIRED_DBE, K_RETIRED_PENDING,
     K_REMAP_COR, K_REMAP_UNC, K_REMAP_PENDING, K_REMAP_FAILURE,
     K_PCIE_REPLAY, K_LINK_GEN, K_LINK_GEN_MAX, K_LINK_WIDTH, K_LINK_WIDTH_MAX,
-    K_NVLINKS, K_LOST, K_RESET, K_COUNT
+    K_NVLINKS, K_ENERGY, K_LOST, K_RESET, K_COUNT
 };
 
 static const char *KEYS[K_COUNT] = {
@@ -76,7 +76,7 @@ static const char *KEYS[K_COUNT] = {
     "retired_sbe", "retired_dbe", "retired_pending",
     "remap_cor", "remap_unc", "remap_pending", "remap_failure",
     "pcie_replay", "link_gen", "link_gen_max", "link_width", "link_width_max",
-    "nvlinks", "lost", "reset_required",
+    "nvlinks", "energy_mj", "lost", "reset_required",
 };
 
 static const long long DEFAULTS[K_COUNT] = {
@@ -86,7 +86,7 @@ static const long long DEFAULTS[K_COUNT] = {
     0, 0, 0,
     0, 0, 0, 0,
     0, 5, 5, 16, 16,
-    0, 0, 0,
+    0, 123456789000LL, 0, 0,
 };
 
 /* NVLink counters, in the order of nvmlNvLinkErrorCounter_t. */
@@ -447,6 +447,8 @@ SIMPLE_GETTER(nvmlDeviceGetCurrPcieLinkGeneration, K_LINK_GEN, unsigned int)
 SIMPLE_GETTER(nvmlDeviceGetMaxPcieLinkGeneration, K_LINK_GEN_MAX, unsigned int)
 SIMPLE_GETTER(nvmlDeviceGetCurrPcieLinkWidth, K_LINK_WIDTH, unsigned int)
 SIMPLE_GETTER(nvmlDeviceGetMaxPcieLinkWidth, K_LINK_WIDTH_MAX, unsigned int)
+/* millijoules since the driver loaded (Volta and later) */
+SIMPLE_GETTER(nvmlDeviceGetTotalEnergyConsumption, K_ENERGY, unsigned long long)
 
 nvmlReturn_t nvmlDeviceGetTemperature(fake_gpu *dev, int sensor, unsigned int *temp) {
     if (sensor != 0) return NVML_ERROR_INVALID_ARGUMENT; /* NVML_TEMPERATURE_GPU */

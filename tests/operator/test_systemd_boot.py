@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator
@@ -208,3 +209,14 @@ def test_units_run_under_systemd(container: Container) -> None:
         c.run(*journal).stdout[-4000:]
     assert _active(c, "forewarn-agent")
     assert "watchdog" in c.run("journalctl", "-u", "forewarn-agent").stdout.lower()
+
+    # The journal stamps each line: forewarn's own lines carry no second timestamp, and
+    # their level becomes the entry's priority (journalctl -p works).
+    entries = [json.loads(line) for line in c.run(
+        "journalctl", "-u", "forewarn-agent", "-u", "forewarn-collector", "-o", "json",
+        "_TRANSPORT=stdout").stdout.splitlines()]
+    ours = [e for e in entries if " forewarn." in f" {e.get('MESSAGE', '')}"]
+    assert ours, entries[-5:]
+    for e in ours:
+        assert re.match(r"(DEBUG|INFO|WARNING|ERROR|CRITICAL) forewarn\.", e["MESSAGE"]), e
+    assert {e["PRIORITY"] for e in ours if e["MESSAGE"].startswith("INFO ")} == {"6"}

@@ -200,6 +200,18 @@ def fleet() -> dict[str, Any]:
                    "horizon.", "percentunit",
                    _q("topk(10, forewarn_gpu_failure_probability{" + G + "})", instant=True)),
             ]),
+            ("Power and energy", [
+                ts("Power against limit per node", "Power drawn by each node's GPUs over the "
+                   "sum of their enforced limits: near 1, the GPUs are capped (SW power cap).",
+                   "percentunit",
+                   _q("sum by (node) (forewarn_gpu_power_watts{" + G + "}) / sum by (node) "
+                      "(forewarn_gpu_power_limit_watts{" + G + "})", "{{node}}"),
+                   thresholds=_thresholds((None, "green"), (0.9, "orange"), (0.98, "red"))),
+                ts("Energy per node", "Joules used by each node's GPUs per interval (NVML total "
+                   "energy consumption).", "joule",
+                   _q("sum by (node) (increase(forewarn_gpu_energy_joules_total{" + G
+                      + "}[$__rate_interval]))", "{{node}}"), stack=True),
+            ]),
         ],
     )
 
@@ -241,6 +253,13 @@ def node_detail() -> dict[str, Any]:
                 gpu_ts("Power", "Power draw.", "watt", "forewarn_gpu_power_watts"),
                 gpu_ts("Power limit", "Enforced power limit.", "watt",
                        "forewarn_gpu_power_limit_watts"),
+                gpu_ts("Energy", "Joules each GPU used per interval (NVML total energy "
+                       "consumption).", "joule", "forewarn_gpu_energy_joules_total",
+                       agg="increase({}[$__rate_interval])"),
+                tb("Energy over the time range", "Joules each GPU used over the dashboard's "
+                   "time range.", "joule",
+                   _q("increase(forewarn_gpu_energy_joules_total{" + GPU + "}[$__range])",
+                      instant=True)),
                 ts("Clock event reasons", "Active throttle reasons.", "short",
                    _q("forewarn_gpu_clock_event_reason_active{" + GPU + "} == 1",
                       "{{gpu}} {{reason}}")),
@@ -257,6 +276,25 @@ def node_detail() -> dict[str, Any]:
                        "forewarn_gpu_memory_used_bytes"),
                 gpu_ts("Memory total", "Frame buffer size.", "bytes",
                        "forewarn_gpu_memory_total_bytes"),
+            ]),
+            ("Profiling (DCGM)", [
+                gpu_ts("SM active", "Share of cycles an SM has a warp assigned "
+                       "(DCGM_FI_PROF_SM_ACTIVE; empty unless the source is DCGM with "
+                       "profiling metrics).", "percentunit", "forewarn_gpu_sm_active_ratio"),
+                gpu_ts("Tensor pipe active", "Share of cycles the tensor (HMMA) pipe is active "
+                       "(DCGM_FI_PROF_PIPE_TENSOR_ACTIVE).", "percentunit",
+                       "forewarn_gpu_tensor_active_ratio"),
+                gpu_ts("DRAM active", "Share of cycles the memory interface sends or receives "
+                       "(DCGM_FI_PROF_DRAM_ACTIVE).", "percentunit",
+                       "forewarn_gpu_dram_active_ratio"),
+                ts("PCIe bandwidth", "PCIe bytes per second sent and received "
+                   "(DCGM_FI_PROF_PCIE_TX_BYTES / RX_BYTES).", "Bps",
+                   _q("forewarn_gpu_pcie_tx_bytes_per_second{" + GPU + "}", "{{gpu}} tx"),
+                   _q("forewarn_gpu_pcie_rx_bytes_per_second{" + GPU + "}", "{{gpu}} rx")),
+                ts("NVLink bandwidth", "NVLink bytes per second sent and received, all links "
+                   "(DCGM_FI_PROF_NVLINK_TX_BYTES / RX_BYTES).", "Bps",
+                   _q("forewarn_gpu_nvlink_tx_bytes_per_second{" + GPU + "}", "{{gpu}} tx"),
+                   _q("forewarn_gpu_nvlink_rx_bytes_per_second{" + GPU + "}", "{{gpu}} rx")),
             ]),
             ("Memory errors", [
                 ts("ECC errors", "Corrected and uncorrected, volatile and aggregate.", "short",
@@ -354,6 +392,13 @@ def training() -> dict[str, Any]:
                 ts("Temperature of the job's GPUs", "Core temperature of the GPUs under ranks.",
                    "celsius", _q(_under_ranks("forewarn_gpu_temperature_celsius"),
                                  "{{training_job}} rank {{rank}} ({{node}}/{{gpu}})")),
+                ts("Energy per job", "Joules the GPUs under the job's ranks used per "
+                   "interval.", "joule",
+                   _q(_job_energy("$__rate_interval"), "{{training_job}}"), stack=True),
+                st("Job energy over the time range", "Joules the job's GPUs used over the "
+                   "dashboard's time range.", "joule",
+                   _q(_job_energy("$__range"), "{{training_job}}", instant=True),
+                   _thresholds((None, "green"))),
             ]),
         ],
     )
@@ -365,6 +410,15 @@ def _under_ranks(metric: str) -> str:
     return ('max by (node, gpu, training_job, rank) (forewarn_rank_info{' + JOB
             + ', node=~"$node", gpu!=""}) * on (node, gpu) group_left '
             "max by (node, gpu) (" + metric + "{" + G + "})")
+
+
+def _job_energy(window: str) -> str:
+    """Joules per ``$job`` over ``window``: the energy counter of each GPU under one of its
+    ranks, counted once per GPU even with several ranks on it."""
+    return ("sum by (training_job) (max by (node, gpu, training_job) (forewarn_rank_info{"
+            + JOB + ', node=~"$node", gpu!=""}) * on (node, gpu) group_left '
+            "max by (node, gpu) (increase(forewarn_gpu_energy_joules_total{" + G + "}["
+            + window + "])))")
 
 
 def predictions() -> dict[str, Any]:

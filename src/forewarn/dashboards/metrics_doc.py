@@ -53,6 +53,14 @@ DCGM_FIELDS: Mapping[str, str] = {
         "DCGM_FI_DEV_NVLINK_{CRC_FLIT,CRC_DATA,REPLAY,RECOVERY}_ERROR_COUNT_L<link>",
     "forewarn_gpu_performance_state": "DCGM_FI_DEV_PSTATE",
     "forewarn_gpu_xid_errors_total": "DCGM_FI_DEV_XID_ERRORS (last XID only)",
+    "forewarn_gpu_energy_joules_total": "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION (mJ)",
+    "forewarn_gpu_sm_active_ratio": "DCGM_FI_PROF_SM_ACTIVE",
+    "forewarn_gpu_tensor_active_ratio": "DCGM_FI_PROF_PIPE_TENSOR_ACTIVE",
+    "forewarn_gpu_dram_active_ratio": "DCGM_FI_PROF_DRAM_ACTIVE",
+    "forewarn_gpu_pcie_tx_bytes_per_second": "DCGM_FI_PROF_PCIE_TX_BYTES",
+    "forewarn_gpu_pcie_rx_bytes_per_second": "DCGM_FI_PROF_PCIE_RX_BYTES",
+    "forewarn_gpu_nvlink_tx_bytes_per_second": "DCGM_FI_PROF_NVLINK_TX_BYTES",
+    "forewarn_gpu_nvlink_rx_bytes_per_second": "DCGM_FI_PROF_NVLINK_RX_BYTES",
 }
 """forewarn metric -> the dcgm-exporter series (DCGM field) it corresponds to; units in
 brackets where DCGM's differ from forewarn's base units."""
