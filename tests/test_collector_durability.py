@@ -79,7 +79,12 @@ def test_kill_9_collector_and_agent_lose_nothing_and_store_nothing_twice(
             except httpx.HTTPError:
                 return False
 
-        wait_for(up, what="collector start")
+        try:
+            wait_for(up, what="collector start")
+        except BaseException:
+            proc.kill()  # never leave a collector behind when its start fails
+            proc.wait()
+            raise
         return proc
 
     def start_producer() -> subprocess.Popen[bytes]:
