@@ -24,3 +24,17 @@ def require_binary() -> Callable[[str], str]:
         pytest.skip(f"{name} is not installed")
 
     return find
+
+
+SYSTEM_FOLDERS = ("e2e", "chaos", "operator", "dashboards")
+"""Folders whose tests start real servers, launchers or containers (Slurm, systemd,
+Prometheus, Alertmanager, torchrun): marked ``system``, so ``pytest -m "not system"`` is the
+quick loop while editing. CI runs everything."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests = os.path.dirname(__file__)
+    for item in items:
+        rel = os.path.relpath(str(item.path), tests)
+        if rel.split(os.sep, 1)[0] in SYSTEM_FOLDERS:
+            item.add_marker(pytest.mark.system)

@@ -1,4 +1,4 @@
-"""One rank of the tiny deterministic training job that tests/test_training_e2e.py runs.
+"""One rank of the tiny deterministic training job that tests/e2e/test_training_e2e.py runs.
 
 Started twice (rank 0 and 1) as plain subprocesses with MASTER_ADDR/MASTER_PORT on
 loopback; torch.distributed with gloo on CPU; a DDP MLP whose batch at each step is drawn

@@ -1,4 +1,4 @@
-"""One rank of the bitwise-resume test (tests/test_hook_state.py), launched with RANK,
+"""One rank of the bitwise-resume test (tests/hook/test_hook_state.py), launched with RANK,
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT set.
 
 Trains a small model with dropout on a shuffled, rank-sharded dataset, with python and

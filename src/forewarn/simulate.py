@@ -21,7 +21,7 @@ it restarts at full size with one that shrinks by the failed node and continues 
 elastic), then grows back when the replacement arrives (:func:`simulate_elastic`); its
 figure is GPU utilisation: progress made per GPU-second the job holds.
 
-Published figures this must reproduce first (tests/test_simulate.py):
+Published figures this must reproduce first (tests/models/test_simulate.py):
 - Young's first-order waste at the optimum, ``sqrt(2C/M)`` (checkpoint overhead + rework only).
 - Meta's projected job mean time to failure by size (Kokolis et al., HPCA 2025): 1.8 h at
   16,384 GPUs from 6.5 failures per 1,000 node-days (docs/reference.md). Their *measured* 7.9 h at

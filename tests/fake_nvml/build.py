@@ -1,7 +1,7 @@
 """Build the FAKE ``libnvidia-ml.so.1`` (``fake_nvml.c``) with gcc, and write its config.
 
 The fake stands only at the hardware seam: nvidia-ml-py's own code runs against it. Used
-by ``tests/test_source_nvml.py`` (session fixture, tmp dir) and ``bench/agent_poll.py``.
+by ``tests/agent/test_source_nvml.py`` (session fixture, tmp dir) and ``bench/agent_poll.py``.
 
 Command line: ``python tests/fake_nvml/build.py OUT_DIR`` prints the library's path.
 """

@@ -1,5 +1,5 @@
 """A real ``forewarn agent --source sim`` subprocess on a Unix socket, for end-to-end tests
-of training ranks (tests/test_training_e2e.py, tests/test_preemption.py)."""
+of training ranks (tests/e2e/test_training_e2e.py, tests/hook/test_preemption.py)."""
 
 from __future__ import annotations
 

@@ -83,7 +83,7 @@ class Service:
 def start_service(tmp_path: Path, **overrides: Any) -> Service:
     """A collector service on a tmp data dir. Interval advice (on by default in the product)
     is off unless asked for, so that tests of orders read only orders
-    (tests/test_interval_advice.py covers the advice)."""
+    (tests/collector/test_interval_advice.py covers the advice)."""
     server, store, client = serve(tmp_path, TOKENS, **{
         "alert_token": ALERT_TOKEN, "advise_hooks": False, **overrides})
     return Service(server, store, client, {})

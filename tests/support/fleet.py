@@ -2,7 +2,7 @@
 ``jobs`` jobs spread over them, pushed into a real collector through its ingest API, one
 agent batch per node with that node's token, as the agents would send them.
 
-Used by tests/test_status_page_browser.py and bench/statuspage_render.py."""
+Used by tests/collector/test_status_page_browser.py and bench/statuspage_render.py."""
 
 from __future__ import annotations
 

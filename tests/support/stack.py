@@ -5,7 +5,8 @@ small training job of rank processes using :class:`forewarn.hook.Monitor` (one m
 NaN loss, one may hang) and, when asked, Prometheus (Debian package) scraping the agent and
 the collector every second with ``dashboards/rules/forewarn.rules.yml`` loaded.
 
-Used by tests/test_dashboards_prometheus.py and tests/test_status_page_browser.py."""
+Used by tests/dashboards/test_dashboards_prometheus.py and
+tests/collector/test_status_page_browser.py."""
 
 from __future__ import annotations
 

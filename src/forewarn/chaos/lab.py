@@ -89,7 +89,7 @@ class _Collector:
         self.config.write_text(
             "# forewarn chaos collector: short cooldowns so each scenario can act; the\n"
             "# circuit breaker is opened wide because the lab is 6 GPUs with several faults\n"
-            "# at once (the breaker itself is tested in tests/test_policy.py)\n"
+            "# at once (the breaker itself is tested in tests/collector/test_policy.py)\n"
             f'listen = "127.0.0.1:{self.port}"\n'
             f'data_dir = "{self.data}"\n'
             f'tokens_file = "{self.dir / "tokens.toml"}"\n'

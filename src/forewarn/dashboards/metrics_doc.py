@@ -9,7 +9,7 @@ dashboards and alerts across.
 The document is refreshed like a golden file, on purpose, by the test that runs a whole
 stack (agent with every simulated fault, training ranks, collector, Prometheus)::
 
-    FOREWARN_REGEN_METRICS_DOC=1 python -m pytest -q tests/test_dashboards_prometheus.py
+    FOREWARN_REGEN_METRICS_DOC=1 python -m pytest -q tests/dashboards/test_dashboards_prometheus.py
 
 and checked by that same test otherwise: a family the code exposes that the document lacks,
 or documents with another type, unit, label set or HELP, fails it.
@@ -118,7 +118,8 @@ def render(sections: Mapping[str, Iterable[Family]]) -> str:
         "",
         "Every metric the agent (`127.0.0.1:9403/metrics`) and the collector (`/metrics`) "
         "export. Generated from a scrape of the running code by "
-        "`FOREWARN_REGEN_METRICS_DOC=1 python -m pytest tests/test_dashboards_prometheus.py` "
+        "`FOREWARN_REGEN_METRICS_DOC=1 python -m pytest "
+        "tests/dashboards/test_dashboards_prometheus.py` "
         "(`forewarn.dashboards.metrics_doc`); that test fails when this file and the code "
         "disagree. Training jobs are labelled `training_job`, never Prometheus' own `job` "
         "(the scrape job); deploy/prometheus.yml scrapes with `honor_labels: true` so the "

@@ -28,11 +28,12 @@ from typing import Any
 import pytest
 
 from support.agent import AgentProc
+from support.paths import TESTS
 from support.polling import free_port, wait_for
 
 pytest.importorskip("torch")
 
-WORKER = Path(__file__).with_name("e2e_worker.py")
+WORKER = TESTS / "e2e_worker.py"
 
 
 @pytest.fixture(scope="module")

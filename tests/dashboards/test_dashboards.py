@@ -16,7 +16,9 @@ from forewarn.cli import main
 from forewarn.dashboards.build import DASHBOARDS, render
 from forewarn.dashboards.cli import PushError, push
 
-ROOT = Path(__file__).resolve().parent.parent
+from support.paths import REPO
+
+ROOT = REPO
 
 
 def test_checked_in_json_matches_the_code() -> None:

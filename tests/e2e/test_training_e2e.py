@@ -44,7 +44,9 @@ pytest.importorskip("torch")
 
 from forewarn.wire import StepRecord, encode
 
-WORKER = Path(__file__).with_name("e2e_worker.py")
+from support.paths import TESTS
+
+WORKER = TESTS / "e2e_worker.py"
 SLACK_S = 1.5
 """Scheduling slack allowed on top of the hang bound on a loaded 2-core machine."""
 

@@ -1,7 +1,7 @@
 """The job read routes over real HTTP (uvicorn on loopback, SQLite): every job name the wire
 accepts can be fetched, the job list says whether a job runs, finished or stopped and how
 healthy its GPUs are, and a job that ended cleanly keeps the goodput it had at its end.
-The status page that reads them: tests/test_status_page_browser.py."""
+The status page that reads them: tests/collector/test_status_page_browser.py."""
 
 from __future__ import annotations
 

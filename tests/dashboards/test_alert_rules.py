@@ -11,7 +11,9 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-RULES = Path(__file__).resolve().parent.parent / "dashboards" / "rules"
+from support.paths import REPO
+
+RULES = REPO / "dashboards" / "rules"
 RULE_TESTS = RULES.parent / "rules_tests"
 
 

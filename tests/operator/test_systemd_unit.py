@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-UNIT = Path(__file__).resolve().parent.parent / "deploy" / "forewarn-agent.service"
+from support.paths import REPO
+
+UNIT = REPO / "deploy" / "forewarn-agent.service"
 
 
 def forewarn_binary() -> str:

@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from support.paths import TESTS
+
 FOREWARN = str(Path(sys.executable).with_name("forewarn"))
 
-DATA = Path(__file__).parent / "data"
+DATA = TESTS / "data"
 BAD_GPU = DATA / "gpu1-off-the-bus.toml"
 HEALTHY = DATA / "gpus2-healthy.toml"
 

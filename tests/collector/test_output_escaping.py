@@ -1,7 +1,7 @@
 """User-controlled strings (job names, GPU names, reasons) in every output: the read API,
 Prometheus label values (agent and collector), webhook bodies (JSON and Slack). Each
 hostile string comes out escaped, bounded and valid UTF-8, and never breaks the output
-for anyone else. The status page in a browser: tests/test_status_page_browser.py."""
+for anyone else. The status page in a browser: tests/collector/test_status_page_browser.py."""
 
 from __future__ import annotations
 

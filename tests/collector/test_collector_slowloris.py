@@ -26,6 +26,7 @@ import pytest
 
 from forewarn.collector.http.auth import add_token
 
+from support.paths import REPO
 from support.polling import free_port, poll, wait_for
 
 NOFILE = 1024
@@ -224,7 +225,7 @@ def test_collector_unit_gives_room_for_max_connections() -> None:
     from forewarn.collector.config import CollectorConfig
     from forewarn.collector.http.connections import FD_RESERVE
 
-    unit = Path(__file__).resolve().parents[1] / "deploy" / "forewarn-collector.service"
+    unit = REPO / "deploy" / "forewarn-collector.service"
     limits = re.findall(r"^LimitNOFILE=(\d+)$", unit.read_text(), re.M)
     assert limits, "LimitNOFILE= missing from the collector unit"
     assert int(limits[0]) >= CollectorConfig().max_connections + FD_RESERVE + 2048

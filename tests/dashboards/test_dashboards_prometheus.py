@@ -12,7 +12,7 @@ Prometheus's HTTP API with the template variables set to the stack's cluster, no
 (a panel that can never show data is a bug), every variable's ``label_values`` query must
 find values, and the alert rules must fire on the injected faults.
 
-The stack (:class:`support.stack.Stack`) is shared with tests/test_status_page_browser.py.
+The stack (:class:`support.stack.Stack`) is shared with tests/collector/test_status_page_browser.py.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import os
 import re
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,6 +37,7 @@ from forewarn.dashboards.metrics_doc import (
     render,
 )
 
+from support.paths import REPO
 from support.stack import (
     CLUSTER,
     DASHBOARDS,
@@ -234,7 +234,7 @@ def test_every_panel_query_returns_data(stack: Stack) -> None:
 
 # -- docs/metrics.md ----------------------------------------------------------------------
 
-METRICS_DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
+METRICS_DOC = REPO / "docs" / "metrics.md"
 RICH_AGENT_FAMILIES = ("forewarn_rank_step", "forewarn_checkpoint_bytes",
                        "forewarn_checkpoint_orders_total", "forewarn_finding_active")
 RICH_COLLECTOR_FAMILIES = ("forewarn_job_goodput_ratio",)

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from support.paths import REPO
+
 pytest.importorskip("torch")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 EXAMPLES = ROOT / "examples"
 
 

@@ -26,7 +26,9 @@ from forewarn.agent.sources import nvml as nvml_source
 from forewarn.agent.sources.nvml import NvmlBackend
 from forewarn.wire import GpuSample, GpuState, NvlinkCounters
 
-FAKE_DIR = Path(__file__).parent / "fake_nvml"
+from support.paths import TESTS
+
+FAKE_DIR = TESTS / "fake_nvml"
 
 
 def _load_builder() -> ModuleType:

@@ -19,10 +19,11 @@ import httpx
 import pytest
 
 from support.collector import ALERT_TOKEN, ranks_on, start_service, stop_service
+from support.paths import REPO
 from support.polling import free_port, poll
 
 ALERTMANAGER = shutil.which("prometheus-alertmanager") or "/usr/bin/prometheus-alertmanager"
-EXAMPLE = Path(__file__).resolve().parent.parent / "deploy" / "alertmanager.yml"
+EXAMPLE = REPO / "deploy" / "alertmanager.yml"
 
 pytestmark = pytest.mark.skipif(
     not Path(ALERTMANAGER).exists(), reason="prometheus-alertmanager is not installed"

@@ -10,7 +10,6 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -18,7 +17,9 @@ from forewarn.agent.backend import SourceUnavailable
 from forewarn.agent.sources.dcgm import DcgmBackend, DcgmError
 from forewarn.wire import GpuState
 
-DATA = Path(__file__).parent / "data" / "dcgm"
+from support.paths import TESTS
+
+DATA = TESTS / "data" / "dcgm"
 HEALTHY = (DATA / "h100-healthy.prom").read_text()
 FAULTY = (DATA / "h100-faulty.prom").read_text()
 MIB = 1024 * 1024

@@ -25,6 +25,7 @@ import pytest
 
 from forewarn.collector.decide.drain import DrainRunner
 
+from support.paths import TESTS
 from support.polling import free_port
 from support.slurm import CPUS, REPO, SlurmCluster, missing_binaries
 
@@ -232,7 +233,7 @@ def test_preemption_requeue_every_rank_saves_and_the_requeued_job_resumes(
 
 # -- the prolog: forewarn check drains a node with an unhealthy GPU ----------------------
 
-DATA = Path(__file__).parent / "data"
+DATA = TESTS / "data"
 BAD_GPU = DATA / "gpu1-off-the-bus.toml"
 HEALTHY = DATA / "gpus2-healthy.toml"
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,21 +20,18 @@ np = pytest.importorskip("numpy")
 from forewarn.hook import CheckpointWriter, ResumableSampler, TrainingState  # noqa: E402
 from forewarn.hook.state import capture_rng, restore_rng  # noqa: E402
 
-WORKER = Path(__file__).resolve().parent / "resume_worker.py"
+from support.paths import TESTS  # noqa: E402
+from support.polling import free_port  # noqa: E402
+
+WORKER = TESTS / "resume_worker.py"
 STEPS, SAVE_AT, KILL_AT = 30, 14, 19  # 24 samples per rank, batch 4: epochs of 6 steps
 _TORCH_EXIT_ABORT = "terminate called without an active exception"  # see test_hook_checkpoint
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _ranks(args: list[str], ckpt: Path, out: Path, expect: int = 0) -> None:
     """Run the two ranks of the worker; ``expect`` is each rank's exit code."""
     out.mkdir(exist_ok=True)
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
@@ -168,7 +164,7 @@ def test_resume_without_a_checkpoint_leaves_a_fresh_optimizer_fresh(tmp_path: Pa
     model = torch.nn.Linear(3, 1)
     optim = torch.optim.Adam(model.parameters(), lr=0.1)
     torch.distributed.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         assert TrainingState(model, optim).resume(CheckpointWriter(tmp_path)) == 0
     finally:

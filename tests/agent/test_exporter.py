@@ -2,14 +2,13 @@
 (deterministic backend, fake clocks, fixed timer), plus targeted checks of names, units,
 labels and health values. Regenerate the golden file only on purpose:
 
-    FOREWARN_REGEN_GOLDEN=1 python -m pytest -q tests/test_exporter.py
+    FOREWARN_REGEN_GOLDEN=1 python -m pytest -q tests/agent/test_exporter.py
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-from pathlib import Path
 from typing import Any
 
 from prometheus_client import generate_latest
@@ -23,7 +22,9 @@ from forewarn.agent.exporter import HEALTH_VALUE
 from forewarn.agent.testing import FakeClock, ScriptedBackend
 from forewarn.wire import GpuState, Health, NvlinkCounters
 
-GOLDEN = Path(__file__).parent / "golden" / "agent_metrics.txt"
+from support.paths import TESTS
+
+GOLDEN = TESTS / "golden" / "agent_metrics.txt"
 T0 = 1_700_000_000.0
 
 

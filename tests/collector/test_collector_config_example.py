@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from pathlib import Path
 
 from forewarn.collector.config import CollectorConfig
 from forewarn.config import load_config
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "deploy" / "collector.toml"
+from support.paths import REPO
+
+EXAMPLE = REPO / "deploy" / "collector.toml"
 
 
 def test_example_loads_and_names_every_key() -> None:

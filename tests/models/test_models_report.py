@@ -18,8 +18,9 @@ from forewarn.models.report import evaluate_model, write_report
 from forewarn.models.suites import heldout_suite, iter_features
 
 from support.images import check_png
+from support.paths import REPO
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO
 pytestmark = pytest.mark.timeout(600)
 
 
