@@ -105,10 +105,11 @@ def _torch_rank(args: argparse.Namespace) -> int:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
         start = int(state["step"])
-        emit(event="resumed", rank=rank, pid=os.getpid(), step=start, path=loaded.path,
+        emit(event="resumed", rank=rank, pid=os.getpid(), world_size=dist.get_world_size(),
+             step=start, path=loaded.path,
              skipped=[list(s) for s in loaded.skipped])
     else:
-        emit(event="started", rank=rank, pid=os.getpid())
+        emit(event="started", rank=rank, pid=os.getpid(), world_size=dist.get_world_size())
         if args.initial_checkpoint:
             # Proves the checkpoint path works and measures its cost, which the collector's
             # cost-aware policy weighs against the risk.

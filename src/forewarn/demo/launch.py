@@ -12,7 +12,8 @@ leave and rejoin.
 The workers print their events as JSON lines on stdout (:mod:`forewarn.chaos.workload`);
 :class:`TorchrunJob` collects them, adding ``attempt`` (the restart round, counted here:
 torchrun's ``TORCHELASTIC_RESTART_COUNT`` is per node and does not count a round that a
-peer node's failure started) and ``node``. Its own events: ``restart`` (a new round's
+peer node's failure started; a round begins when a rank starts again or a worker starts
+with another world size) and ``node``. Its own events: ``restart`` (a new round's
 first worker started) and ``rank_exit`` (torchrun reported a worker failed, with its exit
 code).
 """
@@ -68,12 +69,14 @@ class TorchrunJob:
     """``module args`` run by one torchrun per node of ``nodes`` (module docstring).
 
     ``nnodes`` is torchrun's ``--nnodes`` (``"2"``, or ``"1:2"`` for an elastic job);
-    it defaults to the number of nodes. Worker events land in :attr:`events`.
+    it defaults to the number of nodes. ``rdzv_conf`` adds to ``--rdzv-conf`` (e.g.
+    ``last_call_timeout=2``: how long a round that has its minimum waits for more nodes).
+    Worker events land in :attr:`events`.
     """
 
     def __init__(self, module: str, args: Sequence[str], nodes: Sequence[Node], *,
                  job: str, log_dir: Path, max_restarts: int = 5, nnodes: str | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, rdzv_conf: str = "") -> None:
         self.module = module
         self.args = list(args)
         self.nodes = list(nodes)
@@ -81,6 +84,7 @@ class TorchrunJob:
         self.log_dir = log_dir
         self.max_restarts = max_restarts
         self.nnodes = nnodes or str(len(self.nodes))
+        self.rdzv_conf = rdzv_conf
         self.env = dict(os.environ if env is None else env)
         self.port = free_port()
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
@@ -90,6 +94,7 @@ class TorchrunJob:
         self.procs: dict[str, subprocess.Popen[str]] = {}
         self._lock = threading.Lock()
         self._round_ranks: set[int] = set()
+        self._round_size: Any = None
         self._attempt_of: dict[tuple[str, int], int] = {}
         self._pid_of: dict[int, int] = {}  # rank -> pid of its newest worker
         self._rank_of_pid: dict[int, int] = {}
@@ -103,7 +108,8 @@ class TorchrunJob:
             sys.executable, "-m", "torch.distributed.run", f"--nnodes={self.nnodes}",
             f"--nproc-per-node={node.nproc}", "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.job}",
-            f"--rdzv-conf=is_host={int(index == 0)}", f"--local-addr=127.0.0.{index + 1}",
+            f"--rdzv-conf=is_host={int(index == 0)}" + (self.rdzv_conf and "," + self.rdzv_conf),
+            f"--local-addr=127.0.0.{index + 1}",
             f"--max-restarts={self.max_restarts}", "--monitor-interval=0.1",
             "--module", self.module, *self.args,
         ]
@@ -146,12 +152,16 @@ class TorchrunJob:
         rank = int(event["rank"])
         with self._lock:
             if event.get("event") in ("started", "resumed"):
-                if rank in self._round_ranks:  # this rank started again: a new round
+                size = event.get("world_size", self._round_size)
+                if self._round_ranks and (rank in self._round_ranks
+                                          or size != self._round_size):
+                    # this rank started again, or the world changed size: a new round
                     self.attempt += 1
                     self.restarts += 1
                     self._round_ranks = set()
                     self.events.put({"event": "restart", "attempt": self.attempt,
                                      "time": time.time()})
+                self._round_size = size
                 self._round_ranks.add(rank)
                 self._attempt_of[(node, rank)] = self.attempt
                 pid = int(event.get("pid", 0))
