@@ -25,7 +25,8 @@ of ``{"id": ..., "fault": ..., ...}`` entries, each applied once at the next ste
   gradient explosion, all-reduced by DDP; the update is clipped, as trainers do);
 * ``slow``: every later step spends ``seconds`` more in this rank's compute (0 ends it).
 
-Every event is one JSON line on stdout (``step``, ``checkpoint``, ``resumed``, ``fault``).
+Every event is one JSON line on stdout (``step``, ``saving``, ``checkpoint``, ``resumed``,
+``fault``).
 """
 
 from __future__ import annotations
@@ -162,6 +163,8 @@ def _torch_rank(args: argparse.Namespace) -> int:
              else None)
         ordered = monitor.should_checkpoint(step)
         if ordered or step % args.checkpoint_every == 0:
+            # before the save: a preemption save ends the process inside it
+            emit(event="saving", rank=rank, step=step, ordered=ordered)
             state["step"] = torch.tensor(step)
             result = writer.save(step, {"model": model.state_dict(), "optim": opt.state_dict(),
                                         "step": state["step"]})
