@@ -26,7 +26,8 @@ NODES = ("el-node-1", "el-node-2")
 class Rig:
     """The collector, one agent per node and the elastic job, all real processes."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, nnodes: str = "1:2", addrs: tuple[str, ...] = ("", "")
+                 ) -> None:
         self.lab = Lab(workdir)
         self.collector = _Collector(self.lab, "collector", list(NODES))
         self.agents = {n: _Agent(self.lab, f"agent-{n}", n, self.collector.url,
@@ -39,8 +40,9 @@ class Rig:
                 "--control-dir", str(control), "--step-seconds", "0.05",
                 "--checkpoint-every", "20"]
         self.job = TorchrunJob("forewarn.chaos.workload", args,
-                               [Node(n, self.agents[n].socket) for n in NODES], job=JOB,
-                               log_dir=workdir, max_restarts=10, nnodes="1:2",
+                               [Node(n, self.agents[n].socket, addr=a)
+                                for n, a in zip(NODES, addrs, strict=True)], job=JOB,
+                               log_dir=workdir, max_restarts=10, nnodes=nnodes,
                                rdzv_conf="last_call_timeout=3")
         self.lab.launchers.append(self.job)
         self.events: list[dict[str, Any]] = []
@@ -193,3 +195,33 @@ def test_job_map_keeps_the_current_round_and_a_rank_clean_end(tmp_path: Path) ->
         apply_ranks(conn, [_summary(0, 1, NODES[0], t + 9, alive=False, finished=True)], t + 9)
     job = view.job(JOB)
     assert job is not None and job.ranks[0].finished and not job.ranks[0].alive
+
+
+@pytest.mark.timeout(600)
+def test_restart_round_that_swaps_ranks_between_nodes(tmp_path: Path) -> None:
+    """torchrun ranks nodes by address in every round: node 2's replacement sorts first,
+    so node 1 runs rank 1 now. Node 1's agent drops its rank 0 of the previous round at
+    once instead of reporting it gone beside the new rank ("the job will hang")."""
+    from forewarn.demo.launch import Node
+
+    rig = Rig(tmp_path, nnodes="2", addrs=("127.0.0.5", "127.0.0.6"))
+    try:
+        rig.job.start()
+        a = rig.wait_round(2, -1)
+        rig.job.kill_node(NODES[1])
+        rig.job.nodes[1] = Node(NODES[1], rig.agents[NODES[1]].socket, addr="127.0.0.4")
+        rig.job.start_node(1)
+        a = rig.wait_round(2, a)
+        starts = rig.round_of(2, a - 1)
+        assert starts is not None
+        assert {int(e["rank"]): e["node"] for e in starts.values()} == {0: NODES[1], 1: NODES[0]}
+        _settled(rig, "node 1's agent holds only its new rank",
+                 lambda: rig.agent_ranks(NODES[0]) == {1: 1.0})
+        _settled(rig, "the collector shows the swapped ranks", lambda: rig.collector_shows(
+            {0: NODES[1], 1: NODES[0]}, 2, _pids(starts)))
+        time.sleep(3.5)  # past rank_gone's grace: nothing of the old round is reported
+        bad = [f for f in rig.agents[NODES[0]].findings()
+               if f.get("check") == "rank_gone" and f.get("health") == "unhealthy"]
+        assert bad == []
+    finally:
+        rig.close()

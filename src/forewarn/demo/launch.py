@@ -58,11 +58,13 @@ def python_module(module: str, *args: str) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class Node:
-    """A simulated node: its name, its agent's socket and how many ranks it runs."""
+    """A simulated node: its name, its agent's socket, how many ranks it runs and its
+    address (``--local-addr``; default ``127.0.0.<index + 1>``)."""
 
     name: str
     socket_path: str
     nproc: int = 1
+    addr: str = ""
 
 
 class TorchrunJob:
@@ -109,7 +111,7 @@ class TorchrunJob:
             f"--nproc-per-node={node.nproc}", "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.job}",
             f"--rdzv-conf=is_host={int(index == 0)}" + (self.rdzv_conf and "," + self.rdzv_conf),
-            f"--local-addr=127.0.0.{index + 1}",
+            f"--local-addr={node.addr or f'127.0.0.{index + 1}'}",
             f"--max-restarts={self.max_restarts}", "--monitor-interval=0.1",
             "--module", self.module, *self.args,
         ]
