@@ -92,11 +92,10 @@ class TorchrunJob:
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self.attempt = 0
         """The restart round of the newest worker start (0: the first launch)."""
-        self.restarts = 0
         self.procs: dict[str, subprocess.Popen[str]] = {}
         self._lock = threading.Lock()
         self._round_ranks: set[int] = set()
-        self._round_size: Any = None
+        self._round_size: int | None = None
         self._attempt_of: dict[tuple[str, int], int] = {}
         self._pid_of: dict[int, int] = {}  # rank -> pid of its newest worker
         self._rank_of_pid: dict[int, int] = {}
@@ -122,44 +121,48 @@ class TorchrunJob:
             self.start_node(i)
 
     def start_node(self, index: int) -> None:
+        """Start node ``index``'s torchrun (again, after :meth:`kill_node`: a replacement)."""
         node = self.nodes[index]
         env = dict(self.env)
         env.update(TORCHRUN_ENV, FOREWARN_SOCKET=node.socket_path, OMP_NUM_THREADS="1",
                    PYTHONUNBUFFERED="1", LOGLEVEL="WARNING")
-        log = (self.log_dir / f"torchrun-{node.name}.log").open("a")
         with _interrupts_deferred():
             p = subprocess.Popen(self.argv(index), env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True, start_new_session=True)
             with self._lock:
                 self.procs[node.name] = p
         assert p.stdout is not None and p.stderr is not None
-        threading.Thread(target=self._read_events, args=(node.name, p.stdout, log),
+        # the workers' other output and torchrun's log, each file owned by its reader
+        out = self.log_dir / f"torchrun-{node.name}.out"
+        threading.Thread(target=self._read_events, args=(node.name, p.stdout, out),
                          daemon=True).start()
-        threading.Thread(target=self._read_log, args=(node.name, p.stderr, log),
+        threading.Thread(target=self._read_log, args=(node.name, p.stderr,
+                                                      out.with_suffix(".log")),
                          daemon=True).start()
 
     # ------------------------------------------------------------------ events
 
-    def _read_events(self, node: str, out: IO[str], log: IO[str]) -> None:
-        for line in out:
-            try:
-                event = json.loads(line)
-            except ValueError:
-                log.write(line)
-                continue
-            if isinstance(event, dict) and isinstance(event.get("rank"), int):
-                self._take(node, event)
+    def _read_events(self, node: str, out: IO[str], path: Path) -> None:
+        with path.open("a") as log:
+            for line in out:
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    log.write(line)
+                    continue
+                if isinstance(event, dict) and isinstance(event.get("rank"), int):
+                    self._take(node, event)
 
     def _take(self, node: str, event: dict[str, Any]) -> None:
         rank = int(event["rank"])
         with self._lock:
             if event.get("event") in ("started", "resumed"):
                 size = event.get("world_size", self._round_size)
+                size = None if size is None else int(size)
                 if self._round_ranks and (rank in self._round_ranks
                                           or size != self._round_size):
                     # this rank started again, or the world changed size: a new round
                     self.attempt += 1
-                    self.restarts += 1
                     self._round_ranks = set()
                     self.events.put({"event": "restart", "attempt": self.attempt,
                                      "time": time.time()})
@@ -173,21 +176,22 @@ class TorchrunJob:
         event["node"] = node
         self.events.put(event)
 
-    def _read_log(self, node: str, err: IO[str], log: IO[str]) -> None:
-        for line in err:
-            log.write(line)
-            log.flush()
-            m = _FAILED.search(line)
-            if m is None:
-                continue
-            code, pid = int(m.group(1)), int(m.group(3))
-            with self._lock:
-                rank = self._rank_of_pid.get(pid)
-                attempt = self._attempt_of.get((node, rank if rank is not None else -1),
-                                               self.attempt)
-            self.events.put({"event": "rank_exit", "rank": rank, "code": code, "pid": pid,
-                             "node": node, "attempt": attempt, "time": time.time()})
-        log.close()
+    def _read_log(self, node: str, err: IO[str], path: Path) -> None:
+        with path.open("a") as log:
+            for line in err:
+                log.write(line)
+                log.flush()
+                m = _FAILED.search(line)
+                if m is not None:
+                    self._exited(node, code=int(m.group(1)), pid=int(m.group(3)))
+
+    def _exited(self, node: str, code: int, pid: int) -> None:
+        with self._lock:
+            rank = self._rank_of_pid.get(pid)
+            attempt = self._attempt_of.get((node, rank if rank is not None else -1),
+                                           self.attempt)
+        self.events.put({"event": "rank_exit", "rank": rank, "code": code, "pid": pid,
+                         "node": node, "attempt": attempt, "time": time.time()})
 
     # ------------------------------------------------------------------ control
 
@@ -237,11 +241,6 @@ class TorchrunJob:
             names = list(self.procs)
         for name in names:
             self.kill_node(name)
-
-    def exit_codes(self) -> dict[str, int | None]:
-        """Each node's torchrun exit code (None while it runs)."""
-        with self._lock:
-            return {name: p.poll() for name, p in self.procs.items()}
 
 
 def _children(pid: int) -> list[int]:
