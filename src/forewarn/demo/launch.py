@@ -2,12 +2,12 @@
 all meeting at one c10d rendezvous on this machine, restarted by torchrun's own
 ``--max-restarts``.
 
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is set for every torchrun started here: without
-it a restart round hangs in ``init_process_group`` (pytorch/pytorch#135712; torch 2.4 to
-at least 2.13). Node ``i`` listens on ``127.0.0.<i+1>`` (``--local-addr``): torchrun
-assigns ranks by sorting the nodes' addresses, so node 0 runs the lowest ranks in every
-round, and the first node hosts the rendezvous store (``is_host``), so another node can
-leave and rejoin.
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` is set for every torchrun started here: with the
+rendezvous store shared with the workers (torch 2.4 and later) a restart round can hang in
+``init_process_group`` (pytorch/pytorch#135712). Node ``i`` listens on ``127.0.0.<i+1>``
+(``--local-addr``): torchrun assigns ranks by sorting the nodes' addresses, so node 0 runs
+the lowest ranks in every round, and the first node hosts the rendezvous store
+(``is_host``), so another node can leave and rejoin.
 
 The workers print their events as JSON lines on stdout (:mod:`forewarn.chaos.workload`);
 :class:`TorchrunJob` collects them, adding ``attempt`` (the restart round, counted here:
@@ -39,7 +39,7 @@ from typing import IO, Any
 __all__ = ["TORCHRUN_ENV", "Node", "TorchrunJob", "free_port", "python_module"]
 
 TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-"""Environment every torchrun needs for ``--max-restarts`` to work (pytorch#135712)."""
+"""Environment for torchrun's ``--max-restarts`` rounds not to hang (pytorch#135712)."""
 
 _FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
 
