@@ -27,8 +27,10 @@ socket owned by the sender's kernel-verified uid.
 A new pid for a ``(job, rank)`` whose owner is dead (or silent past the gone timeout) is a
 restart: the slot's history is reset and ``restarts`` counts it. A rank admitted with a
 world size other than the one its job's (no longer live) ranks had is a new rendezvous
-round (torchrun elastic shrink or grow): the job's old ranks are dropped at once, so a
-departed rank is not reported gone; ``rounds`` counts these.
+round (torchrun elastic shrink or grow), and so is a new process of a job none of whose
+other ranks here is live (a restart round, which may give this node other ranks): the
+job's old ranks are dropped at once, so a departed rank is not reported gone; ``rounds``
+counts these.
 
 Beats carry the rank's phase (``eval``, ``data``, ...: see :mod:`.checks.rank_hang`), a
 preemption notice (the ``on_preempt`` listeners order the job's save) and a clean end
@@ -449,7 +451,7 @@ class RankTable:
         self._report_listeners: list[ReportListener] = []
         self._preempt_listeners: list[PreemptListener] = []
         self.rounds: collections.Counter[str] = collections.Counter()
-        """Job -> new rendezvous rounds seen (world size changed: old ranks dropped)."""
+        """Job -> new rendezvous rounds seen that dropped old ranks (module docstring)."""
         self._reports: collections.deque[CheckpointReport] = collections.deque(maxlen=10_000)
         self._findings: dict[tuple[str, int, str], tuple[int, int | None, float]] = {}
 
@@ -537,7 +539,7 @@ class RankTable:
                     self._by_pid.pop(st.os_pid, None)
                 if other is not None and other != key:
                     self._ranks.pop(other, None)
-                self._new_round_locked(msg.job, msg.world_size)
+                self._new_round_locked(key, msg.world_size, now)
                 st = RankState(
                     job=msg.job, rank=msg.rank, local_rank=msg.local_rank,
                     world_size=msg.world_size, host=msg.host, pid=msg.pid, os_pid=os_pid,
@@ -570,12 +572,21 @@ class RankTable:
                 hear(view)
         return None
 
-    def _new_round_locked(self, job: str, world_size: int) -> None:
-        """A new process joins ``job`` with another world size than the job's ranks had
-        (none of them live: admission checked): a new rendezvous round. The old ranks
-        departed with the old round; keeping them would report them gone for
-        ``evict_after_s``."""
-        old = [k for k, s in self._ranks.items() if k[0] == job and s.world_size != world_size]
+    def _new_round_locked(self, key: tuple[str, int], world_size: int, now: float) -> None:
+        """A new process joins the job as rank ``key``: a new rendezvous round when it
+        reports another world size than the job's ranks had (none of them live: admission
+        checked), or when none of the job's other ranks here is live (torchrun stops every
+        local worker before the next round, which may give this node other ranks). The old
+        ranks departed with the old round; keeping them would report them gone for
+        ``evict_after_s``, or "gone while peers run: will hang" beside the new ranks."""
+        job = key[0]
+        others = [k for k in self._ranks if k[0] == job and k != key]
+        if any(self._live(self._ranks[k], now) for k in others):
+            old = [k for k in others if self._ranks[k].world_size != world_size]
+        else:
+            old = others
+        if key in self._ranks and self._ranks[key].world_size != world_size:
+            old.append(key)
         if not old:
             return
         for k in old:

@@ -5,6 +5,17 @@ Runs on CPU (gloo) or CUDA (NCCL), one process or many under torchrun::
     python examples/plain_pytorch.py --steps 50 --ckpt-dir /tmp/ck
     torchrun --standalone --nproc-per-node 2 examples/plain_pytorch.py --steps 50 --ckpt-dir /tmp/ck
 
+or as two nodes (here both on this machine, each with its own agent socket), restarted by
+torchrun on a failure (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: pytorch/pytorch#135712)::
+
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    FOREWARN_SOCKET=/run/forewarn-1/agent.sock torchrun --nnodes 2 --rdzv-backend c10d \
+        --rdzv-endpoint 127.0.0.1:29400 --rdzv-id ex --max-restarts 3 --local-addr 127.0.0.1 \
+        examples/plain_pytorch.py --steps 500 --ckpt-dir /tmp/ck &
+    FOREWARN_SOCKET=/run/forewarn-2/agent.sock torchrun --nnodes 2 --rdzv-backend c10d \
+        --rdzv-endpoint 127.0.0.1:29400 --rdzv-id ex --max-restarts 3 --local-addr 127.0.0.2 \
+        examples/plain_pytorch.py --steps 500 --ckpt-dir /tmp/ck
+
 It resumes from the newest intact checkpoint in ``--ckpt-dir`` through
 :class:`forewarn.hook.TrainingState` (model, optimizer with its momentum, step, RNG
 states). Everything is seeded: the model from ``--seed``, each batch from (seed, step,
@@ -14,7 +25,9 @@ one (every rank at the same step), on SIGTERM, and every ``--save-every`` steps 
 
 Fault injection for tests and demos: ``--nan-at K`` makes the loss reported at step K
 NaN (on ``--fault-rank``), ``--hang-at K`` makes that rank stop stepping at step K
-(it sleeps, like a rank stuck in a collective), ``--exit-at K`` kills it.
+(it sleeps, like a rank stuck in a collective), ``--exit-at K`` kills it. Faults fire in
+the first run only (``TORCHELASTIC_RESTART_COUNT`` unset or 0): a job that torchrun
+restarted goes on.
 """
 
 from __future__ import annotations
@@ -99,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     start = state.resume(writer)  # newest intact checkpoint, or 0
     if rank == 0:
         print(f"start step {start}", flush=True)
-    faulty = rank == args.fault_rank
+    # a restarted job (torchrun --max-restarts) runs on past the fault it recovered from
+    faulty = rank == args.fault_rank and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     for step in range(start, args.steps):
         x, y = batch(args.seed, step, rank, device)
         optim.zero_grad(set_to_none=True)

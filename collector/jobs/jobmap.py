@@ -2,6 +2,10 @@
 
 Built from the agents' :class:`~forewarn.wire.RankSummary` reports, so a finding about
 GPU 3 of node 7 becomes a decision about every job using it (:func:`jobs_on`).
+A job's ranks are those of its newest rendezvous round: a live rank reporting another
+world size than the job's rows (torchrun elastic shrink or grow) replaces the rows of
+the previous round at once, and a report from a rank of a previous round (a node's agent
+that still holds a departed rank) is not stored (:func:`current_round`).
 The ``apply_*`` functions run inside the ingest transaction; the queries read.
 """
 
@@ -20,6 +24,7 @@ __all__ = [
     "StoreJobView",
     "apply_checkpoints",
     "apply_ranks",
+    "current_round",
     "job_detail",
     "job_nodes",
     "jobs_on",
@@ -29,8 +34,8 @@ __all__ = [
 _RANK_UPSERT = """
 INSERT INTO ranks (job, rank, node, gpu, local_rank, world_size, pid, last_step,
     last_step_time, last_beat, step_seconds_p50, step_seconds_p99, loss, grad_norm, alive,
-    last_checkpoint_step, last_checkpoint_time, checkpoint_seconds, updated, finished)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
+    last_checkpoint_step, last_checkpoint_time, checkpoint_seconds, updated, finished, phase)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)
 ON CONFLICT (job, rank) DO UPDATE SET node=excluded.node, gpu=excluded.gpu,
     local_rank=excluded.local_rank, world_size=excluded.world_size, pid=excluded.pid,
     last_step=excluded.last_step, last_step_time=excluded.last_step_time,
@@ -40,14 +45,14 @@ ON CONFLICT (job, rank) DO UPDATE SET node=excluded.node, gpu=excluded.gpu,
     last_checkpoint_step=COALESCE(excluded.last_checkpoint_step, ranks.last_checkpoint_step),
     last_checkpoint_time=COALESCE(excluded.last_checkpoint_time, ranks.last_checkpoint_time),
     checkpoint_seconds=COALESCE(excluded.checkpoint_seconds, ranks.checkpoint_seconds),
-    updated=excluded.updated, finished=excluded.finished
+    updated=excluded.updated, finished=excluded.finished, phase=excluded.phase
 """
 
 _JOB_UPSERT = """
 INSERT INTO jobs (job, world_size, first_seen, last_seen, last_step, last_checkpoint_step,
     last_checkpoint_time, checkpoint_seconds)
 VALUES (?, ?, ?, ?, ?, ?, ?, ?)
-ON CONFLICT (job) DO UPDATE SET world_size=MAX(jobs.world_size, excluded.world_size),
+ON CONFLICT (job) DO UPDATE SET world_size=excluded.world_size,
     last_seen=MAX(jobs.last_seen, excluded.last_seen),
     last_step=MAX(COALESCE(jobs.last_step, 0), COALESCE(excluded.last_step, 0)),
     last_checkpoint_step=COALESCE(excluded.last_checkpoint_step, jobs.last_checkpoint_step),
@@ -63,15 +68,45 @@ def _finite(x: float | None) -> float | None:
     return x
 
 
+_SPOKE = "MAX(COALESCE(last_beat, 0), COALESCE(last_step_time, 0))"
+"""When a stored rank last spoke (its own clock, as :func:`_spoke`)."""
+
+
+def _spoke(r: RankSummary) -> float:
+    return max(r.last_beat or 0.0, r.last_step_time or 0.0)
+
+
+def current_round(conn: sqlite3.Connection, ranks: Sequence[RankSummary]
+                  ) -> list[RankSummary]:
+    """Apply the job's round to its rows, returning the summaries still worth storing.
+
+    A summary whose job has a live rank of another world size that spoke after it comes
+    from a previous round: dropped. A live summary drops the job's rows of another world
+    size that spoke before it (the previous round's ranks, wherever they ran)."""
+    out = []
+    for r in ranks:
+        newer = conn.execute(
+            f"SELECT 1 FROM ranks WHERE job = ? AND world_size != ? AND alive = 1"
+            f" AND {_SPOKE} > ? LIMIT 1", (r.job, r.world_size, _spoke(r))).fetchone()
+        if newer is not None:
+            continue
+        if r.alive:
+            conn.execute(f"DELETE FROM ranks WHERE job = ? AND world_size != ? AND {_SPOKE} <= ?",
+                         (r.job, r.world_size, _spoke(r)))
+        out.append(r)
+    return out
+
+
 def apply_ranks(conn: sqlite3.Connection, ranks: Sequence[RankSummary], now: float) -> None:
     """Upsert rank rows and their jobs (inside the caller's transaction)."""
+    ranks = current_round(conn, ranks)
     if not ranks:
         return
     conn.executemany(_RANK_UPSERT, [
         (r.job, r.rank, r.node, r.gpu, r.local_rank, r.world_size, r.pid, r.last_step,
          r.last_step_time, r.last_beat, r.step_seconds_p50, r.step_seconds_p99,
          _finite(r.loss), _finite(r.grad_norm), int(r.alive), r.last_checkpoint_step,
-         r.last_checkpoint_time, r.checkpoint_seconds, now, int(r.finished))
+         r.last_checkpoint_time, r.checkpoint_seconds, now, int(r.finished), r.phase)
         for r in ranks
     ])
     jobs: dict[str, RankSummary] = {}
@@ -195,7 +230,7 @@ def job_detail(store: Store, job: str) -> dict[str, Any] | None:
 _RANK_FIELDS = ("job", "rank", "local_rank", "world_size", "node", "gpu", "pid", "last_step",
                 "last_step_time", "last_beat", "step_seconds_p50", "step_seconds_p99", "loss",
                 "grad_norm", "last_checkpoint_step", "last_checkpoint_time",
-                "checkpoint_seconds")
+                "checkpoint_seconds", "phase")
 
 
 def _summary(row: dict[str, Any]) -> RankSummary:

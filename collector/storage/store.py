@@ -118,6 +118,8 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
     ),
     # 3: a rank that ended cleanly (``RankSummary.finished``): its job is finished, not gone.
     ("ALTER TABLE ranks ADD COLUMN finished INTEGER NOT NULL DEFAULT 0",),
+    # 4: a rank's phase (RankSummary.phase: eval, data, ...).
+    ("ALTER TABLE ranks ADD COLUMN phase TEXT NOT NULL DEFAULT ''",),
 )
 """Schema migrations in order; never edit a released entry, append a new one."""
 

@@ -241,6 +241,48 @@ def test_new_rendezvous_round_with_another_world_size_replaces_the_job_at_once(
     assert gone == []
 
 
+def test_restart_round_that_gives_this_node_other_ranks_drops_the_old_ones(
+    proc: FakeProcTree,
+) -> None:
+    """A restart round of the same world size in which torchrun assigns this node other
+    ranks (it sorts the nodes anew when a replacement node joins): the previous round's
+    ranks here are gone with it, not 'gone while peers run: will hang'."""
+    from forewarn.agent.checks.rank_gone import RankGoneCheck
+    from forewarn.agent.state import AgentState
+
+    table = table_for(proc)
+    for r in (0, 1):
+        proc.add(200 + r)
+        assert table.admit(step(200 + r, 30, rank=r, world=4), cred(200 + r), T0) is None
+    for r in (0, 1):
+        proc.remove(200 + r)  # torchrun stops every local worker before the next round
+    for r in (2, 3):
+        proc.add(300 + r)
+        assert table.admit(step(300 + r, 31, rank=r, world=4), cred(300 + r), T0 + 5) is None
+    assert [(v.rank, v.os_pid) for v in table.job_views("j")] == [(2, 302), (3, 303)]
+    state = AgentState(node="n", ranks=table)
+    gone = [f for f in RankGoneCheck(grace_s=0.0).run(state, T0 + 5.1)
+            if f.subject.job == "j" and f.health != "healthy"]
+    assert gone == []
+
+
+def test_a_rank_restarted_beside_a_live_peer_keeps_its_slot_history(
+    proc: FakeProcTree,
+) -> None:
+    """Not a new round: one rank's process is replaced while its peer on this node still
+    runs (a launcher that restarts one process): the peer stays, the slot counts a restart."""
+    table = table_for(proc)
+    for r in (0, 1):
+        proc.add(200 + r)
+        assert table.admit(step(200 + r, 30, rank=r, world=2), cred(200 + r), T0) is None
+    proc.remove(201)
+    proc.add(301)
+    assert table.admit(step(301, 31, rank=1, world=2), cred(301), T0 + 1) is None
+    views = table.job_views("j")
+    assert [(v.rank, v.os_pid) for v in views] == [(0, 200), (1, 301)]
+    assert views[1].restarts == 1
+
+
 @pytest.mark.parametrize(
     ("record", "now"),
     [

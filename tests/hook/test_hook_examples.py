@@ -64,6 +64,37 @@ def test_plain_example_under_torchrun_two_ranks_with_dcp(tmp_path: Path) -> None
     _plain(tmp_path, launcher, "__1_0.distcp")
 
 
+def test_plain_example_on_two_torchrun_nodes_restarts_and_resumes_exactly(
+        tmp_path: Path) -> None:
+    """Two torchrun "nodes" (c10d rendezvous, as the example's docstring shows): rank 1 dies
+    at step 6, torchrun's --max-restarts restarts both from the step-3 save, and the losses
+    are the uninterrupted run's."""
+    from forewarn.demo.launch import TORCHRUN_ENV, free_port
+
+    def run(ck: Path, *extra: str) -> str:
+        port = free_port()
+        env = dict(os.environ, FOREWARN_SOCKET=str(tmp_path / "no-agent.sock"),
+                   OMP_NUM_THREADS="1", **TORCHRUN_ENV)
+        procs = [subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
+             "--rdzv-id", "ex", "--rdzv-conf", f"is_host={int(i == 0)}", "--max-restarts", "1",
+             "--local-addr", f"127.0.0.{i + 1}", str(EXAMPLES / "plain_pytorch.py"),
+             "--steps", "10", "--save-every", "4", "--ckpt-dir", str(ck), *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+            for i in range(2)]
+        outs = [p.communicate(timeout=300) for p in procs]
+        for p, (out, err) in zip(procs, outs, strict=True):
+            assert p.returncode == 0, out[-2000:] + err[-4000:]
+        return outs[0][0]  # node 1 runs rank 0, which prints the losses
+
+    full = _losses(run(tmp_path / "a"))
+    assert sorted(full) == list(range(10))
+    out = run(tmp_path / "b", "--exit-at", "6", "--fault-rank", "1")
+    assert "start step 0" in out and "start step 4" in out  # restarted from the step-3 save
+    assert _losses(out) == full
+
+
 def test_lightning_example_runs_without_an_agent(tmp_path: Path) -> None:
     pytest.importorskip("pytorch_lightning")
     out = _run([sys.executable, str(EXAMPLES / "lightning_example.py"), "--steps", "4",

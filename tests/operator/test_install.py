@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from forewarn.demo.supervisor import free_port
+from forewarn.demo.launch import free_port
 
 pytestmark = pytest.mark.timeout(900)
 

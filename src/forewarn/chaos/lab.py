@@ -5,10 +5,12 @@ other.
 Three rigs:
 
 * :class:`TrainingRig`: the shared collector, agent ``chaos-node-1`` (a quiet simulated
-  2-GPU node, ``hang_action = terminate``) and a 2-rank gloo job under
-  :class:`~forewarn.demo.supervisor.Supervisor` (restarts from the newest checkpoint).
-  Training scenarios run one after the other on it; each waits for the job to be healthy
-  and stepping first.
+  2-GPU node, ``hang_action = terminate``) and a 2-rank gloo job on it, launched by
+  torchrun (``--nproc-per-node=2``, c10d rendezvous, ``--max-restarts``; the job restarts
+  from its newest checkpoint; :class:`~forewarn.demo.launch.TorchrunJob`). Both ranks
+  share one node and one agent on purpose: the agent's straggler comparison and its own
+  grad-spike order are per node. Training scenarios run one after the other on it; each
+  waits for the job to be healthy and stepping first.
 * :class:`HardwareRig`: the shared collector and agent ``chaos-node-2``, a simulated
   4-GPU node whose scenario scripts one fault per GPU (ECC storm to a double-bit error,
   PCIe replays to XID 79, row-remap growth to failure, thermal runaway), with one
@@ -33,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from forewarn.chaos.procs import Procs, TcpProxy, get_json, scrape, wait_http, wait_until
-from forewarn.demo.supervisor import Placement, Supervisor, free_port, python_module
+from forewarn.demo.launch import Node, TorchrunJob, free_port, python_module
 
 __all__ = ["HardwareRig", "Lab", "Options", "TelemetryRig", "TrainingRig"]
 
@@ -214,26 +216,25 @@ class TrainingRig:
         self.ckpt = lab.dir / "train-ckpt"
         self.control = lab.dir / "train-control"
         self.control.mkdir(exist_ok=True)
-        argv = python_module("forewarn.chaos.workload", "torch", "--job", TRAIN_JOB,
-                             "--checkpoint-dir", str(self.ckpt), "--control-dir",
-                             str(self.control), "--step-seconds", str(o.step_seconds),
-                             "--checkpoint-every", str(o.checkpoint_every))
-        placements = [Placement(self.NODE, self.agent.socket, 0),
-                      Placement(self.NODE, self.agent.socket, 1)]
-        self.sup = Supervisor(argv, placements, max_restarts=50, restart_delay_s=0.2)
+        args = ["torch", "--job", TRAIN_JOB, "--checkpoint-dir", str(self.ckpt),
+                "--control-dir", str(self.control), "--step-seconds", str(o.step_seconds),
+                "--checkpoint-every", str(o.checkpoint_every)]
+        self.launcher = TorchrunJob("forewarn.chaos.workload", args,
+                               [Node(self.NODE, self.agent.socket, nproc=2)], job=TRAIN_JOB,
+                               log_dir=lab.dir, max_restarts=50)
         self.events: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._fault_id = 0
-        self.sup.start()
-        lab.supervisors.append(self.sup)
+        self.launcher.start()
+        lab.launchers.append(self.launcher)
         self._pump = threading.Thread(target=self._take, name="chaos-events", daemon=True)
         self._pump.start()
 
     def _take(self) -> None:
         while not self._stop.is_set():
             try:
-                e = self.sup.events.get(timeout=0.1)
+                e = self.launcher.events.get(timeout=0.1)
             except queue.Empty:
                 continue
             with self._lock:
@@ -248,14 +249,14 @@ class TrainingRig:
                     and all(e.get(k) == v for k, v in match.items())]
 
     def last_step(self, rank: int, attempt: int | None = None) -> int | None:
-        a = self.sup.attempt if attempt is None else attempt
+        a = self.launcher.attempt if attempt is None else attempt
         steps = [int(e["step"]) for e in self.select("step", rank=rank, attempt=a)]
         return max(steps) if steps else None
 
     def ready(self, new_steps: int = 10, timeout: float = 90.0) -> int:
         """Wait until both ranks of the current attempt stepped ``new_steps`` more times;
         returns the attempt."""
-        a = self.sup.attempt
+        a = self.launcher.attempt
         base = min(self.last_step(r, a) or 0 for r in (0, 1))
 
         def ok() -> bool:
@@ -307,7 +308,7 @@ class TrainingRig:
         return sorted(s for s, ranks in by_step.items() if ranks == {0, 1})
 
     def signal_rank(self, rank: int, sig: int = signal.SIGKILL) -> bool:
-        return self.sup.signal_rank(rank, sig)
+        return self.launcher.signal_rank(rank, sig)
 
 
 class HardwareRig:
@@ -427,7 +428,7 @@ class Lab:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.options = options or Options()
         self.procs = Procs()
-        self.supervisors: list[Supervisor] = []
+        self.launchers: list[TorchrunJob] = []
         self.proxies: list[TcpProxy] = []
         self._main: _Collector | None = None
         self._training: TrainingRig | None = None
@@ -456,8 +457,8 @@ class Lab:
     def close(self) -> None:
         if self._training is not None:
             self._training.close()
-        for sup in self.supervisors:
-            sup.stop()
+        for launcher in self.launchers:
+            launcher.stop()
         for p in self.proxies:
             p.close()
         self.procs.close()

@@ -142,8 +142,7 @@ def rank_killed(lab: Lab, out: Outcome) -> None:
         out.detected = f"rank_gone {f['health']}: {f['reason']}"
     newest = max([s for s in tr.complete_checkpoints() if s <= failure_step + 1],
                  default=newest)
-    out.action = "supervisor restarted the job (as torchrun --max-restarts) from its newest " \
-        "checkpoint"
+    out.action = "torchrun (--max-restarts) restarted the job from its newest checkpoint"
     _restart_report(lab, out, attempt, failure_step, newest)
 
 
@@ -177,7 +176,7 @@ def rank_hung(lab: Lab, out: Outcome) -> None:
         assert exits
         # The agent ends them (hang_action = terminate): the harness sent no signal.
         out.action = ("agent ended the hung job's ranks (SIGTERM, SIGKILL after grace); "
-                      f"exit codes {sorted({int(e['code']) for e in exits})}; supervisor "
+                      f"exit codes {sorted({int(e['code']) for e in exits})}; torchrun "
                       "restarted it from its newest checkpoint")
         out.figures["ended_after_s"] = _r(float(exits[0]["time"]) - t0)
     newest = max([s for s in tr.complete_checkpoints() if s <= hang_step], default=None)
@@ -255,7 +254,7 @@ def grad_explosion(lab: Lab, out: Outcome) -> None:
                                          "one" if by_collector else ""))
         out.figures.update(ordered_step=saved, spike_step=k, fast_path_order=fast is not None,
                            saved_step_from="collector" if by_collector else "agent")
-    out.expect(tr.sup.attempt == attempt, "the job restarted")
+    out.expect(tr.launcher.attempt == attempt, "the job restarted")
     out.lost = "0 steps (training went on; the newest finite state was saved)"
     out.figures["steps_lost"] = 0
 
@@ -1050,7 +1049,7 @@ def _storm(url: str, rate: float, seconds: float, answers: list[int],
 
 
 def alert_storm_with_fatal(lab: Lab, out: Outcome) -> None:
-    from forewarn.demo.supervisor import python_module
+    from forewarn.demo.launch import python_module
 
     rig = lab.telemetry("alert-storm", collector_extra=f'alert_token = "{ALERT_TOKEN}"\n')
     job_log = rig.agent.dir / "storm-job.jsonl"

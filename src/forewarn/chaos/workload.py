@@ -4,7 +4,11 @@
 (gloo, CPU) data-parallel job (a small MLP on seeded synthetic batches, DDP), reporting
 every step through :class:`forewarn.hook.Monitor` and saving through
 :class:`forewarn.hook.CheckpointWriter` (``torch.distributed.checkpoint``), started by
-:class:`forewarn.demo.supervisor.Supervisor` with torchrun-style environment variables.
+torchrun (:class:`forewarn.demo.launch.TorchrunJob`). ``--placement-file`` (JSON
+``{"<rank>": <gpu>}``, read at each start) names the GPU a rank reports, which torchrun
+cannot change on a restart (its ``LOCAL_RANK`` is the slot on the node): the demo moves
+a rank off a failed GPU with it, as a scheduler would restart the node's launcher with
+another ``CUDA_VISIBLE_DEVICES``.
 
 ``python -m forewarn.chaos.workload light ...``: one rank of a job with no model and no
 torch (the hook only, standard library): it steps, obeys checkpoint orders by writing its
@@ -21,7 +25,8 @@ of ``{"id": ..., "fault": ..., ...}`` entries, each applied once at the next ste
   gradient explosion, all-reduced by DDP; the update is clipped, as trainers do);
 * ``slow``: every later step spends ``seconds`` more in this rank's compute (0 ends it).
 
-Every event is one JSON line on stdout (``step``, ``checkpoint``, ``resumed``, ``fault``).
+Every event is one JSON line on stdout (``step``, ``saving``, ``checkpoint``, ``resumed``,
+``fault``).
 """
 
 from __future__ import annotations
@@ -91,7 +96,7 @@ def _torch_rank(args: argparse.Namespace) -> int:
     opt = torch.optim.SGD(model.parameters(), lr=0.02)
     true_w = torch.randn(32, 1, generator=torch.Generator().manual_seed(7))
 
-    monitor = Monitor(job=args.job, beat_interval_s=0.25)
+    monitor = Monitor(job=args.job, beat_interval_s=0.25, local_rank=_placed_gpu(args, rank))
     writer = CheckpointWriter(args.checkpoint_dir, keep_last=4, monitor=monitor)
     state: dict[str, Any] = {"model": model.state_dict(), "optim": opt.state_dict(),
                              "step": torch.tensor(0)}
@@ -101,10 +106,11 @@ def _torch_rank(args: argparse.Namespace) -> int:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
         start = int(state["step"])
-        emit(event="resumed", rank=rank, step=start, path=loaded.path,
+        emit(event="resumed", rank=rank, pid=os.getpid(), world_size=dist.get_world_size(),
+             step=start, path=loaded.path,
              skipped=[list(s) for s in loaded.skipped])
     else:
-        emit(event="started", rank=rank)
+        emit(event="started", rank=rank, pid=os.getpid(), world_size=dist.get_world_size())
         if args.initial_checkpoint:
             # Proves the checkpoint path works and measures its cost, which the collector's
             # cost-aware policy weighs against the risk.
@@ -157,6 +163,8 @@ def _torch_rank(args: argparse.Namespace) -> int:
              else None)
         ordered = monitor.should_checkpoint(step)
         if ordered or step % args.checkpoint_every == 0:
+            # before the save: a preemption save ends the process inside it
+            emit(event="saving", rank=rank, step=step, ordered=ordered)
             state["step"] = torch.tensor(step)
             result = writer.save(step, {"model": model.state_dict(), "optim": opt.state_dict(),
                                         "step": state["step"]})
@@ -165,6 +173,17 @@ def _torch_rank(args: argparse.Namespace) -> int:
     monitor.close()
     dist.destroy_process_group()
     return 0
+
+
+def _placed_gpu(args: argparse.Namespace, rank: int) -> int | None:
+    """The GPU ``--placement-file`` gives ``rank``; None (torchrun's LOCAL_RANK) without."""
+    if not args.placement_file:
+        return None
+    try:
+        placement = json.loads(Path(args.placement_file).read_text())
+        return int(placement[str(rank)])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _light_rank(args: argparse.Namespace) -> int:
@@ -201,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run one rank (see the module docstring)."""
     p = argparse.ArgumentParser(prog="python -m forewarn.chaos.workload")
     sub = p.add_subparsers(dest="kind", required=True)
-    t = sub.add_parser("torch", help="a rank of the 2-rank gloo job (under a supervisor)")
+    t = sub.add_parser("torch", help="a rank of the 2-rank gloo job (under torchrun)")
     t.add_argument("--job", required=True)
     t.add_argument("--checkpoint-dir", required=True)
     t.add_argument("--control-dir", required=True)
@@ -210,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--checkpoint-every", type=int, default=40)
     t.add_argument("--initial-checkpoint", action="store_true",
                    help="save step 0 at a fresh start (measures the checkpoint cost early)")
+    t.add_argument("--placement-file", default="",
+                   help='JSON {"<rank>": <gpu>}: the GPU a rank reports (default LOCAL_RANK)')
     lt = sub.add_parser("light", help="a hook-only rank on one simulated GPU (no torch)")
     lt.add_argument("--job", required=True)
     lt.add_argument("--gpu", type=int, required=True)

@@ -3,15 +3,16 @@
 It starts a real collector, two real agents on simulated 4-GPU nodes (node 1 on the real
 GPUs through NVML where this machine has them), and a real two-rank ``torch.distributed``
 (gloo, CPU) training job that reports through the hook and saves with the default
-checkpoint writer, restarted by :class:`~forewarn.demo.supervisor.Supervisor` when it dies.
-Then it injects, in turn:
+checkpoint writer, launched as on two nodes: one torchrun per node, meeting at a c10d
+rendezvous, restarted by torchrun's own ``--max-restarts`` when a rank dies
+(:class:`~forewarn.demo.launch.TorchrunJob`). Then it injects, in turn:
 
 1. a degrading GPU under rank 1 (a correctable-ECC storm ending in a double-bit error):
    forewarn should see it coming and order a checkpoint, every rank saves the same step, the
-   double-bit error kills the rank, and the job restarts from that checkpoint on a healthy
-   GPU;
-2. a hang of rank 0: the agent notices within seconds and ends the job's ranks, so the
-   supervisor restarts it minutes before NCCL's 10-minute timeout would have;
+   double-bit error kills the rank, and torchrun restarts the job from that checkpoint,
+   the rank on a healthy GPU;
+2. a hang of rank 0: the agent notices within seconds and ends the job's ranks, so
+   torchrun restarts it minutes before NCCL's 10-minute timeout would have;
 3. a NaN loss: caught at its step; the job is rolled back to the last good checkpoint.
 
 The summary compares what was lost with what the same run loses without forewarn: the work
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from forewarn.chaos.procs import Procs, get_json, wait_http
-from forewarn.demo.supervisor import Placement, Supervisor, free_port, python_module
+from forewarn.demo.launch import Node, TorchrunJob, free_port
 
 __all__ = ["DemoResult", "register", "run_demo"]
 
@@ -126,11 +127,11 @@ class Stack(Procs):
 
     def __init__(self) -> None:
         super().__init__()
-        self.supervisor: Supervisor | None = None
+        self.job: TorchrunJob | None = None
 
     def close(self) -> None:
-        if self.supervisor is not None:
-            self.supervisor.stop()
+        if self.job is not None:
+            self.job.stop()
         super().close()
 
 
@@ -247,37 +248,39 @@ class Demo:
     def start_job(self) -> None:
         self.control = self.dir / "control"
         self.control.mkdir()
-        argv = python_module(
-            "forewarn.chaos.workload", "torch", "--job", JOB,
-            "--checkpoint-dir", str(self.dir / "ckpt"), "--control-dir", str(self.control),
-            "--step-seconds", str(self.t.step_seconds),
-            "--checkpoint-every", str(self.t.checkpoint_every), "--initial-checkpoint")
-        placements = [Placement("demo-node-1", self.sockets["demo-node-1"], 0),
-                      Placement("demo-node-2", self.sockets["demo-node-2"], 0)]
-        self.moved = False
+        # Where the "scheduler" puts each rank: rank 1 moves off its GPU once it failed.
+        self.placement = self.dir / "placement.json"
+        self.placement.write_text(json.dumps({"0": 0, "1": 0}))
+        args = ["torch", "--job", JOB, "--checkpoint-dir", str(self.dir / "ckpt"),
+                "--control-dir", str(self.control), "--step-seconds", str(self.t.step_seconds),
+                "--checkpoint-every", str(self.t.checkpoint_every), "--initial-checkpoint",
+                "--placement-file", str(self.placement)]
+        nodes = [Node(n, self.sockets[n]) for n in ("demo-node-1", "demo-node-2")]
+        job = TorchrunJob("forewarn.chaos.workload", args, nodes, job=JOB, log_dir=self.dir,
+                          max_restarts=6)
+        self.stack.job = job
+        job.start()
 
-        def place(rank: int, p: Placement) -> Placement:
-            # After the GPU under rank 1 failed, the scheduler puts it on a healthy GPU.
-            if rank == 1 and self.moved:
-                return Placement(p.node, p.socket_path, 1)
-            return p
-
-        sup = Supervisor(argv, placements, max_restarts=6, restart_delay_s=0.2, place=place)
-        self.stack.supervisor = sup
-        sup.start()
+    def move_rank(self, rank: int, gpu: int) -> None:
+        """Place ``rank`` on ``gpu`` from its next start (the placement file)."""
+        placement = json.loads(self.placement.read_text())
+        placement[str(rank)] = gpu
+        tmp = self.placement.with_suffix(".tmp")
+        tmp.write_text(json.dumps(placement))
+        tmp.replace(self.placement)
 
     # ------------------------------------------------------------------ observing
 
     def pump(self, until: float) -> None:
         """Take the job's events until ``until`` (monotonic)."""
-        sup = self.stack.supervisor
-        assert sup is not None
+        job = self.stack.job
+        assert job is not None
         while True:
             left = until - time.monotonic()
             if left <= 0:
                 return
             try:
-                e = sup.events.get(timeout=min(left, 0.1))
+                e = job.events.get(timeout=min(left, 0.1))
             except queue.Empty:
                 continue
             self.events.append(e)
@@ -295,7 +298,7 @@ class Demo:
                 self.result.last_periodic_step = max(self.result.last_periodic_step or 0,
                                                      int(e["step"]))
             elif kind in ("rank_exit", "restart", "gave_up"):
-                self.say(f"[dim]supervisor: {kind} {self._fmt(e)}[/dim]")
+                self.say(f"[dim]torchrun: {kind} {self._fmt(e)}[/dim]")
                 if kind == "restart":
                     self.result.restarts += 1
 
@@ -366,14 +369,14 @@ class Demo:
         self.wait_for(lambda: self._finding("demo-node-2", "ecc", gpu=0) is not None
                       and (self._finding("demo-node-2", "ecc", gpu=0) or {}).get("health")
                       == "unhealthy", self.t.storm_s + 30, "the double-bit error")
-        sup = self.stack.supervisor
-        assert sup is not None
+        job = self.stack.job
+        assert job is not None
         r.failure_step = self.last_step.get(1)
-        self.moved = True
-        sup.signal_rank(1, signal.SIGKILL)
+        self.move_rank(1, 1)
+        job.signal_rank(1, signal.SIGKILL)
         r.failure_time = self._xid_time("demo-node-2", 48) or time.time()
         self.say(f"   the double-bit error killed rank 1 at step {r.failure_step}; "
-                 "the supervisor restarts the job on a healthy GPU")
+                 "torchrun restarts the job, rank 1 on a healthy GPU")
         self.wait_for(lambda: self._resumed(1) is not None, self.t.give_up_s, "the restart")
         resumed = self._resumed(1)
         if resumed:
@@ -418,12 +421,12 @@ class Demo:
 
     def phase_hang(self) -> None:
         r = self.result
-        sup = self.stack.supervisor
-        assert sup is not None
+        job = self.stack.job
+        assert job is not None
         self.pump(time.monotonic() + self.t.settle_s)
         self.say("[bold]2. Rank 0 hangs[/bold] (stops stepping; its process and heartbeats "
                  "live on, as a rank stuck in a collective)")
-        attempt = sup.attempt
+        attempt = job.attempt
         r.hang_injected = time.time()
         self.inject(0, "hang")
         if self.wait_for(lambda: self._finding("demo-node-1", "rank_hang", job=JOB) is not None,
@@ -440,11 +443,11 @@ class Demo:
 
     def phase_nan(self) -> None:
         r = self.result
-        sup = self.stack.supervisor
-        assert sup is not None
+        job = self.stack.job
+        assert job is not None
         self.pump(time.monotonic() + self.t.settle_s)
         self.say("[bold]3. The loss turns NaN[/bold] on rank 1")
-        attempt = sup.attempt
+        attempt = job.attempt
         injected = time.time()
         self.inject(1, "nan")
         # The finding clears at the next finite step (the NaN update was skipped), so read
@@ -456,7 +459,7 @@ class Demo:
             r.nan_detected_step = int(step) if step is not None else None
             self.say(f"   NaN caught at step {r.nan_detected_step} (injected at step "
                      f"{r.nan_step}); rolling back to the last good checkpoint")
-            sup.signal_rank(1, signal.SIGKILL)
+            job.signal_rank(1, signal.SIGKILL)
         self.wait_for(lambda: self._resumed(attempt + 1) is not None, self.t.give_up_s,
                       "the restart after the NaN")
         got = self._resumed(attempt + 1)
