@@ -16,6 +16,7 @@ __all__ = ["DEFAULT_CONFIG_PATH", "CollectorConfig"]
 DEFAULT_CONFIG_PATH = Path("/etc/forewarn/collector.toml")
 
 SYNCHRONOUS = ("FULL", "NORMAL")
+STATES = ("sqlite", "postgresql")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +73,16 @@ class CollectorConfig:
     """SQLite ``synchronous``: FULL survives power loss, NORMAL survives a process crash."""
     group_commit_max: int = 256
     """Most ingest batches committed in one SQLite transaction (group commit)."""
+    # -- scale-out state (forewarn.collector.storage.postgres; docs/scale.md) -------------
+    state: str = "sqlite"
+    """Where the collector's state lives: ``sqlite`` (embedded, ``<data_dir>/collector.db``)
+    or ``postgresql`` (``postgres_dsn``; several replicas may share it)."""
+    postgres_dsn: str = ""
+    """libpq connection string or URI of the PostgreSQL database (``state = "postgresql"``),
+    e.g. ``host=db1 dbname=forewarn user=forewarn``; keep a password out of it (use
+    ``~/.pgpass`` or ``PGPASSFILE``)."""
+    postgres_pool_max: int = 8
+    """Most connections this replica opens to PostgreSQL."""
     log_level: str = "info"
     """Logging level: critical, error, warning, info, debug."""
     log_format: str = "text"
@@ -215,6 +226,13 @@ class CollectorConfig:
                 f"sqlite_synchronous: must be one of {', '.join(SYNCHRONOUS)}, "
                 f"got {self.sqlite_synchronous!r}"
             )
+        if self.state not in STATES:
+            raise ConfigError(f"state: must be one of {', '.join(STATES)}, got {self.state!r}")
+        if self.state == "postgresql" and not self.postgres_dsn:
+            raise ConfigError('postgres_dsn: required with state = "postgresql"')
+        if not 1 <= self.postgres_pool_max <= 1000:
+            raise ConfigError(
+                f"postgres_pool_max: must be within 1..1000, got {self.postgres_pool_max}")
         if not 1 <= self.max_connections <= 1_000_000:
             raise ConfigError(
                 f"max_connections: must be within 1..10^6, got {self.max_connections}")

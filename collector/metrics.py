@@ -124,6 +124,10 @@ class CollectorMetrics:
                                 "Staged rows a flush could not write (left out).", registry=r)
         self.policy_errors = Counter(P + "policy_errors", "Exceptions raised by the policy.",
                                      registry=r)
+        self.leader = Gauge(P + "leader", "1 while this replica runs the policy (always 1"
+                            " with embedded state).", registry=r)
+        self.leader_changes = Counter(P + "leader_changes", "Times this replica became or"
+                                      " stopped being the leader.", registry=r)
         self.policy_backlog = Gauge(P + "policy_backlog_batches",
                                     "Stored batches waiting for the policy thread.", registry=r)
         self.tokens_errors = Counter(

@@ -8,6 +8,8 @@ component is not ready:
 * ``storage``: a small file can be written and fsync'd in ``data_dir`` (disk full,
   read-only or missing directory) and the database answers;
 * ``ingest``: the group-commit writer thread runs (with its queue length);
+* ``leader``: whether this replica runs the policy (always ready: a follower serves
+  ingest, reads and long polls; see :mod:`~forewarn.collector.storage.leader`);
 * ``telemetry_flush``: the last staging-to-Parquet flush worked (its error otherwise,
   with the samples still staged).
 
@@ -61,6 +63,7 @@ def collector_readiness(ctx: CollectorContext) -> dict[str, Any]:
         "storage": _storage(ctx),
         "ingest": {"ready": alive, "queued": ctx.writer.queued,
                    "detail": "writer thread running" if alive else "writer thread stopped"},
+        "leader": {"ready": True, **ctx.leader.status()},
         "telemetry_flush": {
             "ready": not flush_error, "staged_samples": staged, "last_flush": ctx.flush_time,
             "detail": flush_error or ("last flush ok" if ctx.flush_time else "no flush yet")},

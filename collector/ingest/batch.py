@@ -35,7 +35,6 @@ import json
 import logging
 import math
 import re
-import sqlite3
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -61,7 +60,7 @@ from forewarn.wire import (
 from ..jobs.jobmap import apply_checkpoints, apply_ranks
 from ..metrics import CollectorMetrics
 from ..storage.staging import StagingLog
-from ..storage.store import Store
+from ..storage.state import StateStore, Transaction
 from .authz import NotYourJob, authorise_batch
 
 __all__ = ["CheckedBatch", "IngestError", "IngestResult", "IngestWriter", "Refusal",
@@ -338,7 +337,7 @@ _WORST_HEALTH = (
 )
 
 
-def store_findings(conn: sqlite3.Connection, findings: Sequence[Finding], *, node: str,
+def store_findings(conn: Transaction, findings: Sequence[Finding], *, node: str,
                    origin: str, received: float) -> None:
     """Insert findings (inside the caller's transaction); GPU findings set GPU health."""
     if not findings:
@@ -382,7 +381,7 @@ ON CONFLICT (node) DO UPDATE SET agent_id=excluded.agent_id, last_seen=excluded.
 """
 
 
-def _write_batch(conn: sqlite3.Connection, batch: AgentBatch, body: bytes, received: float,
+def _write_batch(conn: Transaction, batch: AgentBatch, body: bytes, received: float,
                  address: str, ref: tuple[int, int, int] | None = None
                  ) -> tuple[bool, int | None]:
     """Store one batch; (stored, id of its staged_samples row). ``ref`` is where the
@@ -406,7 +405,7 @@ def _write_batch(conn: sqlite3.Connection, batch: AgentBatch, body: bytes, recei
     if batch.samples:
         segment, offset, length = ref if ref is not None else (None, None, None)
         staged = conn.execute(
-            "INSERT INTO staged_samples (agent_id, seq, samples, body, segment, offset, length)"
+            "INSERT INTO staged_samples (agent_id, seq, samples, body, segment, \"offset\", length)"
             " VALUES (?, ?, ?, ?, ?, ?, ?)",
             (batch.agent_id, batch.seq, len(batch.samples), b"" if ref else body, segment,
              offset, length))
@@ -456,7 +455,7 @@ class IngestWriter:
 
     def __init__(
         self,
-        store: Store,
+        store: StateStore,
         metrics: CollectorMetrics,
         *,
         group_max: int = 256,
@@ -584,7 +583,7 @@ class IngestWriter:
                         stored, staged_id = _write_batch(conn, item.batch, item.body,
                                                          item.received, item.address,
                                                          refs.get(index))
-                    except sqlite3.OperationalError:
+                    except self.store.unavailable:
                         raise  # the store's own trouble (disk, lock): the whole group
                     except Exception as exc:  # this batch's own: it alone is refused
                         conn.execute("ROLLBACK TO b")

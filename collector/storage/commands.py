@@ -22,7 +22,7 @@ import msgspec
 from forewarn.wire import CheckpointOrder, Command, CommandAck, decode, encode
 
 from ..metrics import CollectorMetrics
-from .store import Store
+from .state import StateStore
 
 __all__ = ["CommandQueue", "NodeCommand"]
 
@@ -39,7 +39,7 @@ class CommandQueue:
 
     def __init__(
         self,
-        store: Store,
+        store: StateStore,
         metrics: CollectorMetrics,
         *,
         redeliver_s: float = 30.0,
