@@ -106,6 +106,7 @@ from ..metrics import CollectorMetrics
 from ..storage.commands import CommandQueue, NodeCommand
 from ..storage.datadir import check_data_dir
 from ..storage.leader import AdvisoryLockLeader, FindingsFeed, Leadership, SoleLeader
+from ..storage.remote_write import RemoteWriter
 from ..storage.staging import StagingLog
 from ..storage.state import StateStore
 from ..storage.telemetry import TelemetryWriter
@@ -163,6 +164,8 @@ class CollectorContext:
     policy: FindingsPolicy | None
     clock: Callable[[], float]
     loop: asyncio.AbstractEventLoop | None = None
+    series: RemoteWriter | None = None
+    """Remote write of the GPU series, when ``remote_write_url`` is set."""
     leader: Leadership = dataclasses.field(default_factory=SoleLeader)
     """Whether this replica decides (always, with embedded state; see
     :mod:`~forewarn.collector.storage.leader`)."""
@@ -388,6 +391,8 @@ async def _periodic_flush(ctx: CollectorContext) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(event.wait(), ctx.config.flush_interval_s)
         event.clear()
+        if not ctx.leader.is_leader:
+            continue  # shared state: the leader alone writes the Parquet export
         try:
             ctx._staged = 0
             try:
@@ -400,6 +405,14 @@ async def _periodic_flush(ctx: CollectorContext) -> None:
             ctx.flush_error = ""
         except Exception:
             log.exception("telemetry flush failed; staged samples are kept and retried")
+
+
+def _both(first: Callable[[T], None], second: Callable[[T], None]) -> Callable[[T], None]:
+    def call(arg: T) -> None:
+        first(arg)
+        second(arg)
+
+    return call
 
 
 def _leader_changed(metrics: CollectorMetrics, leader: bool) -> None:
@@ -448,6 +461,11 @@ def create_app(
     else:
         metrics.leader.set(1)
     ctx.writer.on_staged = telemetry.remember
+    if config.remote_write_url:
+        ctx.series = RemoteWriter(config.remote_write_url, metrics,
+                                  labels=config.remote_write_labels,
+                                  queue_samples=config.remote_write_queue_samples)
+        ctx.writer.on_staged = _both(telemetry.remember, ctx.series.on_staged)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -465,6 +483,8 @@ def create_app(
         if start is not None:
             await ctx.run_policy(start, ctx)
         ctx.leader.start()
+        if ctx.series is not None:
+            ctx.series.start()
         flusher = asyncio.create_task(_periodic_flush(ctx))
         tasks = [flusher, asyncio.create_task(run_upkeep(config, store, telemetry, metrics,
                                                          clock))]
@@ -478,16 +498,19 @@ def create_app(
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             await asyncio.to_thread(ctx.writer.stop)
-            await asyncio.to_thread(ctx.leader.stop)
             stop = getattr(policy, "stop", None)
             if stop is not None:
                 with contextlib.suppress(Exception):
                     await ctx.run_policy(stop)
             ctx._policy_pool.shutdown(wait=True)
             try:
-                await asyncio.to_thread(telemetry.flush, max_rows=10**9)
+                if ctx.leader.is_leader:
+                    await asyncio.to_thread(telemetry.flush, max_rows=10**9)
             except Exception:
                 log.exception("final telemetry flush failed; samples stay staged")
+            await asyncio.to_thread(ctx.leader.stop)  # after the flush it did as leader
+            if ctx.series is not None:
+                await asyncio.to_thread(ctx.series.stop)
             commands.bind_loop(None)
             if staging is not None:
                 staging.close()

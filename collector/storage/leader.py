@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 POLICY_LOCK = 0x666F7265_706F6C69
 """Advisory lock key ("forepoli") whose holder runs the policy."""
 
+FIRST_WINDOW_S = 60.0
+"""With no saved cursor, the feed starts with the findings received this recently."""
+
 _finding_decoder = msgspec.json.Decoder(Finding)
 
 
@@ -183,12 +186,13 @@ class FindingsFeed:
         self._gaps: dict[int, float] = {}  # skipped id -> when to stop looking for it
 
     def resume(self) -> None:
-        """Start where the last leader stopped (or, the first time, after the newest
-        finding: older ones were decided by the collector that stored them)."""
+        """Start where the last leader stopped (or, the first time, with the findings of
+        the last :data:`FIRST_WINDOW_S`: those that came in while it was being elected)."""
         saved = self.store.scalar("SELECT last_id FROM policy_cursor WHERE name = ?",
                                   (self.name,))
-        if saved is None:
-            saved = self.store.scalar("SELECT COALESCE(MAX(id), 0) FROM findings")
+        if saved is None:  # the first leader ever: what arrived while it was elected
+            saved = self.store.scalar("SELECT COALESCE(MAX(id), 0) FROM findings"
+                                      " WHERE received < ?", (time.time() - FIRST_WINDOW_S,))
         self._cursor = int(saved or 0)
         self._gaps.clear()
 

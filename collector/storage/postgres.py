@@ -24,6 +24,7 @@ import functools
 import importlib.resources
 import re
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -39,6 +40,9 @@ __all__ = ["MIGRATION_LOCK", "PostgresStore", "migrations", "to_postgres"]
 
 MIGRATION_LOCK = 0x666F7265_7761726E & 0x7FFFFFFFFFFFFFFF
 """Advisory lock key ("forewarn") held while migrations run."""
+
+READ_ATTEMPTS = 3
+"""Tries of a read whose connection fails (a restarted server's pooled connections)."""
 
 _REPLACE_KEYS = {"telemetry_files": "name"}
 """Primary key of each table the dialect's ``INSERT OR REPLACE`` is used on."""
@@ -261,17 +265,29 @@ class PostgresStore(RecordsMixin):
         with self._pool.connection() as conn:
             yield _Transaction(conn)
 
+    def _read(self, sql: str, params: Sequence[Any]) -> list[dict[str, Any]]:
+        """A read, tried again on a fresh connection when a pooled one turns out dead
+        (after a server restart every idle connection is): reads are idempotent."""
+        for attempt in range(READ_ATTEMPTS):
+            try:
+                with self._pool.connection() as conn, \
+                        conn.cursor(row_factory=dict_row) as cur:
+                    cur.execute(to_postgres(sql), _params(params) or None)
+                    return cur.fetchall()
+            except psycopg.OperationalError:
+                if attempt == READ_ATTEMPTS - 1:
+                    raise
+                time.sleep(0.1 * (attempt + 1))
+        raise AssertionError("unreachable")
+
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
         """Run a read-only query; rows as dicts."""
-        with self._pool.connection() as conn, conn.cursor(row_factory=dict_row) as cur:
-            cur.execute(to_postgres(sql), _params(params) or None)
-            return cur.fetchall()
+        return self._read(sql, params)
 
     def scalar(self, sql: str, params: Sequence[Any] = ()) -> Any:
         """The first column of the first row of a read query, or ``None``."""
-        with self._pool.connection() as conn:
-            row = conn.execute(to_postgres(sql), _params(params) or None).fetchone()
-            return None if row is None else row[0]
+        rows = self._read(sql, params)
+        return next(iter(rows[0].values())) if rows else None
 
     def prune(self, before: float, *, chunk: int = 1000) -> dict[str, int]:
         """As :meth:`forewarn.collector.storage.store.Store.prune`, in chunks of ``chunk``."""

@@ -71,6 +71,20 @@ class Replica:
             return "down"
         return str(report["components"]["leader"]["role"])
 
+    def ready(self) -> bool:
+        """Whether /readyz answers ready."""
+        try:
+            return self.client.get("/readyz", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def metric(self, name: str) -> float:
+        """The value of an unlabelled sample in /metrics (0 when absent)."""
+        for line in self.client.get("/metrics").text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        return 0.0
+
     def push(self, node: str, **kw: Any) -> httpx.Response:
         seq = self.seq.get(node, 0)
         self.seq[node] = seq + 1
