@@ -105,7 +105,13 @@ from ..jobs.jobmap import StoreJobView
 from ..metrics import CollectorMetrics
 from ..storage.commands import CommandQueue, NodeCommand
 from ..storage.datadir import check_data_dir
-from ..storage.leader import AdvisoryLockLeader, FindingsFeed, Leadership, SoleLeader
+from ..storage.leader import (
+    LOCAL_ORIGINS,
+    AdvisoryLockLeader,
+    FindingsFeed,
+    Leadership,
+    SoleLeader,
+)
 from ..storage.remote_write import RemoteWriter
 from ..storage.staging import StagingLog
 from ..storage.state import StateStore
@@ -204,7 +210,8 @@ class CollectorContext:
         await asyncio.to_thread(write)
         for f in findings:
             self.metrics.findings.labels(f.health.value, origin.split(":")[0]).inc()
-        await self.run_policy(self._policy_findings, list(findings))
+        local = self.leader.shared and origin in LOCAL_ORIGINS
+        await self.run_policy(self._decide if local else self._policy_findings, list(findings))
 
     # -- runs on the policy thread ----------------------------------------------------
 

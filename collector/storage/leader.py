@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 POLICY_LOCK = 0x666F7265_706F6C69
 """Advisory lock key ("forepoli") whose holder runs the policy."""
 
+LOCAL_ORIGINS = frozenset({"operator"})
+"""Findings decided by the replica that received them, not through the feed: an operator's
+order is answered with its decisions, so it runs where it came in (on the leader)."""
+
 FIRST_WINDOW_S = 60.0
 """With no saved cursor, the feed starts with the findings received this recently."""
 
@@ -203,13 +207,13 @@ class FindingsFeed:
         assert self._cursor is not None
         now = self.clock()
         self._gaps = {i: t for i, t in self._gaps.items() if t > now}
-        rows = self.store.query("SELECT id, body FROM findings WHERE id > ? ORDER BY id"
+        rows = self.store.query("SELECT id, origin, body FROM findings WHERE id > ? ORDER BY id"
                                 " LIMIT ?", (self._cursor, self.batch))
         if self._gaps:
             late = sorted(self._gaps)
             marks = ", ".join("?" * len(late))
-            rows += self.store.query(f"SELECT id, body FROM findings WHERE id IN ({marks})",
-                                     late)
+            rows += self.store.query(
+                f"SELECT id, origin, body FROM findings WHERE id IN ({marks})", late)
         out = []
         for row in sorted(rows, key=lambda r: int(r["id"])):
             found = int(row["id"])
@@ -218,6 +222,8 @@ class FindingsFeed:
                 for missing in range(self._cursor + 1, found):
                     self._gaps[missing] = now + self.gap_s
                 self._cursor = found
+            if row["origin"] in LOCAL_ORIGINS:
+                continue
             try:
                 out.append(_finding_decoder.decode(row["body"]))
             except msgspec.DecodeError as exc:  # stored by ingest, so valid; never wedge

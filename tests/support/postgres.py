@@ -35,8 +35,9 @@ def find_postgres_bin() -> Path | None:
 class PostgresServer:
     """One PostgreSQL cluster in a temp dir; :meth:`stop` removes it."""
 
-    def __init__(self, bin_dir: Path) -> None:
+    def __init__(self, bin_dir: Path, *, fsync: bool = False) -> None:
         self.bin = bin_dir
+        self.fsync = fsync
         self.root = Path(tempfile.mkdtemp(prefix="forewarn-pg-"))
         self.data = self.root / "data"
         self.port = free_port()
@@ -57,7 +58,8 @@ class PostgresServer:
 
     def _ctl(self, action: str) -> None:
         options = (f"-p {self.port} -c listen_addresses=127.0.0.1 "
-                   f"-c unix_socket_directories={self.root} -c fsync=off "
+                   f"-c unix_socket_directories={self.root} "
+                   f"-c fsync={'on' if self.fsync else 'off'} "
                    "-c max_connections=200")
         self._run("pg_ctl", action, "-D", str(self.data), "-w", "-t", "60", "-o", options,
                   "-l", str(self.root / "log"), *(["-m", "fast"] if action != "start" else []))
@@ -68,6 +70,10 @@ class PostgresServer:
     def restart(self) -> None:
         """A real ``pg_ctl restart -m fast``: every session is cut."""
         self._ctl("restart")
+
+    def pid(self) -> int:
+        """The postmaster's process id."""
+        return int((self.data / "postmaster.pid").read_text().split()[0])
 
     def dsn(self, dbname: str = "postgres") -> str:
         return f"host=127.0.0.1 port={self.port} user=postgres dbname={dbname}"
