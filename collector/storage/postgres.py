@@ -155,10 +155,12 @@ def _row_factory(cursor: Any) -> Any:
 
 
 class _FloatNumeric(Loader):
-    """``numeric`` (what ``SUM`` of bigints returns) as float, as SQLite answers."""
+    """``numeric`` (what ``SUM`` of bigints returns) as SQLite answers: an int when it is
+    whole, else a float (never a Decimal, which JSON and arithmetic with floats refuse)."""
 
-    def load(self, data: Any) -> float:
-        return float(bytes(data))
+    def load(self, data: Any) -> int | float:
+        text = bytes(data)
+        return int(text) if text.lstrip(b"-").isdigit() else float(text)
 
 
 class _Cursor:
