@@ -154,3 +154,27 @@ def test_postgresql_restart_while_agents_push_loses_nothing(
         for r in replicas:
             r.stop()
         server.stop()
+
+
+@pytest.mark.timeout(180)
+def test_an_order_reaches_an_agent_polling_another_replica_at_once(
+        replicas: list[Replica]) -> None:
+    a, b = replicas
+    a.start()
+    assert wait_for(lambda: a.role() == "leader", what="a leads")
+    b.start()
+    now = time.time()
+    assert a.push("node1", ranks=ranks("train-1", "node1", 0, now)).status_code == 200
+    assert b.push("node2", ranks=ranks("train-1", "node2", 2, now)).status_code == 200
+    got: list[list[dict[str, object]]] = []
+    poll = threading.Thread(target=lambda: got.append(b.commands("node2", wait=20)))
+    poll.start()  # node2's agent waits on the follower ...
+    time.sleep(1.0)
+    sent = time.monotonic()
+    # ... while the leader queues the order (the finding came in through the leader)
+    assert a.push("node1", urgent=True, findings=[gpu_lost("node1", 0)]).status_code == 200
+    poll.join()
+    took = time.monotonic() - sent
+    assert [c["kind"] for c in got[0]] == ["checkpoint"]
+    assert took < 3.0, f"the follower's long poll answered {took:.1f} s after the finding"
+    print(f"cross-replica order: answered {took:.2f} s after the finding")

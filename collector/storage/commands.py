@@ -55,6 +55,7 @@ class CommandQueue:
         self._events: dict[str, asyncio.Event] = {}
         self._closing = False
         self._refresh_pending()
+        store.watch_commands(self._wake)  # commands queued by another replica
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop | None) -> None:
         """Tell the queue which event loop runs the long polls (set at app start-up)."""

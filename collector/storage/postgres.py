@@ -22,10 +22,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.resources
+import logging
 import re
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import psycopg
@@ -36,10 +37,15 @@ from psycopg_pool import ConnectionPool
 from .state import RecordsMixin, Transaction
 from .store import _OPEN_FINDINGS, _PRUNE, StoreError
 
-__all__ = ["MIGRATION_LOCK", "PostgresStore", "migrations", "to_postgres"]
+log = logging.getLogger(__name__)
+
+__all__ = ["COMMAND_CHANNEL", "MIGRATION_LOCK", "PostgresStore", "migrations", "to_postgres"]
 
 MIGRATION_LOCK = 0x666F7265_7761726E & 0x7FFFFFFFFFFFFFFF
 """Advisory lock key ("forewarn") held while migrations run."""
+
+COMMAND_CHANNEL = "forewarn_commands"
+"""NOTIFY channel carrying the node of every command queued (migrations/0004)."""
 
 READ_ATTEMPTS = 3
 """Tries of a read whose connection fails (a restarted server's pooled connections)."""
@@ -306,6 +312,26 @@ class PostgresStore(RecordsMixin):
         """The first column of the first row of a read query, or ``None``."""
         rows = self._read(sql, params)
         return next(iter(rows[0].values())) if rows else None
+
+    def watch_commands(self, wake: Callable[[str], None]) -> None:
+        """LISTEN on :data:`COMMAND_CHANNEL` (migration 0004 NOTIFYs each new command's
+        node) on a dedicated session in a thread; reconnects after a server restart."""
+        thread = threading.Thread(target=self._listen, args=(wake,), daemon=True,
+                                  name="forewarn-command-listener")
+        thread.start()
+
+    def _listen(self, wake: Callable[[str], None]) -> None:
+        while not self._closed:
+            try:
+                with psycopg.connect(self.dsn, autocommit=True, connect_timeout=5) as conn:
+                    conn.execute(f"LISTEN {COMMAND_CHANNEL}")
+                    while not self._closed:
+                        for note in conn.notifies(timeout=1.0):
+                            wake(note.payload)
+            except (psycopg.Error, OSError) as exc:
+                if not self._closed:
+                    log.warning("command listener: %s; reconnecting in 1 s", exc)
+                    time.sleep(1.0)
 
     def prune(self, before: float, *, chunk: int = 1000) -> dict[str, int]:
         """As :meth:`forewarn.collector.storage.store.Store.prune`, in chunks of ``chunk``."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -117,6 +117,12 @@ class StateStore(Protocol):
     def record_decision(self, *, time: float, job: str = "", subject: str = "",
                         decision: str, reason: str, inputs: dict[str, Any]) -> int:
         """Store one policy decision with every input it used; returns its id."""
+        ...
+
+    def watch_commands(self, wake: Callable[[str], None]) -> None:
+        """Call ``wake(node)`` (from another thread) whenever a process sharing this state
+        queues a command for ``node``, so long polls held here answer at once. A store
+        no other process shares does nothing (its one process wakes its own polls)."""
         ...
 
     def prune(self, before: float, *, chunk: int = 1000) -> dict[str, int]:

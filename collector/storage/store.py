@@ -18,7 +18,7 @@ import contextlib
 import json
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -247,6 +247,9 @@ class Store(RecordsMixin):
         """The first column of the first row of a read query, or ``None``."""
         row = self._reader().execute(sql, params).fetchone()
         return None if row is None else row[0]
+
+    def watch_commands(self, wake: Callable[[str], None]) -> None:
+        """Nothing to watch: the embedded store has one process, which wakes its own polls."""
 
     def prune(self, before: float, *, chunk: int = 1000) -> dict[str, int]:
         """Delete what is older than ``before`` (Unix time); returns the rows deleted per table.
