@@ -39,6 +39,7 @@ from typing import Any
 import httpx
 
 from forewarn.agent.exporter import _GAUGES
+from forewarn.config import ConfigError
 from forewarn.wire import GpuSample, GpuState
 
 from ..metrics import CollectorMetrics
@@ -127,6 +128,11 @@ class RemoteWriter:
                  batch_samples: int = 2_000, timeout_s: float = 10.0, backoff_s: float = 0.5,
                  backoff_max_s: float = 30.0, transport: httpx.BaseTransport | None = None
                  ) -> None:
+        try:
+            import cramjam  # noqa: F401  (snappy: checked here, not at the first send)
+        except ImportError:
+            raise ConfigError("remote_write_url: needs cramjam for snappy: pip install "
+                              "'forewarn[scale]'") from None
         self.url = url
         self.metrics = metrics
         self.labels = dict(labels or {})

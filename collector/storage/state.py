@@ -171,7 +171,13 @@ def open_state(config: CollectorConfig) -> StateStore:
     """The state store ``config.state`` names (psycopg is imported only for PostgreSQL).
     Raises :class:`~.store.StoreError` when it cannot be opened."""
     if config.state == "postgresql":
-        from .postgres import PostgresStore
+        try:
+            from .postgres import PostgresStore
+        except ImportError as exc:
+            from .store import StoreError
+
+            raise StoreError(f'state = "postgresql" needs psycopg 3 and psycopg-pool: pip '
+                             f"install 'forewarn[scale]' ({exc})") from None
 
         return PostgresStore(config.postgres_dsn, pool_max=config.postgres_pool_max)
     from .store import Store
