@@ -13,6 +13,12 @@ is the limit). At the end every acknowledged batch is checked to be in the datab
     python bench/collector_ingest.py --agents 100 --gpus 8 --samples 5 --seconds 20
     python bench/collector_ingest.py --samples 5 --rate 20000   # latency at 20k samples/s
     python bench/collector_ingest.py --collector-python ../main/.venv/bin/python  # before
+    python bench/collector_ingest.py --state both    # SQLite, then PostgreSQL, same load
+
+``--state postgresql`` starts a PostgreSQL from the machine's binaries (as the tests do,
+``tests/support/postgres.py``; fsync on, as in production) and adds the database server's
+CPU in the window (``postgres_cpu_pct``): with shared state the replica's cost is the
+collector's CPU plus the share of PostgreSQL's it causes.
 
 Goal (issue 4): >= 20,000 GPU-samples/s on one core (a 20k-GPU fleet at 1 s resolution).
 """
@@ -33,6 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -49,6 +56,21 @@ def free_port() -> int:
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """CPU seconds of ``root`` and every process below it (PostgreSQL's backends)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            total += cpu_seconds(pid)
+        todo.extend(child for child, parent in parents.items() if parent == pid)
+    return total
 
 
 def make_samples(node: str, gpus: int, per_gpu: int, t0: float) -> list[GpuSample]:
@@ -126,8 +148,8 @@ async def agent(host: str, port: int, node: str, token: str, gpus: int, per_gpu:
         writer.close()
 
 
-async def drive(args: argparse.Namespace, port: int, pid: int, tokens: dict[str, str]
-                ) -> dict[str, float]:
+async def drive(args: argparse.Namespace, port: int, pid: int, tokens: dict[str, str],
+                db_pid: int | None = None) -> dict[str, float]:
     stats = Stats()
     stop = asyncio.Event()
     acked: list[tuple[str, int]] = []
@@ -138,10 +160,12 @@ async def drive(args: argparse.Namespace, port: int, pid: int, tokens: dict[str,
              for node, tok in tokens.items()]
     await asyncio.sleep(args.warmup)
     stats.measuring = True
+    db0 = tree_cpu_seconds(db_pid) if db_pid else 0.0
     cpu0, t0, me0 = cpu_seconds(pid), time.perf_counter(), cpu_seconds(os.getpid())
     await asyncio.sleep(args.seconds)
     stats.measuring = False
     cpu1, t1, me1 = cpu_seconds(pid), time.perf_counter(), cpu_seconds(os.getpid())
+    db1 = tree_cpu_seconds(db_pid) if db_pid else 0.0
     stop.set()
     await asyncio.gather(*tasks, return_exceptions=True)
     elapsed = t1 - t0
@@ -152,6 +176,9 @@ async def drive(args: argparse.Namespace, port: int, pid: int, tokens: dict[str,
         "latency_p50_ms": 1000 * statistics.median(lat),
         "latency_p99_ms": 1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))],
         "collector_cpu_pct": 100 * (cpu1 - cpu0) / elapsed,
+        "postgres_cpu_pct": 100 * (db1 - db0) / elapsed,
+        "samples_per_collector_cpu_s": stats.samples / max(cpu1 - cpu0, 1e-9),
+        "samples_per_cpu_s_with_db": stats.samples / max(cpu1 - cpu0 + db1 - db0, 1e-9),
         "load_generator_cpu_pct": 100 * (me1 - me0) / elapsed,
         "errors": stats.errors,
         "acked_batches": len(acked),
@@ -175,24 +202,62 @@ def main() -> int:
                    help="the collector's HTTP parser (config key http)")
     p.add_argument("--flush-samples", type=int, default=None,
                    help="the collector's flush_samples (staged samples per Parquet flush)")
+    p.add_argument("--state", default="sqlite", choices=["sqlite", "postgresql", "both"],
+                   help="the collector's state backend; both = one run each, same load")
     p.add_argument("--collector-python", default=sys.executable,
                    help="interpreter that runs the collector: another checkout's venv runs"
                         " that checkout's collector under the same load (before/after)")
-    p.add_argument("--json", action="store_true", help="print one JSON line")
+    p.add_argument("--json", action="store_true", help="print one JSON line per run")
     p.add_argument("--profile", type=Path, default=None,
                    help="run the collector under cProfile (event-loop thread) into this file")
     args = p.parse_args()
+    states = ["sqlite", "postgresql"] if args.state == "both" else [args.state]
+    postgres = _postgres() if "postgresql" in states else None
+    try:
+        for state in states:
+            result = run(args, state, postgres)
+            config = {"state": state, "agents": args.agents, "gpus": args.gpus,
+                      "samples_per_gpu": args.samples, "synchronous": args.synchronous,
+                      "http": args.http, "rate": args.rate, "cpus": os.cpu_count()}
+            if args.json:
+                print(json.dumps({**config, **result}), flush=True)
+            else:
+                print(f"config: {config}")
+                for k, v in result.items():
+                    print(f"  {k:>28}: {v:,.1f}" if isinstance(v, float) else
+                          f"  {k:>28}: {v}", flush=True)
+    finally:
+        if postgres is not None:
+            postgres.stop()
+    return 0
 
+
+def _postgres() -> Any:
+    """A PostgreSQL server of the machine's binaries (tests/support/postgres.py), with
+    fsync on: the bench measures durable commits on both backends."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from support.postgres import PostgresServer, find_postgres_bin
+
+    bin_dir = find_postgres_bin()
+    if bin_dir is None:
+        raise SystemExit("PostgreSQL is not installed (Debian: apt install postgresql)")
+    return PostgresServer(bin_dir, fsync=True)
+
+
+def run(args: argparse.Namespace, state: str, postgres: Any) -> dict[str, Any]:
+    """One collector process under the load; the figures, checked against the store."""
     tmp = Path(tempfile.mkdtemp(prefix="fw-bench-"))
     port = free_port()
     tokens = {f"bench-node-{i:04d}": f"token-{i:04d}-{os.urandom(8).hex()}"
               for i in range(args.agents)}
     (tmp / "tokens.toml").write_text("".join(f'"{n}" = "{hash_token(t)}"\n'
                                              for n, t in tokens.items()))
+    dsn = postgres.database() if state == "postgresql" else ""
     (tmp / "collector.toml").write_text(
         f'listen = "127.0.0.1:{port}"\ndata_dir = "{tmp / "data"}"\n'
         f'tokens_file = "{tmp / "tokens.toml"}"\nlog_level = "warning"\n'
         f'sqlite_synchronous = "{args.synchronous}"\nhttp = "{args.http}"\n'
+        f'state = "{state}"\npostgres_dsn = "{dsn}"\n'
         + (f"flush_samples = {args.flush_samples}\n" if args.flush_samples else ""))
     cmd = [args.collector_python, "-m", "forewarn", "collector", "--config",
            str(tmp / "collector.toml")]
@@ -217,31 +282,39 @@ def main() -> int:
                 if time.monotonic() > deadline or proc.poll() is not None:
                     raise SystemExit("collector did not start") from None
                 time.sleep(0.1)
-        result = asyncio.run(drive(args, port, proc.pid, tokens))
+        result: dict[str, Any] = asyncio.run(drive(
+            args, port, proc.pid, tokens, postgres.pid() if dsn else None))
     finally:
         proc.terminate()
         proc.wait(60)
-    db = sqlite3.connect(tmp / "data" / "collector.db")
-    stored = db.execute("SELECT COUNT(*) FROM batches").fetchone()[0]
-    parquet_rows = db.execute("SELECT COALESCE(SUM(rows), 0) FROM telemetry_files").fetchone()[0]
-    staged = db.execute("SELECT COALESCE(SUM(samples), 0) FROM staged_samples").fetchone()[0]
-    samples = db.execute("SELECT COALESCE(SUM(samples), 0) FROM batches").fetchone()[0]
-    db.close()
+    stored, parquet_rows, staged, samples = _counts(tmp, dsn)
     assert parquet_rows + staged == samples, "every stored sample once in Parquet or staging"
     result["stored_batches"] = stored
     result["parquet_rows"] = parquet_rows
     assert stored >= result["acked_batches"], "an acknowledged batch is missing"
     shutil.rmtree(tmp, ignore_errors=True)
-    config = {"agents": args.agents, "gpus": args.gpus, "samples_per_gpu": args.samples,
-              "synchronous": args.synchronous, "http": args.http, "rate": args.rate,
-              "cpus": os.cpu_count()}
-    if args.json:
-        print(json.dumps({**config, **result}))
+    return result
+
+
+_COUNTS = ("SELECT (SELECT COUNT(*) FROM batches), (SELECT COALESCE(SUM(rows), 0) FROM"
+           " telemetry_files), (SELECT COALESCE(SUM(samples), 0) FROM staged_samples),"
+           " (SELECT COALESCE(SUM(samples), 0) FROM batches)")
+
+
+def _counts(tmp: Path, dsn: str) -> tuple[int, int, int, int]:
+    """Stored batches, Parquet rows, staged samples, samples of stored batches."""
+    if dsn:
+        import psycopg
+
+        with psycopg.connect(dsn) as conn:
+            row = conn.execute(_COUNTS).fetchone()
     else:
-        print(f"config: {config}")
-        for k, v in result.items():
-            print(f"  {k:>20}: {v:,.1f}" if isinstance(v, float) else f"  {k:>20}: {v}")
-    return 0
+        db = sqlite3.connect(tmp / "data" / "collector.db")
+        row = db.execute(_COUNTS).fetchone()
+        db.close()
+    assert row is not None
+    stored, parquet, staged, samples = (int(v) for v in row)
+    return stored, parquet, staged, samples
 
 
 if __name__ == "__main__":

@@ -169,12 +169,13 @@ def _run(args: argparse.Namespace) -> int:
 
     from .http.app import create_app
     from .http.auth import AuthError
-    from .storage.store import Store, StoreError
+    from .storage.state import open_state
+    from .storage.store import StoreError
 
     try:
         config = _load(args)
         setup_logging(config.log_level, config.log_format)
-        store = Store(config.db_path, synchronous=config.sqlite_synchronous)
+        store = open_state(config)
     except (ConfigError, StoreError, OSError) as exc:
         print(f"forewarn collector: {exc}", file=sys.stderr)
         return 2

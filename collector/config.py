@@ -16,6 +16,7 @@ __all__ = ["DEFAULT_CONFIG_PATH", "CollectorConfig"]
 DEFAULT_CONFIG_PATH = Path("/etc/forewarn/collector.toml")
 
 SYNCHRONOUS = ("FULL", "NORMAL")
+STATES = ("sqlite", "postgresql")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +73,26 @@ class CollectorConfig:
     """SQLite ``synchronous``: FULL survives power loss, NORMAL survives a process crash."""
     group_commit_max: int = 256
     """Most ingest batches committed in one SQLite transaction (group commit)."""
+    # -- scale-out state (forewarn.collector.storage.postgres; docs/scale.md) -------------
+    state: str = "sqlite"
+    """Where the collector's state lives: ``sqlite`` (embedded, ``<data_dir>/collector.db``)
+    or ``postgresql`` (``postgres_dsn``; several replicas may share it)."""
+    postgres_dsn: str = ""
+    """libpq connection string or URI of the PostgreSQL database (``state = "postgresql"``),
+    e.g. ``host=db1 dbname=forewarn user=forewarn``; keep a password out of it (use
+    ``~/.pgpass`` or ``PGPASSFILE``)."""
+    postgres_pool_max: int = 8
+    """Most connections this replica opens to PostgreSQL."""
+    # -- series to a Prometheus-compatible store (forewarn.collector.storage.remote_write) --
+    remote_write_url: str = ""
+    """Prometheus remote-write endpoint that receives the GPU series of every accepted
+    sample (e.g. VictoriaMetrics ``http://vm:8428/api/v1/write``); empty = none."""
+    remote_write_labels: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Labels added to every series sent (e.g. ``{cluster = "a"}``, as Prometheus' scrape
+    config would add)."""
+    remote_write_queue_samples: int = 200_000
+    """GPU samples held while the store is slow or down; past this new ones are dropped
+    (``remote_write_dropped_samples_total{reason="queue_full"}``)."""
     log_level: str = "info"
     """Logging level: critical, error, warning, info, debug."""
     log_format: str = "text"
@@ -215,6 +236,20 @@ class CollectorConfig:
                 f"sqlite_synchronous: must be one of {', '.join(SYNCHRONOUS)}, "
                 f"got {self.sqlite_synchronous!r}"
             )
+        if self.state not in STATES:
+            raise ConfigError(f"state: must be one of {', '.join(STATES)}, got {self.state!r}")
+        if self.state == "postgresql" and not self.postgres_dsn:
+            raise ConfigError('postgres_dsn: required with state = "postgresql"')
+        if not 1 <= self.postgres_pool_max <= 1000:
+            raise ConfigError(
+                f"postgres_pool_max: must be within 1..1000, got {self.postgres_pool_max}")
+        if self.remote_write_url and not self.remote_write_url.startswith(("http://",
+                                                                          "https://")):
+            raise ConfigError(f"remote_write_url: expected an http(s) URL, got "
+                              f"{self.remote_write_url!r}")
+        if not 1 <= self.remote_write_queue_samples <= 100_000_000:
+            raise ConfigError(f"remote_write_queue_samples: must be within 1..10^8, got "
+                              f"{self.remote_write_queue_samples}")
         if not 1 <= self.max_connections <= 1_000_000:
             raise ConfigError(
                 f"max_connections: must be within 1..10^6, got {self.max_connections}")

@@ -124,6 +124,24 @@ class CollectorMetrics:
                                 "Staged rows a flush could not write (left out).", registry=r)
         self.policy_errors = Counter(P + "policy_errors", "Exceptions raised by the policy.",
                                      registry=r)
+        self.store_retries = Counter(P + "store_retries", "Group commits tried again because"
+                                     " the state store was unavailable.", registry=r)
+        self.remote_write_samples = Counter(
+            P + "remote_write_samples", "GPU samples the remote-write store took.", registry=r)
+        self.remote_write_dropped = Counter(
+            P + "remote_write_dropped_samples", "GPU samples never sent to the remote-write"
+            " store, by reason (queue_full, refused, shutdown).", ["reason"], registry=r)
+        self.remote_write_retries = Counter(
+            P + "remote_write_retries", "Remote-write requests tried again.", registry=r)
+        self.remote_write_queued = Gauge(
+            P + "remote_write_queued_samples", "GPU samples waiting for remote write.",
+            registry=r)
+        self.remote_write_seconds = Histogram(
+            P + "remote_write_request_seconds", "Remote-write request duration.", registry=r)
+        self.leader = Gauge(P + "leader", "1 while this replica runs the policy (always 1"
+                            " with embedded state).", registry=r)
+        self.leader_changes = Counter(P + "leader_changes", "Times this replica became or"
+                                      " stopped being the leader.", registry=r)
         self.policy_backlog = Gauge(P + "policy_backlog_batches",
                                     "Stored batches waiting for the policy thread.", registry=r)
         self.tokens_errors = Counter(

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
+
+from support.postgres import PostgresServer, find_postgres_bin
 
 
 @pytest.fixture(scope="session")
@@ -24,6 +27,36 @@ def require_binary() -> Callable[[str], str]:
         pytest.skip(f"{name} is not installed")
 
     return find
+
+
+@pytest.fixture(scope="session")
+def postgres_server() -> Iterator[PostgresServer]:
+    """A real PostgreSQL for the session (tests/support/postgres.py); skips when its
+    binaries are missing (fails under CI)."""
+    bin_dir = find_postgres_bin()
+    if bin_dir is None:
+        if os.environ.get("CI"):
+            pytest.fail("PostgreSQL is not installed; .ci/run must install postgresql")
+        pytest.skip("PostgreSQL is not installed")
+    server = PostgresServer(bin_dir)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def state_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+                  ) -> dict[str, Any]:
+    """Run the test once per state backend: the config keys that choose it (also set for
+    every collector tests/support/collector.py starts); PostgreSQL gets an empty database
+    of its own per test."""
+    import support.collector
+
+    overrides: dict[str, Any] = {}
+    if request.param == "postgresql":
+        server: PostgresServer = request.getfixturevalue("postgres_server")
+        overrides = {"state": "postgresql", "postgres_dsn": server.database()}
+    monkeypatch.setattr(support.collector, "STATE", overrides)
+    return overrides
 
 
 SYSTEM_FOLDERS = ("e2e", "chaos", "operator", "dashboards")

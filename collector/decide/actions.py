@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 
 class ActionLog(Protocol):
-    """Where actions are recorded (the service's :class:`~..storage.store.Store`)."""
+    """Where actions are recorded (the service's :class:`~..storage.state.StateStore`)."""
 
     def record_action(
         self,

@@ -29,7 +29,7 @@ The seam for the policy and actions (``policy=``)
 ``create_app(config, store, outbound=None, *, policy=None, ...)`` takes any object with
 
 ``on_findings(findings, store, now) -> Sequence[NodeCommand] | None``
-    (``findings: Sequence[Finding]``, ``store: Store``, ``now: float`` Unix time.)
+    (``findings: Sequence[Finding]``, ``store: StateStore``, ``now: float`` Unix time.)
     Called with every newly stored finding (from agents' batches, urgent ones first, and
     from :meth:`CollectorContext.submit_findings`). Returned
     :class:`~forewarn.collector.storage.commands.NodeCommand`\\ s are queued for their agents; the
@@ -67,6 +67,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import threading
@@ -104,8 +105,16 @@ from ..jobs.jobmap import StoreJobView
 from ..metrics import CollectorMetrics
 from ..storage.commands import CommandQueue, NodeCommand
 from ..storage.datadir import check_data_dir
+from ..storage.leader import (
+    LOCAL_ORIGINS,
+    AdvisoryLockLeader,
+    FindingsFeed,
+    Leadership,
+    SoleLeader,
+)
+from ..storage.remote_write import RemoteWriter
 from ..storage.staging import StagingLog
-from ..storage.store import Store
+from ..storage.state import StateStore
 from ..storage.telemetry import TelemetryWriter
 from ..storage.upkeep import run_upkeep
 from . import statuspage
@@ -141,7 +150,7 @@ class FindingsPolicy(Protocol):
     """What :func:`create_app` needs of a policy (see the module docstring)."""
 
     def on_findings(
-        self, findings: Sequence[Finding], store: Store, now: float
+        self, findings: Sequence[Finding], store: StateStore, now: float
     ) -> Sequence[NodeCommand] | None: ...
 
 
@@ -150,7 +159,7 @@ class CollectorContext:
     """Everything a route or the policy needs; ``request.app.state.ctx``."""
 
     config: CollectorConfig
-    store: Store
+    store: StateStore
     metrics: CollectorMetrics
     commands: CommandQueue
     jobs: StoreJobView
@@ -161,6 +170,11 @@ class CollectorContext:
     policy: FindingsPolicy | None
     clock: Callable[[], float]
     loop: asyncio.AbstractEventLoop | None = None
+    series: RemoteWriter | None = None
+    """Remote write of the GPU series, when ``remote_write_url`` is set."""
+    leader: Leadership = dataclasses.field(default_factory=SoleLeader)
+    """Whether this replica decides (always, with embedded state; see
+    :mod:`~forewarn.collector.storage.leader`)."""
     _policy_pool: PolicyThread = dataclasses.field(default_factory=PolicyThread)
     _flush_wanted: asyncio.Event | None = None
     flush_error: str = ""
@@ -196,12 +210,19 @@ class CollectorContext:
         await asyncio.to_thread(write)
         for f in findings:
             self.metrics.findings.labels(f.health.value, origin.split(":")[0]).inc()
-        await self.run_policy(self._policy_findings, list(findings))
+        local = self.leader.shared and origin in LOCAL_ORIGINS
+        await self.run_policy(self._decide if local else self._policy_findings, list(findings))
 
     # -- runs on the policy thread ----------------------------------------------------
 
     def _policy_findings(self, findings: list[Finding]) -> None:
-        if self.policy is None or not findings:
+        if self.leader.shared:
+            return  # with shared state the leader reads every finding from the feed
+        self._decide(findings)
+
+    def _decide(self, findings: list[Finding]) -> None:
+        """Run findings through the policy and queue the commands it returns."""
+        if self.policy is None or not findings or not self.leader.is_leader:
             return
         try:
             out = self.policy.on_findings(findings, self.store, self.clock())
@@ -218,7 +239,7 @@ class CollectorContext:
             self._policy_backlog -= len(batches)
             self.metrics.policy_backlog.set(self._policy_backlog)
         hook = getattr(self.policy, "on_batches", None)
-        if hook is not None:
+        if hook is not None and self.leader.is_leader:
             try:
                 hook(batches, self.clock())
             except Exception:
@@ -228,7 +249,7 @@ class CollectorContext:
 
     def _policy_ack(self, ack: CommandAck, node: str) -> None:
         hook = getattr(self.policy, "on_ack", None)
-        if hook is not None:
+        if hook is not None and self.leader.is_leader:
             try:
                 hook(ack, node)
             except Exception:
@@ -343,6 +364,33 @@ async def ack_command(request: Request) -> Response:
 # -- the factory -----------------------------------------------------------------------
 
 
+FEED_INTERVAL_S = 0.2
+"""How often the leader reads new findings from shared state (adds at most this to the
+latency of a decision in the scale-out mode)."""
+
+
+async def _leader_feed(ctx: CollectorContext, feed: FindingsFeed) -> None:
+    """Shared state: while this replica leads, every finding any replica stored goes
+    through the policy (once; the cursor is saved after each group)."""
+    leading = False
+    while True:
+        await asyncio.sleep(FEED_INTERVAL_S)
+        try:
+            if not ctx.leader.is_leader:
+                leading = False
+                continue
+            if not leading:
+                await asyncio.to_thread(feed.resume)
+                leading = True
+            findings = await asyncio.to_thread(feed.take)
+            if findings:
+                await ctx.run_policy(ctx._decide, findings)
+            await asyncio.to_thread(feed.save)
+        except Exception:
+            leading = False  # resume from the saved cursor once the store answers
+            log.exception("leader feed failed; retried in %.1f s", FEED_INTERVAL_S)
+
+
 async def _periodic_flush(ctx: CollectorContext) -> None:
     assert ctx._flush_wanted is not None
     event = ctx._flush_wanted
@@ -350,6 +398,8 @@ async def _periodic_flush(ctx: CollectorContext) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(event.wait(), ctx.config.flush_interval_s)
         event.clear()
+        if not ctx.leader.is_leader:
+            continue  # shared state: the leader alone writes the Parquet export
         try:
             ctx._staged = 0
             try:
@@ -364,9 +414,22 @@ async def _periodic_flush(ctx: CollectorContext) -> None:
             log.exception("telemetry flush failed; staged samples are kept and retried")
 
 
+def _both(first: Callable[[T], None], second: Callable[[T], None]) -> Callable[[T], None]:
+    def call(arg: T) -> None:
+        first(arg)
+        second(arg)
+
+    return call
+
+
+def _leader_changed(metrics: CollectorMetrics, leader: bool) -> None:
+    metrics.leader.set(1 if leader else 0)
+    metrics.leader_changes.inc()
+
+
 def create_app(
     config: CollectorConfig,
-    store: Store,
+    store: StateStore,
     outbound: httpx.AsyncClient | None = None,
     *,
     policy: FindingsPolicy | None = None,
@@ -385,7 +448,9 @@ def create_app(
     commands = CommandQueue(store, metrics, redeliver_s=config.command_redeliver_s,
                             ttl_s=config.command_ttl_s, clock=clock)
     check_data_dir(store, config.telemetry_dir)
-    staging = StagingLog(config.data_dir / "staging")
+    # The staging log is a local file: with shared PostgreSQL state, batch bodies stay in
+    # their staged_samples rows so that any replica can flush any of them.
+    staging = StagingLog(config.data_dir / "staging") if config.state == "sqlite" else None
     telemetry = TelemetryWriter(store, config.telemetry_dir, metrics,
                                 retention_days=config.retention_days, clock=clock,
                                 staging=staging)
@@ -397,7 +462,17 @@ def create_app(
         tokens=tokens, outbound=outbound, policy=policy, clock=clock,
     )
     ctx.writer.on_stored = ctx._on_stored
+    if config.state == "postgresql":
+        ctx.leader = AdvisoryLockLeader(config.postgres_dsn,
+                                        on_change=functools.partial(_leader_changed, metrics))
+    else:
+        metrics.leader.set(1)
     ctx.writer.on_staged = telemetry.remember
+    if config.remote_write_url:
+        ctx.series = RemoteWriter(config.remote_write_url, metrics,
+                                  labels=config.remote_write_labels,
+                                  queue_samples=config.remote_write_queue_samples)
+        ctx.writer.on_staged = _both(telemetry.remember, ctx.series.on_staged)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -414,12 +489,18 @@ def create_app(
         start = getattr(policy, "start", None)
         if start is not None:
             await ctx.run_policy(start, ctx)
+        ctx.leader.start()
+        if ctx.series is not None:
+            ctx.series.start()
         flusher = asyncio.create_task(_periodic_flush(ctx))
-        upkeep = asyncio.create_task(run_upkeep(config, store, telemetry, metrics, clock))
+        tasks = [flusher, asyncio.create_task(run_upkeep(config, store, telemetry, metrics,
+                                                         clock))]
+        if ctx.leader.shared:
+            tasks.append(asyncio.create_task(_leader_feed(ctx, FindingsFeed(store))))
         try:
             yield
         finally:
-            for task in (upkeep, flusher):
+            for task in tasks:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
@@ -430,11 +511,16 @@ def create_app(
                     await ctx.run_policy(stop)
             ctx._policy_pool.shutdown(wait=True)
             try:
-                await asyncio.to_thread(telemetry.flush, max_rows=10**9)
+                if ctx.leader.is_leader:
+                    await asyncio.to_thread(telemetry.flush, max_rows=10**9)
             except Exception:
                 log.exception("final telemetry flush failed; samples stay staged")
+            await asyncio.to_thread(ctx.leader.stop)  # after the flush it did as leader
+            if ctx.series is not None:
+                await asyncio.to_thread(ctx.series.stop)
             commands.bind_loop(None)
-            staging.close()
+            if staging is not None:
+                staging.close()
             telemetry.drop_segments()  # the last segment, now closed, if fully flushed
 
     routes: list[BaseRoute] = [

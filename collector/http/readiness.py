@@ -6,8 +6,14 @@ not); ``/readyz`` is readiness: JSON ``{"ready": bool, "service": "collector",
 component is not ready:
 
 * ``storage``: a small file can be written and fsync'd in ``data_dir`` (disk full,
-  read-only or missing directory) and the database answers;
+  read-only or missing directory) and the database answers (not ready while ingest
+  retries its commits because the state store was unavailable, e.g. PostgreSQL
+  restarting: ``detail`` names the error);
 * ``ingest``: the group-commit writer thread runs (with its queue length);
+* ``leader``: whether this replica runs the policy (always ready: a follower serves
+  ingest, reads and long polls; see :mod:`~forewarn.collector.storage.leader`);
+* ``remote_write``: the series queue and the last error (always ready: samples wait in
+  a bounded queue or are dropped and counted, ingest never waits for the series store);
 * ``telemetry_flush``: the last staging-to-Parquet flush worked (its error otherwise,
   with the samples still staged).
 
@@ -23,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ..storage.remote_write import status as remote_write_status
 from .api import ctx_of, json_response
 
 if TYPE_CHECKING:
@@ -45,8 +52,12 @@ def _storage(ctx: CollectorContext) -> dict[str, Any]:
             path.unlink(missing_ok=True)
         ctx.store.scalar("SELECT 1")
     except Exception as exc:  # any failure is the answer, never a 500
-        return {"ready": False, "detail": f"{ctx.config.data_dir}: {exc}"}
-    return {"ready": True, "detail": f"{ctx.config.data_dir} writable"}
+        return {"ready": False, "detail": f"{ctx.config.data_dir}, {ctx.store.location}: {exc}"}
+    if ctx.writer.store_error:  # answered again, but the last commit attempt failed
+        return {"ready": False, "detail": f"{ctx.store.location}: commits retried after "
+                                          f"{ctx.writer.store_error}"}
+    return {"ready": True, "detail": f"{ctx.config.data_dir} writable, state at "
+                                     f"{ctx.store.location}"}
 
 
 def collector_readiness(ctx: CollectorContext) -> dict[str, Any]:
@@ -61,6 +72,8 @@ def collector_readiness(ctx: CollectorContext) -> dict[str, Any]:
         "storage": _storage(ctx),
         "ingest": {"ready": alive, "queued": ctx.writer.queued,
                    "detail": "writer thread running" if alive else "writer thread stopped"},
+        "leader": {"ready": True, **ctx.leader.status()},
+        "remote_write": remote_write_status(ctx.series),
         "telemetry_flush": {
             "ready": not flush_error, "staged_samples": staged, "last_flush": ctx.flush_time,
             "detail": flush_error or ("last flush ok" if ctx.flush_time else "no flush yet")},

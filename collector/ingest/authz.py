@@ -33,12 +33,13 @@ stored.
 from __future__ import annotations
 
 import collections
-import sqlite3
 
 import msgspec
 
 from forewarn.errors import InputError
 from forewarn.wire import AgentBatch, Health, RankSummary
+
+from ..storage.state import Transaction
 
 __all__ = ["RANK_TAKEOVER_S", "NotYourJob", "authorise_batch"]
 
@@ -53,11 +54,11 @@ class NotYourJob(InputError, ValueError):
     """A record acts on a job or rank the sending node does not host."""
 
 
-def _holders(conn: sqlite3.Connection, jobs: set[str]) -> dict[tuple[str, int], _Holder]:
+def _holders(conn: Transaction, jobs: set[str]) -> dict[tuple[str, int], _Holder]:
     out: dict[tuple[str, int], _Holder] = {}
     for job in sorted(jobs):
         for row in conn.execute("SELECT rank, node, alive, updated FROM ranks WHERE job = ?",
-                                (job,)):
+                                (job,)).fetchall():
             out[(job, int(row[0]))] = (str(row[1]), bool(row[2]), float(row[3]))
     return out
 
@@ -74,7 +75,7 @@ def _claim(r: RankSummary, holder: _Holder | None, node: str, now: float) -> str
     return "rank_held"
 
 
-def authorise_batch(conn: sqlite3.Connection, batch: AgentBatch, now: float
+def authorise_batch(conn: Transaction, batch: AgentBatch, now: float
                     ) -> tuple[AgentBatch, dict[str, int]]:
     """``batch`` without the records its node may not apply, and how many were ignored
     by reason; raises :class:`NotYourJob` for a record acting on another node's job."""

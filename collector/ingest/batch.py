@@ -35,7 +35,6 @@ import json
 import logging
 import math
 import re
-import sqlite3
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -61,7 +60,7 @@ from forewarn.wire import (
 from ..jobs.jobmap import apply_checkpoints, apply_ranks
 from ..metrics import CollectorMetrics
 from ..storage.staging import StagingLog
-from ..storage.store import Store
+from ..storage.state import StateStore, Transaction
 from .authz import NotYourJob, authorise_batch
 
 __all__ = ["CheckedBatch", "IngestError", "IngestResult", "IngestWriter", "Refusal",
@@ -338,7 +337,7 @@ _WORST_HEALTH = (
 )
 
 
-def store_findings(conn: sqlite3.Connection, findings: Sequence[Finding], *, node: str,
+def store_findings(conn: Transaction, findings: Sequence[Finding], *, node: str,
                    origin: str, received: float) -> None:
     """Insert findings (inside the caller's transaction); GPU findings set GPU health."""
     if not findings:
@@ -382,7 +381,7 @@ ON CONFLICT (node) DO UPDATE SET agent_id=excluded.agent_id, last_seen=excluded.
 """
 
 
-def _write_batch(conn: sqlite3.Connection, batch: AgentBatch, body: bytes, received: float,
+def _write_batch(conn: Transaction, batch: AgentBatch, body: bytes, received: float,
                  address: str, ref: tuple[int, int, int] | None = None
                  ) -> tuple[bool, int | None]:
     """Store one batch; (stored, id of its staged_samples row). ``ref`` is where the
@@ -406,7 +405,7 @@ def _write_batch(conn: sqlite3.Connection, batch: AgentBatch, body: bytes, recei
     if batch.samples:
         segment, offset, length = ref if ref is not None else (None, None, None)
         staged = conn.execute(
-            "INSERT INTO staged_samples (agent_id, seq, samples, body, segment, offset, length)"
+            "INSERT INTO staged_samples (agent_id, seq, samples, body, segment, \"offset\", length)"
             " VALUES (?, ?, ?, ?, ?, ?, ?)",
             (batch.agent_id, batch.seq, len(batch.samples), b"" if ref else body, segment,
              offset, length))
@@ -456,7 +455,7 @@ class IngestWriter:
 
     def __init__(
         self,
-        store: Store,
+        store: StateStore,
         metrics: CollectorMetrics,
         *,
         group_max: int = 256,
@@ -465,8 +464,12 @@ class IngestWriter:
         staging: StagingLog | None = None,
         clock: Callable[[], float] = time.time,
         quarantine_dir: Path | None = None,
+        retry_s: float = 5.0,
     ) -> None:
         self.store = store
+        self.retry_s = retry_s
+        self.store_error = ""
+        """Why the store refused the last commit attempt ("" once one worked), for /readyz."""
         self.quarantine_dir = quarantine_dir
         self.metrics = metrics
         self.group_max = group_max
@@ -564,39 +567,14 @@ class IngestWriter:
 
     def _commit(self, group: list[_Item]) -> None:
         started = time.perf_counter()
-        results: list[IngestResult] = []
-        staged: list[tuple[int, str, int, list[GpuSample]]] = []
         refs: dict[int, tuple[int, int, int]] = {}
-        ignored: dict[int, dict[str, int]] = {}  # records not applied, by reason
         try:
             if self.staging is not None:
                 # Bodies first, one fsync for the group; the transaction then points at them.
                 with_samples = [i for i, item in enumerate(group) if item.batch.samples]
                 written = self.staging.append([group[i].body for i in with_samples])
                 refs = dict(zip(with_samples, written, strict=True))
-            with self.store.write() as conn:
-                for index, item in enumerate(group):
-                    conn.execute("SAVEPOINT b")
-                    try:
-                        # Jobs are authorised against the map this transaction writes.
-                        item.batch, ignored[index] = authorise_batch(conn, item.batch,
-                                                                     item.received)
-                        stored, staged_id = _write_batch(conn, item.batch, item.body,
-                                                         item.received, item.address,
-                                                         refs.get(index))
-                    except sqlite3.OperationalError:
-                        raise  # the store's own trouble (disk, lock): the whole group
-                    except Exception as exc:  # this batch's own: it alone is refused
-                        conn.execute("ROLLBACK TO b")
-                        conn.execute("RELEASE b")
-                        results.append(IngestResult.DUPLICATE)  # placeholder; future done
-                        item.future.set_exception(self._refuse(item, exc))
-                        continue
-                    conn.execute("RELEASE b")
-                    if staged_id is not None:
-                        staged.append((staged_id, item.batch.agent_id, item.batch.seq,
-                                       item.batch.samples))
-                    results.append(IngestResult.STORED if stored else IngestResult.DUPLICATE)
+            results, staged, ignored = self._write_retrying(group, refs)
         except Exception as exc:
             log.exception("group commit of %d batches failed", len(group))
             for item in group:
@@ -604,6 +582,70 @@ class IngestWriter:
                     item.future.set_exception(
                         IngestError(503, "store", f"store unavailable: {exc}"))
             return
+        self._committed(group, results, staged, ignored, started)
+
+    def _write_retrying(self, group: list[_Item], refs: dict[int, tuple[int, int, int]]
+                        ) -> tuple[list[IngestResult], list[tuple[int, str, int, list[GpuSample]]],
+                                   dict[int, dict[str, int]]]:
+        """:meth:`_write`, tried again while the store is unavailable (a database restart,
+        a lost connection) with a bounded backoff for up to ``retry_s``; then it raises and
+        the agents keep the batches in their spools."""
+        deadline = time.monotonic() + self.retry_s
+        delay = 0.05
+        while True:
+            try:
+                return self._write(group, refs)
+            except self.store.unavailable as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                self.metrics.store_retries.inc()
+                self.store_error = f"{type(exc).__name__}: {exc}"[:500]
+                log.warning("store unavailable (%s); group commit retried in %.2f s",
+                            self.store_error, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    def _write(self, group: list[_Item], refs: dict[int, tuple[int, int, int]]
+               ) -> tuple[list[IngestResult], list[tuple[int, str, int, list[GpuSample]]],
+                          dict[int, dict[str, int]]]:
+        """One transaction for the group; per batch: its result (a placeholder for one
+        refused, whose future is then done), its staged row, what was ignored of it."""
+        results: list[IngestResult] = []
+        staged: list[tuple[int, str, int, list[GpuSample]]] = []
+        ignored: dict[int, dict[str, int]] = {}  # records not applied, by reason
+        with self.store.write() as conn:
+            for index, item in enumerate(group):
+                if item.future.done():  # refused in an attempt cut short: answered
+                    results.append(IngestResult.DUPLICATE)
+                    continue
+                conn.execute("SAVEPOINT b")
+                try:
+                    # Jobs are authorised against the map this transaction writes.
+                    item.batch, ignored[index] = authorise_batch(conn, item.batch,
+                                                                 item.received)
+                    stored, staged_id = _write_batch(conn, item.batch, item.body,
+                                                     item.received, item.address,
+                                                     refs.get(index))
+                except self.store.unavailable:
+                    raise  # the store's own trouble (disk, lock): the whole group
+                except Exception as exc:  # this batch's own: it alone is refused
+                    conn.execute("ROLLBACK TO b")
+                    conn.execute("RELEASE b")
+                    results.append(IngestResult.DUPLICATE)  # placeholder; future done
+                    item.future.set_exception(self._refuse(item, exc))
+                    continue
+                conn.execute("RELEASE b")
+                if staged_id is not None:
+                    staged.append((staged_id, item.batch.agent_id, item.batch.seq,
+                                   item.batch.samples))
+                results.append(IngestResult.STORED if stored else IngestResult.DUPLICATE)
+        self.store_error = ""
+        return results, staged, ignored
+
+    def _committed(self, group: list[_Item], results: list[IngestResult],
+                   staged: list[tuple[int, str, int, list[GpuSample]]],
+                   ignored: dict[int, dict[str, int]], started: float) -> None:
+        """After the commit: metrics, the futures, the hooks."""
         self.metrics.commit_seconds.observe(time.perf_counter() - started)
         if staged and self.on_staged is not None:
             self.on_staged(staged)  # committed: the flush may use the decoded samples

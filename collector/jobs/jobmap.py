@@ -11,13 +11,12 @@ The ``apply_*`` functions run inside the ingest transaction; the queries read.
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
 from forewarn.wire import CheckpointReport, RankSummary
 
-from ..storage.store import Store
+from ..storage.state import StateStore, Transaction
 from .jobview import JobInfo
 
 __all__ = [
@@ -76,7 +75,7 @@ def _spoke(r: RankSummary) -> float:
     return max(r.last_beat or 0.0, r.last_step_time or 0.0)
 
 
-def current_round(conn: sqlite3.Connection, ranks: Sequence[RankSummary]
+def current_round(conn: Transaction, ranks: Sequence[RankSummary]
                   ) -> list[RankSummary]:
     """Apply the job's round to its rows, returning the summaries still worth storing.
 
@@ -97,7 +96,7 @@ def current_round(conn: sqlite3.Connection, ranks: Sequence[RankSummary]
     return out
 
 
-def apply_ranks(conn: sqlite3.Connection, ranks: Sequence[RankSummary], now: float) -> None:
+def apply_ranks(conn: Transaction, ranks: Sequence[RankSummary], now: float) -> None:
     """Upsert rank rows and their jobs (inside the caller's transaction)."""
     ranks = current_round(conn, ranks)
     if not ranks:
@@ -121,7 +120,7 @@ def apply_ranks(conn: sqlite3.Connection, ranks: Sequence[RankSummary], now: flo
     ])
 
 
-def apply_checkpoints(conn: sqlite3.Connection, node: str,
+def apply_checkpoints(conn: Transaction, node: str,
                       reports: Sequence[CheckpointReport]) -> None:
     """Store checkpoint reports; a ``done`` report advances the job's last checkpoint."""
     if not reports:
@@ -153,7 +152,7 @@ def apply_checkpoints(conn: sqlite3.Connection, node: str,
         )
 
 
-def jobs_on(store: Store, node: str, gpu: int | None = None) -> list[str]:
+def jobs_on(store: StateStore, node: str, gpu: int | None = None) -> list[str]:
     """Jobs with a rank on ``node`` (on GPU ``gpu`` when given; a rank whose GPU is
     unknown counts as on every GPU of its node)."""
     if gpu is None:
@@ -165,7 +164,7 @@ def jobs_on(store: Store, node: str, gpu: int | None = None) -> list[str]:
     return [str(r["job"]) for r in rows]
 
 
-def job_nodes(store: Store, job: str) -> list[str]:
+def job_nodes(store: StateStore, job: str) -> list[str]:
     """Nodes that run at least one rank of ``job``: where its checkpoint order must go."""
     rows = store.query("SELECT DISTINCT node FROM ranks WHERE job = ? ORDER BY node", (job,))
     return [str(r["node"]) for r in rows]
@@ -177,17 +176,18 @@ SELECT j.*, COUNT(r.rank) AS ranks, COUNT(DISTINCT r.node) AS nodes,
 FROM jobs j LEFT JOIN ranks r ON r.job = j.job GROUP BY j.job ORDER BY j.job
 """
 
-_JOB_HEALTH = """
-SELECT r.job, MAX(CASE WHEN g.node IS NULL THEN 1 WHEN g.state != 'ok' THEN 3
+_GPU_SEVERITY = """
+SELECT r.job, CASE WHEN g.node IS NULL THEN 1 WHEN g.state != 'ok' THEN 3
     WHEN g.health = 'unhealthy' THEN 3 WHEN g.health = 'degraded' THEN 2
-    WHEN g.health = 'healthy' THEN 0 ELSE 1 END) AS severity,
-    r.node || '/' || r.gpu AS worst_gpu
+    WHEN g.health = 'healthy' THEN 0 ELSE 1 END AS severity,
+    r.node || '/' || r.gpu AS gpu
 FROM ranks r LEFT JOIN gpus g ON g.node = r.node AND g.gpu = r.gpu
-WHERE r.gpu IS NOT NULL GROUP BY r.job
+WHERE r.gpu IS NOT NULL ORDER BY r.job, r.rank
 """
-"""Per job, its worst GPU (SQLite takes the bare ``worst_gpu`` from the row holding the
-MAX): a GPU that stopped answering is unhealthy whatever its checks last said, a GPU
-nothing is known about yet is unknown (the same rule as the status page's grid)."""
+"""The severity of every job's GPUs: a GPU that stopped answering is unhealthy whatever
+its checks last said, a GPU nothing is known about yet is unknown (the same rule as the
+status page's grid). The worst per job is picked in Python (a bare column beside MAX is
+SQLite's, not PostgreSQL's)."""
 
 _HEALTH_OF = ("healthy", "unknown", "degraded", "unhealthy")
 
@@ -200,21 +200,31 @@ def _state(alive: int, finished: int, ranks: int) -> str:
     return "finished" if ranks > 0 and finished == ranks else "stopped"
 
 
-def list_jobs(store: Store) -> list[dict[str, Any]]:
+def _worst_gpus(store: StateStore) -> dict[str, tuple[int, str]]:
+    """Per job, (severity, ``node/gpu``) of its worst GPU (the lowest rank's on a tie)."""
+    worst: dict[str, tuple[int, str]] = {}
+    for r in store.query(_GPU_SEVERITY):
+        job, severity = str(r["job"]), int(r["severity"])
+        if job not in worst or severity > worst[job][0]:
+            worst[job] = (severity, str(r["gpu"]))
+    return worst
+
+
+def list_jobs(store: StateStore) -> list[dict[str, Any]]:
     """Every job with its rank and node counts, its ``state`` (:func:`_state`), ranks
     ``alive`` and ``finished``, and ``health``: the worst of its GPUs' (``worst_gpu`` names
     one, ``node/gpu``)."""
-    health = {str(r["job"]): r for r in store.query(_JOB_HEALTH)}
+    worst = _worst_gpus(store)
     rows = store.query(_JOB_LIST)
     for row in rows:
-        h = health.get(str(row["job"]))
+        h = worst.get(str(row["job"]))
         row["state"] = _state(int(row["alive"]), int(row["finished"]), int(row["ranks"]))
-        row["health"] = _HEALTH_OF[int(h["severity"])] if h is not None else "unknown"
-        row["worst_gpu"] = str(h["worst_gpu"]) if h is not None else ""
+        row["health"] = _HEALTH_OF[h[0]] if h is not None else "unknown"
+        row["worst_gpu"] = h[1] if h is not None else ""
     return rows
 
 
-def job_detail(store: Store, job: str) -> dict[str, Any] | None:
+def job_detail(store: StateStore, job: str) -> dict[str, Any] | None:
     """One job, its ranks (node, GPU, progress) and its latest checkpoint reports."""
     rows = store.query("SELECT * FROM jobs WHERE job = ?", (job,))
     if not rows:
@@ -242,7 +252,7 @@ class StoreJobView:
     """The job map in SQLite as a :class:`forewarn.collector.jobs.jobview.JobView` (what the
     policy and the order book read). Snapshots; safe from any thread."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: StateStore) -> None:
         self.store = store
 
     def jobs_on(self, node: str, gpu: int | None = None) -> list[str]:
@@ -258,7 +268,7 @@ class StoreJobView:
 
     def node_count(self) -> int:
         return int(self.store.scalar(
-            "SELECT COUNT(*) FROM (SELECT node FROM nodes UNION SELECT node FROM ranks)") or 0)
+            "SELECT COUNT(*) FROM (SELECT node FROM nodes UNION SELECT node FROM ranks) AS u") or 0)
 
     def job_count(self) -> int:
         return int(self.store.scalar("SELECT COUNT(DISTINCT job) FROM ranks") or 0)

@@ -22,7 +22,7 @@ import msgspec
 from forewarn.wire import CheckpointOrder, Command, CommandAck, decode, encode
 
 from ..metrics import CollectorMetrics
-from .store import Store
+from .state import StateStore
 
 __all__ = ["CommandQueue", "NodeCommand"]
 
@@ -39,7 +39,7 @@ class CommandQueue:
 
     def __init__(
         self,
-        store: Store,
+        store: StateStore,
         metrics: CollectorMetrics,
         *,
         redeliver_s: float = 30.0,
@@ -55,6 +55,7 @@ class CommandQueue:
         self._events: dict[str, asyncio.Event] = {}
         self._closing = False
         self._refresh_pending()
+        store.watch_commands(self._wake)  # commands queued by another replica
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop | None) -> None:
         """Tell the queue which event loop runs the long polls (set at app start-up)."""

@@ -23,7 +23,8 @@ from pathlib import Path
 from forewarn.files import fsync_dir
 
 from ..metrics import CollectorMetrics
-from .store import Store, StoreError
+from .state import StateStore
+from .store import StoreError
 
 __all__ = ["DataDirError", "Quarantine", "check_data_dir", "data_sizes"]
 
@@ -61,7 +62,7 @@ class Quarantine:
         return target
 
 
-def check_data_dir(store: Store, telemetry_dir: Path) -> None:
+def check_data_dir(store: StateStore, telemetry_dir: Path) -> None:
     """Raise :class:`DataDirError` when ``store`` knows nothing (a missing, empty or
     replaced database) but ``telemetry_dir`` holds Parquet files.
 
@@ -77,11 +78,11 @@ def check_data_dir(store: Store, telemetry_dir: Path) -> None:
     if known:
         return
     raise DataDirError(
-        f"{store.path} records no telemetry and no batches, but {telemetry_dir} holds "
+        f"{store.location} records no telemetry and no batches, but {telemetry_dir} holds "
         f"{parquet} Parquet files: the database is missing, empty or not the one this data "
         "belongs to. Nothing was moved or deleted. Restore the collector.db that belongs "
         "to this data (with its -wal file, replacing the empty one), or, to start empty "
-        f"and keep the old data aside, move {telemetry_dir} out of {store.path.parent}.")
+        f"and keep the old data aside, move {telemetry_dir} out of the data directory.")
 
 
 def data_sizes(data_dir: Path) -> dict[str, int]:

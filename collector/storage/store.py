@@ -18,11 +18,13 @@ import contextlib
 import json
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from forewarn.errors import StorageError
+
+from .state import RecordsMixin, Transaction
 
 __all__ = ["MIGRATIONS", "Store", "StoreError"]
 
@@ -158,8 +160,11 @@ _KEYS = {"batches": "agent_id, seq", "gpus": "node, gpu", "ranks": "job, rank"}
 """Primary keys of the ``WITHOUT ROWID`` tables (the others are deleted by rowid)."""
 
 
-class Store:
-    """SQLite (WAL) database of the collector. Thread-safe; see the module docstring."""
+class Store(RecordsMixin):
+    """SQLite (WAL) database of the collector, a :class:`~.state.StateStore`. Thread-safe;
+    see the module docstring."""
+
+    unavailable: tuple[type[BaseException], ...] = (sqlite3.OperationalError,)
 
     def __init__(self, path: Path, *, synchronous: str = "FULL") -> None:
         self.path = Path(path)
@@ -205,11 +210,15 @@ class Store:
                     raise
 
     @property
+    def location(self) -> str:
+        return str(self.path)
+
+    @property
     def schema_version(self) -> int:
         return int(self._reader().execute("PRAGMA user_version").fetchone()[0])
 
     @contextlib.contextmanager
-    def write(self) -> Iterator[sqlite3.Connection]:
+    def write(self) -> Iterator[Transaction]:
         """One write transaction (``BEGIN IMMEDIATE`` ... ``COMMIT``, rolled back on error).
 
         Only one writer at a time across threads; keep the body short.
@@ -241,48 +250,8 @@ class Store:
         row = self._reader().execute(sql, params).fetchone()
         return None if row is None else row[0]
 
-    # -- records the policy and actions write -------------------------------------------
-
-    def record_action(
-        self,
-        *,
-        time: float,
-        kind: str,
-        subject: str = "",
-        job: str = "",
-        node: str = "",
-        status: str,
-        shadow: bool = False,
-        detail: dict[str, Any] | None = None,
-    ) -> int:
-        """Store one action (taken, withheld or shadowed); returns its id."""
-        with self.write() as conn:
-            cur = conn.execute(
-                "INSERT INTO actions (time, kind, subject, job, node, status, shadow, detail)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (time, kind, subject, job, node, status, int(shadow),
-                 json.dumps(detail or {}, default=str)),
-            )
-            return int(cur.lastrowid or 0)
-
-    def record_decision(
-        self,
-        *,
-        time: float,
-        job: str = "",
-        subject: str = "",
-        decision: str,
-        reason: str,
-        inputs: dict[str, Any],
-    ) -> int:
-        """Store one policy decision with every input it used, so it can be explained."""
-        with self.write() as conn:
-            cur = conn.execute(
-                "INSERT INTO decisions (time, job, subject, decision, reason, inputs)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (time, job, subject, decision, reason, json.dumps(inputs, default=str)),
-            )
-            return int(cur.lastrowid or 0)
+    def watch_commands(self, wake: Callable[[str], None]) -> None:
+        """Nothing to watch: the embedded store has one process, which wakes its own polls."""
 
     def prune(self, before: float, *, chunk: int = 1000) -> dict[str, int]:
         """Delete what is older than ``before`` (Unix time); returns the rows deleted per table.
@@ -310,7 +279,8 @@ class Store:
         key = _KEYS.get(table, "rowid")
         total = 0
         while True:
-            with self.write() as conn:
+            with self.write() as tx:
+                conn = cast("sqlite3.Connection", tx)  # named parameters: SQLite's own
                 n = conn.execute(
                     f"DELETE FROM {table} WHERE ({key}) IN"
                     f" (SELECT {key} FROM {table} WHERE {where} LIMIT {int(chunk)})",

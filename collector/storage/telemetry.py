@@ -47,7 +47,7 @@ from forewarn.wire import DECODE_ERRORS, GpuSample, encode
 from ..metrics import CollectorMetrics
 from .datadir import Quarantine
 from .staging import StagingError, StagingLog
-from .store import Store
+from .state import StateStore
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -242,7 +242,7 @@ def _day(t: float) -> str:
 class TelemetryWriter:
     """Moves staged samples to daily Parquet partitions; prunes old days; reads history."""
 
-    def __init__(self, store: Store, root: Path, metrics: CollectorMetrics, *,
+    def __init__(self, store: StateStore, root: Path, metrics: CollectorMetrics, *,
                  retention_days: int = 30, clock: Callable[[], float] = time.time,
                  cache_max_samples: int = 500_000, staging: StagingLog | None = None,
                  quarantine_dir: Path | None = None) -> None:
@@ -350,7 +350,7 @@ class TelemetryWriter:
         out: set[tuple[str, int]] = set()
         sizes: dict[int, int] = {}
         for r in self.store.query(
-                "SELECT agent_id, seq, segment, offset, length FROM staged_samples"):
+                "SELECT agent_id, seq, segment, \"offset\", length FROM staged_samples"):
             segment = r["segment"]
             if segment is not None:
                 if self.staging is None:
@@ -453,7 +453,7 @@ class TelemetryWriter:
         for staged_id in ids:
             entry_ = cached.get(staged_id)
             if entry_ is None:  # not decoded in this process (e.g. staged before a restart)
-                row = self.store.query("SELECT agent_id, seq, body, segment, offset, length"
+                row = self.store.query("SELECT agent_id, seq, body, segment, \"offset\", length"
                                        " FROM staged_samples WHERE id = ?", (staged_id,))[0]
                 try:
                     got = self._samples_of(row)
@@ -663,7 +663,7 @@ class TelemetryWriter:
             agents: list[str] = []
             seqs: list[int] = []
             for row in self.store.query(
-                    "SELECT agent_id, seq, body, segment, offset, length FROM staged_samples"
+                    "SELECT agent_id, seq, body, segment, \"offset\", length FROM staged_samples"
                     " ORDER BY id"):
                 got = self._samples_of(row)
                 samples.extend(got)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from ..config import CollectorConfig
 from ..metrics import CollectorMetrics
 from .datadir import data_sizes
-from .store import Store
+from .state import StateStore
 from .telemetry import TelemetryWriter
 
 __all__ = ["apply_retention", "run_upkeep"]
@@ -28,7 +28,7 @@ __all__ = ["apply_retention", "run_upkeep"]
 log = logging.getLogger(__name__)
 
 
-def apply_retention(config: CollectorConfig, store: Store, telemetry: TelemetryWriter,
+def apply_retention(config: CollectorConfig, store: StateStore, telemetry: TelemetryWriter,
                     metrics: CollectorMetrics, now: float) -> dict[str, int]:
     """One retention pass at Unix time ``now``; returns the rows pruned per table."""
     telemetry.prune(now)
@@ -43,7 +43,7 @@ def apply_retention(config: CollectorConfig, store: Store, telemetry: TelemetryW
     return counts
 
 
-async def run_upkeep(config: CollectorConfig, store: Store, telemetry: TelemetryWriter,
+async def run_upkeep(config: CollectorConfig, store: StateStore, telemetry: TelemetryWriter,
                      metrics: CollectorMetrics, clock: Callable[[], float]) -> None:
     """Retention and scrub on their intervals, the first of each at once; runs until
     cancelled."""

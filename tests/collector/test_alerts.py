@@ -24,6 +24,8 @@ from support.collector import (
 )
 from support.polling import poll
 
+pytestmark = pytest.mark.usefixtures("state_backend")  # both state backends
+
 
 def am_payload(*alerts: dict[str, Any], status: str = "firing") -> dict[str, Any]:
     """An Alertmanager webhook body (version 4)."""

@@ -22,6 +22,8 @@ from forewarn.wire import (
 from support.collector import TOKENS, Service, ranks_on, start_service, stop_service
 from support.polling import poll
 
+pytestmark = pytest.mark.usefixtures("state_backend")  # both state backends
+
 MSGPACK = {"content-type": "application/msgpack"}
 
 

@@ -23,7 +23,7 @@ from forewarn.collector.http.app import create_app
 from forewarn.collector.http.auth import TokenRegistry, hash_token
 from forewarn.collector.jobs.jobmap import StoreJobView
 from forewarn.collector.storage.commands import NodeCommand
-from forewarn.collector.storage.store import Store
+from forewarn.collector.storage.state import StateStore, open_state
 from forewarn.wire import (
     AgentBatch,
     CheckpointOrder,
@@ -40,6 +40,10 @@ from forewarn.wire import (
     encode,
     encode_json,
 )
+
+import support.collector
+
+pytestmark = pytest.mark.usefixtures("state_backend")  # both state backends
 
 TOKENS = {"node1": "token-one-0123456789", "node2": "token-two-0123456789"}
 MSGPACK = {"content-type": "application/msgpack"}
@@ -66,7 +70,7 @@ def batch(node: str, seq: int, *, agent: str = "", n: int = 2, gpus: int = 2,
 @dataclasses.dataclass
 class Running:
     url: str
-    store: Store
+    store: StateStore
     config: CollectorConfig
     app: Any
     client: httpx.Client
@@ -100,7 +104,7 @@ class RecordingPolicy:
     def on_ack(self, ack: CommandAck, node: str) -> None:
         self.acks.append((ack.id, node))
 
-    def on_findings(self, findings: Sequence[Finding], store: Store, now: float
+    def on_findings(self, findings: Sequence[Finding], store: StateStore, now: float
                     ) -> list[NodeCommand]:
         self.seen.extend(findings)
         out = []
@@ -121,8 +125,8 @@ def start(tmp_path: Path, policy: Any = None, **overrides: Any) -> tuple[ServerT
     cfg = CollectorConfig(listen="127.0.0.1:0", data_dir=tmp_path / "data",
                           tokens_file=tmp_path / "none.toml", flush_interval_s=3600,
                           command_redeliver_s=overrides.pop("command_redeliver_s", 30.0),
-                          **overrides)
-    store = Store(cfg.db_path)
+                          **{**support.collector.STATE, **overrides})
+    store = open_state(cfg)
     app = create_app(cfg, store, policy=policy, tokens=TokenRegistry(tokens=TOKENS))
     server = ServerThread(app, cfg).start()
     client = httpx.Client(base_url=server.url, timeout=30)
@@ -381,7 +385,7 @@ class FailingPolicy:
         self.release.wait(30)
         self.batches += len(batches)
 
-    def on_findings(self, findings: Sequence[Finding], store: Store, now: float) -> None:
+    def on_findings(self, findings: Sequence[Finding], store: StateStore, now: float) -> None:
         raise RuntimeError("policy bug")
 
 

@@ -5,14 +5,18 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pyarrow.parquet as pq
 import pytest
 
+from forewarn.collector.config import CollectorConfig
 from forewarn.collector.ingest.batch import IngestResult, IngestWriter
 from forewarn.collector.metrics import CollectorMetrics
 from forewarn.collector.storage.staging import StagingLog
+from forewarn.collector.storage.state import StateStore, open_state
 from forewarn.collector.storage.store import MIGRATIONS, Store, StoreError
 from forewarn.collector.storage.telemetry import COLUMNS, TelemetryWriter
 from forewarn.wire import AgentBatch, GpuSample, NvlinkCounters
@@ -29,7 +33,7 @@ def batch(seq: int, t: float, n: int = 3, node: str = "n1") -> AgentBatch:
                   nvlink=links, unsupported=("pstate", "power_w")) for g in range(n)])
 
 
-def ingest(store: Store, tel: TelemetryWriter, *batches: AgentBatch) -> list[IngestResult]:
+def ingest(store: StateStore, tel: TelemetryWriter, *batches: AgentBatch) -> list[IngestResult]:
     writer = IngestWriter(store, tel.metrics, on_staged=tel.remember, staging=tel.staging)
     writer.start()
     try:
@@ -46,10 +50,14 @@ def _encode(b: AgentBatch) -> bytes:
 
 
 @pytest.fixture
-def parts(tmp_path: Path) -> tuple[Store, TelemetryWriter]:
-    store = Store(tmp_path / "c.db")
-    return store, TelemetryWriter(store, tmp_path / "telemetry", CollectorMetrics(),
+def parts(tmp_path: Path, state_backend: dict[str, Any]
+          ) -> Iterator[tuple[StateStore, TelemetryWriter]]:
+    """The state store (SQLite, then PostgreSQL: the tests using this run on both) and a
+    telemetry writer without a staging log (bodies in the staged rows)."""
+    store = open_state(CollectorConfig(data_dir=tmp_path, **state_backend))
+    yield store, TelemetryWriter(store, tmp_path / "telemetry", CollectorMetrics(),
                                   retention_days=7, clock=lambda: T0 + 10 * DAY)
+    store.close()
 
 
 def test_migrations_set_user_version_and_refuse_a_newer_schema(tmp_path: Path) -> None:
@@ -66,7 +74,7 @@ def test_migrations_set_user_version_and_refuse_a_newer_schema(tmp_path: Path) -
 
 
 def test_flush_writes_daily_parquet_once_with_the_replay_columns(
-        parts: tuple[Store, TelemetryWriter]) -> None:
+        parts: tuple[StateStore, TelemetryWriter]) -> None:
     store, tel = parts
     results = ingest(store, tel, batch(0, T0), batch(1, T0 + DAY), batch(1, T0 + DAY),
                      batch(2, T0 + DAY + 5))
@@ -97,7 +105,7 @@ def test_flush_without_the_in_memory_copy_reads_staging(tmp_path: Path) -> None:
 
 
 def test_concurrent_flushes_never_write_a_sample_twice(
-        parts: tuple[Store, TelemetryWriter]) -> None:
+        parts: tuple[StateStore, TelemetryWriter]) -> None:
     store, tel = parts
     ingest(store, tel, *(batch(i, T0 + i) for i in range(40)))
     threads = [threading.Thread(target=tel.flush, kwargs={"max_rows": 20}) for _ in range(4)]
@@ -112,7 +120,7 @@ def test_concurrent_flushes_never_write_a_sample_twice(
 
 
 def test_recover_drops_files_a_crash_left_unrecorded(
-        parts: tuple[Store, TelemetryWriter]) -> None:
+        parts: tuple[StateStore, TelemetryWriter]) -> None:
     store, tel = parts
     ingest(store, tel, batch(0, T0))
     tel.flush()
@@ -133,7 +141,7 @@ def test_recover_drops_files_a_crash_left_unrecorded(
     assert sorted(df["seq"]) == [0, 0, 0, 1, 1, 1]
 
 
-def test_retention_prunes_old_days_and_rows(parts: tuple[Store, TelemetryWriter]) -> None:
+def test_retention_prunes_old_days_and_rows(parts: tuple[StateStore, TelemetryWriter]) -> None:
     store, tel = parts
     ingest(store, tel, batch(0, T0), batch(1, T0 + 9 * DAY))
     tel.flush()
@@ -170,7 +178,7 @@ def test_staging_log_holds_bodies_until_flushed_then_segments_go(tmp_path: Path)
 
 
 def test_compaction_merges_a_finished_day_into_one_file(
-        parts: tuple[Store, TelemetryWriter]) -> None:
+        parts: tuple[StateStore, TelemetryWriter]) -> None:
     store, tel = parts
     for i in range(4):  # four flushes, four files for the same day
         ingest(store, tel, batch(i, T0 + i))

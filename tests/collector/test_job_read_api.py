@@ -43,6 +43,7 @@ def _jobs(svc: Any) -> dict[str, dict[str, Any]]:
     return {row["job"]: row for row in rows}
 
 
+@pytest.mark.usefixtures("state_backend")  # both state backends
 def test_job_list_says_state_and_the_health_of_its_gpus(tmp_path: Path) -> None:
     """A job whose ranks all ended cleanly is finished, one whose ranks are gone without
     saying so is stopped; a job's health is the worst of its GPUs' (the GPU's worst current

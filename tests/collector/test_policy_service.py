@@ -9,12 +9,16 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from forewarn.collector.decide.webhooks import WebhookVerifier
 from forewarn.wire import AgentBatch, Finding, Health, Subject, SuggestedAction, encode
 
 from support.collector import TOKENS, ranks_on, start_service, stop_service
 from support.polling import poll
 from support.webhooks import Receiver
+
+pytestmark = pytest.mark.usefixtures("state_backend")  # both state backends
 
 SECRET = "webhook-secret-for-tests"
 

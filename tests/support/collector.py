@@ -22,12 +22,12 @@ from forewarn.collector.config import CollectorConfig
 from forewarn.collector.decide.policy_service import PolicyService
 from forewarn.collector.http.app import create_app
 from forewarn.collector.http.auth import TokenRegistry
-from forewarn.collector.storage.store import Store
+from forewarn.collector.storage.state import StateStore, open_state
 from forewarn.wire import AgentBatch, RankSummary, encode
 
-__all__ = ["ALERT_TOKEN", "NODE", "NODE_TOKENS", "TOKENS", "Clock", "ClockedService",
-           "Service", "ranks_on", "serve", "start_clocked", "start_job_service", "start_service",
-           "stop_service"]
+__all__ = ["ALERT_TOKEN", "NODE", "NODE_TOKENS", "STATE", "TOKENS", "Clock", "ClockedService",
+           "Service", "poll_commands", "ranks_on", "serve", "start_clocked", "start_job_service",
+           "start_service", "stop_service"]
 
 ALERT_TOKEN = "alert-token-0123456789"
 TOKENS = {"node1": "token-one-0123456789", "node2": "token-two-0123456789",
@@ -36,16 +36,19 @@ TOKENS = {"node1": "token-one-0123456789", "node2": "token-two-0123456789",
 NODE = "node0000"
 NODE_TOKENS = {NODE: "token-node0000-0123456789"}
 """The agent token of :class:`ClockedService`'s one node."""
+STATE: dict[str, Any] = {}
+"""Config keys choosing the state backend for every collector started here; the
+parametrized fixture ``state_backend`` (tests/conftest.py) sets them per test."""
 
 
 def serve(tmp_path: Path, tokens: Mapping[str, str], clock: Callable[[], float] = time.time,
-          **overrides: Any) -> tuple[ServerThread, Store, httpx.Client]:
+          **overrides: Any) -> tuple[ServerThread, StateStore, httpx.Client]:
     """The collector (data under ``tmp_path/data``, no periodic flush) with its policy,
     started on a free loopback port, and a client for it."""
     cfg = CollectorConfig(listen="127.0.0.1:0", data_dir=tmp_path / "data",
                           tokens_file=tmp_path / "none.toml", flush_interval_s=3600,
-                          **overrides)
-    store = Store(cfg.db_path)
+                          **{**STATE, **overrides})
+    store = open_state(cfg)
     app = create_app(cfg, store, policy=PolicyService.from_config(cfg),
                      tokens=TokenRegistry(tokens=dict(tokens)), clock=clock)
     server = ServerThread(app, cfg).start()
@@ -55,7 +58,7 @@ def serve(tmp_path: Path, tokens: Mapping[str, str], clock: Callable[[], float] 
 @dataclasses.dataclass
 class Service:
     server: ServerThread
-    store: Store
+    store: StateStore
     client: httpx.Client
     seq: dict[str, int]
 
@@ -68,16 +71,21 @@ class Service:
         assert r.status_code == 200, r.text
 
     def commands(self, node: str, wait: float = 0.0) -> list[dict[str, Any]]:
-        r = self.client.get("/api/v1/commands", params={"node": node, "wait": wait},
-                            headers={"authorization": f"Bearer {TOKENS[node]}"})
-        assert r.status_code == 200, r.text
-        result: list[dict[str, Any]] = r.json()
-        return result
+        return poll_commands(self.client, node, wait)
 
     def alert(self, path: str = "alertmanager", token: str | None = ALERT_TOKEN,
               **kw: Any) -> httpx.Response:
         headers = {} if token is None else {"authorization": f"Bearer {token}"}
         return self.client.post(f"/api/v1/alerts/{path}", headers=headers, **kw)
+
+
+def poll_commands(client: httpx.Client, node: str, wait: float) -> list[dict[str, Any]]:
+    """Long-poll ``node``'s commands with its token (as its agent does)."""
+    r = client.get("/api/v1/commands", params={"node": node, "wait": wait},
+                   headers={"authorization": f"Bearer {TOKENS[node]}"})
+    assert r.status_code == 200, r.text
+    result: list[dict[str, Any]] = r.json()
+    return result
 
 
 def start_service(tmp_path: Path, **overrides: Any) -> Service:
@@ -128,7 +136,7 @@ class Clock:
 @dataclasses.dataclass
 class ClockedService:
     server: ServerThread
-    store: Store
+    store: StateStore
     client: httpx.Client
     clock: Clock
     seq: int = 0

@@ -1,0 +1,249 @@
+"""GPU series to a Prometheus remote-write endpoint (VictoriaMetrics, Mimir, Thanos,
+Prometheus with ``--web.enable-remote-write-receiver``): the series side of the scale-out
+mode. Parquet stays the embedded mode's history and the models' training export.
+
+What is sent: for every GPU sample the collector accepted (once per batch: a duplicate
+batch is not staged, so not sent), the series the agent's exporter exposes for it, with the
+same names and labels (``node``, ``gpu``, ``uuid``, ``simulated``; names and scales from
+:data:`forewarn.agent.exporter._GAUGES`, plus ``forewarn_gpu_info`` and
+``forewarn_gpu_state``), stamped with the sample's own time, plus ``remote_write_labels``
+(e.g. ``cluster``). So the dashboards' queries run unchanged against the store.
+
+Protocol: remote write 1.0 (https://prometheus.io/docs/specs/remote_write_spec/): a
+protobuf ``prometheus.WriteRequest`` (encoded here by hand, :func:`encode_write_request`:
+four small messages, no generated code), snappy block-compressed, POSTed with
+``Content-Encoding: snappy``, ``Content-Type: application/x-protobuf`` and
+``X-Prometheus-Remote-Write-Version: 0.1.0``.
+
+Delivery: :meth:`RemoteWriter.offer` queues samples (never blocks ingest); one thread sends
+them in requests of at most ``batch_samples`` GPU samples. A 5xx, a 429 or a network error
+is retried with exponential backoff (``backoff_s`` doubling up to ``backoff_max_s``), the
+request kept; another 4xx drops that request (the spec: never retry those), counted. The
+queue holds at most ``queue_samples`` GPU samples; past that new samples are dropped and
+counted (``remote_write_dropped_samples_total{reason="queue_full"}``), so an unreachable
+store costs bounded memory and never slows ingest. At-least-once: a request retried after
+the store took it writes the same (series, timestamp, value) again, which the store treats
+as one sample.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import struct
+import threading
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import httpx
+
+from forewarn.agent.exporter import _GAUGES
+from forewarn.config import ConfigError
+from forewarn.wire import GpuSample, GpuState
+
+from ..metrics import CollectorMetrics
+
+__all__ = ["RemoteWriter", "encode_write_request", "series_of"]
+
+log = logging.getLogger(__name__)
+
+HEADERS = {"Content-Encoding": "snappy", "Content-Type": "application/x-protobuf",
+           "X-Prometheus-Remote-Write-Version": "0.1.0", "User-Agent": "forewarn-collector"}
+
+Series = tuple[tuple[tuple[str, str], ...], list[tuple[int, float]]]
+"""Sorted labels (``__name__`` included) and (timestamp ms, value) samples."""
+
+
+# -- protobuf, by hand (prompb/types.proto, remote.proto) ---------------------------------
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited field (wire type 2)."""
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def encode_write_request(series: Iterable[Series]) -> bytes:
+    """``WriteRequest{timeseries=1: TimeSeries{labels=1: Label{name=1, value=2},
+    samples=2: Sample{value=1 (double), timestamp=2 (int64 ms)}}}``."""
+    out = bytearray()
+    for labels, samples in series:
+        ts = bytearray()
+        for name, value in labels:
+            ts += _field(1, _field(1, name.encode()) + _field(2, value.encode()))
+        for t_ms, v in samples:
+            ts += _field(2, b"\x09" + struct.pack("<d", v) + b"\x10" + _varint(t_ms))
+        out += _field(1, bytes(ts))
+    return bytes(out)
+
+
+# -- samples to series ----------------------------------------------------------------
+
+def series_of(samples: Iterable[GpuSample], extra: Mapping[str, str] | None = None
+              ) -> list[Series]:
+    """The exporter's per-GPU series for ``samples``, grouped by label set, each series'
+    samples in time order."""
+    grouped: dict[tuple[tuple[str, str], ...], list[tuple[int, float]]] = {}
+    extra_items = tuple((extra or {}).items())
+
+    def add(name: str, base: tuple[tuple[str, str], ...], t_ms: int, value: float,
+            *more: tuple[str, str]) -> None:
+        key = tuple(sorted((("__name__", name), *base, *more)))
+        grouped.setdefault(key, []).append((t_ms, value))
+
+    for s in samples:
+        base = (("node", s.node), ("gpu", str(s.gpu)), ("uuid", s.uuid),
+                ("simulated", "true" if s.simulated else "false"), *extra_items)
+        t_ms = round(s.time * 1000)
+        add("forewarn_gpu_info", base, t_ms, 1.0, ("name", s.name),
+            ("pci_bus_id", s.pci_bus_id), ("source", s.source))
+        for state in GpuState:
+            add("forewarn_gpu_state", base, t_ms, 1.0 if s.state == state else 0.0,
+                ("state", state.value))
+        for field, name, _help, scale in _GAUGES:
+            value = getattr(s, field)
+            if value is not None:
+                add(name, base, t_ms, float(value) * scale)
+    return [(labels, sorted(points)) for labels, points in grouped.items()]
+
+
+# -- the sender -----------------------------------------------------------------------
+
+class RemoteWriter:
+    """Queue and send GPU samples to ``url``; see the module docstring. Thread-safe."""
+
+    def __init__(self, url: str, metrics: CollectorMetrics, *,
+                 labels: Mapping[str, str] | None = None, queue_samples: int = 200_000,
+                 batch_samples: int = 2_000, timeout_s: float = 10.0, backoff_s: float = 0.5,
+                 backoff_max_s: float = 30.0, transport: httpx.BaseTransport | None = None
+                 ) -> None:
+        try:
+            import cramjam  # noqa: F401  (snappy: checked here, not at the first send)
+        except ImportError:
+            raise ConfigError("remote_write_url: needs cramjam for snappy: pip install "
+                              "'forewarn[scale]'") from None
+        self.url = url
+        self.metrics = metrics
+        self.labels = dict(labels or {})
+        self.queue_samples = queue_samples
+        self.batch_samples = batch_samples
+        self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_max_s
+        self._client = httpx.Client(timeout=timeout_s, transport=transport)
+        self._queue: collections.deque[GpuSample] = collections.deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self.last_error = ""
+        """Why the last request failed ("" after a success), for /readyz."""
+        self._thread = threading.Thread(target=self._run, name="forewarn-remote-write",
+                                        daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def queued(self) -> int:
+        """GPU samples waiting to be sent."""
+        return len(self._queue)
+
+    def offer(self, samples: Sequence[GpuSample]) -> None:
+        """Queue ``samples``; what does not fit in the queue is dropped and counted."""
+        with self._cond:
+            room = max(0, self.queue_samples - len(self._queue))
+            self._queue.extend(samples[:room])
+            if len(samples) > room:
+                self.metrics.remote_write_dropped.labels("queue_full").inc(len(samples) - room)
+            self._cond.notify()
+        self.metrics.remote_write_queued.set(len(self._queue))
+
+    def on_staged(self, staged: list[tuple[int, str, int, list[GpuSample]]]) -> None:
+        """The ingest writer's hook: the samples of newly stored batches."""
+        for _id, _agent, _seq, samples in staged:
+            self.offer(samples)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Send what is queued for up to ``timeout_s``, then end the thread (what is left
+        is dropped and counted)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout_s)
+        with self._cond:
+            left = len(self._queue)
+            self._queue.clear()
+        if left:
+            self.metrics.remote_write_dropped.labels("shutdown").inc(left)
+        self._client.close()
+
+    def _take(self) -> list[GpuSample]:
+        with self._cond:
+            while not self._queue and not self._stopping:
+                self._cond.wait()
+            n = min(self.batch_samples, len(self._queue))
+            return [self._queue.popleft() for _ in range(n)]
+
+    def _run(self) -> None:
+        while True:
+            batch = self._take()
+            if not batch:
+                return  # stopping and drained
+            self.metrics.remote_write_queued.set(len(self._queue))
+            body = _compress(encode_write_request(series_of(batch, self.labels)))
+            self._send(body, len(batch))
+
+    def _send(self, body: bytes, samples: int) -> None:
+        """POST until it is taken, refused for good, or the writer stops."""
+        delay = self.backoff_s
+        while True:
+            started = time.perf_counter()
+            try:
+                r = self._client.post(self.url, content=body, headers=HEADERS)
+                status: int | str = r.status_code
+            except httpx.HTTPError as exc:
+                status, r = type(exc).__name__, None
+            self.metrics.remote_write_seconds.observe(time.perf_counter() - started)
+            if isinstance(status, int) and 200 <= status < 300:
+                self.metrics.remote_write_samples.inc(samples)
+                self.last_error = ""
+                return
+            detail = f"{status}: {r.text[:200]}" if r is not None else str(status)
+            self.last_error = detail
+            if isinstance(status, int) and 400 <= status < 500 and status != 429:
+                self.metrics.remote_write_dropped.labels("refused").inc(samples)
+                log.error("remote write %s refused %d samples for good (%s)", self.url,
+                          samples, detail)
+                return
+            self.metrics.remote_write_retries.inc()
+            if self._stopping:
+                self.metrics.remote_write_dropped.labels("shutdown").inc(samples)
+                return
+            log.warning("remote write %s failed (%s); retried in %.1f s", self.url, detail,
+                        delay)
+            time.sleep(delay)
+            delay = min(delay * 2, self.backoff_max_s)
+
+
+def _compress(data: bytes) -> bytes:
+    import cramjam
+
+    return bytes(cramjam.snappy.compress_raw(data))
+
+
+def status(writer: RemoteWriter | None) -> dict[str, Any]:
+    """For /readyz: the queue and the last error (always ready: samples wait or are
+    dropped, counted; ingest never stops for the series store)."""
+    if writer is None:
+        return {"ready": True, "detail": "not configured"}
+    return {"ready": True, "url": writer.url, "queued_samples": writer.queued,
+            "detail": writer.last_error or "last request ok"}

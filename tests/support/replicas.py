@@ -1,0 +1,120 @@
+"""Collector replicas as real ``forewarn collector`` processes sharing one PostgreSQL
+database (the scale-out state), with an agent-like client per replica."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from forewarn.wire import AgentBatch, encode
+
+from support.collector import TOKENS, poll_commands
+from support.polling import free_port, wait_for
+
+__all__ = ["Replica", "write_tokens"]
+
+
+def write_tokens(path: Path) -> Path:
+    """The tokens file enrolling :data:`~support.collector.TOKENS`' nodes."""
+    path.write_text("".join(f'{node} = "sha256:{hashlib.sha256(t.encode()).hexdigest()}"\n'
+                            for node, t in TOKENS.items()))
+    return path
+
+
+class Replica:
+    """One collector process on ``dsn``; :meth:`push` sends a batch as an agent would."""
+
+    def __init__(self, root: Path, name: str, dsn: str, tokens: Path, **keys: Any) -> None:
+        self.dir = root / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        settings = {"listen": f"127.0.0.1:{self.port}", "data_dir": str(self.dir / "data"),
+                    "tokens_file": str(tokens), "state": "postgresql", "postgres_dsn": dsn,
+                    "log_level": "warning", "advise_hooks": False, "predictor_enabled": False,
+                    **keys}
+        self.config = self.dir / "collector.toml"
+        self.config.write_text("".join(f"{k} = {_toml(v)}\n" for k, v in settings.items()))
+        self.log = (self.dir / "log").open("ab")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.client = httpx.Client(base_url=self.url, timeout=30)
+        self.seq: dict[str, int] = {}
+
+    def start(self) -> Replica:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "forewarn", "collector", "--config", str(self.config)],
+            stdout=self.log, stderr=self.log, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        wait_for(self._up, what=f"collector {self.url} start")
+        return self
+
+    def _up(self) -> bool:
+        assert self.proc is not None and self.proc.poll() is None, \
+            f"collector exited: {(self.dir / 'log').read_text()[-2000:]}"
+        try:
+            return self.client.get("/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def role(self) -> str:
+        """``leader`` or ``follower`` (from /readyz), ``down`` when it does not answer."""
+        try:
+            report = self.client.get("/readyz", timeout=2).json()
+        except (httpx.HTTPError, ValueError):
+            return "down"
+        return str(report["components"]["leader"]["role"])
+
+    def ready(self) -> bool:
+        """Whether /readyz answers ready."""
+        try:
+            return self.client.get("/readyz", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def metric(self, name: str) -> float:
+        """The value of an unlabelled sample in /metrics (0 when absent)."""
+        for line in self.client.get("/metrics").text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        return 0.0
+
+    def push(self, node: str, **kw: Any) -> httpx.Response:
+        seq = self.seq.get(node, 0)
+        self.seq[node] = seq + 1
+        b = AgentBatch(node=node, agent_id=f"agent-{node}", seq=seq, created=time.time(), **kw)
+        return self.client.post("/api/v1/ingest", content=encode(b), headers={
+            "content-type": "application/msgpack", "authorization": f"Bearer {TOKENS[node]}"})
+
+    def commands(self, node: str, wait: float = 0.0) -> list[dict[str, Any]]:
+        return poll_commands(self.client, node, wait)
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, the process's sessions just end."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.client.close()
+        self.log.close()
+
+
+def _toml(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -1,0 +1,180 @@
+"""The scale-out state on a real PostgreSQL: versioned migrations, two collector replicas
+sharing one database with the policy on the elected leader (SIGKILL the leader: the other
+decides within 5 s), and a real ``pg_ctl restart`` while agents push (retried, nothing
+lost)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+from prometheus_client import CollectorRegistry
+
+from forewarn.agent.config import AgentConfig
+from forewarn.agent.uplink import Uplink
+from forewarn.collector.storage.postgres import PostgresStore, migrations
+from forewarn.collector.storage.store import StoreError
+from forewarn.wire import Finding, GpuSample, Health, RankSummary, Subject, SuggestedAction
+
+from support.collector import TOKENS
+from support.polling import wait_for
+from support.postgres import PostgresServer
+from support.replicas import Replica, write_tokens
+
+
+def ranks(job: str, node: str, first_rank: int, now: float) -> list[RankSummary]:
+    """Two ranks of ``job`` (world size 4) on ``node``, last checkpointed an hour ago."""
+    return [RankSummary(job=job, rank=first_rank + g, world_size=4, node=node, gpu=g,
+                        pid=100 + first_rank + g, last_step=500, last_step_time=now,
+                        step_seconds_p50=0.2, last_checkpoint_step=100,
+                        last_checkpoint_time=now - 3600, checkpoint_seconds=30.0)
+            for g in range(2)]
+
+
+def gpu_lost(node: str, gpu: int) -> Finding:
+    return Finding(check="gpu_lost", health=Health.UNHEALTHY, action=SuggestedAction.DRAIN,
+                   subject=Subject(kind="gpu", node=node, gpu=gpu), time=time.time(),
+                   reason=f"GPU {gpu} lost (NVML_ERROR_GPU_IS_LOST)")
+
+
+def test_migrations_run_once_in_order_and_a_newer_schema_is_refused(
+        postgres_server: PostgresServer) -> None:
+    dsn = postgres_server.database()
+    store = PostgresStore(dsn)
+    store.close()
+    PostgresStore(dsn).close()  # a second start runs nothing again
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute("SELECT version, name FROM schema_version ORDER BY version"
+                            ).fetchall()
+        assert rows == [(n, name) for n, name, _sql in migrations()]
+        conn.execute("INSERT INTO schema_version VALUES (999, '0999_future.sql', 0)")
+    with pytest.raises(StoreError, match="schema version 999 is newer"):
+        PostgresStore(dsn)
+
+
+@pytest.fixture
+def replicas(tmp_path: Path, postgres_server: PostgresServer) -> Iterator[list[Replica]]:
+    dsn = postgres_server.database()
+    tokens = write_tokens(tmp_path / "tokens.toml")
+    started = [Replica(tmp_path, name, dsn, tokens) for name in ("a", "b")]
+    try:
+        yield started
+    finally:
+        for r in started:
+            r.stop()
+
+
+@pytest.mark.timeout(180)
+def test_sigkill_the_leader_and_the_follower_decides_within_5_s(
+        replicas: list[Replica]) -> None:
+    a, b = replicas
+    a.start()
+    assert wait_for(lambda: a.role() == "leader", what="a leads")
+    b.start()
+    time.sleep(1.5)  # several election rounds: the lock is a's
+    assert b.role() == "follower"
+
+    # The leader decides on a finding that reached the follower: orders for both nodes
+    # of the job, served to each agent by either replica (the queues are shared).
+    now = time.time()
+    assert a.push("node1", ranks=ranks("train-1", "node1", 0, now)).status_code == 200
+    assert b.push("node2", ranks=ranks("train-1", "node2", 2, now)).status_code == 200
+    assert b.push("node2", urgent=True, findings=[gpu_lost("node2", 1)]).status_code == 200
+    first = [c["order"] for node, r in (("node1", b), ("node2", a))
+             for c in r.commands(node, wait=10)]
+    assert len(first) == 2 and len({o["request_id"] for o in first}) == 1
+
+    # SIGKILL the leader; a finding about another job, sent to the survivor meanwhile,
+    # is decided once it has taken over.
+    assert b.push("node3", ranks=ranks("train-2", "node3", 0, now)).status_code == 200
+    a.kill()
+    killed = time.monotonic()
+    assert b.push("node3", urgent=True, findings=[gpu_lost("node3", 0)]).status_code == 200
+    second = b.commands("node3", wait=10)
+    took = time.monotonic() - killed
+    assert [c["order"]["job"] for c in second] == ["train-2"]
+    assert took < 5.0, f"the follower decided {took:.1f} s after the leader was killed"
+    print(f"failover: the follower decided {took:.2f} s after the leader was killed")
+    assert b.role() == "leader"
+
+
+@pytest.mark.timeout(240)
+def test_postgresql_restart_while_agents_push_loses_nothing(
+        tmp_path: Path, postgres_server: PostgresServer) -> None:
+    server = PostgresServer(postgres_server.bin)  # its own: this test restarts it
+    dsn = server.database()
+    tokens = write_tokens(tmp_path / "tokens.toml")
+    replicas = [Replica(tmp_path, name, dsn, tokens, flush_interval_s=0.5).start()
+                for name in ("a", "b")]
+    agents = [Uplink(AgentConfig(node=node, collector_url=r.url, token=TOKENS[node],
+                                 spool_dir=tmp_path / f"spool-{node}", push_interval_s=0.05),
+                     registry=CollectorRegistry(), retry_s=0.1, poll_wait_s=1.0)
+              for node, r in (("node1", replicas[0]), ("node2", replicas[1]))]
+    sent = {"node1": 0, "node2": 0}
+    try:
+        for agent in agents:
+            agent.start()
+
+        def push(rounds: int) -> None:
+            for _ in range(rounds):
+                t = time.time()
+                for agent in agents:
+                    agent.add(samples=[GpuSample(node=agent.node, gpu=g, time=t,
+                                                 source="sim", simulated=True,
+                                                 temperature_c=50.0) for g in range(4)])
+                    sent[agent.node] += 4
+                time.sleep(0.02)
+
+        push(50)
+        restart = threading.Thread(target=server.restart)
+        restart.start()
+        push(100)  # while PostgreSQL stops and starts again
+        restart.join()
+        push(50)
+        time.sleep(0.5)  # past a push interval: every sample is sealed into a batch
+        for agent in agents:
+            wait_for(lambda a=agent: len(a.spool) == 0,  # type: ignore[misc]
+                     what=f"{agent.node}'s spool sent")
+
+        with psycopg.connect(dsn) as conn:
+            stored: dict[str, int] = dict(conn.execute(
+                "SELECT node, SUM(samples) FROM batches GROUP BY node").fetchall())
+        assert {n: int(v) for n, v in stored.items()} == sent  # every sample, once
+        retried = sum(r.metric("forewarn_collector_store_retries_total") for r in replicas)
+        assert retried > 0, "no group commit was retried: the restart went unnoticed"
+        for r in replicas:
+            wait_for(r.ready, what=f"{r.url} ready again")
+    finally:
+        for agent in agents:
+            agent.stop()
+        for r in replicas:
+            r.stop()
+        server.stop()
+
+
+@pytest.mark.timeout(180)
+def test_an_order_reaches_an_agent_polling_another_replica_at_once(
+        replicas: list[Replica]) -> None:
+    a, b = replicas
+    a.start()
+    assert wait_for(lambda: a.role() == "leader", what="a leads")
+    b.start()
+    now = time.time()
+    assert a.push("node1", ranks=ranks("train-1", "node1", 0, now)).status_code == 200
+    assert b.push("node2", ranks=ranks("train-1", "node2", 2, now)).status_code == 200
+    got: list[list[dict[str, object]]] = []
+    poll = threading.Thread(target=lambda: got.append(b.commands("node2", wait=20)))
+    poll.start()  # node2's agent waits on the follower ...
+    time.sleep(1.0)
+    sent = time.monotonic()
+    # ... while the leader queues the order (the finding came in through the leader)
+    assert a.push("node1", urgent=True, findings=[gpu_lost("node1", 0)]).status_code == 200
+    poll.join()
+    took = time.monotonic() - sent
+    assert [c["kind"] for c in got[0]] == ["checkpoint"]
+    assert took < 3.0, f"the follower's long poll answered {took:.1f} s after the finding"
+    print(f"cross-replica order: answered {took:.2f} s after the finding")

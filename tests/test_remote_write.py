@@ -1,0 +1,123 @@
+"""The collector's GPU series to a real VictoriaMetrics by Prometheus remote write: every
+accepted sample once (a batch sent again is not written again), the dashboards' panel
+queries answer against it unchanged, an unreachable store is retried with backoff and a
+full queue drops new samples, counted."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from forewarn.collector.metrics import CollectorMetrics
+from forewarn.collector.storage.remote_write import RemoteWriter, encode_write_request
+from forewarn.wire import AgentBatch, GpuSample, encode
+
+from support.collector import TOKENS, start_service, stop_service
+from support.polling import free_port, wait_for
+from support.victoria import VictoriaMetrics
+
+DASHBOARDS = Path(__file__).resolve().parent.parent / "dashboards"
+
+
+@pytest.fixture
+def vm(require_binary: object) -> Iterator[VictoriaMetrics]:
+    server = VictoriaMetrics(require_binary("victoria-metrics"))  # type: ignore[operator]
+    yield server
+    server.stop()
+
+
+def gpu_samples(node: str, t: float) -> list[GpuSample]:
+    return [GpuSample(node=node, gpu=g, uuid=f"GPU-{node}-{g}", time=t, source="sim",
+                      simulated=True, temperature_c=60.0 + g, power_w=300.0 + t % 7,
+                      gpu_util_pct=90.0, sm_clock_mhz=1980.0, pstate=0)
+            for g in range(4)]
+
+
+def metric(metrics: CollectorMetrics, name: str, **labels: str) -> float:
+    return metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+def test_every_accepted_sample_reaches_victoriametrics_once(
+        tmp_path: Path, vm: VictoriaMetrics) -> None:
+    svc = start_service(tmp_path, remote_write_url=vm.write_url,
+                        remote_write_labels={"cluster": "c1"})
+    try:
+        t0 = time.time() - 30
+        batches = [AgentBatch(node="node1", agent_id="agent-node1", seq=i, created=t0 + i,
+                              samples=gpu_samples("node1", t0 + i)) for i in range(5)]
+        headers = {"content-type": "application/msgpack",
+                   "authorization": f"Bearer {TOKENS['node1']}"}
+        for b in [*batches, batches[2]]:  # the third batch again: a retry after a lost answer
+            r = svc.client.post("/api/v1/ingest", content=encode(b), headers=headers)
+            assert r.status_code == 200, r.text
+        exported = wait_for(lambda: len(got := vm.export(
+            'forewarn_gpu_temperature_celsius{node="node1"}')) == 4 and all(
+            len(s["values"]) == 5 for s in got) and got, what="20 temperature samples in VM")
+        for series in exported:
+            assert series["metric"]["cluster"] == "c1"
+            assert series["timestamps"] == [round((t0 + i) * 1000) for i in range(5)]
+            assert series["values"] == [60.0 + int(series["metric"]["gpu"])] * 5
+        # the utilization is a ratio, the clock in hertz: the exporter's names and scales
+        util = vm.query('forewarn_gpu_utilization_ratio{node="node1", gpu="0"}')
+        assert float(util[0]["value"][1]) == pytest.approx(0.9)
+    finally:
+        stop_service(svc)
+
+
+def test_dashboard_panel_queries_answer_against_victoriametrics(
+        tmp_path: Path, vm: VictoriaMetrics) -> None:
+    svc = start_service(tmp_path, remote_write_url=vm.write_url,
+                        remote_write_labels={"cluster": "c1"})
+    try:
+        svc.push("node1", samples=gpu_samples("node1", time.time() - 5))
+        wait_for(lambda: vm.query("forewarn_gpu_info"), what="series in VM")
+    finally:
+        stop_service(svc)
+    panels = json.loads((DASHBOARDS / "node.json").read_text())["panels"]
+    exprs = [t["expr"] for p in panels for t in p.get("targets", ())]
+    wanted = ["forewarn_gpu_temperature_celsius", "forewarn_gpu_power_watts",
+              "forewarn_gpu_utilization_ratio", "forewarn_gpu_sm_clock_hertz",
+              "forewarn_gpu_performance_state"]
+    checked = 0
+    for expr in exprs:
+        if not any(expr.startswith(name + "{") for name in wanted):
+            continue
+        query = (expr.replace("$cluster", "c1").replace("$node", "node1")
+                 .replace("$gpu", ".*").replace("$__rate_interval", "1m"))
+        result = vm.query(query)
+        assert len(result) == 4, (query, result)  # one series per GPU, as from Prometheus
+        checked += 1
+    assert checked == len(wanted)
+
+
+def test_unreachable_store_is_retried_and_a_full_queue_drops_counted() -> None:
+    metrics = CollectorMetrics()
+    url = f"http://127.0.0.1:{free_port()}/api/v1/write"  # nothing listens
+    writer = RemoteWriter(url, metrics, queue_samples=6, batch_samples=2, backoff_s=0.05,
+                          backoff_max_s=0.2, timeout_s=1.0)
+    writer.start()
+    try:
+        writer.offer(gpu_samples("n", time.time()))  # 4 fit
+        writer.offer(gpu_samples("n", time.time()))  # 2 of these fit (2 went to the sender)
+        wait_for(lambda: metric(metrics, "forewarn_collector_remote_write_retries_total") >= 3,
+                 what="retries")
+        assert writer.last_error.startswith("ConnectError")
+        dropped = metric(metrics, "forewarn_collector_remote_write_dropped_samples_total",
+                         reason="queue_full")
+        assert dropped == 8 - writer.queued - 2  # what neither the queue nor the request holds
+        assert metric(metrics, "forewarn_collector_remote_write_samples_total") == 0
+    finally:
+        writer.stop(timeout_s=0.5)
+
+
+def test_write_request_encoding_is_the_prometheus_protobuf() -> None:
+    # WriteRequest{TimeSeries{Label{__name__, up}, Sample{1.0, 1000}}}, byte by byte
+    body = encode_write_request([((("__name__", "up"),), [(1000, 1.0)])])
+    label = b"\x0a\x08__name__" + b"\x12\x02up"
+    sample = b"\x09" + bytes.fromhex("000000000000f03f") + b"\x10\xe8\x07"
+    series = b"\x0a" + bytes([len(label)]) + label + b"\x12" + bytes([len(sample)]) + sample
+    assert body == b"\x0a" + bytes([len(series)]) + series
