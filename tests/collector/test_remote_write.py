@@ -19,8 +19,9 @@ from forewarn.wire import AgentBatch, GpuSample, encode
 from support.collector import TOKENS, start_service, stop_service
 from support.polling import free_port, wait_for
 from support.victoria import VictoriaMetrics
+from support.paths import REPO
 
-DASHBOARDS = Path(__file__).resolve().parent.parent / "dashboards"
+DASHBOARDS = REPO / "dashboards"
 
 
 @pytest.fixture
