@@ -17,9 +17,9 @@ from forewarn.collector.storage.remote_write import RemoteWriter, encode_write_r
 from forewarn.wire import AgentBatch, GpuSample, encode
 
 from support.collector import TOKENS, start_service, stop_service
+from support.paths import REPO
 from support.polling import free_port, wait_for
 from support.victoria import VictoriaMetrics
-from support.paths import REPO
 
 DASHBOARDS = REPO / "dashboards"
 
