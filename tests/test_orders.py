@@ -3,6 +3,7 @@ the hang terminator against real child processes (real signals, real pidfds)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -470,3 +471,61 @@ def test_interval_advice_reaches_every_live_rank_of_the_job(ranks: Ranks) -> Non
         assert got == advice
     with pytest.raises(BlockingIOError):
         ranks.sockets[("other", 0)].recv(4096)
+
+
+def test_one_double_bit_error_orders_one_local_checkpoint(tmp_path: Path) -> None:
+    """Issue 13.5: one DBE gives two unhealthy findings on one GPU in the same poll (XID 48
+    and the uncorrectable-ECC counter): one incident, so one order and one save, not two."""
+    from forewarn.agent.checks import default_checks
+    from forewarn.agent.config import AgentConfig
+    from forewarn.agent.daemon import Agent
+    from forewarn.agent.rank_component import RankComponent
+    from forewarn.agent.testing import ScriptedBackend
+    from forewarn.wire import encode
+
+    dbe = {"n": 0}
+    config = AgentConfig(node="n0", listen="127.0.0.1:0", kmsg=False,
+                         socket_path=tmp_path / "run" / "agent.sock")
+    backend = ScriptedBackend(lambda gpu, t: {
+        "temperature_c": 40.0, "ecc_uncorrected_volatile": dbe["n"] if gpu == 1 else 0},
+        gpus=2)
+    agent = Agent(config, backend, checks=default_checks())
+    comp = RankComponent(config)
+    agent.add_component(comp)
+    agent.start(serve=False)
+    reply = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    reply.bind(str(tmp_path / "reply.sock"))
+    reply.settimeout(0.5)
+    out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        out.sendto(encode(Beat(job="j", rank=0, local_rank=1, world_size=1, pid=os.getpid(),
+                               host="h", time=time.time(),
+                               reply_to=str(tmp_path / "reply.sock"))),
+                   str(config.socket_path))
+        for n in range(5):
+            out.sendto(encode(StepRecord(job="j", rank=0, local_rank=1, world_size=1,
+                                         pid=os.getpid(), host="h", step=n, time=time.time(),
+                                         step_seconds=0.1, loss=1.0, grad_norm=1.0)),
+                       str(config.socket_path))
+        deadline = time.monotonic() + 20
+        while (v := comp.table.get("j", 0)) is None or v.last_step != 4 or not v.reply_to:
+            assert time.monotonic() < deadline, "the ingest thread did not apply the records"
+            time.sleep(0.01)
+        agent.poll_once()
+        dbe["n"] = 1
+        backend.queue_xid(48, gpu=1, time=time.time())
+        poll = agent.poll_once()
+        unhealthy = {t.finding.check for t in poll.transitions
+                     if t.finding.health == Health.UNHEALTHY}
+        assert {"xid", "ecc"} <= unhealthy, unhealthy
+        agent.poll_once()
+        orders = []
+        with contextlib.suppress(TimeoutError):
+            while True:
+                orders.append(decode_order(reply.recv(4096)))
+        assert len(orders) == 1, [o.reason for o in orders]
+        assert sum(comp.orders.orders_total.values()) == 1, comp.orders.orders_total
+    finally:
+        agent.stop()
+        reply.close()
+        out.close()
