@@ -105,3 +105,51 @@ def test_alertmanager_alert_becomes_checkpoint_order(alertmanager: tuple[str, An
     inputs = [json.loads(d["inputs"]) if isinstance(d["inputs"], str) else d["inputs"]
               for d in decisions if d["decision"] == "checkpoint:act"]
     assert inputs and inputs[0]["source"] == "alertmanager"
+
+
+def _gpu_health(svc: Any, node: str, gpu: int) -> str:
+    rows = svc.client.get("/api/v1/gpus", params={"node": node}).json()
+    return str(next(g["health"] for g in rows if g["gpu"] == gpu))
+
+
+@pytest.mark.timeout(180)
+def test_a_resolved_alert_clears_its_finding(alertmanager: tuple[str, Any]) -> None:
+    """Issue 13.4: the alert fires, the finding shows (GPU red, incident open); the alert
+    resolves, Alertmanager sends it resolved (send_resolved in the shipped example, at the
+    next group_interval: 30 s), and the finding clears (GPU no longer red, incident
+    resolved, the active-findings gauge back to 0)."""
+    from forewarn.wire import GpuSample
+
+    url, svc = alertmanager
+    now = time.time()
+    svc.push("node2", ranks=ranks_on("node2", 2, now),
+             samples=[GpuSample(node="node2", gpu=g, time=now, source="test") for g in (0, 1)])
+    labels = {"alertname": "ForewarnGpuXidFatal", "node": "node2", "gpu": "1",
+              "severity": "critical", "forewarn_action": "checkpoint"}
+    r = httpx.post(f"{url}/api/v2/alerts", json=[{"labels": labels}], timeout=10)
+    assert r.status_code == 200, r.text
+
+    def incident() -> dict[str, Any] | None:
+        rows = svc.client.get("/api/v1/incidents").json()
+        return rows[0] if rows else None
+
+    opened = poll(lambda: (i := incident()) and i["state"] == "open" and i, 30)
+    assert opened["scope"] == "gpu:node2/1" and opened["health"] == "unhealthy"
+    (tracked,) = opened["findings"]
+    assert tracked["state"] == "firing" and tracked["source"] == "alertmanager"
+    assert tracked["key"] == "alertmanager|gpu:node2/1|alert:ForewarnGpuXidFatal"
+    poll(lambda: _gpu_health(svc, "node2", 1) == "unhealthy", 10)
+    assert 'forewarn_collector_findings_active{source="alertmanager"} 1.0' in svc.client.get(
+        "/metrics").text
+
+    ended = time.time()
+    r = httpx.post(f"{url}/api/v2/alerts", timeout=10, json=[{
+        "labels": labels, "endsAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ended))}])
+    assert r.status_code == 200, r.text
+    resolved = poll(lambda: (i := incident()) and i["state"] == "resolved" and i, 90)
+    assert resolved["id"] == opened["id"] and resolved["findings"][0]["state"] == "resolved"
+    assert time.time() - ended < 60  # within group_interval (30 s) and the book's flush
+    poll(lambda: _gpu_health(svc, "node2", 1) != "unhealthy", 10)
+    metrics = svc.client.get("/metrics").text
+    assert 'forewarn_collector_findings_active{source="alertmanager"} 0.0' in metrics
+    assert 'forewarn_collector_findings_closed_total{state="resolved"} 1.0' in metrics
