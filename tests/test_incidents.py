@@ -3,6 +3,9 @@ and incident (issue 13 points 4 and 5, issue 14's row_remap_failure)."""
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import msgspec
 from prometheus_client import CollectorRegistry
 from test_policy import T0, Clock, fleet, gpu_finding
@@ -10,7 +13,10 @@ from test_policy import T0, Clock, fleet, gpu_finding
 from forewarn.collector.decide.incidents import FindingState, IncidentBook
 from forewarn.collector.decide.policy import ActionKind, Policy, PolicySettings
 from forewarn.escalation import escalates
-from forewarn.wire import Finding, Health, Subject, SuggestedAction
+from forewarn.wire import Finding, GpuSample, Health, Subject, SuggestedAction
+
+from support.collector import ranks_on, start_service, stop_service
+from support.polling import poll
 
 
 def make(**settings: object) -> tuple[Policy, Clock, CollectorRegistry]:
@@ -111,3 +117,58 @@ def test_a_healthy_finding_resolves_and_a_silent_source_expires() -> None:
     assert [t.key for t in book.expire(clock.t + 1200)] == ["agent|gpu:n3/1|ecc"]
     assert registry.get_sample_value("forewarn_collector_findings_closed_total",
                                      {"state": "expired"}) == 2
+
+
+# -- through the running collector (real HTTP, real SQLite) ---------------------------------
+
+
+def test_collector_orders_once_for_one_double_bit_error(tmp_path: Path) -> None:
+    """The agent sends both findings of one DBE in one urgent batch; with no cooldown
+    between orders the collector used to order the job twice (two saves)."""
+    svc = start_service(tmp_path, policy_cooldown_checkpoint_s=0.0, policy_dedup_s=0.0)
+    try:
+        now = time.time()
+        svc.push("node1", ranks=ranks_on("node1", 0, now))
+        svc.push("node2", ranks=ranks_on("node2", 2, now))
+        dbe = [Finding(check=check, health=Health.UNHEALTHY, action=SuggestedAction.RESET_GPU,
+                       subject=Subject(kind="gpu", node="node2", gpu=1), time=now,
+                       reason=f"{check}: double-bit error") for check in ("xid", "ecc")]
+        svc.push("node2", urgent=True, findings=dbe)
+        first = svc.commands("node2", wait=10)
+        time.sleep(1.0)  # a second order would follow at once
+        orders = first + svc.commands("node2")
+        assert len(orders) == 1, [o["order"]["reason"] for o in orders]
+        (incident,) = poll(lambda: svc.client.get("/api/v1/incidents").json(), 10)
+        assert incident["orders"] == 1 and incident["checks"] == "ecc,xid"
+        assert {f["state"] for f in incident["findings"]} == {"firing"}
+        decisions = [d for d in svc.client.get("/api/v1/decisions").json()
+                     if d["decision"].startswith("checkpoint:")]
+        assert sorted(d["decision"] for d in decisions) == ["checkpoint:act",
+                                                            "checkpoint:suppressed"]
+    finally:
+        stop_service(svc)
+
+
+def test_findings_of_a_silent_agent_expire_and_clear_the_gpu(tmp_path: Path) -> None:
+    svc = start_service(tmp_path, finding_ttl_s=1.0)
+    try:
+        now = time.time()
+        bad = Finding(check="ecc", health=Health.UNHEALTHY, action=SuggestedAction.RESET_GPU,
+                      subject=Subject(kind="gpu", node="node3", gpu=0), time=now,
+                      reason="uncorrectable ECC")
+        svc.push("node3", findings=[bad],
+                 samples=[GpuSample(node="node3", gpu=0, time=now, source="test")])
+        gpu = svc.client.get("/api/v1/gpus", params={"node": "node3"}).json()[0]
+        assert gpu["health"] == "unhealthy"
+        # node3 sends nothing more: after finding_ttl_s (and the next expiry check) the
+        # finding expires, its incident with it, and the GPU is no longer red
+        expired = poll(lambda: [i for i in svc.client.get("/api/v1/incidents").json()
+                                if i["state"] == "expired"], 20)
+        assert expired and expired[0]["findings"][0]["state"] == "expired"
+        gpu = svc.client.get("/api/v1/gpus", params={"node": "node3"}).json()[0]
+        assert gpu["health"] == "unknown" and gpu["health_reason"] == "no current finding"
+        metrics = svc.client.get("/metrics").text
+        assert 'forewarn_collector_findings_closed_total{state="expired"} 1.0' in metrics
+        assert "forewarn_collector_incidents_open 0.0" in metrics
+    finally:
+        stop_service(svc)
