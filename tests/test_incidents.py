@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry
 from test_policy import T0, Clock, fleet, gpu_finding
 
 from forewarn.collector.decide.incidents import FindingState, IncidentBook
-from forewarn.collector.decide.policy import ActionKind, Policy, PolicySettings
+from forewarn.collector.decide.policy import ActionKind, PlannedAction, Policy, PolicySettings
 from forewarn.escalation import escalates
 from forewarn.wire import Finding, GpuSample, Health, Subject, SuggestedAction
 
@@ -27,9 +27,9 @@ def make(**settings: object) -> tuple[Policy, Clock, CollectorRegistry]:
     return policy, clock, registry
 
 
-def checkpoints(planned: list[object]) -> int:
-    return sum(1 for p in planned if getattr(p, "kind", None) == ActionKind.CHECKPOINT
-               and p.decision.outcome == "act")  # type: ignore[attr-defined]
+def checkpoints(planned: list[PlannedAction]) -> int:
+    return sum(1 for p in planned
+               if p.kind == ActionKind.CHECKPOINT and p.decision.outcome == "act")
 
 
 def remap(rows: int, health: Health = Health.DEGRADED) -> Finding:
@@ -89,13 +89,16 @@ def test_a_healthy_finding_resolves_and_a_silent_source_expires() -> None:
     book = IncidentBook(ttl_s=600.0, window_s=60.0, clock=clock, registry=registry)
     xid = gpu_finding(check="xid")
     obs = book.observe(xid, "agent", clock.t)
-    assert obs is not None and obs.opened and obs.tracked.state == FindingState.FIRING
+    assert obs is not None and obs.opened
+    tracked = obs.tracked
+    assert tracked.state == FindingState.FIRING
     assert registry.get_sample_value("forewarn_collector_findings_active",
                                      {"source": "agent"}) == 1
     clock.t += 10
     assert book.observe(msgspec.structs.replace(xid, health=Health.HEALTHY), "agent",
                         clock.t) is None
-    assert obs.tracked.state == FindingState.RESOLVED and obs.incident.state == "resolved"
+    assert book.incidents()[0].findings[tracked.key].state == FindingState.RESOLVED
+    assert obs.incident.state == "resolved"
     assert registry.get_sample_value("forewarn_collector_findings_active",
                                      {"source": "agent"}) == 0
     # an alert finding: kept alive by re-sends, expired when they stop for ttl_s
