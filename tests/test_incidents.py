@@ -175,3 +175,32 @@ def test_findings_of_a_silent_agent_expire_and_clear_the_gpu(tmp_path: Path) -> 
         assert "forewarn_collector_incidents_open 0.0" in metrics
     finally:
         stop_service(svc)
+
+
+def test_an_open_incident_survives_a_restart_and_resolves_after_it(tmp_path: Path) -> None:
+    """The agent sends a finding only when it changes: after a collector restart the open
+    incident is taken back from the store, so the agent's later healthy finding still
+    resolves it (rather than a red GPU and an open incident forever)."""
+    bad = Finding(check="ecc", health=Health.UNHEALTHY, action=SuggestedAction.RESET_GPU,
+                  subject=Subject(kind="gpu", node="node1", gpu=0), time=time.time(),
+                  reason="uncorrectable ECC")
+    svc = start_service(tmp_path)
+    try:
+        svc.push("node1", findings=[bad])
+        (before,) = poll(lambda: svc.client.get("/api/v1/incidents").json(), 10)
+        assert before["state"] == "open"
+    finally:
+        stop_service(svc)
+    svc = start_service(tmp_path)
+    try:
+        svc.seq["node1"] = 1
+        metrics = svc.client.get("/metrics").text
+        assert "forewarn_collector_incidents_open 1.0" in metrics
+        good = msgspec.structs.replace(bad, health=Health.HEALTHY, time=time.time(),
+                                       action=SuggestedAction.NONE, reason="no new errors")
+        svc.push("node1", findings=[good])
+        after = poll(lambda: [i for i in svc.client.get("/api/v1/incidents").json()
+                              if i["state"] == "resolved"], 10)
+        assert after and after[0]["id"] == before["id"]
+    finally:
+        stop_service(svc)
