@@ -390,18 +390,18 @@ class Policy:
                     outcome=Outcome.SUPPRESSED, reason="job left the job map", job=job_id,
                 )
                 continue
-            incident = {"incident": obs.incident.id, "escalation": obs.escalated}
+            cost = decide_checkpoint(finding, job, now, self.tracker, self.settings.probability)
+            inputs: dict[str, Any] = {**cost.inputs(), "nodes": list(job.nodes),
+                                      "incident": obs.incident.id, "escalation": obs.escalated}
             earlier = obs.incident.ordered.get(job_id)
             if earlier is not None and not obs.escalated:
                 self._decide(
                     ActionKind.CHECKPOINT, finding, source, now, target=target,
-                    outcome=Outcome.SUPPRESSED, job=job_id, inputs=incident,
+                    outcome=Outcome.SUPPRESSED, job=job_id, inputs=inputs,
                     reason=f"incident {obs.incident.id} already ordered this job "
                     f"({earlier.check}: {earlier.health.value}); it has not escalated",
                 )
                 continue
-            cost = decide_checkpoint(finding, job, now, self.tracker, self.settings.probability)
-            inputs: dict[str, Any] = {**cost.inputs(), "nodes": list(job.nodes), **incident}
             if force:
                 inputs["cost_model"] = "bypassed: the alert rule asked for a checkpoint"
             elif not cost.act:
