@@ -41,7 +41,7 @@ from typing import Any
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from forewarn.escalation import SEVERITY, escalates
+from forewarn.escalation import escalates
 from forewarn.wire import Finding, Health, Subject
 
 __all__ = ["FindingState", "Incident", "IncidentBook", "Observation", "TrackedFinding",
@@ -131,7 +131,7 @@ class Incident:
         """The worst health of its firing findings (healthy once none fires)."""
         firing = [t.finding.health for t in self.findings.values()
                   if t.state == FindingState.FIRING]
-        return max(firing, key=SEVERITY.__getitem__, default=Health.HEALTHY)
+        return max(firing, key=lambda h: h.severity, default=Health.HEALTHY)
 
     def row(self) -> tuple[Any, ...]:
         """The ``incidents`` table row."""
@@ -206,7 +206,7 @@ class IncidentBook:
             opened = True
         key = finding_key(finding, source)
         tracked = incident.findings.get(key)
-        escalated = SEVERITY[finding.health] > SEVERITY[incident.worst] and not opened
+        escalated = finding.health.severity > incident.worst.severity and not opened
         if tracked is not None and tracked.state == FindingState.FIRING:
             escalated = escalated or escalates(tracked.finding, finding)
             tracked.finding, tracked.last_seen = finding, now
@@ -214,7 +214,7 @@ class IncidentBook:
             tracked = TrackedFinding(self._new_id(), key, source, finding, FindingState.FIRING,
                                      now, now)
             incident.findings[key] = tracked
-        if SEVERITY[finding.health] > SEVERITY[incident.worst]:
+        if finding.health.severity > incident.worst.severity:
             incident.worst = finding.health
         incident.closed = None
         self._touched(incident, now)

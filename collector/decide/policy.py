@@ -123,8 +123,6 @@ def actions_for(finding: Finding) -> tuple[ActionKind, ...]:
     return ()
 
 
-
-
 class Decision(msgspec.Struct, frozen=True, kw_only=True):
     """One policy outcome for one action kind and target, with everything it was based on."""
 

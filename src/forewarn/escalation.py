@@ -3,7 +3,7 @@
 
 A finding escalates its predecessor of the same check and subject when
 
-* its health is worse (healthy < unknown < degraded < unhealthy), or
+* its health is worse (:attr:`forewarn.wire.Health.severity`), or
 * it has the same health and its **extent** grew materially: a check that counts how much
   of a fault there is (remapped rows, retired pages, uncorrectable errors) puts that count
   in ``evidence["extent"]`` (:data:`EXTENT`), and the count grew by at least
@@ -21,14 +21,12 @@ from __future__ import annotations
 
 from forewarn.wire import Finding, Health
 
-__all__ = ["EXTENT", "MATERIAL_GROWTH", "SEVERITY", "escalates", "extent"]
+__all__ = ["EXTENT", "MATERIAL_GROWTH", "escalates", "extent"]
 
 EXTENT = "extent"
 """Evidence key: how much of the fault there is, a count that only grows while it lasts."""
 MATERIAL_GROWTH = 0.25
 """Relative growth of the extent that counts as materially worse."""
-SEVERITY = {Health.HEALTHY: 0, Health.UNKNOWN: 1, Health.DEGRADED: 2, Health.UNHEALTHY: 3}
-"""Health from best to worst."""
 
 
 def extent(finding: Finding) -> float | None:
@@ -44,8 +42,8 @@ def escalates(old: Finding, new: Finding) -> bool:
     of different checks or subjects never escalate one another."""
     if old.check != new.check or old.subject.key() != new.subject.key():
         return False
-    if SEVERITY[new.health] != SEVERITY[old.health]:
-        return SEVERITY[new.health] > SEVERITY[old.health]
+    if new.health.severity != old.health.severity:
+        return new.health.severity > old.health.severity
     if new.health == Health.HEALTHY:
         return False
     before, after = extent(old), extent(new)
