@@ -7,8 +7,8 @@ clocks) so tests inject every one of them; :func:`main` builds the real ones for
 One poll cycle (:meth:`Agent.poll_once`): sample every GPU, drain XID events (the
 backend's own and the kernel log's, bus ids mapped to GPU indexes, duplicates across
 sources dropped), run the checks, update the table of current findings and record which
-changed (transitions), publish an immutable snapshot to the exporter (a scrape costs no
-NVML call), then hand the cycle to every component. A source that fails is logged,
+changed or escalated (transitions), publish an immutable snapshot to the exporter (a scrape
+costs no NVML call), then hand the cycle to every component. A source that fails is logged,
 counted, marked down and retried later; the daemon never dies of bad data.
 
 Components (plug-in interface)
@@ -75,6 +75,7 @@ from forewarn.agent.exporter import AgentExporter, MetricsServer, Snapshot, Sour
 from forewarn.agent.sdnotify import Notifier
 from forewarn.agent.state import AgentState
 from forewarn.config import ConfigError
+from forewarn.escalation import escalates
 from forewarn.gpu import classify_xid
 from forewarn.labels import BoundedLabelsRegistry
 from forewarn.wire import Finding, GpuSample, Health, SuggestedAction, XidEvent
@@ -113,7 +114,8 @@ class Component(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Transition:
-    """A finding whose health or suggested action changed (or that is new)."""
+    """A finding whose health or suggested action changed, that is new, or whose evidence
+    grew materially worse than when it was last reported (:mod:`forewarn.escalation`)."""
 
     previous: Health | None
     """Health before; None when the check had not judged this subject before."""
@@ -208,6 +210,8 @@ class Agent:
                             for name, _ in self.xid_sources}
         self._lock = threading.Lock()
         self._findings: dict[tuple[str, str], Finding] = {}
+        self._reported: dict[tuple[str, str], Finding] = {}
+        """The finding of each key last reported as a transition (the escalation base)."""
         self._pending: list[Transition] = []
         self._xid_counts: Counter[tuple[str, int, str]] = Counter()
         self._field_errors: Counter[tuple[int, str]] = Counter()
@@ -404,12 +408,18 @@ class Agent:
             seen.add(key)
             old = self._findings.get(key)
             self._findings[key] = f
-            if old is None or old.health != f.health or old.action != f.action:
+            reported = self._reported.get(key)
+            if (old is None or old.health != f.health or old.action != f.action
+                    or (reported is not None and escalates(reported, f))):
+                # Materially worse evidence under the same health (remapped rows growing
+                # under "remap pending") is re-reported too: forewarn.escalation.
                 out.append(Transition(old.health if old else None,
                                       old.action if old else None, f))
+                self._reported[key] = f
         if drop_missing:
             for key in [k for k in self._findings if k[0] == check and k not in seen]:
                 old = self._findings.pop(key)
+                self._reported.pop(key, None)
                 if old.health != Health.HEALTHY:
                     cleared = msgspec.structs.replace(
                         old, health=Health.UNKNOWN, action=SuggestedAction.NONE, time=now,

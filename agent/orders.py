@@ -28,7 +28,9 @@ and the collector, which chose S for all nodes, reissues.
 Local fast path
 ---------------
 A local critical finding orders a checkpoint of the affected jobs on its own, once per
-finding (cooldown per subject and check), even with no collector:
+incident (cooldown per subject: the XID and the uncorrectable-ECC finding of one DBE are one
+incident; a materially worse finding of the same check orders again,
+:mod:`forewarn.escalation`), even with no collector:
 
 * an unhealthy GPU finding whose suggested action is checkpoint, reset, reboot, drain or
   inspect: the jobs with a rank on that GPU (local rank -> GPU index, identity by default);
@@ -79,6 +81,7 @@ import uuid
 from collections.abc import Callable, Iterable
 
 from forewarn.agent.ranks import RankTable, RankView, quantile
+from forewarn.escalation import escalates
 from forewarn.ordering import RankProgress, estimated_step, order_step
 from forewarn.wire import (
     PREEMPTED,
@@ -186,7 +189,8 @@ class CheckpointOrders:
         self.monotonic = monotonic
         self._lock = threading.RLock()
         self._orders: dict[str, OrderStatus] = {}
-        self._fired: dict[str, float] = {}
+        self._fired: dict[str, tuple[float, dict[str, Finding]]] = {}
+        """Subject -> (when the fast path last ordered for it, check -> finding it saw)."""
         self.orders_total: collections.Counter[tuple[str, str]] = collections.Counter()
         """``(job, reason) -> orders issued`` (reissues included)."""
         self.outcomes_total: collections.Counter[str] = collections.Counter()
@@ -353,7 +357,7 @@ class CheckpointOrders:
 
     def fast_path(self, findings: Iterable[Finding]) -> list[CheckpointOrder]:
         """Order checkpoints for local critical findings (see module doc); once per
-        finding subject and check within ``cooldown_s``."""
+        subject within ``cooldown_s``, unless a finding escalates its check's last one."""
         out = []
         mono = self.monotonic()
         for f in findings:
@@ -366,12 +370,21 @@ class CheckpointOrders:
                 jobs = [subj.job]
             else:
                 continue
-            key = f"{f.check}|{subj.key()}"
+            # One incident per subject: the findings one fault raises together (XID 48 and
+            # the uncorrectable-ECC counter of one DBE) order once; a materially worse
+            # finding of a check that already fired orders again (forewarn.escalation).
+            key = subj.key()
             with self._lock:
-                last = self._fired.get(key)
-                if last is not None and mono - last < self.cooldown_s:
-                    continue
-                self._fired[key] = mono
+                fired = self._fired.get(key)
+                fresh = fired is None or mono - fired[0] >= self.cooldown_s
+                if fired is not None and not fresh:
+                    before = fired[1].get(f.check)
+                    if before is None or not escalates(before, f):
+                        fired[1].setdefault(f.check, f)  # joins the incident: no order
+                        continue
+                seen = {} if fired is None or fresh else fired[1]
+                seen[f.check] = f
+                self._fired[key] = (mono, seen)
                 for job in jobs:
                     views = self.table.job_views(job)
                     world = max((v.world_size for v in views), default=0)

@@ -186,6 +186,13 @@ class CollectorConfig:
     alert_max_rows: int = 10_000
     """Most alerts (label sets) kept, in memory and in the ``alerts`` table; the least
     recently seen go first."""
+    finding_ttl_s: float = 7200.0
+    """A firing finding whose source went silent this long expires (its GPU's colour
+    clears): for an agent's finding, no batch from its node; for an alert, no re-send (keep
+    it above Alertmanager's ``repeat_interval``)."""
+    incident_window_s: float = 300.0
+    """Findings about one GPU (node, job) within this long of each other are one incident:
+    one checkpoint order per job unless the incident escalates."""
     # -- failure predictor and goodput (forewarn.collector.decide.predict / goodput_service) ----
     predictor_enabled: bool = True
     """Run the failure predictor on live telemetry (the model loads at start)."""
@@ -263,6 +270,9 @@ class CollectorConfig:
         check_logging(self.log_level, self.log_format)
         _check_policy_keys(self)
         _check_tokens_distinct(self)
+        for key in ("finding_ttl_s", "incident_window_s"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"{key}: must be positive, got {getattr(self, key)}")
         if not self.alert_ttl_s > 0 or not 1 <= self.alert_max_rows <= 10_000_000:
             raise ConfigError(f"alert_ttl_s (> 0), alert_max_rows (1..10^7): got "
                               f"{self.alert_ttl_s}, {self.alert_max_rows}")

@@ -6,12 +6,18 @@ then the bad row may still be used, so reset at the next opportunity (degraded).
 can no longer heal itself and the GPU should be inspected / replaced (unhealthy). NCSA
 Delta measured that remapping with containment absorbed 92% of H100 uncorrectable errors
 (docs/reference.md), which is why pending remaps deserve a reset, not a drain.
+
+The evidence's ``extent`` is the number of remapped rows: rows that keep growing while a
+remap is pending use up the bank's spares, and each material growth is re-reported
+(:mod:`forewarn.escalation`), so the collector can order another checkpoint before the remap
+fails.
 """
 
 from __future__ import annotations
 
 from forewarn.agent.checks.common import counter_delta, gpu_finding, live_gpus
 from forewarn.agent.state import AgentState
+from forewarn.escalation import EXTENT
 from forewarn.wire import Finding, Health, SuggestedAction
 
 __all__ = ["RemapCheck"]
@@ -47,6 +53,10 @@ class RemapCheck:
                 "uncorrectable_rows": last.remapped_rows_uncorrectable,
                 "pending": last.remap_pending, "failure": last.remap_failure,
                 "rows_remapped_in_window": grown[0] if grown else None,
+                # every remapped row uses up a spare of its bank: growth under an unchanged
+                # "pending" is re-reported and may order another checkpoint
+                EXTENT: (last.remapped_rows_correctable or 0)
+                + (last.remapped_rows_uncorrectable or 0),
             }
             if last.remap_failure:
                 out.append(gpu_finding(

@@ -5,13 +5,17 @@ For each finding that is not healthy:
 
 1. **Severity rules** (:data:`SEVERITY_RULES`) say which action kinds the finding calls for,
    from its health and suggested action.
-2. **Dedup**: the same check about the same subject within ``dedup_s`` is dropped (counted in
-   ``forewarn_collector_policy_findings_total{result="duplicate"}``, not stored), unless its
-   health got worse.
-3. Per action kind and target (a job for checkpoints, a node for drains, the subject for
-   webhooks): the **cost model** (checkpoints only, :mod:`.costmodel`), the **cooldown** per
-   target and kind, the **circuit breaker** (refuses acting on more than a share of the
-   jobs/fleet within a window, and raises one alert per trip), the **rate limit** (a token
+2. **Incident**: the finding joins its incident (:mod:`.incidents`: correlated findings about
+   one GPU, node or job); a healthy finding resolves its tracked finding.
+3. **Dedup**: the same check about the same subject within ``dedup_s`` is dropped (counted in
+   ``forewarn_collector_policy_findings_total{result="duplicate"}``, not stored), unless it
+   escalates (worse health, or materially worse evidence: :mod:`forewarn.escalation`).
+4. Per action kind and target (a job for checkpoints, a node for drains, the subject for
+   webhooks): **one checkpoint order per job and incident** unless the incident escalates,
+   the **cost model** (checkpoints only, :mod:`.costmodel`), the **cooldown** per
+   target and kind (an escalation is not held back by it), the **circuit breaker**
+   (refuses acting on more than a share of the jobs/fleet within a window, and raises one
+   alert per trip), the **rate limit** (a token
    bucket per kind) and finally **shadow mode** (global or per kind: recorded, not done).
 
 Every outcome is a :class:`Decision` carrying its inputs and a reason a person can read;
@@ -33,10 +37,12 @@ from typing import Any
 import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
+from forewarn.escalation import escalates
 from forewarn.wire import Finding, Health, Subject, SuggestedAction
 
 from ..jobs.jobview import JobInfo, JobView
 from .costmodel import CheckpointCostTracker, decide_checkpoint
+from .incidents import IncidentBook, Observation
 
 __all__ = [
     "SEVERITY_RULES",
@@ -115,8 +121,6 @@ def actions_for(finding: Finding) -> tuple[ActionKind, ...]:
             return (ActionKind.CHECKPOINT, ActionKind.WEBHOOK)
         return (ActionKind.WEBHOOK,)
     return ()
-
-
 
 
 class Decision(msgspec.Struct, frozen=True, kw_only=True):
@@ -274,6 +278,7 @@ class Policy:
         clock: Callable[[], float] = time.time,
         registry: CollectorRegistry | None = None,
         new_id: Callable[[], str] = _new_id,
+        incidents: IncidentBook | None = None,
     ) -> None:
         self.settings = settings
         self.jobs = jobs
@@ -281,7 +286,7 @@ class Policy:
         self._record = record
         self._clock = clock
         self._new_id = new_id
-        self._seen: dict[str, tuple[float, Health]] = {}
+        self._seen: dict[str, tuple[float, Finding]] = {}
         self._cooldown: dict[tuple[ActionKind, str], float] = {}
         now = clock()
         self._buckets = {
@@ -301,6 +306,9 @@ class Policy:
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=1000)
         """The latest decisions, newest last (the store keeps them all)."""
         registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.incidents = incidents if incidents is not None else IncidentBook(
+            clock=clock, registry=registry)
+        """Tracked findings and incidents; every finding evaluated goes through it."""
         self._m_decisions = Counter(
             "forewarn_collector_decisions",
             "Policy decisions by action kind and outcome.",
@@ -327,7 +335,8 @@ class Policy:
         """
         now = self._clock()
         key = f"{finding.check}|{finding.subject.key()}"
-        if finding.health in (Health.HEALTHY, Health.UNKNOWN):
+        obs = self.incidents.observe(finding, source, now)
+        if obs is None:  # healthy (resolves its tracked finding) or unknown
             if finding.health == Health.HEALTHY:
                 self._seen.pop(key, None)
             self._m_findings.labels("healthy").inc()
@@ -336,18 +345,18 @@ class Policy:
         if (
             seen is not None
             and now - seen[0] < self.settings.dedup_s
-            and finding.health.severity <= seen[1].severity
+            and not escalates(seen[1], finding)
         ):
             self._m_findings.labels("duplicate").inc()
             return []
-        self._seen[key] = (now, finding.health)
+        self._seen[key] = (now, finding)
         if len(self._seen) > 100_000:
             self._prune_seen(now)
         self._m_findings.labels("evaluated").inc()
         planned: list[PlannedAction] = []
         for kind in actions_for(finding):
             if kind == ActionKind.CHECKPOINT:
-                planned += self._checkpoint(finding, source, now, force_checkpoint)
+                planned += self._checkpoint(finding, source, now, force_checkpoint, obs)
             elif kind == ActionKind.DRAIN:
                 planned += self._drain(finding, source, now)
             else:
@@ -359,7 +368,7 @@ class Policy:
     # -- per action kind ----------------------------------------------------------------
 
     def _checkpoint(
-        self, finding: Finding, source: str, now: float, force: bool
+        self, finding: Finding, source: str, now: float, force: bool, obs: Observation
     ) -> list[PlannedAction]:
         out: list[PlannedAction] = []
         job_ids = self._jobs_of(finding.subject)
@@ -380,7 +389,17 @@ class Policy:
                 )
                 continue
             cost = decide_checkpoint(finding, job, now, self.tracker, self.settings.probability)
-            inputs: dict[str, Any] = {**cost.inputs(), "nodes": list(job.nodes)}
+            inputs: dict[str, Any] = {**cost.inputs(), "nodes": list(job.nodes),
+                                      "incident": obs.incident.id, "escalation": obs.escalated}
+            earlier = obs.incident.ordered.get(job_id)
+            if earlier is not None and not obs.escalated:
+                self._decide(
+                    ActionKind.CHECKPOINT, finding, source, now, target=target,
+                    outcome=Outcome.SUPPRESSED, job=job_id, inputs=inputs,
+                    reason=f"incident {obs.incident.id} already ordered this job "
+                    f"({earlier.check}: {earlier.health.value}); it has not escalated",
+                )
+                continue
             if force:
                 inputs["cost_model"] = "bypassed: the alert rule asked for a checkpoint"
             elif not cost.act:
@@ -399,11 +418,14 @@ class Policy:
                 else f"expected loss {cost.expected_loss_gpu_s:.0f} GPU-s "
                 f"> checkpoint cost {cost.cost_gpu_s:.0f} GPU-s"
             )
+            if earlier is not None:
+                why = f"incident escalated: {why}"
             decision = self._gate(
                 ActionKind.CHECKPOINT, finding, source, now, target, why, inputs,
-                population=self.jobs.job_count(), job=job_id,
+                population=self.jobs.job_count(), job=job_id, escalation=earlier is not None,
             )
             if decision is not None:
+                self.incidents.ordered(obs, job_id)
                 out.append(PlannedAction(ActionKind.CHECKPOINT, decision, finding, job=job))
         return out
 
@@ -450,15 +472,17 @@ class Policy:
         population: int,
         job: str = "",
         node: str = "",
+        escalation: bool = False,
     ) -> Decision | None:
-        """Cooldown, breaker, rate limit, shadow: the decision when the action is to be done
-        (``act``) or recorded as shadow (``shadow``), else ``None``."""
+        """Cooldown (not for an ``escalation``: the same incident got worse), breaker, rate
+        limit, shadow: the decision when the action is to be done (``act``) or recorded as
+        shadow (``shadow``), else ``None``."""
         s = self.settings
         common = {"target": target, "job": job, "node": node}
         cooldown = s.cooldown_s.get(kind.value, 0.0)
         last = self._cooldown.get((kind, target))
         inputs = {**inputs, "cooldown_s": cooldown}
-        if last is not None and now - last < cooldown:
+        if last is not None and now - last < cooldown and not escalation:
             self._decide(
                 kind, finding, source, now, outcome=Outcome.SUPPRESSED, inputs=inputs,
                 reason=f"cooldown: acted on {target} {now - last:.0f} s ago (< {cooldown:.0f} s)",

@@ -13,9 +13,15 @@ both fed from the stored batches; every ``predict_interval_s`` a timer scores th
 refreshes goodput advice on the policy thread.
 
 Alert webhooks go through an :class:`~..ingest.alert_book.AlertBook` (deduplicated, stored in
-batches every half second); only alerts that start firing reach the policy, coalesced by
-check and subject and handed over in small chunks on the policy thread's bulk lane, so a
-storm never delays a decision about an agent's finding (:mod:`.policy_thread`).
+batches every half second); only alerts that start firing or resolve reach the policy,
+coalesced by check and subject and handed over in small chunks on the policy thread's bulk
+lane, so a storm never delays a decision about an agent's finding (:mod:`.policy_thread`).
+
+Every finding the policy sees is tracked in its incident (:mod:`.incidents`): resolved by
+its source (the agent's healthy finding, a resolved alert), expired when its source is
+silent for ``finding_ttl_s`` (checked every :data:`EXPIRE_EVERY_S`; a closing ``unknown``
+finding is stored so the GPU's colour clears); the incidents that changed are written to
+the ``incidents`` table after each turn of the policy thread.
 
 Threads: the hooks run on the service's single policy thread; the webhook sender runs on
 the event loop (events are handed over with ``call_soon_threadsafe``); drains run on their
@@ -33,12 +39,13 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import msgspec
 from prometheus_client import Counter, Gauge
 from starlette.requests import Request
 from starlette.routing import BaseRoute
 
 from forewarn.config import ConfigError
-from forewarn.wire import AgentBatch, CommandAck, Finding
+from forewarn.wire import AgentBatch, CommandAck, Finding, Health, SuggestedAction
 
 from ..http.operator import operator_routes
 from ..ingest.alert_book import AlertBook
@@ -48,6 +55,7 @@ from .actions import ActionPipeline, store_decisions
 from .costmodel import CheckpointCostTracker
 from .drain import DrainError, DrainRunner, DrainTemplate
 from .goodput_service import AdviceSender, GoodputService
+from .incidents import IncidentBook, TrackedFinding, save_incidents
 from .orders import OrderBook, OrderSettings
 from .policy import Decision, Policy, PolicySettings
 from .predict import PredictorService
@@ -68,6 +76,8 @@ ALERT_QUEUE_MAX = 10_000
 """Alert findings (distinct check and subject) waiting for the policy; more are dropped
 and counted: their rows and findings are stored all the same."""
 ALERT_FLUSH_S = 0.5
+EXPIRE_EVERY_S = 5.0
+"""How often silent sources' findings are checked for expiry."""
 
 
 def settings_from_config(config: CollectorConfig) -> PolicySettings:
@@ -138,6 +148,8 @@ class PolicyService:
         alert_ttl_s: float = 7200.0,
         alert_max_rows: int = 10_000,
         retention_days: int = 30,
+        finding_ttl_s: float = 7200.0,
+        incident_window_s: float = 300.0,
     ) -> None:
         self.settings = settings
         self.order_settings = orders
@@ -153,9 +165,9 @@ class PolicyService:
         self.sender: WebhookSender | None = None
         self._ctx: CollectorContext | None = None
         self._drain_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="drain")
-        self._forced: dict[int, tuple[Finding, str]] = {}
-        """Operator actions in flight (id of the finding -> source): cost model bypassed."""
-        self._forced_decisions: dict[int, list[Decision]] = {}
+        self._incident_settings = (finding_ttl_s, incident_window_s)
+        self.incidents: IncidentBook | None = None
+        self._expirer: concurrent.futures.Future[None] | None = None
         self._alert_settings = (alert_ttl_s, alert_max_rows, retention_days * 86400.0)
         self.alert_book: AlertBook | None = None
         self._alert_queue: collections.OrderedDict[str, tuple[Finding, str]] = (
@@ -206,6 +218,8 @@ class PolicyService:
             alert_ttl_s=config.alert_ttl_s,
             alert_max_rows=config.alert_max_rows,
             retention_days=config.retention_days,
+            finding_ttl_s=config.finding_ttl_s,
+            incident_window_s=config.incident_window_s,
         )
 
     # -- the app's hooks (policy thread) ------------------------------------------------
@@ -214,9 +228,17 @@ class PolicyService:
         """Build the pieces against the running service."""
         self._ctx = ctx
         registry = ctx.metrics.registry
+        ttl_s, window_s = self._incident_settings
+        self.incidents = IncidentBook(ttl_s=ttl_s, window_s=window_s, clock=ctx.clock,
+                                      registry=registry)
+        reopened = self.incidents.load(
+            ctx.store.query("SELECT * FROM incidents WHERE state = 'open'"), ctx.clock())
+        if reopened:
+            log.info("%d open incident(s) taken back from the store", reopened)
         policy = Policy(
             self.settings, ctx.jobs, CheckpointCostTracker(self.checkpoint_default_s),
             record=store_decisions(ctx.store), clock=ctx.clock, registry=registry,
+            incidents=self.incidents,
         )
         orders = OrderBook(ctx.commands, self.order_settings, clock=ctx.clock, registry=registry)
         send = None
@@ -251,6 +273,9 @@ class PolicyService:
         if ctx.loop is not None:
             self._alert_flusher = asyncio.run_coroutine_threadsafe(
                 _flush_alerts(self.alert_book, ctx), ctx.loop)
+        if ctx.loop is not None:
+            self._expirer = asyncio.run_coroutine_threadsafe(
+                _every(EXPIRE_EVERY_S, ctx, self.expire_findings), ctx.loop)
         for part in (self.predictor, self.goodput):
             if part is not None:
                 part.register(registry)
@@ -262,8 +287,9 @@ class PolicyService:
     def stop(self) -> None:
         """Stop the webhook worker and wait for a running drain."""
         ctx = self._ctx
-        if self._ticker is not None:
-            self._ticker.cancel()
+        for timer in (self._ticker, self._expirer):
+            if timer is not None:
+                timer.cancel()
         if self._alert_flusher is not None:
             self._alert_flusher.cancel()
         if self.alert_book is not None and ctx is not None:
@@ -285,13 +311,8 @@ class PolicyService:
             return
         if self.goodput is not None and self._ctx is not None:
             self.goodput.on_findings(findings, self._ctx.jobs)
-        for f in findings:
-            forced = self._forced.pop(id(f), None)
-            if forced is not None:
-                self._forced_decisions[id(f)] = self.pipeline.handle_findings(
-                    [f], forced[1], force_checkpoint=True)
-            else:
-                self.pipeline.handle_findings([f])
+        self.pipeline.handle_findings(findings)
+        self._save_incidents()
 
     def on_batches(self, batches: Sequence[AgentBatch], now: float) -> None:
         """Checkpoint reports: measured cost, order progress, reissue on a miss; samples
@@ -299,6 +320,8 @@ class PolicyService:
         if self.pipeline is None:
             return
         for batch in batches:
+            if self.incidents is not None:  # the node's agent is alive: its findings too
+                self.incidents.heard(f"agent:{batch.node}", now)
             for report in batch.checkpoints:
                 self.pipeline.on_report(report)
         if self.predictor is not None:
@@ -353,11 +376,39 @@ class PolicyService:
         ctx = self._ctx
         if ctx is None or self.pipeline is None:
             return
-        with ctx.store.write() as conn:
-            store_findings(conn, findings, node="", origin="predictor", received=now)
-        for f in findings:
-            ctx.metrics.findings.labels(f.health.value, "predictor").inc()
+        _record_findings(ctx, findings, "predictor", now)
         self.pipeline.handle_findings(findings, "predictor")
+        self._save_incidents()
+
+    def expire_findings(self, now: float) -> list[TrackedFinding]:
+        """Policy thread: end the findings whose source went silent for ``finding_ttl_s``;
+        a closing ``unknown`` finding is stored for each, so its GPU's colour clears."""
+        ctx, book = self._ctx, self.incidents
+        if ctx is None or book is None:
+            return []
+        expired = book.expire(now)
+        if expired:
+            log.warning("%d finding(s) expired: their source was silent for %.0f s: %s",
+                        len(expired), book.ttl_s, ", ".join(t.key for t in expired[:5]))
+            closing = [msgspec.structs.replace(
+                t.finding, health=Health.UNKNOWN, action=SuggestedAction.NONE, time=now,
+                reason=f"expired: {t.source} silent for {book.ttl_s:.0f} s "
+                f"(was: {t.finding.reason})"[:4096]) for t in expired]
+            _record_findings(ctx, closing, "expiry", now)
+        self._save_incidents()
+        return expired
+
+    def _save_incidents(self) -> None:
+        """Write the incidents that changed (policy thread)."""
+        ctx, book = self._ctx, self.incidents
+        if ctx is None or book is None:
+            return
+        changed = book.take_changed()
+        try:
+            save_incidents(ctx.store, changed)
+        except Exception:
+            ctx.metrics.policy_errors.inc()
+            log.exception("storing %d incident(s) failed", len(changed))
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -371,9 +422,11 @@ class PolicyService:
         if book is None:
             raise RuntimeError("alert webhook before the policy service started")
         intake = await asyncio.to_thread(book.accept, payload, source, ctx.jobs, ctx.clock())
-        for f in intake.findings:
+        for f in intake.findings + intake.cleared:
             ctx.metrics.findings.labels(f.health.value, source).inc()
-        dropped = self._queue_alerts(intake.findings, source, ctx)
+        dropped = self._queue_alerts(intake.findings + intake.cleared, source, ctx)
+        if intake.refreshed:
+            ctx.submit_bulk(self._refresh_alerts, intake.refreshed, source, ctx.clock())
         for result, n in (("new", len(intake.findings)), ("duplicate", intake.duplicates),
                           ("resolved", intake.resolved), ("skipped", len(intake.skipped)),
                           ("dropped", dropped)):
@@ -384,12 +437,13 @@ class PolicyService:
 
     def _queue_alerts(self, findings: list[Finding], source: str, ctx: CollectorContext
                       ) -> int:
-        """Coalesce new alert findings by check and subject (the policy's dedup key) for
-        the bulk lane; returns how many were dropped because the queue is full."""
+        """Coalesce new alert findings (and the healthy ones of resolved alerts) by check,
+        subject and health for the bulk lane; returns how many were dropped because the
+        queue is full."""
         dropped = 0
         with self._alert_lock:
             for f in findings:
-                key = f"{f.check}|{f.subject.key()}"
+                key = f"{f.check}|{f.subject.key()}|{f.health.value}"
                 if key not in self._alert_queue and len(self._alert_queue) >= ALERT_QUEUE_MAX:
                     dropped += 1
                     continue
@@ -425,6 +479,13 @@ class PolicyService:
             except Exception:
                 ctx.metrics.policy_errors.inc()
                 log.exception("policy failed on alert finding %s", finding.check)
+        self._save_incidents()
+
+    def _refresh_alerts(self, findings: list[Finding], source: str, now: float) -> None:
+        """Bulk lane: alerts re-sent while firing keep their findings from expiring."""
+        if self.incidents is not None:
+            for f in findings:
+                self.incidents.refresh(f, source, now)
 
     async def _submit_forced(
         self, request: Request, findings: list[Finding], source: str
@@ -433,20 +494,21 @@ class PolicyService:
         (an operator asked), on the decision lane; the decisions taken. (Alerts take the
         alert book and the bulk lane instead: :meth:`_handle_alert`.)"""
         ctx: CollectorContext = request.app.state.ctx
-        for f in findings:
-            self._forced[id(f)] = (f, source)
-        try:
-            await ctx.submit_findings(findings, origin=source)
-        finally:
-            for f in findings:
-                self._forced.pop(id(f), None)
-        decisions = [
-            {"id": d.id, "action": d.action, "target": d.target, "outcome": d.outcome,
-             "reason": d.reason}
-            for f in findings
-            for d in self._forced_decisions.pop(id(f), [])
-        ]
+        await asyncio.to_thread(_record_findings, ctx, findings, source, ctx.clock())
+        taken = await ctx.run_policy(self._forced_findings, findings, source)
+        decisions = [{"id": d.id, "action": d.action, "target": d.target,
+                      "outcome": d.outcome, "reason": d.reason} for d in taken]
         return {"findings": len(findings), "decisions": decisions}
+
+    def _forced_findings(self, findings: list[Finding], source: str) -> list[Decision]:
+        """Policy thread: an operator's findings, the cost model bypassed."""
+        if self.pipeline is None:
+            return []
+        if self.goodput is not None and self._ctx is not None:
+            self.goodput.on_findings(findings, self._ctx.jobs)
+        decisions = self.pipeline.handle_findings(findings, source, force_checkpoint=True)
+        self._save_incidents()
+        return decisions
 
     def _delivered(self, d: Delivery) -> None:
         """Runs on the loop: store final delivery results off the loop."""
@@ -464,6 +526,15 @@ class PolicyService:
             record()
 
 
+def _record_findings(ctx: CollectorContext, findings: Sequence[Finding], origin: str,
+                     now: float) -> None:
+    """Store findings made in the collector and count them (``origin`` labels both)."""
+    with ctx.store.write() as conn:
+        store_findings(conn, findings, node="", origin=origin, received=now)
+    for f in findings:
+        ctx.metrics.findings.labels(f.health.value, origin).inc()
+
+
 async def _flush_alerts(book: AlertBook, ctx: CollectorContext) -> None:
     """Store the alert book's rows and new findings every :data:`ALERT_FLUSH_S`."""
     while True:
@@ -474,7 +545,8 @@ async def _flush_alerts(book: AlertBook, ctx: CollectorContext) -> None:
             log.exception("storing alerts failed; they are kept for the next try")
 
 
-async def _every(interval_s: float, ctx: CollectorContext, fn: Callable[[float], None]) -> None:
+async def _every(interval_s: float, ctx: CollectorContext, fn: Callable[[float], object]
+                 ) -> None:
     """Run ``fn(now)`` on the policy thread every ``interval_s`` until cancelled."""
     while True:
         await asyncio.sleep(interval_s)
@@ -484,4 +556,4 @@ async def _every(interval_s: float, ctx: CollectorContext, fn: Callable[[float],
             return
         except Exception:
             ctx.metrics.policy_errors.inc()
-            log.exception("periodic scoring failed")
+            log.exception("periodic task %s failed", getattr(fn, "__name__", fn))

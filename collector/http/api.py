@@ -5,6 +5,7 @@ and the OpenAPI document. The routes are mounted by :func:`forewarn.collector.ht
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -136,10 +137,19 @@ def filtered(table: str, order: str, filters: Sequence[str], time_col: str | Non
             sql += " WHERE " + " AND ".join(where)
         sql += f" ORDER BY {order} LIMIT ?"
         rows = ctx.store.query(sql, [*params, limit])
+        if table == "incidents":
+            return _incident_rows_json(rows)
         return finding_rows_json(rows) if table == "findings" else rows
 
     fn.__name__ = table
     return fn
+
+
+def _incident_rows_json(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Expand the stored JSON list of an incident's tracked findings."""
+    for row in rows:
+        row["findings"] = json.loads(row["findings"])
+    return rows
 
 
 def _nodes(ctx: CollectorContext, request: Request) -> Any:
@@ -250,6 +260,10 @@ def openapi_schema() -> dict[str, Any]:
         "/api/v1/jobs/{job}": read("One job named in the path (names a path can carry)"),
         "/api/v1/findings": read("Findings",
                                  ["node", "job", "health", "check_name", "since", "limit"]),
+        "/api/v1/incidents": read(
+            "Incidents: correlated findings about one GPU, node or job, each with its tracked "
+            "findings (id, key, state firing/resolved/expired)",
+            ["state", "kind", "node", "job", "since", "limit"]),
         "/api/v1/xids": read("XID events", ["node", "code", "since", "limit"]),
         "/api/v1/actions": read("Actions", ["kind", "job", "node", "since", "limit"]),
         "/api/v1/decisions": read("Policy decisions with inputs", ["job", "since", "limit"]),
@@ -291,6 +305,9 @@ def read_routes() -> list[Route]:
         Route("/api/v1/jobs/{job:path}", reader(_job_by_path), methods=["GET"]),
         Route("/api/v1/findings", reader(filtered(
             "findings", "time DESC, id DESC", ["node", "job", "health", "check_name"])),
+            methods=["GET"]),
+        Route("/api/v1/incidents", reader(filtered(
+            "incidents", "updated DESC", ["state", "kind", "node", "job"], "updated")),
             methods=["GET"]),
         Route("/api/v1/xids", reader(filtered("xids", "time DESC, id DESC",
                                                 ["node", "code"])), methods=["GET"]),

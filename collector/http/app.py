@@ -17,7 +17,8 @@ Routes
 ``POST /api/v1/commands/{id}/ack``
     JSON (or msgpack) :class:`~forewarn.wire.CommandAck` from the agent.
 ``GET /api/v1/...``: ``nodes``, ``gpus``, ``jobs``, ``job?name=J``, ``jobs/{job}``,
-    ``findings``, ``xids``, ``actions``, ``decisions``, ``checkpoints``, ``commands/log``.
+    ``findings``, ``incidents``, ``xids``, ``actions``, ``decisions``, ``checkpoints``,
+    ``commands/log``.
     Read API (JSON; ``api_token`` when configured). ``GET /openapi.json``, ``/metrics``,
     ``/healthz`` (liveness). These live in :mod:`forewarn.collector.http.api`.
 ``GET /readyz``

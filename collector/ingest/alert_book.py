@@ -7,9 +7,11 @@ by source and label set (the same labels while firing are one alert):
 
 * an alert not firing yet becomes a :class:`~forewarn.wire.Finding` for the policy, once;
 * an alert already firing only updates its row (``last_seen``, ``count``): no finding, no
-  decision;
-* a resolved alert leaves the book (a later firing is new again), as does one not re-sent
-  within ``ttl_s`` (the sender went silent);
+  decision; the finding it raised is handed back as *refreshed* (its source is not silent);
+* a resolved alert leaves the book (a later firing is new again) and gives a healthy
+  finding of the same check and subject that *clears* the one it raised (stored, so the
+  GPU's health follows, and passed to the policy, which resolves the tracked finding);
+  an alert not re-sent within ``ttl_s`` leaves the book too (the sender went silent);
 * rows (table ``alerts``, one per label set) and the new findings are written by
   :meth:`AlertBook.flush` every half second in a few short transactions, never on the
   request path; the table keeps at most ``max_rows`` rows (least recently seen dropped first) and
@@ -26,7 +28,9 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from forewarn.wire import Finding
+import msgspec
+
+from forewarn.wire import Finding, Health, SuggestedAction
 
 from ..jobs.jobview import JobView
 from .alerts import AlertPayload, alert_finding, alert_labels
@@ -64,6 +68,10 @@ class AlertIntake:
     """Alerts already firing (row updated only)."""
     resolved: int = 0
     skipped: list[str] = dataclasses.field(default_factory=list)
+    cleared: list[Finding] = dataclasses.field(default_factory=list)
+    """Healthy findings that end what resolved alerts raised: for the policy."""
+    refreshed: list[Finding] = dataclasses.field(default_factory=list)
+    """The findings raised by alerts re-sent while firing (their source is alive)."""
 
 
 @dataclasses.dataclass
@@ -97,6 +105,8 @@ class AlertBook:
         self._lock = threading.Lock()
         self._firing: collections.OrderedDict[str, float] = collections.OrderedDict()
         """key -> last seen, least recently seen first."""
+        self._raised: dict[str, Finding] = {}
+        """key -> the finding the firing alert raised (until it resolves or is forgotten)."""
         self._rows: dict[str, _Row] = {}
         """Rows to write at the next flush."""
         self._findings: list[tuple[Finding, str]] = []
@@ -116,13 +126,20 @@ class AlertBook:
             if firing and seen is not None and now - seen <= self.ttl_s:
                 out.duplicates += 1
                 self._note(key, source, labels, "firing", "", now)
+                with self._lock:
+                    raised = self._raised.get(key)
+                if raised is not None:
+                    out.refreshed.append(raised)
                 continue
             if not firing:
                 with self._lock:
                     known = self._firing.pop(key, None) is not None
+                    raised = self._raised.pop(key, None)
                 if known:
                     out.resolved += 1
                     self._note(key, source, labels, alert.status[:32], "", now)
+                    if raised is not None:
+                        self._clear(raised, source, now, out)
                 else:
                     out.skipped.append(f"alerts[{i}] {labels.get('alertname', 'alert')}: "
                                        f"status {alert.status!r}, not firing")
@@ -135,7 +152,17 @@ class AlertBook:
             self._note(key, source, labels, "firing", found.subject.key(), now)
             with self._lock:
                 self._findings.append((found, source))
+                self._raised[key] = found
         return out
+
+    def _clear(self, raised: Finding, source: str, now: float, out: AlertIntake) -> None:
+        """The healthy finding that ends ``raised`` (same check and subject)."""
+        cleared = msgspec.structs.replace(
+            raised, health=Health.HEALTHY, action=SuggestedAction.NONE, time=now,
+            reason=f"resolved: {raised.reason}"[:4096])
+        out.cleared.append(cleared)
+        with self._lock:
+            self._findings.append((cleared, source))
 
     def _note(self, key: str, source: str, labels: dict[str, str], status: str,
               subject: str, now: float) -> None:
@@ -144,7 +171,7 @@ class AlertBook:
                 self._firing[key] = now
                 self._firing.move_to_end(key)
                 while len(self._firing) > self.max_rows:
-                    self._firing.popitem(last=False)
+                    self._raised.pop(self._firing.popitem(last=False)[0], None)
             row = self._rows.get(key)
             if row is None:
                 self._rows[key] = _Row(source, labels.get("alertname", "")[:256], subject,

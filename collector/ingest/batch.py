@@ -356,9 +356,10 @@ def store_findings(conn: Transaction, findings: Sequence[Finding], *, node: str,
         # (``unknown`` = that check cannot tell, so it does not count).
         rows = conn.execute(_WORST_HEALTH, (key,)).fetchall()
         worst = max(rows, key=lambda r: (Health(r[0]).severity, r[2]), default=None)
-        if worst is not None:
-            conn.execute("UPDATE gpus SET health = ?, health_reason = ?, health_time = ?"
-                         " WHERE node = ? AND gpu = ?", (*worst, gpu_node, gpu))
+        if worst is None:  # its last finding expired (or no check can tell): not red
+            worst = ("unknown", "no current finding", max(f.time for f in findings))
+        conn.execute("UPDATE gpus SET health = ?, health_reason = ?, health_time = ?"
+                     " WHERE node = ? AND gpu = ?", (*worst, gpu_node, gpu))
 
 
 _GPU_UPSERT = """

@@ -1,7 +1,7 @@
 """The collector's embedded store: SQLite in WAL mode, schema by numbered migrations.
 
-Tables: ``nodes``, ``gpus``, ``jobs``, ``ranks`` (the job map), ``findings``, ``xids``,
-``actions``, ``decisions``, ``checkpoints``, ``commands``, ``batches`` (every accepted
+Tables: ``nodes``, ``gpus``, ``jobs``, ``ranks`` (the job map), ``findings``, ``incidents``,
+``xids``, ``actions``, ``decisions``, ``checkpoints``, ``commands``, ``batches`` (every accepted
 agent batch by ``(agent_id, seq)``: the exactly-once record), ``staged_samples`` (raw
 ingest bodies whose GPU samples are not yet in Parquet) and ``telemetry_files`` (the
 Parquet files that hold compacted samples; see :mod:`forewarn.collector.storage.telemetry`).
@@ -122,6 +122,18 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
     ("ALTER TABLE ranks ADD COLUMN finished INTEGER NOT NULL DEFAULT 0",),
     # 4: a rank's phase (RankSummary.phase: eval, data, ...).
     ("ALTER TABLE ranks ADD COLUMN phase TEXT NOT NULL DEFAULT ''",),
+    # 5: incidents, correlated findings with their lifecycle
+    # (forewarn.collector.decide.incidents); ``findings`` is a JSON list of tracked findings.
+    (
+        """CREATE TABLE incidents (
+            id TEXT PRIMARY KEY, scope TEXT NOT NULL, kind TEXT NOT NULL, node TEXT NOT NULL,
+            gpu INTEGER, job TEXT NOT NULL, state TEXT NOT NULL, health TEXT NOT NULL,
+            worst TEXT NOT NULL, checks TEXT NOT NULL, opened REAL NOT NULL,
+            updated REAL NOT NULL, closed REAL, orders INTEGER NOT NULL,
+            findings TEXT NOT NULL)""",
+        "CREATE INDEX incidents_updated ON incidents (updated)",
+        "CREATE INDEX incidents_state ON incidents (state)",
+    ),
 )
 """Schema migrations in order; never edit a released entry, append a new one."""
 
@@ -147,6 +159,7 @@ _PRUNE: tuple[tuple[str, str], ...] = (
     # Collector time (``received``), not the agent's: a skewed clock neither keeps a
     # finding forever nor drops it at once.
     ("findings", "received < :before AND id NOT IN (SELECT value FROM json_each(:open))"),
+    ("incidents", "updated < :before AND state != 'open'"),
     ("xids", "time < :before"),
     ("batches", "received < :before"),
     ("actions", "time < :before"),

@@ -80,6 +80,28 @@ def test_poll_samples_runs_checks_and_reports_transitions_once() -> None:
     assert rec.stopped and backend.closed == 1
 
 
+def test_growing_evidence_under_an_unchanged_finding_is_reported_again() -> None:
+    """Issue 14 row_remap_failure: remapped rows grow under one unchanged "remap pending"
+    (degraded, reset) finding; each material growth is a transition the uplink sends."""
+    from forewarn.agent.checks.remap import RemapCheck
+
+    rows = {"n": 1}
+    backend = ScriptedBackend(lambda gpu, t: {**quiet(gpu, t), "remap_pending": gpu == 0,
+                                              "remap_failure": False,
+                                              "remapped_rows_correctable": rows["n"] * (gpu == 0),
+                                              "remapped_rows_uncorrectable": 0}, gpus=2)
+    agent, clock = make_agent(backend, checks=[RemapCheck()])
+    agent.start(serve=False)
+    reported = []
+    for n in (1, 1, 2, 2, 3, 3, 7, 8):
+        rows["n"] = n
+        clock.advance(1)
+        reported += [t.finding.evidence["extent"] for t in agent.poll_once().transitions
+                     if t.finding.subject.gpu == 0]
+    assert reported == [1, 2, 3, 7], reported
+    agent.stop()
+
+
 def test_component_failure_is_contained() -> None:
     class Broken:
         name = "broken"

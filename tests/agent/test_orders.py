@@ -3,6 +3,7 @@ the hang terminator against real child processes (real signals, real pidfds)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -397,17 +398,18 @@ def test_healthy_finding_resets_confirmation() -> None:
 
 # -- the component inside a real Agent: hardware finding -> local checkpoint order ---------
 
-def test_component_orders_a_checkpoint_for_the_job_on_a_failing_gpu(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def agent_with_a_rank(tmp_path: Path, backend: Any) -> Iterator[tuple[Any, Any, socket.socket]]:
+    """A real Agent with the rank component and ``backend``; job "j" has its one rank on
+    local GPU 1 and has stepped to 4. Yields (agent, component, the rank's reply socket)."""
     from forewarn.agent.checks import default_checks
     from forewarn.agent.config import AgentConfig
     from forewarn.agent.daemon import Agent
     from forewarn.agent.rank_component import RankComponent
-    from forewarn.agent.testing import ScriptedBackend
     from forewarn.wire import encode
 
     config = AgentConfig(node="n0", listen="127.0.0.1:0", kmsg=False,
                          socket_path=tmp_path / "run" / "agent.sock")
-    backend = ScriptedBackend(lambda gpu, t: {"temperature_c": 40.0}, gpus=2)
     agent = Agent(config, backend, checks=default_checks())
     comp = RankComponent(config)
     agent.add_component(comp)
@@ -417,9 +419,9 @@ def test_component_orders_a_checkpoint_for_the_job_on_a_failing_gpu(tmp_path: Pa
     reply.settimeout(20)
     out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     try:
-        now = time.time()
         out.sendto(encode(Beat(job="j", rank=0, local_rank=1, world_size=1, pid=os.getpid(),
-                               host="h", time=now, reply_to=str(tmp_path / "reply.sock"))),
+                               host="h", time=time.time(),
+                               reply_to=str(tmp_path / "reply.sock"))),
                    str(config.socket_path))
         for n in range(5):
             out.sendto(encode(StepRecord(job="j", rank=0, local_rank=1, world_size=1,
@@ -430,6 +432,19 @@ def test_component_orders_a_checkpoint_for_the_job_on_a_failing_gpu(tmp_path: Pa
         while (v := comp.table.get("j", 0)) is None or v.last_step != 4 or not v.reply_to:
             assert time.monotonic() < deadline, "the ingest thread did not apply the records"
             time.sleep(0.01)
+        yield agent, comp, reply
+    finally:
+        agent.stop()
+        reply.close()
+        out.close()
+    assert not config.socket_path.exists()
+
+
+def test_component_orders_a_checkpoint_for_the_job_on_a_failing_gpu(tmp_path: Path) -> None:
+    from forewarn.agent.testing import ScriptedBackend
+
+    backend = ScriptedBackend(lambda gpu, t: {"temperature_c": 40.0}, gpus=2)
+    with agent_with_a_rank(tmp_path, backend) as (agent, comp, reply):
         agent.poll_once()
         assert comp.orders.orders_total == {}
         backend.queue_xid(79, gpu=0, time=time.time())  # another GPU: not this job's
@@ -440,11 +455,6 @@ def test_component_orders_a_checkpoint_for_the_job_on_a_failing_gpu(tmp_path: Pa
         order = decode_order(reply.recv(4096))
         assert order.job == "j" and order.step > 4 and order.reason.startswith("xid:")
         assert comp.orders.orders_total == {("j", "xid"): 1}
-    finally:
-        agent.stop()
-        reply.close()
-        out.close()
-    assert not config.socket_path.exists()
 
 
 def test_reason_labels_are_bounded() -> None:
@@ -470,3 +480,30 @@ def test_interval_advice_reaches_every_live_rank_of_the_job(ranks: Ranks) -> Non
         assert got == advice
     with pytest.raises(BlockingIOError):
         ranks.sockets[("other", 0)].recv(4096)
+
+
+def test_one_double_bit_error_orders_one_local_checkpoint(tmp_path: Path) -> None:
+    """Issue 13.5: one DBE gives two unhealthy findings on one GPU in the same poll (XID 48
+    and the uncorrectable-ECC counter): one incident, so one order and one save, not two."""
+    from forewarn.agent.testing import ScriptedBackend
+
+    dbe = {"n": 0}
+    backend = ScriptedBackend(lambda gpu, t: {
+        "temperature_c": 40.0, "ecc_uncorrected_volatile": dbe["n"] if gpu == 1 else 0},
+        gpus=2)
+    with agent_with_a_rank(tmp_path, backend) as (agent, comp, reply):
+        agent.poll_once()
+        dbe["n"] = 1
+        backend.queue_xid(48, gpu=1, time=time.time())
+        poll = agent.poll_once()
+        unhealthy = {t.finding.check for t in poll.transitions
+                     if t.finding.health == Health.UNHEALTHY}
+        assert {"xid", "ecc"} <= unhealthy, unhealthy
+        agent.poll_once()
+        reply.settimeout(0.5)
+        orders = []
+        with contextlib.suppress(TimeoutError):
+            while True:
+                orders.append(decode_order(reply.recv(4096)))
+        assert len(orders) == 1, [o.reason for o in orders]
+        assert sum(comp.orders.orders_total.values()) == 1, comp.orders.orders_total

@@ -42,12 +42,7 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
         print("\nchaos figures:\n" + "\n".join(lines))
 
 
-KNOWN_GAPS = {
-    "row_remap_failure": "issue 14: row remaps grow from 1 to 8 under one unchanged 'remap "
-                         "pending' finding; the agent reports a finding only when its health or "
-                         "action changes and the policy decides only on findings, so no second "
-                         "order comes while unsaved work grows (about 70 % of progress lost)",
-}
+KNOWN_GAPS: dict[str, str] = {}
 """Scenarios whose stated bound the product does not meet yet: strict xfail, so a fix shows."""
 
 

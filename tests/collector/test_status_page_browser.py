@@ -93,6 +93,16 @@ def test_status_page_shows_unhealthy_gpu_and_checkpoint_order(
             # live findings are the problems: no "all fine" row pushes them off the table
             assert page.locator("#findings .badge.healthy").count() == 0
             assert page.locator("#findings .badge.unhealthy").count() >= 1
+            # Incidents: one row per incident with its findings inside. GPU 1's double-bit
+            # error (its XID 48 and its uncorrectable-ECC finding) is one row, not two.
+            gpu1 = page.locator(f'#incidents tbody tr[data-scope="gpu:{node}/1"]')
+            gpu1.locator('.finding[data-check="xid"]').wait_for(timeout=30_000)
+            gpu1.locator('.finding[data-check="ecc"]').wait_for(timeout=30_000)
+            assert gpu1.count() == 1
+            scopes = page.eval_on_selector_all(
+                "#incidents tbody tr[data-scope]", "rows => rows.map(r => r.dataset.scope)")
+            assert len(scopes) == len(set(scopes)), scopes
+            assert page.locator("#incidents .badge.unhealthy").count() >= 1
             assert "unhealthy" in page.locator("#summary").inner_text()
             assert not errors, errors
 
@@ -168,6 +178,8 @@ def test_status_page_renders_hostile_job_names_as_text(
                 assert f"· step {step} ·" in detail.locator(".job-summary").inner_text()
             page.locator("#findings tbody td.reason").first.wait_for(timeout=10_000)
             assert "<script>" in page.locator("#findings td.reason").first.inner_text()
+            page.locator("#incidents tbody .reason").first.wait_for(timeout=10_000)
+            assert "<script>" in page.locator("#incidents .reason").first.inner_text()
             assert page.evaluate("window.__xss") is None
             assert page.locator("#updated").inner_text().startswith("updated")
             width = page.evaluate("document.documentElement.scrollWidth")

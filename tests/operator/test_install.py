@@ -9,9 +9,11 @@ from __future__ import annotations
 import configparser
 import os
 import shlex
+import shutil
 import stat
 import subprocess
 import sys
+import time
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -126,7 +128,8 @@ def test_deploy_install_collector_and_agent_units_start(
     state = prefix / "var" / "lib" / "forewarn-collector"
     cenv = dict(os.environ, FOREWARN_COLLECTOR_LISTEN=f"127.0.0.1:{port}",
                 FOREWARN_COLLECTOR_DATA_DIR=str(state),
-                FOREWARN_COLLECTOR_TOKENS_FILE=str(state / "tokens.toml"))
+                FOREWARN_COLLECTOR_TOKENS_FILE=str(state / "tokens.toml"),
+                FOREWARN_COLLECTOR_ALERT_TOKEN=ALERT_TOKEN)
     cenv.pop("PYTHONPATH", None)
     collector = f"http://127.0.0.1:{port}"
     _serve(started, _as_unit_would(_exec_start(units / "forewarn-collector.service"), prefix),
@@ -155,3 +158,66 @@ def test_deploy_install_collector_and_agent_units_start(
         return any(n.get("node") == "node-1" for n in get_json(collector + "/api/v1/nodes"))
 
     assert wait_until(node_seen, 60), (tmp_path / "agent.log").read_text()[-3000:]
+    _alert_fires_and_resolves(venv, tmp_path, collector, started)
+
+
+ALERT_TOKEN = "operator-alert-token-0123456789"
+ALERT = {"alertname": "ForewarnOperatorTest", "node": "node-1", "gpu": "1",
+         "severity": "critical", "forewarn_action": "checkpoint"}
+
+
+def _alertmanager(venv: Path, tmp_path: Path, collector: str,
+                  started: list[subprocess.Popen[bytes]]) -> str:
+    """Alertmanager with the wheel's example config (``forewarn deploy print``), pointed at
+    ``collector`` with the alert token in its credentials file; its URL."""
+    binary = shutil.which("prometheus-alertmanager")
+    if binary is None:
+        pytest.skip("prometheus-alertmanager is not installed")
+    printed = _run([str(venv / "bin" / "forewarn"), "deploy", "print", "alertmanager.yml"])
+    assert printed.returncode == 0, printed.stderr
+    token = tmp_path / "alert-token"
+    token.write_text(ALERT_TOKEN + "\n")
+    config = (printed.stdout.replace("http://forewarn-collector:9404", collector)
+              .replace("/etc/alertmanager/forewarn-alert-token", str(token)))
+    assert "send_resolved: true" in config
+    (tmp_path / "alertmanager.yml").write_text(config)
+    url = f"http://127.0.0.1:{free_port()}"
+    _serve(started, [binary, f"--config.file={tmp_path / 'alertmanager.yml'}",
+                     f"--storage.path={tmp_path / 'am'}", "--cluster.listen-address=",
+                     f"--web.listen-address={url.removeprefix('http://')}"],
+           dict(os.environ), url + "/-/ready", tmp_path / "alertmanager.log")
+    return url
+
+
+def _alert_fires_and_resolves(venv: Path, tmp_path: Path, collector: str,
+                              started: list[subprocess.Popen[bytes]]) -> None:
+    """Issue 13's operator leg: an alert fires through a real Alertmanager into the
+    installed collector and the status page (headless Chromium) shows its incident; the
+    alert resolves and the page shows the incident resolved, without a reload."""
+    import httpx
+
+    chromium = shutil.which("chromium")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if chromium is None:
+        pytest.skip("chromium is not installed")
+    am = _alertmanager(venv, tmp_path, collector, started)
+    finding = ('#incidents tr[data-scope="gpu:node-1/1"] '
+               '.finding[data-check="alert:ForewarnOperatorTest"][data-state="{}"]')
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=chromium,
+                                     args=["--headless", "--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.goto(collector + "/")
+            r = httpx.post(f"{am}/api/v2/alerts", json=[{"labels": ALERT}], timeout=10)
+            assert r.status_code == 200, r.text
+            page.locator(finding.format("firing")).wait_for(timeout=60_000)
+            ended = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            r = httpx.post(f"{am}/api/v2/alerts", json=[{"labels": ALERT, "endsAt": ended}],
+                           timeout=10)
+            assert r.status_code == 200, r.text
+            # Alertmanager sends it resolved at the group's next interval (30 s)
+            page.locator(finding.format("resolved")).wait_for(timeout=90_000)
+            page.screenshot(path=str(tmp_path / "incident-resolved.png"), full_page=True)
+        finally:
+            browser.close()

@@ -258,6 +258,40 @@ async function drawDetail() {
   box.dataset.loaded = "yes";
 }
 
+// Incidents: one row per incident (the correlated findings about one GPU, node or job), its
+// findings listed inside it; open incidents first, then those that ended recently. Null
+// (a collector without its policy): the table says so.
+function drawIncidents(incidents) {
+  const open = (i) => (i.state === "open" ? 0 : 1);
+  const rows = [...(incidents || [])].sort((a, b) => open(a) - open(b) || b.updated - a.updated)
+    .slice(0, EVENT_ROWS);
+  fill("incidents", rows, (i) => el("tr", { class: i.state === "open" ? "" : "recovered",
+                                             "data-incident": i.id, "data-scope": i.scope },
+    el("td", { class: "time" }, when(i.opened)), el("td", {}, i.scope),
+    el("td", {}, badge(i.state === "open" ? i.health : i.state)),
+    el("td", {}, ...(i.findings || []).map(incidentFinding)),
+    el("td", {}, String(i.orders ?? 0))));
+}
+
+// One finding of an incident: its state (its health while it fires), check and reason.
+function incidentFinding(f) {
+  return el("div", { class: "finding", "data-check": String(f.check || ""), "data-state": String(f.state || "") },
+    badge(f.state === "firing" ? f.health : f.state), " ", el("b", {}, f.check || ""), " ",
+    el("span", { class: "reason" }, f.reason || ""));
+}
+
+// A node with an open node-wide incident: its name takes the incident's colour.
+function markNodes(incidents) {
+  const worst = new Map();
+  for (const i of incidents || []) {
+    if (i.state === "open" && i.kind === "node") worst.set(i.node, i.health);
+  }
+  for (const n of document.querySelectorAll("#fleet .node")) {
+    const health = worst.get(n.dataset.node);
+    if (health) n.querySelector(".node-name")?.classList.add("badge", health);
+  }
+}
+
 function drawEvents(findings, actions, orders, checkpoints) {
   fill("findings", collapseRepeats(liveFindings(findings, findings.length)).slice(0, EVENT_ROWS),
     (f) => el("tr", { class: f.recovered ? "recovered" : "" },
@@ -287,6 +321,8 @@ function draw() {
   if (latest === null) return;
   const { gpus, jobs, findings, actions, orders, checkpoints, risk, goodput } = latest;
   drawFleet(gpus);
+  markNodes(latest.incidents);
+  drawIncidents(latest.incidents);
   const bad = gpus.filter((g) => gpuHealth(g) === "unhealthy").length;
   document.getElementById("summary").textContent =
     `${gpus.length} GPUs · ${bad} unhealthy · ${jobs.length} jobs`;
@@ -301,12 +337,12 @@ function draw() {
 async function refresh() {
   try {
     const slow = Promise.all([optional("risk?limit=1"), optional("goodput")]);
-    const [gpus, jobs, findings, actions, orders, checkpoints] = await Promise.all([
+    const [gpus, jobs, findings, actions, orders, checkpoints, incidents] = await Promise.all([
       api("gpus?limit=100000"), api("jobs"), api("findings?limit=200"),
       api(`actions?limit=${EVENT_ROWS}`), api(`commands/log?limit=${EVENT_ROWS}`),
-      api(`checkpoints?limit=${EVENT_ROWS}`),
+      api(`checkpoints?limit=${EVENT_ROWS}`), optional("incidents?limit=100"),
     ]);
-    latest = { gpus, jobs, findings, actions, orders, checkpoints,
+    latest = { gpus, jobs, findings, actions, orders, checkpoints, incidents,
                risk: latest?.risk ?? null, goodput: latest?.goodput ?? null };
     draw();
     drawDetail();

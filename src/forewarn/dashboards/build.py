@@ -168,6 +168,16 @@ def fleet() -> dict[str, Any]:
                    _q(f"{health} > 0", instant=True), w=12),
                 tb("Active findings", "Current non-healthy findings with their suggested action.",
                    "none", _q('forewarn_finding_active{' + G + '}', instant=True), w=12),
+                st("Open incidents", "Incidents with a finding still firing (the collector "
+                   "groups correlated findings about one GPU, node or job into one).", "none",
+                   _q('sum(forewarn_collector_incidents_open{cluster=~"$cluster"})',
+                      instant=True), _thresholds((None, "green"), (1, "orange"))),
+                ts("Incidents over time", "Incidents opened per interval by scope (gpu, node, "
+                   "job): the findings one fault raises count once; a fleet-wide rise is a "
+                   "shared cause (power, network, a bad driver).", "short",
+                   _q("sum by (kind) (" + _new_or_increase(
+                       'forewarn_collector_incidents_total{cluster=~"$cluster"}') + ")",
+                      "{{kind}}"), stack=True),
             ]),
             ("Errors", [
                 ts("XIDs by class", "XID errors per class over the interval; application "
