@@ -8,7 +8,6 @@ from pathlib import Path
 
 import msgspec
 from prometheus_client import CollectorRegistry
-from test_policy import T0, Clock, fleet, gpu_finding
 
 from forewarn.collector.decide.incidents import FindingState, IncidentBook
 from forewarn.collector.decide.policy import ActionKind, PlannedAction, Policy, PolicySettings
@@ -16,6 +15,7 @@ from forewarn.escalation import escalates
 from forewarn.wire import Finding, GpuSample, Health, Subject, SuggestedAction
 
 from support.collector import ranks_on, start_service, stop_service
+from support.policy import T0, Clock, fleet, gpu_finding
 from support.polling import poll
 
 
