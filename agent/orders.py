@@ -87,6 +87,7 @@ from forewarn.wire import (
     Finding,
     Health,
     IntervalAdvice,
+    SaveHold,
     SuggestedAction,
     encode,
 )
@@ -221,6 +222,15 @@ class CheckpointOrders:
             now = self.clock()
             data = encode(advice)
             views = [v for v in self.table.job_views(advice.job) if self.table.alive(v, now)]
+            return sum(1 for v in views if self.send(v.reply_to, data))
+
+    def hold_job(self, hold: SaveHold) -> int:
+        """Pass the collector's save hold (the job's state is suspect: stop saving) to every
+        live local rank of its job; returns how many ranks it reached."""
+        with self._lock:
+            now = self.clock()
+            data = encode(hold)
+            views = [v for v in self.table.job_views(hold.job) if self.table.alive(v, now)]
             return sum(1 for v in views if self.send(v.reply_to, data))
 
     def preempt_job(self, view: RankView) -> CheckpointOrder | None:
