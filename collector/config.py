@@ -98,7 +98,7 @@ class CollectorConfig:
     policy_shadow: bool = False
     """Global shadow mode: decisions are recorded, no action is taken."""
     policy_shadow_actions: tuple[str, ...] = ()
-    """Action kinds (checkpoint, webhook, drain) recorded only; drain is also shadow
+    """Action kinds (checkpoint, webhook, drain, hold) recorded only; drain is also shadow
     while ``drain_enabled`` is false."""
     policy_dedup_s: float = 300.0
     """The same check about the same subject within this window is one finding."""
@@ -122,6 +122,10 @@ class CollectorConfig:
     """Window of the circuit breakers' shares, in seconds."""
     policy_probability: dict[str, float] = dataclasses.field(default_factory=dict)
     """P(failure within the hour) per check name, overriding the cost model's table."""
+    policy_hold_checks: tuple[str, ...] = ("nan_loss",)
+    """Checks whose unhealthy findings hold the job's saves (bad numerics: the ranks stop
+    saving and mark checkpoints since the onset suspect); add ``grad_spike`` to treat a
+    spike as poison too (the hook then saves nothing until ``Monitor.release_hold()``)."""
     checkpoint_default_s: float = 60.0
     """Checkpoint seconds assumed for a job before one of its checkpoints was measured."""
     order_delivery_latency_s: float = 0.5
@@ -275,7 +279,7 @@ def _check_policy_keys(c: CollectorConfig) -> None:
     """Ranges of the policy and action keys (named in the error). Webhook URLs and the
     drain template are parsed, and refused, where they are used
     (:meth:`forewarn.collector.decide.policy_service.PolicyService.from_config`)."""
-    kinds = ("checkpoint", "webhook", "drain")
+    kinds = ("checkpoint", "webhook", "drain", "hold")
     for kind in c.policy_shadow_actions:
         if kind not in kinds:
             raise ConfigError(f"policy_shadow_actions: unknown action {kind!r}")

@@ -95,6 +95,7 @@ def settings_from_config(config: CollectorConfig) -> PolicySettings:
         },
         breaker_window_s=config.policy_breaker_window_s,
         probability=dict(config.policy_probability),
+        hold_checks=frozenset(config.policy_hold_checks),
     )
 
 

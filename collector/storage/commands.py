@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from forewarn.wire import CheckpointOrder, Command, CommandAck, decode, encode
+from forewarn.wire import CheckpointOrder, Command, CommandAck, SaveHold, decode, encode
 
 from ..metrics import CollectorMetrics
 from .store import Store
@@ -97,6 +97,17 @@ class CommandQueue:
         for node in sorted(set(nodes)):
             cmd = Command(id=f"{order.request_id}@{node}"[:128], kind="checkpoint", order=order,
                           issued=order.issued)
+            if self.enqueue(node, cmd):
+                out.append(NodeCommand(node=node, command=cmd))
+        return out
+
+    def hold_saves(self, nodes: Iterable[str], hold: SaveHold) -> list[NodeCommand]:
+        """Send ``hold`` to every node in ``nodes`` (one command each, id
+        ``<request_id>@<node>``); returns the commands queued."""
+        out = []
+        for node in sorted(set(nodes)):
+            cmd = Command(id=f"{hold.request_id}@{node}"[:128], kind="hold", hold=hold,
+                          issued=hold.issued)
             if self.enqueue(node, cmd):
                 out.append(NodeCommand(node=node, command=cmd))
         return out
