@@ -185,6 +185,11 @@ class CollectorConfig:
     goodput_gpu_mtbf_h: float = 24.0 * 1000.0 / 6.5 * 8
     """Per-GPU MTBF prior in hours for checkpoint interval advice (Meta, HPCA 2025: 6.5
     failures per 1,000 node-days of 8 GPUs), updated with the failures observed."""
+    stragglers_enabled: bool = True
+    """Compare the pace of every rank of each multi-GPU job across all its nodes and name
+    stragglers, explained by their GPU's telemetry (forewarn.collector.decide.stragglers)."""
+    straggler_bucket_s: float = 5.0
+    """Time bucket of that comparison; a rank is named after 3 buckets in a row."""
     advise_hooks: bool = True
     """Send each job's advised checkpoint interval (as a step count) to its agents, which
     pass it to the ranks; hooks created with ``follow_advice=True`` then save at it (others
@@ -235,7 +240,8 @@ class CollectorConfig:
         if not self.alert_ttl_s > 0 or not 1 <= self.alert_max_rows <= 10_000_000:
             raise ConfigError(f"alert_ttl_s (> 0), alert_max_rows (1..10^7): got "
                               f"{self.alert_ttl_s}, {self.alert_max_rows}")
-        for key in ("predict_interval_s", "predict_refresh_s", "goodput_gpu_mtbf_h"):
+        for key in ("predict_interval_s", "predict_refresh_s", "goodput_gpu_mtbf_h",
+                    "straggler_bucket_s"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"{key}: must be positive, got {getattr(self, key)}")
         if not self.predict_sample_s >= 0:

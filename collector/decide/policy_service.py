@@ -10,7 +10,9 @@ webhook routes (:mod:`..ingest.alerts`). With them run the live failure predicto
 (:mod:`.predict`: its findings go through the same policy, so the cost-aware checkpoint
 decision uses the predicted probability) and goodput accounting (:mod:`.goodput_service`),
 both fed from the stored batches; every ``predict_interval_s`` a timer scores the fleet and
-refreshes goodput advice on the policy thread.
+refreshes goodput advice on the policy thread. Peer comparison of the ranks of every job
+across its nodes (:mod:`.stragglers`) runs on the same batches; its straggler findings go
+through the policy too.
 
 Alert webhooks go through an :class:`~..ingest.alert_book.AlertBook` (deduplicated, stored in
 batches every half second); only alerts that start firing reach the policy, coalesced by
@@ -51,6 +53,7 @@ from .goodput_service import AdviceSender, GoodputService
 from .orders import OrderBook, OrderSettings
 from .policy import Decision, Policy, PolicySettings
 from .predict import PredictorService
+from .stragglers import StragglerService
 from .webhooks import Delivery, WebhookEndpoint, WebhookSender
 
 if TYPE_CHECKING:
@@ -135,6 +138,7 @@ class PolicyService:
         checkpoint_default_s: float = 60.0,
         predictor: PredictorService | None = None,
         goodput: GoodputService | None = None,
+        stragglers: StragglerService | None = None,
         advise_hooks: bool = True,
         alert_ttl_s: float = 7200.0,
         alert_max_rows: int = 10_000,
@@ -166,6 +170,7 @@ class PolicyService:
         self._alert_flusher: concurrent.futures.Future[None] | None = None
         self.predictor = predictor
         self.goodput = goodput
+        self.stragglers = stragglers
         self.policy: Policy | None = None
         self._ticker: concurrent.futures.Future[None] | None = None
 
@@ -202,6 +207,7 @@ class PolicyService:
             predictor=PredictorService.from_config(config),
             goodput=GoodputService(checkpoint_default_s=config.checkpoint_default_s,
                                    gpu_mtbf_h=config.goodput_gpu_mtbf_h),
+            stragglers=StragglerService.from_config(config),
             # shadow mode acts on nothing: no advice reaches the ranks either
             advise_hooks=config.advise_hooks and not config.policy_shadow,
             alert_ttl_s=config.alert_ttl_s,
@@ -306,6 +312,10 @@ class PolicyService:
             self.predictor.observe(batches)
         if self.goodput is not None:
             self.goodput.on_batches(batches)
+        if self.stragglers is not None:
+            self.stragglers.observe(batches, now)
+            if self.stragglers.due(now):
+                self._detected(self.stragglers.findings(now), now, "peers")
         if self.predictor is not None and self.predictor.due(now):
             self.tick(now)
 
@@ -329,9 +339,7 @@ class PolicyService:
     def tick(self, now: float) -> None:
         """Score the fleet when due; predictions through the policy; goodput advice."""
         if self.predictor is not None and self.predictor.due(now):
-            findings = self.predictor.score(now)
-            if findings:
-                self._predicted(findings, now)
+            self._detected(self.predictor.score(now), now, "predictor")
         self.refresh_goodput(now)
 
     def refresh_goodput(self, now: float) -> None:
@@ -349,16 +357,17 @@ class PolicyService:
             # Hooks that follow the advice save at the advised steps: tell the job's agents.
             ctx.commands.enqueue_many(self.advice_sender.due(goodput.advice, ctx.jobs, now))
 
-    def _predicted(self, findings: list[Finding], now: float) -> None:
-        """Store the predictor's findings and run them through the policy (this thread)."""
+    def _detected(self, findings: list[Finding], now: float, origin: str) -> None:
+        """Store the findings of the collector's own detectors (``origin``: predictor,
+        peers) and run them through the policy (this thread)."""
         ctx = self._ctx
-        if ctx is None or self.pipeline is None:
+        if ctx is None or self.pipeline is None or not findings:
             return
         with ctx.store.write() as conn:
-            store_findings(conn, findings, node="", origin="predictor", received=now)
+            store_findings(conn, findings, node="", origin=origin, received=now)
         for f in findings:
-            ctx.metrics.findings.labels(f.health.value, "predictor").inc()
-        self.pipeline.handle_findings(findings, "predictor")
+            ctx.metrics.findings.labels(f.health.value, origin).inc()
+        self.pipeline.handle_findings(findings, origin)
 
     # -- helpers ------------------------------------------------------------------------
 

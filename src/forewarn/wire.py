@@ -420,6 +420,10 @@ class RankSummary(Struct, frozen=True, kw_only=True):
     loss: float | None = None
     grad_norm: float | None = None
     alive: bool = True
+    compute_seconds_p50: Seconds | None = None
+    """Median of the rank's last few compute times per step (the hook's
+    ``compute_seconds`` extra): who is slow in synchronous data parallelism, where every
+    rank's wall step time is equal. None when the hook does not report it."""
     last_checkpoint_step: NonNegInt | None = None
     last_checkpoint_time: UnixTime | None = None
     checkpoint_seconds: Seconds | None = None
