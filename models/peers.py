@@ -270,7 +270,8 @@ class JobStragglers:
         """(job, rank) -> time of the last suspect bucket reported (one finding per run)."""
 
     def observe_rank(self, r: RankSummary, now: float) -> None:
-        """A rank's summary as an agent sent it at ``now``."""
+        """A rank's summary as an agent sent it at ``now`` (the agent's clock, as its GPU
+        samples' times: a straggler is explained by the samples of the same buckets)."""
         pace = r.compute_seconds_p50 if r.compute_seconds_p50 is not None else r.step_seconds_p50
         key = (r.job, r.rank)
         entry = self._ranks.get(key)
@@ -316,7 +317,7 @@ class JobStragglers:
             if float(row.time) <= self._named.get(key, -np.inf):
                 continue
             self._named[key] = float(row.time)
-            out.append(self._finding(key, float(row.ratio), now))
+            out.append(self._finding(key, float(row.ratio), float(row.time), now))
         return out
 
     def _recent_pace(self, key: tuple[str, int]) -> float:
@@ -324,7 +325,8 @@ class JobStragglers:
         cut = paces[-1][0] - self.comparison.continuity * self.comparison.bucket_s
         return float(statistics.median(p for t, p in paces if t >= cut))
 
-    def _finding(self, key: tuple[str, int], ratio: float, now: float) -> Finding:
+    def _finding(self, key: tuple[str, int], ratio: float, until: float, now: float
+                 ) -> Finding:
         job, rank = key
         me = self._ranks[key].summary
         peers = [e.summary for (j, r), e in self._ranks.items()
@@ -333,10 +335,10 @@ class JobStragglers:
         peer_pace = statistics.median(self._recent_pace((job, p.rank)) for p in peers)
         nodes = sorted({me.node, *(p.node for p in peers)})
         # what the GPUs showed while the rank was slow: the buckets that named it
-        since = now - (self.comparison.continuity + 1) * self.comparison.bucket_s
+        since = until - self.comparison.continuity * self.comparison.bucket_s
 
         def recent(node: str, gpu: int | None) -> list[GpuSample]:
-            return [s for s in self._gpus.get((node, gpu), ()) if s.time >= since] \
+            return [s for s in self._gpus.get((node, gpu), ()) if since <= s.time <= until] \
                 if gpu is not None else []
 
         mine = recent(me.node, me.gpu)

@@ -132,8 +132,9 @@ def test_collector_hold_refuses_orders_from_its_step_and_marks_saves_since_the_o
                 request_id=rid, job="j", step=at, reason="test", issued=time.time()))
         agent.send(mon.reply_path, hold)
         _wait(lambda: mon.suspect_since == 5 and mon.stats.orders == 2)
-        # the checkpoint of step 6, committed before the hold came, is marked now
-        assert (tmp_path / "ck" / "step-000000006" / SUSPECT).is_file()
+        # the checkpoint of step 6, committed before the hold came, is marked now (by the
+        # hook's thread, right after it took the hold)
+        _wait((tmp_path / "ck" / "step-000000006" / SUSPECT).is_file)
         assert not (tmp_path / "ck" / "step-000000004" / SUSPECT).exists()
 
         mon.step(7, loss=1.0, grad_norm=1.0)

@@ -86,3 +86,25 @@ def test_a_uniformly_slow_job_has_no_straggler(svc: Service) -> None:
     _play(svc, 4.0, {0: 0.35, 1: 0.35, 2: 0.35, 3: 0.35}, throttled=False)
     time.sleep(1.0)
     assert _stragglers(svc) == []
+
+
+def _samples(n: int, **kw: Any) -> list[GpuSample]:
+    base = {"node": "n", "gpu": 0, "source": "sim", "temperature_c": 60.0,
+            "sm_clock_mhz": 1980.0, "throttle_reasons": 0, "pcie_replay_total": 5}
+    return [GpuSample(**{**base, **{k: (v(i) if callable(v) else v) for k, v in kw.items()}},
+                      time=1_700_000_000.0 + i) for i in range(n)]
+
+
+def test_explain_names_power_pcie_and_nvlink_and_nothing_for_a_healthy_gpu() -> None:
+    from forewarn.models.peers import explain
+    from forewarn.wire import NvlinkCounters
+
+    peers = [_samples(10), _samples(10, temperature_c=63.0)]
+    assert explain(_samples(10), peers) == []
+    braked = _samples(10, throttle_reasons=0x80, pcie_replay_total=lambda i: 5 + 40 * i,
+                      nvlink=lambda i: (NvlinkCounters(link=0, crc_flit=3 * i),))
+    assert [c.kind for c in explain(braked, peers)] == ["power", "pcie", "nvlink"]
+    downtrained = _samples(10, pcie_link_width=8, pcie_link_width_max=16, pcie_link_gen=4,
+                           pcie_link_gen_max=4)
+    (cause,) = explain(downtrained, peers)
+    assert cause.kind == "pcie" and "x8" in cause.text

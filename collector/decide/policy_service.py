@@ -313,7 +313,7 @@ class PolicyService:
         if self.goodput is not None:
             self.goodput.on_batches(batches)
         if self.stragglers is not None:
-            self.stragglers.observe(batches, now)
+            self.stragglers.observe(batches)
             if self.stragglers.due(now):
                 self._detected(self.stragglers.findings(now), now, "peers")
         if self.predictor is not None and self.predictor.due(now):

@@ -39,13 +39,14 @@ class StragglerService:
         """``None`` when ``stragglers_enabled`` is off."""
         return cls(config.straggler_bucket_s) if config.stragglers_enabled else None
 
-    def observe(self, batches: Sequence[AgentBatch], now: float) -> None:
+    def observe(self, batches: Sequence[AgentBatch]) -> None:
         """Rank summaries and GPU samples of newly stored batches."""
         for b in batches:
             for s in b.samples:
                 self.peers.observe_gpu(s)
             for r in b.ranks:
-                self.peers.observe_rank(r, now)
+                # the agent's time of the batch: the time base of its GPU samples
+                self.peers.observe_rank(r, b.created)
 
     def due(self, now: float) -> bool:
         """Whether a comparison is due (once per bucket)."""
