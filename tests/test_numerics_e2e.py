@@ -1,9 +1,11 @@
 """End to end, bad numerics: a real 2-rank torch.distributed job (gloo, CPU, DDP; the
 tests/e2e_worker.py ranks, saving every 5 steps on their own with CheckpointWriter's DCP
-format), a real ``forewarn agent`` and a real collector connected over HTTP.
+format), one real ``forewarn agent`` per rank standing for two nodes, and a real collector
+they push to over HTTP.
 
-Rank 0 trains on a NaN input at step 20. The agent reports the NaN; the collector's policy
-holds the job's saves (a SaveHold through the agent to both ranks); both ranks then refuse
+Rank 0 trains on a NaN input at step 20. Its agent reports the NaN (the job spans nodes, so
+no agent holds it alone); the collector's policy holds the job's saves (a SaveHold through
+both agents to both ranks); both ranks then refuse
 the same saves (no rank left alone in a collective save: the job runs to its end),
 checkpoints written from step 20 on are marked suspect, a restart resumes from the last
 good checkpoint (step 15), and the collector's job view says so."""
@@ -32,16 +34,17 @@ from forewarn.hook.checkpoint import SUSPECT
 
 WORKER = Path(__file__).with_name("e2e_worker.py")
 NAN_AT, SAVE_EVERY = 20, 5
-NODE, TOKEN = "e2e", "token-e2e-0123456789"
+TOKENS = {"node-a": "token-a-0123456789", "node-b": "token-b-0123456789"}
 
 
-def _start(work: Path, ckpt: Path, sock: Path, *extra: str) -> list[subprocess.Popen[bytes]]:
+def _start(work: Path, ckpt: Path, socks: list[Path], *extra: str
+           ) -> list[subprocess.Popen[bytes]]:
     port = free_port()
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     return [subprocess.Popen(
         [sys.executable, str(WORKER), "--dir", str(work), "--ckpt", str(ckpt), "--rank",
-         str(rank), "--job", "e2e-nan", "--socket", str(sock), "--save-every",
+         str(rank), "--job", "e2e-nan", "--socket", str(socks[rank]), "--save-every",
          str(SAVE_EVERY), *extra],
         env=env, stdout=(work / f"rank{rank}.log").open("a"), stderr=subprocess.STDOUT)
         for rank in (0, 1)]
@@ -73,12 +76,14 @@ def work() -> Iterator[Path]:
 
 def test_nan_holds_saves_job_wide_and_a_restart_resumes_from_the_last_good_step(
         work: Path) -> None:
-    server, store, client = serve(work / "collector", {NODE: TOKEN}, advise_hooks=False)
-    sock, ckpt = work / "agent.sock", work / "ckpt"
-    agent = AgentProc(work, sock, "nan", collector_url=server.url, token=TOKEN,
-                      push_interval_s="0.2", spool_dir=str(work / "spool"))
+    server, store, client = serve(work / "collector", TOKENS, advise_hooks=False)
+    ckpt = work / "ckpt"
+    socks = [work / f"agent-{node}.sock" for node in TOKENS]
+    agents = [AgentProc(work, sock, node, node=node, collector_url=server.url, token=token,
+                        push_interval_s="0.2", spool_dir=str(work / f"spool-{node}"))
+              for sock, (node, token) in zip(socks, TOKENS.items(), strict=True)]
     try:
-        procs = _start(work, ckpt, sock, "--nan-at", str(NAN_AT))
+        procs = _start(work, ckpt, socks, "--nan-at", str(NAN_AT))
         # both ranks get the hold and refuse a save; then they may finish
         wait_for(lambda: all(_events(work, r, "refused") for r in (0, 1)), 120,
                  "both ranks to refuse a save: " + (work / "rank0.log").read_text()[-2000:])
@@ -105,10 +110,11 @@ def test_nan_holds_saves_job_wide_and_a_restart_resumes_from_the_last_good_step(
 
         # a restart resumes from the last good checkpoint, not the newest one
         (work / "finish_at").write_text("16")
-        _wait(_start(work, ckpt, sock, "--resume"), work)
+        _wait(_start(work, ckpt, socks, "--resume"), work)
         assert [e["step"] for e in _events(work, 0, "resumed")] == [15]
     finally:
-        agent.stop()
+        for agent in agents:
+            agent.stop()
         client.close()
         server.stop()
         store.close()
