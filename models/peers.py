@@ -63,14 +63,17 @@ class PeerComparison:
         """Per job and bucket: the top member, its score ratio, its worst |z|, and
         whether it is a candidate. Columns ``job, time, member, ratio, zmax, candidate``."""
         out = []
-        t = table.assign(bucket=np.floor(table["time"] / self.bucket_s).astype(np.int64))
-        for job, g in t.groupby("job", sort=False):
-            cube = g.pivot_table(index="bucket", columns="member", values=list(self.metrics),
-                                 aggfunc="mean")
-            buckets = cube.index.to_numpy()
-            members = cube.columns.get_level_values(1).unique()
-            x = np.stack([cube[m].reindex(columns=members).to_numpy() for m in self.metrics],
-                         axis=2)  # (B, N, M)
+        bucket = np.floor(table["time"].to_numpy(np.float64) / self.bucket_s).astype(np.int64)
+        member = table["member"].to_numpy()
+        vals = table[list(self.metrics)].to_numpy(np.float64)
+        job_codes, jobs = pd.factorize(table["job"])  # jobs in order of appearance
+        order = np.argsort(job_codes, kind="stable")
+        bounds = np.searchsorted(job_codes[order], np.arange(len(jobs) + 1))
+        for j, job in enumerate(jobs):
+            rows_of = order[bounds[j]:bounds[j + 1]]
+            buckets, members, x = self._cube(bucket[rows_of], member[rows_of], vals[rows_of])
+            if not len(buckets):
+                continue
             med = np.nanmedian(x, axis=1, keepdims=True)
             mad = np.nanmedian(np.abs(x - med), axis=1, keepdims=True)
             scale = np.maximum(np.maximum(1.4826 * mad, self.rel_floor * np.abs(med)),
@@ -91,6 +94,25 @@ class PeerComparison:
         if not out:
             return pd.DataFrame(columns=["job", "time", "member", "ratio", "zmax", "candidate"])
         return pd.concat(out, ignore_index=True)
+
+    @staticmethod
+    def _cube(bucket: np.ndarray, member: np.ndarray, vals: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Sorted buckets, sorted members and the mean of each metric per bucket and member
+        (NaN where a member has no value in a bucket) of one job's rows. Built with numpy: a
+        pandas pivot_table per job cost ~40 ms, too much to run every bucket on a fleet."""
+        keep = ~np.isnan(vals).all(axis=1)
+        bucket, member, vals = bucket[keep], member[keep], vals[keep]
+        buckets, b_codes = np.unique(bucket, return_inverse=True)
+        m_codes, members = pd.factorize(member, sort=True)
+        ok = ~np.isnan(vals)
+        shape = (len(buckets), len(members), vals.shape[1])
+        sums, counts = np.zeros(shape), np.zeros(shape)
+        np.add.at(sums, (b_codes, m_codes), np.where(ok, vals, 0.0))
+        np.add.at(counts, (b_codes, m_codes), ok)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            x = sums / counts
+        return np.asarray(buckets), np.asarray(members), x
 
     def _own_baseline(self, z: np.ndarray) -> np.ndarray:
         """Each member's usual position among its peers: the median of its z over the
@@ -248,7 +270,9 @@ class JobStragglers:
     Args:
         bucket_s, continuity: the comparison's time bucket and how many buckets in a row
             make a suspect.
-        window_s: pace history kept per rank (and GPU samples per GPU).
+        window_s: pace history kept per rank: a rank's usual position among its peers is
+            learned over it. GPU samples are kept only for GPUs that run a rank, and only
+            for the buckets an explanation reads.
         min_ranks: ranks with a pace a job needs (a median of two tells nobody apart).
         rel_floor: the smallest spread counted, relative to the median pace: with 0.05 and
             ``z_min`` 5, a rank is a candidate from 1.25x its peers' median pace.
@@ -263,6 +287,8 @@ class JobStragglers:
             z_min=z_min, abs_floor={"pace": 1e-3},
             baseline_buckets=max(1, int(window_s / bucket_s)))
         self.window_s = window_s
+        self.threshold = 1.0 + z_min * rel_floor
+        self.keep_samples_s = (continuity + 2) * bucket_s
         self.min_ranks = min_ranks
         self._ranks: dict[tuple[str, int], _Rank] = {}
         self._gpus: dict[tuple[str, int], collections.deque[GpuSample]] = {}
@@ -278,16 +304,21 @@ class JobStragglers:
         if entry is None:
             entry = self._ranks[key] = _Rank(r, collections.deque())
         entry.summary = r
+        if r.gpu is not None:
+            self._gpus.setdefault((r.node, r.gpu), collections.deque())
         if pace is not None and pace > 0 and r.alive and not r.phase:
             entry.paces.append((now, pace))
         while entry.paces and entry.paces[0][0] < now - self.window_s:
             entry.paces.popleft()
 
     def observe_gpu(self, s: GpuSample) -> None:
-        """One GPU sample (its recent ones explain a straggler)."""
-        samples = self._gpus.setdefault((s.node, s.gpu), collections.deque())
+        """One GPU sample (its recent ones explain a straggler); ignored for a GPU that runs
+        no rank known here."""
+        samples = self._gpus.get((s.node, s.gpu))
+        if samples is None:
+            return
         samples.append(s)
-        while samples and samples[0].time < s.time - self.window_s:
+        while samples and samples[0].time < s.time - self.keep_samples_s:
             samples.popleft()
 
     def forget(self, now: float) -> None:
@@ -296,21 +327,19 @@ class JobStragglers:
                     if not e.paces or e.paces[-1][0] < now - self.window_s]:
             del self._ranks[key]
             self._named.pop(key, None)
-        for gkey in [k for k, d in self._gpus.items() if not d or d[-1].time < now - self.window_s]:
+        used = {(e.summary.node, e.summary.gpu) for e in self._ranks.values()}
+        for gkey in [k for k in self._gpus if k not in used]:
             del self._gpus[gkey]
 
     def findings(self, now: float) -> list[Finding]:
         """Stragglers newly named since the last call, across all nodes of each job."""
         self.forget(now)
+        slow = self._slow_jobs()
         rows = [(job, rank, t, pace) for (job, rank), e in self._ranks.items()
-                for t, pace in e.paces]
+                if job in slow for t, pace in e.paces]
         if not rows:
             return []
         table = pd.DataFrame(rows, columns=["job", "member", "time", "pace"])
-        members = table.groupby("job")["member"].nunique()
-        table = table[table["job"].isin(members[members >= self.min_ranks].index)]
-        if table.empty:
-            return []
         out = []
         for row in self.comparison.suspects(table).itertuples(index=False):
             key = (str(row.job), int(row.member))
@@ -318,6 +347,22 @@ class JobStragglers:
                 continue
             self._named[key] = float(row.time)
             out.append(self._finding(key, float(row.ratio), float(row.time), now))
+        return out
+
+    def _slow_jobs(self) -> set[str]:
+        """Jobs with ``min_ranks`` ranks of which one's recent pace is at least the
+        candidate threshold (1 + ``z_min`` x ``rel_floor``) times the job's median: only
+        they can name a straggler (one slower than its peers, not one that merely left its
+        usual place), and only they pay for the comparison."""
+        by_job: dict[str, list[float]] = {}
+        for key, e in self._ranks.items():
+            if e.paces:
+                by_job.setdefault(key[0], []).append(self._recent_pace(key))
+        out = set()
+        for job, paces in by_job.items():
+            median = statistics.median(paces)
+            if len(paces) >= self.min_ranks and max(paces) >= self.threshold * median:
+                out.add(job)
         return out
 
     def _recent_pace(self, key: tuple[str, int]) -> float:
