@@ -44,7 +44,11 @@ every node at one step; ``deferred_total`` counts these.
 
 Not ordered: NaN/Inf loss (a poisoned state is not worth saving and would rotate a good
 checkpoint out; the finding says restart from the last good one), a hang (a hung job cannot
-save) and a gone rank (its peers will block in the next collective).
+save) and a gone rank (its peers will block in the next collective). A NaN/Inf loss instead
+*holds* the job's saves (:class:`forewarn.wire.SaveHold`, as the collector's policy does,
+so even with the collector down): the state is suspect since the finding's ``bad_step``,
+and every local rank stops saving at one step chosen as an order's S. Jobs spanning nodes
+are left to the collector here too.
 
 Preemption
 ----------
@@ -90,6 +94,7 @@ from forewarn.wire import (
     Finding,
     Health,
     IntervalAdvice,
+    SaveHold,
     SuggestedAction,
     encode,
 )
@@ -106,6 +111,9 @@ FAST_PATH_ACTIONS = frozenset({
 
 RANK_FAST_PATH_CHECKS = frozenset({"grad_spike"})
 """Rank findings that order a checkpoint of their job (nan_loss and rank_hang do not)."""
+
+RANK_HOLD_CHECKS = frozenset({"nan_loss"})
+"""Rank findings that hold their job's saves (the state is poisoned)."""
 
 
 def reason_label(reason: str, origin: str) -> str:
@@ -226,6 +234,34 @@ class CheckpointOrders:
             data = encode(advice)
             views = [v for v in self.table.job_views(advice.job) if self.table.alive(v, now)]
             return sum(1 for v in views if self.send(v.reply_to, data))
+
+    def hold_job(self, hold: SaveHold) -> int:
+        """Pass the collector's save hold (the job's state is suspect: stop saving) to every
+        live local rank of its job; returns how many ranks it reached."""
+        with self._lock:
+            now = self.clock()
+            data = encode(hold)
+            views = [v for v in self.table.job_views(hold.job) if self.table.alive(v, now)]
+            return sum(1 for v in views if self.send(v.reply_to, data))
+
+    def _hold(self, job: str, f: Finding) -> SaveHold | None:
+        """Hold the local job's saves for a poisoned state (caller holds the lock)."""
+        now = self.clock()
+        views = [v for v in self.table.job_views(job) if self.table.alive(v, now)]
+        if not views:
+            return None
+        bad = f.evidence.get("bad_step")
+        onset = bad if isinstance(bad, int) and not isinstance(bad, bool) and bad >= 0 else \
+            max((v.last_step or 0 for v in views), default=0)
+        step = choose_step(views, now, delivery_latency_s=self.delivery_latency_s,
+                           safety_s=self.safety_s)
+        hold = SaveHold(request_id=f"fw-{uuid.uuid4().hex[:16]}", job=job, onset_step=onset,
+                        step=max(step, onset), reason=f"{f.check}: {f.reason}"[:4000],
+                        issued=now)
+        reached = self.hold_job(hold)
+        log.warning("save hold %s: job %s is suspect since step %d, saves stop at step %d "
+                    "(%d local rank(s))", hold.request_id, job, onset, hold.step, reached)
+        return hold
 
     def preempt_job(self, view: RankView) -> CheckpointOrder | None:
         """A rank of ``view.job`` got a preemption notice (table listener, ingest thread):
@@ -366,7 +402,7 @@ class CheckpointOrders:
             subj = f.subject
             if subj.kind in ("gpu", "node") and f.action in FAST_PATH_ACTIONS:
                 jobs = self.jobs_on_gpu(subj.gpu if subj.kind == "gpu" else None)
-            elif subj.kind == "rank" and f.check in RANK_FAST_PATH_CHECKS:
+            elif subj.kind == "rank" and f.check in RANK_FAST_PATH_CHECKS | RANK_HOLD_CHECKS:
                 jobs = [subj.job]
             else:
                 continue
@@ -391,9 +427,12 @@ class CheckpointOrders:
                     if world > len(views):
                         self.deferred_total[job] += 1
                         log.warning("%s: job %s has %d of its %d ranks on this node: its "
-                                    "checkpoint is left to the collector (a one-node save of "
-                                    "a collective checkpoint would hang)", f.check, job,
+                                    "checkpoint or hold is left to the collector (a one-node "
+                                    "save of a collective checkpoint would hang)", f.check, job,
                                     len(views), world)
+                        continue
+                    if f.check in RANK_HOLD_CHECKS:
+                        self._hold(job, f)
                         continue
                     order = self._issue(job, None, f"{f.check}: {f.reason}"[:4000], None,
                                         "local", None, 0)

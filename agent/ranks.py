@@ -697,7 +697,7 @@ class RankTable:
                     last_checkpoint_step=v.last_checkpoint_step,
                     last_checkpoint_time=v.last_checkpoint_time,
                     checkpoint_seconds=v.checkpoint_seconds, finished=v.finished,
-                    phase=v.phase,
+                    phase=v.phase, compute_seconds_p50=quantile(v.compute_seconds[-8:], 0.5),
                 )
             )
         return out

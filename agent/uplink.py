@@ -508,7 +508,8 @@ class Uplink:
     # -- commands ---------------------------------------------------------------------
 
     def _to_ranks(self, command: Command) -> tuple[bool, str]:
-        """Pass a checkpoint order or interval advice to this node's ranks of the job."""
+        """Pass a checkpoint order, interval advice or a save hold to this node's ranks of
+        the job."""
         orders = getattr(self.ranks, "orders", None)
         if orders is None:
             return False, "no ranks component on this agent"
@@ -518,6 +519,10 @@ class Uplink:
             sent = orders.order_job(o.job, o.step, o.reason, o.request_id)
             return True, (f"ordered step {o.step}" if sent is not None
                           else f"no live rank of job {o.job!r} on this node")
+        if command.kind == "hold":
+            assert command.hold is not None
+            reached = orders.hold_job(command.hold)
+            return True, f"save hold passed to {reached} rank(s) of {command.hold.job!r}"
         assert command.advice is not None
         reached = orders.advise_job(command.advice)
         return True, f"advice passed to {reached} rank(s) of {command.advice.job!r}"
@@ -532,7 +537,8 @@ class Uplink:
         elif command.kind == "probe":
             result = (True, "alive")
         elif (command.kind == "checkpoint" and command.order is not None) or (
-                command.kind == "advice" and command.advice is not None):
+                command.kind == "advice" and command.advice is not None) or (
+                command.kind == "hold" and command.hold is not None):
             result = self._to_ranks(command)
         else:
             result = (False, f"unknown command kind {command.kind!r}")

@@ -119,7 +119,7 @@ class CollectorConfig:
     policy_shadow: bool = False
     """Global shadow mode: decisions are recorded, no action is taken."""
     policy_shadow_actions: tuple[str, ...] = ()
-    """Action kinds (checkpoint, webhook, drain) recorded only; drain is also shadow
+    """Action kinds (checkpoint, webhook, drain, hold) recorded only; drain is also shadow
     while ``drain_enabled`` is false."""
     policy_dedup_s: float = 300.0
     """The same check about the same subject within this window is one finding."""
@@ -143,6 +143,10 @@ class CollectorConfig:
     """Window of the circuit breakers' shares, in seconds."""
     policy_probability: dict[str, float] = dataclasses.field(default_factory=dict)
     """P(failure within the hour) per check name, overriding the cost model's table."""
+    policy_hold_checks: tuple[str, ...] = ("nan_loss",)
+    """Checks whose unhealthy findings hold the job's saves (bad numerics: the ranks stop
+    saving and mark checkpoints since the onset suspect); add ``grad_spike`` to treat a
+    spike as poison too (the hook then saves nothing until ``Monitor.release_hold()``)."""
     checkpoint_default_s: float = 60.0
     """Checkpoint seconds assumed for a job before one of its checkpoints was measured."""
     order_delivery_latency_s: float = 0.5
@@ -209,6 +213,11 @@ class CollectorConfig:
     goodput_gpu_mtbf_h: float = 24.0 * 1000.0 / 6.5 * 8
     """Per-GPU MTBF prior in hours for checkpoint interval advice (Meta, HPCA 2025: 6.5
     failures per 1,000 node-days of 8 GPUs), updated with the failures observed."""
+    stragglers_enabled: bool = True
+    """Compare the pace of every rank of each multi-GPU job across all its nodes and name
+    stragglers, explained by their GPU's telemetry (forewarn.collector.decide.stragglers)."""
+    straggler_bucket_s: float = 5.0
+    """Time bucket of that comparison; a rank is named after 3 buckets in a row."""
     advise_hooks: bool = True
     """Send each job's advised checkpoint interval (as a step count) to its agents, which
     pass it to the ranks; hooks created with ``follow_advice=True`` then save at it (others
@@ -276,7 +285,8 @@ class CollectorConfig:
         if not self.alert_ttl_s > 0 or not 1 <= self.alert_max_rows <= 10_000_000:
             raise ConfigError(f"alert_ttl_s (> 0), alert_max_rows (1..10^7): got "
                               f"{self.alert_ttl_s}, {self.alert_max_rows}")
-        for key in ("predict_interval_s", "predict_refresh_s", "goodput_gpu_mtbf_h"):
+        for key in ("predict_interval_s", "predict_refresh_s", "goodput_gpu_mtbf_h",
+                    "straggler_bucket_s"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"{key}: must be positive, got {getattr(self, key)}")
         if not self.predict_sample_s >= 0:
@@ -320,7 +330,7 @@ def _check_policy_keys(c: CollectorConfig) -> None:
     """Ranges of the policy and action keys (named in the error). Webhook URLs and the
     drain template are parsed, and refused, where they are used
     (:meth:`forewarn.collector.decide.policy_service.PolicyService.from_config`)."""
-    kinds = ("checkpoint", "webhook", "drain")
+    kinds = ("checkpoint", "webhook", "drain", "hold")
     for kind in c.policy_shadow_actions:
         if kind not in kinds:
             raise ConfigError(f"policy_shadow_actions: unknown action {kind!r}")

@@ -33,6 +33,18 @@ why. Loading never unpickles arbitrary objects: ``torch.load(weights_only=True)`
 DCP a load planner whose ``load_bytes`` also uses ``weights_only=True`` (torch's default
 planner uses ``weights_only=False`` there).
 
+**Suspect checkpoints.** With a ``monitor`` whose training state turned suspect (a NaN/Inf
+loss, or the collector's save hold after a grad-norm spike: see
+:attr:`forewarn.hook.Monitor.suspect_since`), a checkpoint of the onset step or later gets a
+``suspect.json`` marker (onset step, reason) in its directory before it is committed, and
+committed checkpoints from the onset on are marked when the monitor learns of it (in both
+tiers; the durable copy carries the marker). ``load_latest`` skips suspect checkpoints
+unless ``allow_suspect=True``; pruning never deletes the newest checkpoint that is not
+suspect, so ``keep_last`` poisoned saves cannot rotate the last good one out. While the
+monitor holds saves (:meth:`~forewarn.hook.Monitor.saves_held`), ``save`` and
+``save_async`` refuse (nothing is written; the result's ``refused`` says why and the
+monitor hears ``checkpoint_failed``) unless ``allow_suspect=True``.
+
 torch is imported lazily, on the first save or load.
 """
 
@@ -62,6 +74,9 @@ _log = logging.getLogger("forewarn.hook")
 
 _STEP_DIR = re.compile(r"^step-(\d{9,})$")
 MANIFEST = "manifest.json"
+SUSPECT = "suspect.json"
+"""Marker of a checkpoint written from a suspect training state (outside the manifest, so
+a committed checkpoint can be marked later)."""
 _FORMAT = "forewarn-checkpoint"
 
 
@@ -74,6 +89,10 @@ class CheckpointResult:
     seconds: float
     bytes: int
     """Bytes this rank wrote (rank 0 includes the metadata and manifest)."""
+    suspect: bool = False
+    """Saved from a suspect training state (marked; ``load_latest`` skips it by default)."""
+    refused: str = ""
+    """Why nothing was saved (the monitor holds saves); empty when the save happened."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +103,9 @@ class LoadedCheckpoint:
     path: str
     state: dict[str, Any]
     skipped: tuple[tuple[str, str], ...] = ()
-    """Newer checkpoints that failed verification: ``(path, reason)``."""
+    """Newer checkpoints that failed verification or are suspect: ``(path, reason)``."""
+    suspect: bool = False
+    """The loaded checkpoint is marked suspect (only with ``allow_suspect=True``)."""
 
 
 class PendingCheckpoint:
@@ -249,9 +270,38 @@ def _commit(directory: Path, step: int, tmp: Path, phase: Callable[[str, Path], 
     return final
 
 
+def suspect_mark(path: Path) -> dict[str, Any] | None:
+    """The suspect marker of the checkpoint at ``path``, or None when it is not suspect (an
+    unreadable marker counts as suspect)."""
+    try:
+        mark = json.loads((path / SUSPECT).read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        return {"reason": f"unreadable {SUSPECT}: {exc}"}
+    return mark if isinstance(mark, dict) else {"reason": f"malformed {SUSPECT}"}
+
+
+def _write_mark(path: Path, onset: int) -> None:
+    """Mark the checkpoint at ``path`` suspect since ``onset`` (atomic, fsynced)."""
+    data = json.dumps({"onset_step": onset, "marked": time.time(),
+                       "reason": f"training state suspect since step {onset}"}).encode()
+    tmp = path / f".{SUSPECT}.{os.getpid()}.{threading.get_ident()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.rename(path / SUSPECT)
+    _fsync_dir(path)
+
+
 def _prune(directory: Path, keep_last: int, keep: set[int] | None = None) -> None:
-    for step, p in _list_checkpoints(directory)[:-keep_last]:
-        if keep is None or step not in keep:
+    found = _list_checkpoints(directory)
+    # the newest checkpoint that is not suspect stays whatever came after it
+    good = [step for step, p in found if suspect_mark(p) is None]
+    newest_good = good[-1] if good else None
+    for step, p in found[:-keep_last]:
+        if (keep is None or step not in keep) and step != newest_good:
             shutil.rmtree(p, ignore_errors=True)
 
 
@@ -270,6 +320,10 @@ def _copy_file(src: Path, dst: Path, phase: Callable[[str, Path], None]) -> str:
 
 
 def _no_phase(phase: str, path: Path) -> None:
+    pass
+
+
+def _no_report(result: CheckpointResult) -> None:
     pass
 
 
@@ -315,22 +369,43 @@ class CheckpointWriter:
         self._staged: Any = None  # the last async save's host copy, reused by the next
         self._to_copy: set[int] = set()  # steps queued for the durable tier
         self._lock = threading.Lock()  # _to_copy and pruning: caller and background thread
+        # suspect marking against commits: a checkpoint is marked before it is visible, or
+        # found committed by the marking pass (the monitor's thread)
+        self._mark_lock = threading.Lock()
+        if monitor is not None:
+            monitor.on_suspect(self.mark_suspect)
         self.copy_failures = 0
         """Copies to the durable tier that failed (each is logged; the fast tier keeps it)."""
 
     # ------------------------------------------------------------------ save
 
-    def save(self, step: int, state: dict[str, Any]) -> CheckpointResult:
-        """Write ``state`` as the checkpoint of ``step`` and wait until it is committed."""
-        return self._save(step, state, use_async=False).wait()
+    def save(self, step: int, state: dict[str, Any], *, allow_suspect: bool = False
+             ) -> CheckpointResult:
+        """Write ``state`` as the checkpoint of ``step`` and wait until it is committed.
 
-    def save_async(self, step: int, state: dict[str, Any]) -> PendingCheckpoint:
+        Refused (``result.refused``) while the monitor holds saves, unless
+        ``allow_suspect`` (the checkpoint is then marked suspect)."""
+        return self._save(step, state, use_async=False, allow_suspect=allow_suspect).wait()
+
+    def save_async(self, step: int, state: dict[str, Any], *, allow_suspect: bool = False
+                   ) -> PendingCheckpoint:
         """Like :meth:`save`, but return once ``state`` is copied to host memory; the
         write and the commit run in the background (with a process group through
         ``torch.distributed.checkpoint.async_save``). The checkpoint is committed when
         the write ends, without :meth:`PendingCheckpoint.wait`; the next save, and
         :meth:`close`, wait for it first."""
-        return self._save(step, state, use_async=True)
+        return self._save(step, state, use_async=True, allow_suspect=allow_suspect)
+
+    def _refused(self, step: int) -> PendingCheckpoint | None:
+        """A refused save's result while the monitor holds saves, else None."""
+        mon = self.monitor
+        if mon is None or not mon.saves_held(step):
+            return None
+        why = f"saves held: the training state is suspect since step {mon.suspect_since}"
+        _log.warning("forewarn: checkpoint of step %d refused: %s", step, why)
+        mon.checkpoint_failed(step, why)
+        return PendingCheckpoint(_done(CheckpointResult(step, "", 0.0, 0, refused=why)),
+                                 _no_report)
 
     def _background(self) -> ThreadPoolExecutor:
         # one thread: commits and tier copies run in the order they were asked for
@@ -338,9 +413,13 @@ class CheckpointWriter:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="forewarn-checkpoint")
         return self._worker
 
-    def _save(self, step: int, state: dict[str, Any], use_async: bool) -> PendingCheckpoint:
+    def _save(self, step: int, state: dict[str, Any], use_async: bool,
+              allow_suspect: bool = False) -> PendingCheckpoint:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        refused = None if allow_suspect else self._refused(step)
+        if refused is not None:
+            return refused
         if self._pending is not None:  # one save in flight at a time
             pending, self._pending = self._pending, None
             pending._settle()
@@ -447,14 +526,20 @@ class CheckpointWriter:
             f.flush()
             os.fsync(f.fileno())
         total += len(data)
-        final = _commit(self.directory, step, tmp, self._phase)
+        with self._mark_lock:
+            onset = self.monitor.suspect_since if self.monitor is not None else None
+            suspect = onset is not None and step >= onset
+            if suspect:
+                assert onset is not None
+                _write_mark(tmp, onset)
+            final = _commit(self.directory, step, tmp, self._phase)
         if self.durable is not None:
             with self._lock:
                 self._to_copy.add(step)
             self._copies = [c for c in self._copies if not c.done()]
             self._copies.append(self._background().submit(self._copy_to_durable, step, final))
         self._prune_fast()
-        return CheckpointResult(step, str(final), self._clock() - t0, total)
+        return CheckpointResult(step, str(final), self._clock() - t0, total, suspect=suspect)
 
     def _copy_to_durable(self, step: int, src: Path) -> None:
         """Copy the committed ``src`` into the durable tier: files, then the manifest,
@@ -474,7 +559,11 @@ class CheckpointWriter:
                 first = False
             shutil.copyfile(src / MANIFEST, tmp / MANIFEST)
             _fsync_file(tmp / MANIFEST)
-            _commit(self.durable, step, tmp, self._phase)
+            with self._mark_lock:  # a mark made while copying comes along
+                if (src / SUSPECT).exists():
+                    shutil.copyfile(src / SUSPECT, tmp / SUSPECT)
+                    _fsync_file(tmp / SUSPECT)
+                _commit(self.durable, step, tmp, self._phase)
             _prune(self.durable, self.keep_last)
         except Exception as exc:
             self.copy_failures += 1
@@ -487,6 +576,27 @@ class CheckpointWriter:
         # a checkpoint waiting for its copy to the durable tier stays until copied
         with self._lock:
             _prune(self.directory, self.keep_last, keep=self._to_copy)
+
+    def mark_suspect(self, onset: int) -> list[Path]:
+        """Mark every committed checkpoint of step ``onset`` or later, in both tiers,
+        suspect (the monitor calls this when the state turns suspect); returns those
+        newly marked. Never raises: a checkpoint pruned meanwhile is skipped."""
+        marked = []
+        with self._mark_lock:
+            for directory in (self.directory, self.durable):
+                for step, p in _list_checkpoints(directory):
+                    if step < onset or suspect_mark(p) is not None:
+                        continue
+                    try:
+                        _write_mark(p, onset)
+                    except OSError as exc:
+                        _log.warning("forewarn: could not mark %s suspect: %r", p, exc)
+                        continue
+                    marked.append(p)
+        for p in marked:
+            _log.warning("forewarn: checkpoint %s marked suspect (state suspect since step %d)",
+                         p, onset)
+        return marked
 
     def _report(self, result: CheckpointResult) -> None:
         if self.monitor is not None:
@@ -571,17 +681,25 @@ class CheckpointWriter:
         raise RuntimeError(f"ranks disagree on the checkpoint; step {step}: "
                            + ("; ".join(reasons) or "not found"))
 
-    def load_latest(self, state: dict[str, Any] | None = None) -> LoadedCheckpoint | None:
+    def load_latest(self, state: dict[str, Any] | None = None, *, allow_suspect: bool = False
+                    ) -> LoadedCheckpoint | None:
         """Load the newest intact checkpoint, or ``None`` if there is none.
 
         ``state``: for DCP checkpoints, the state dict to load into in place (its tensors
         give shapes and shardings); for ``torch`` checkpoints it is not needed. With a
         process group every rank must call this; they agree on the step (the smallest
-        of the ranks' choices, should their verification differ).
+        of the ranks' choices, should their verification differ). Suspect checkpoints
+        (see the module docstring) are skipped unless ``allow_suspect``.
         """
         skipped: list[tuple[str, str]] = []
         chosen: tuple[int, Path] | None = None
         for step, p in self._candidates():
+            mark = None if allow_suspect else suspect_mark(p)
+            if mark is not None:
+                _log.warning("forewarn: skipping suspect checkpoint %s: %s", p,
+                             mark.get("reason", ""))
+                skipped.append((str(p), f"suspect: {mark.get('reason', '')}"))
+                continue
             reason = self.verify(p)
             if reason is None:
                 chosen = (step, p)
@@ -606,7 +724,8 @@ class CheckpointWriter:
         step, path = chosen
         kind = json.loads((path / MANIFEST).read_bytes())["kind"]
         loaded = self._load_dcp(path, state) if kind == "dcp" else self._load_torch(path)
-        return LoadedCheckpoint(step=step, path=str(path), state=loaded, skipped=tuple(skipped))
+        return LoadedCheckpoint(step=step, path=str(path), state=loaded, skipped=tuple(skipped),
+                                suspect=suspect_mark(path) is not None)
 
     @staticmethod
     def _load_torch(path: Path) -> dict[str, Any]:

@@ -72,6 +72,19 @@ for a rank in a phase is learned from the longest earlier stay in that phase (th
 one gets the startup timeout), and the phase's time is left out of the next step time.
 ``close()``, leaving the ``with`` block without an exception, and a normal interpreter
 exit (atexit) mark the rank *finished* at the agent: never hung or gone.
+
+**Bad numerics.** A NaN/Inf loss makes the training state *suspect* from that step on
+(:attr:`Monitor.suspect_since`): a :class:`~forewarn.hook.CheckpointWriter` given this
+monitor marks every checkpoint of that step or later suspect, and ``load_latest`` skips
+those unless told (``allow_suspect=True``). Saves are *held* (:meth:`Monitor.saves_held`:
+``should_checkpoint`` refuses ordered and advised saves, reporting them failed, and the
+writer refuses to save) from the step the collector's :class:`~forewarn.wire.SaveHold`
+names -- ahead of the fastest rank, so every rank of the job stops at the same step and
+none is left alone in a collective save. A rank alone in its job (world size 1) holds its
+saves at once, at the NaN's own step. The hold also comes for a grad-norm spike when the
+collector's policy is so configured. :meth:`Monitor.release_hold` lifts it (the user
+judged the state sound); ``writer.save(..., allow_suspect=True)`` saves once anyway,
+marked suspect.
 """
 
 from __future__ import annotations
@@ -277,6 +290,10 @@ class Monitor:
         self._phase_longest: dict[str, float] = {}
         self._finished = False
         self._closed = False
+        # bad numerics (see suspect_since, saves_held)
+        self._onset: int | None = None
+        self._held_from: int | None = None
+        self._suspect_listeners: list[Callable[[int], object]] = []
         self._ch = AgentChannel(resolve_socket_path(socket_path), send_timeout_s)
         if handle_sigterm:
             self._signals.install(self._on_signal)
@@ -321,6 +338,9 @@ class Monitor:
                 if slow is None:
                     return
                 data = slow
+            bad = type(loss) is float and loss - loss != 0.0
+            if bad:
+                self._nonfinite_loss(step)  # with or without an agent
             if not self._ch.up:
                 self._dropped += 1  # no agent: the background thread reconnects
                 return
@@ -329,7 +349,7 @@ class Monitor:
                 self._dropped += 1
                 return
             q.append(data)
-            if type(loss) is float and loss - loss != 0.0:
+            if bad:
                 self._sender.kick()  # NaN/Inf: the agent's NaN detector wants it now
         except Exception as exc:
             self._failures += 1
@@ -395,6 +415,8 @@ class Monitor:
         self, step: int, now: float, ss: float | None, loss: float | None, gn: float | None,
         extras: dict[str, float],
     ) -> bytes:
+        if loss is not None and loss - loss != 0.0:
+            self._nonfinite_loss(step)  # a tensor's value, read now or landed later
         if ss is not None and loss is not None and gn is not None and not extras:
             return self._pack(step, now, ss, loss, gn)
         i = self.identity
@@ -437,6 +459,11 @@ class Monitor:
                 self._start(step, (PREEMPT_REQUEST,), "preempted")
                 return True
             next_due = self._next_due
+            held = self._held_from
+            if held is not None and step >= held:
+                if next_due is not None and step >= next_due:
+                    self._refuse_due(step)
+                return False
             advice = self._advice
             if (self.follow_advice and advice is not None and step >= advice.from_step
                     and (step - advice.from_step) % advice.every_steps == 0
@@ -467,6 +494,16 @@ class Monitor:
             self._failures += 1
             self._log.warning("should_checkpoint", "should_checkpoint() failed: %r", exc)
             return False
+
+    def _refuse_due(self, step: int) -> None:
+        """Saves are held: the orders due by ``step`` are reported failed, not saved."""
+        with self._lock:
+            due = [rid for s in sorted(s for s in self._due if s <= step)
+                   for rid, _ in self._due.pop(s)]
+            self._next_due = min(self._due, default=None)
+        why = f"held: the training state is suspect since step {self._onset}"
+        for rid in due:
+            self._report(step, "failed", rid, path=why)
 
     def _save_alone(self) -> bool:
         """A noticed rank saves at once, on its own, unless the job agrees on a step:
@@ -637,6 +674,13 @@ class Monitor:
             if message.job == self.job:
                 self._advice = message
             return
+        if isinstance(message, wire.SaveHold):
+            if message.job == self.job:
+                _log.warning("forewarn: saves held from step %d: the training state is suspect "
+                             "since step %d (%s)", message.step, message.onset_step,
+                             message.reason[:200])
+                self._suspect(message.onset_step, message.step)
+            return
         self._on_order(message)
 
     @property
@@ -684,6 +728,53 @@ class Monitor:
     def _exit_after_save(self) -> None:
         self._preempt = _NO_PREEMPT
         self._signals.after_save(self._preempt_signum)
+
+    # ------------------------------------------------------------------ bad numerics
+
+    def _nonfinite_loss(self, step: int) -> None:
+        """A NaN/Inf loss at ``step``. A rank alone holds its saves at once; ranks of a
+        larger job keep saving (marked suspect) until the job-wide hold names the step all
+        of them stop at: one rank refusing a collective save would hang the others."""
+        self._suspect(step, step if self.identity.world_size == 1 else None)
+
+    def _suspect(self, onset: int, hold_from: int | None) -> None:
+        """The state is suspect since ``onset``; saves held from ``hold_from`` (if any)."""
+        with self._lock:
+            new = self._onset is None or onset < self._onset
+            if new:
+                self._onset = onset
+            if hold_from is not None and (self._held_from is None or hold_from < self._held_from):
+                self._held_from = hold_from
+        if not new:
+            return
+        for fn in list(self._suspect_listeners):
+            try:
+                fn(onset)
+            except Exception as exc:  # a listener's failure must not reach the loop
+                self._failures += 1
+                self._log.warning("suspect", "marking checkpoints suspect failed: %r", exc)
+
+    @property
+    def suspect_since(self) -> int | None:
+        """First step of the suspect training state (a NaN/Inf loss here, or the onset
+        the collector's save hold names); None while the state is sound."""
+        return self._onset
+
+    def saves_held(self, step: int) -> bool:
+        """Whether saving ``step`` is refused (see the module docstring)."""
+        held = self._held_from
+        return held is not None and step >= held
+
+    def release_hold(self) -> None:
+        """The user judged the state sound (e.g. after a benign grad-norm spike): saves are
+        no longer held nor marked suspect. Checkpoints already marked stay marked."""
+        with self._lock:
+            self._onset = self._held_from = None
+
+    def on_suspect(self, fn: Callable[[int], object]) -> None:
+        """Call ``fn(onset_step)`` when the state becomes suspect (or its onset moves
+        earlier): the checkpoint writer marks committed checkpoints from there on."""
+        self._suspect_listeners.append(fn)
 
     # ------------------------------------------------------------------ phases
 

@@ -139,16 +139,17 @@ class TrainingState:
             restore_rng(mine["rng"])  # last: nothing above may draw after it
         return int(state["step"])
 
-    def resume(self, writer: CheckpointWriter) -> int:
+    def resume(self, writer: CheckpointWriter, *, allow_suspect: bool = False) -> int:
         """Load the newest intact checkpoint of ``writer`` into this state; returns the
-        first step to run (0 when there is none). Every rank must call it."""
+        first step to run (0 when there is none). Every rank must call it. Checkpoints
+        marked suspect (bad numerics) are skipped unless ``allow_suspect``."""
         from .checkpoint import _dist
 
         fresh = self.optimizer is not None and not self.optimizer.state
         # a DCP load fills a template in place; get_state_dict builds a fresh optimizer's
         # state by a zero-lr step (torch's _init_optim_state), undone below if unused
         template = self.state_dict(-1) if _dist() is not None else None
-        loaded = writer.load_latest(template)
+        loaded = writer.load_latest(template, allow_suspect=allow_suspect)
         if loaded is None:
             if fresh:
                 self.optimizer.state.clear()  # e.g. Adam's step count must start at 0

@@ -36,6 +36,8 @@ def main() -> None:
     ap.add_argument("--hang-at", type=int, default=-1, help="rank 1 stops before this step")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--agree", type=int, default=0)
+    ap.add_argument("--save-every", type=int, default=0,
+                    help="the loop's own periodic save (not ordered), every N steps")
     args = ap.parse_args()
 
     import torch
@@ -77,6 +79,7 @@ def main() -> None:
         event(event="resumed", step=loaded.step, checksum=checksum())
 
     finish_file = out / "finish_at"
+    suspect: int | None = None
     step = start
     while step <= args.steps:
         if finish_file.exists():
@@ -104,12 +107,17 @@ def main() -> None:
         if step in (args.nan_at, args.spike_at):
             event(event="injected", step=step, time=now)
         losses.write(f"{step} {lv!r} {now!r}\n")
-        if mon.should_checkpoint(step):
+        if suspect is None and mon.suspect_since is not None:
+            suspect = mon.suspect_since
+            event(event="suspect", step=step, onset=suspect)
+        periodic = args.save_every > 0 and step > start and step % args.save_every == 0
+        if mon.should_checkpoint(step) or periodic:
             # logged first: after a SIGTERM checkpoint the hook ends the process in save()
             event(event="saving", step=step, checksum=checksum(), preempted=mon.preempted,
                   time=time.time())
             res = writer.save(step, {"model": net.state_dict()})
-            event(event="checkpoint", step=step, bytes=res.bytes)
+            event(event="refused" if res.refused else "checkpoint", step=step, bytes=res.bytes,
+                  suspect=res.suspect, onset=mon.suspect_since)
         step += 1
     st = mon.stats
     event(event="stats", steps=st.steps, dropped=st.dropped, connected=st.connected,

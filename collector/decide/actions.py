@@ -3,7 +3,8 @@
 :class:`ActionPipeline` is the seam the collector service calls:
 
 * :meth:`ActionPipeline.handle_findings` with new findings (from agents' batches, the
-  collector's detectors, alert webhooks) -> policy decisions -> actions;
+  collector's detectors, alert webhooks) -> policy decisions -> actions (checkpoint
+  orders, save holds, webhooks, drains);
 * :meth:`ActionPipeline.on_report` with every :class:`CheckpointReport` (measured checkpoint
   cost, order progress, reissue on a miss);
 * :meth:`ActionPipeline.on_ack` with every :class:`CommandAck`.
@@ -137,6 +138,16 @@ class ActionPipeline:
                  "choose_step": order.inputs},
             )
             return order
+        if action.kind == ActionKind.HOLD:
+            onset = d.inputs.get("onset_step", 0)
+            if shadow or action.job is None:
+                self._record(action, "shadow", {"onset_step": onset})
+                return None
+            hold = self.orders.hold(action.job, int(onset), action.finding.reason)
+            self._record(action, "ordered", {"request_id": hold.request_id,
+                                             "onset_step": hold.onset_step, "step": hold.step,
+                                             "nodes": list(action.job.nodes)})
+            return None
         if action.kind == ActionKind.WEBHOOK:
             if shadow or self.send_webhook is None:
                 self._record(action, "shadow" if shadow else "skipped",

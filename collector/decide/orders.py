@@ -30,7 +30,7 @@ from typing import Any, Protocol
 from prometheus_client import CollectorRegistry, Counter
 
 from forewarn.ordering import order_step
-from forewarn.wire import CheckpointOrder, CheckpointReport, CommandAck
+from forewarn.wire import CheckpointOrder, CheckpointReport, CommandAck, SaveHold
 
 from ..jobs.jobview import JobInfo
 
@@ -41,10 +41,14 @@ class CommandSink(Protocol):
     """Where orders go: the service's per-node command queues.
 
     Contract: ``order_checkpoint`` queues one ``Command(kind="checkpoint", order=order)``
-    per node (id ``<request_id>@<node>``), is idempotent per id, and returns what it queued.
+    per node (id ``<request_id>@<node>``), is idempotent per id, and returns what it queued;
+    ``hold_saves`` the same with ``Command(kind="hold", hold=hold)``.
     """
 
     def order_checkpoint(self, nodes: Iterable[str], order: CheckpointOrder) -> Sequence[Any]:
+        ...
+
+    def hold_saves(self, nodes: Iterable[str], hold: SaveHold) -> Sequence[Any]:
         ...
 
 
@@ -144,7 +148,8 @@ class OrderBook:
         registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self._m_orders = Counter(
             "forewarn_collector_checkpoint_orders",
-            "Job-wide checkpoint orders by event (issued, reissued, done, failed).",
+            "Job-wide checkpoint orders by event (issued, reissued, done, failed; hold: "
+            "a job told to stop saving).",
             ["event"],
             registry=registry,
         )
@@ -173,6 +178,18 @@ class OrderBook:
         self.sink.order_checkpoint(job.nodes, order)
         self._m_orders.labels("issued" if attempt == 0 else "reissued").inc()
         return record
+
+    def hold(self, job: JobInfo, onset_step: int, reason: str) -> SaveHold:
+        """Tell every node of ``job`` that its state is suspect since ``onset_step`` and
+        that its ranks stop saving at a step chosen as an order's S (ahead of the fastest
+        rank, so all of them stop at the same step): :class:`~forewarn.wire.SaveHold`."""
+        now = self._clock()
+        step, _inputs = choose_step(job, now, self.settings)
+        hold = SaveHold(request_id=self._new_id(), job=job.job, onset_step=onset_step,
+                        step=max(step, onset_step), reason=reason[:4096], issued=now)
+        self.sink.hold_saves(job.nodes, hold)
+        self._m_orders.labels("hold").inc()
+        return hold
 
     def get(self, request_id: str) -> JobOrder | None:
         """The order with this request id."""

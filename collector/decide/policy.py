@@ -4,7 +4,10 @@ detectors and from alert webhooks.
 For each finding that is not healthy:
 
 1. **Severity rules** (:data:`SEVERITY_RULES`) say which action kinds the finding calls for,
-   from its health and suggested action.
+   from its health and suggested action. Bad numerics (a NaN/Inf loss; a grad-norm spike
+   when configured: ``PolicySettings.hold_checks``) call for a **hold**: the job's ranks
+   stop saving (no ordered or periodic save of the poisoned state) from one step, and
+   mark checkpoints since the onset suspect (:class:`~forewarn.wire.SaveHold`).
 2. **Incident**: the finding joins its incident (:mod:`.incidents`: correlated findings about
    one GPU, node or job); a healthy finding resolves its tracked finding.
 3. **Dedup**: the same check about the same subject within ``dedup_s`` is dropped (counted in
@@ -45,6 +48,7 @@ from .costmodel import CheckpointCostTracker, decide_checkpoint
 from .incidents import IncidentBook, Observation
 
 __all__ = [
+    "HOLD_CHECKS",
     "SEVERITY_RULES",
     "ActionKind",
     "CircuitBreaker",
@@ -55,6 +59,7 @@ __all__ = [
     "PolicySettings",
     "TokenBucket",
     "actions_for",
+    "onset_step",
     "service_policy",
 ]
 
@@ -65,6 +70,8 @@ class ActionKind(enum.StrEnum):
     CHECKPOINT = "checkpoint"
     WEBHOOK = "webhook"
     DRAIN = "drain"
+    HOLD = "hold"
+    """Stop the job's saves: its training state is suspect (bad numerics)."""
 
 
 class Outcome(enum.StrEnum):
@@ -91,8 +98,15 @@ _ACTIVE = frozenset(
 )
 _DRAIN = frozenset({SuggestedAction.DRAIN, SuggestedAction.INSPECT_HARDWARE})
 
+HOLD_CHECKS: frozenset[str] = frozenset({"nan_loss"})
+"""Checks whose unhealthy findings hold the job's saves by default (``policy_hold_checks``;
+add ``grad_spike`` to roll back past spikes PaLM-style: the hook then saves nothing after
+a spike until the user calls ``Monitor.release_hold()``)."""
+
 SEVERITY_RULES: Mapping[str, str] = {
     "healthy": "nothing (clears dedup for the subject)",
+    "unhealthy + check in policy_hold_checks (nan_loss by default)":
+        "hold the job's saves (state suspect since the finding's bad_step) + webhook",
     "unknown": "nothing (the check could not tell; its own metrics show it)",
     "degraded + none/watch": "webhook",
     "degraded + any other action": "checkpoint (cost-aware) + webhook",
@@ -104,8 +118,13 @@ SEVERITY_RULES: Mapping[str, str] = {
 """The severity rules as :func:`actions_for` applies them (documentation and the API)."""
 
 
-def actions_for(finding: Finding) -> tuple[ActionKind, ...]:
+def actions_for(finding: Finding, hold_checks: frozenset[str] = HOLD_CHECKS
+                ) -> tuple[ActionKind, ...]:
     """The action kinds :data:`SEVERITY_RULES` give ``finding``."""
+    if finding.health == Health.UNHEALTHY and finding.check in hold_checks:
+        # the state is poisoned (or suspect): saving it is useless and would rotate a
+        # good checkpoint out; the ranks stop saving and mark what they saved since
+        return (ActionKind.HOLD, ActionKind.WEBHOOK)
     if finding.action == SuggestedAction.RESTART_JOB:
         # Hang, dead rank, NaN loss: the job cannot write a checkpoint worth keeping (a
         # hung rank never reaches the step, a dead one blocks its peers, a NaN state is
@@ -184,6 +203,8 @@ class PolicySettings:
     """The breaker always allows at least this many targets per window (small fleets)."""
     probability: Mapping[str, float] = dataclasses.field(default_factory=dict)
     """P(failure) per check name, overriding the cost model's tables."""
+    hold_checks: frozenset[str] = HOLD_CHECKS
+    """Checks whose unhealthy findings hold the job's saves (:data:`HOLD_CHECKS`)."""
 
     def is_shadow(self, kind: ActionKind) -> bool:
         """Whether ``kind`` is recorded only."""
@@ -354,9 +375,11 @@ class Policy:
             self._prune_seen(now)
         self._m_findings.labels("evaluated").inc()
         planned: list[PlannedAction] = []
-        for kind in actions_for(finding):
+        for kind in actions_for(finding, self.settings.hold_checks):
             if kind == ActionKind.CHECKPOINT:
                 planned += self._checkpoint(finding, source, now, force_checkpoint, obs)
+            elif kind == ActionKind.HOLD:
+                planned += self._hold(finding, source, now)
             elif kind == ActionKind.DRAIN:
                 planned += self._drain(finding, source, now)
             else:
@@ -427,6 +450,26 @@ class Policy:
             if decision is not None:
                 self.incidents.ordered(obs, job_id)
                 out.append(PlannedAction(ActionKind.CHECKPOINT, decision, finding, job=job))
+        return out
+
+    def _hold(self, finding: Finding, source: str, now: float) -> list[PlannedAction]:
+        out: list[PlannedAction] = []
+        for job_id in self._jobs_of(finding.subject):
+            job = self.jobs.job(job_id)
+            if job is None:
+                self._decide(
+                    ActionKind.HOLD, finding, source, now, target=f"job:{job_id}",
+                    outcome=Outcome.SUPPRESSED, reason="job left the job map", job=job_id,
+                )
+                continue
+            onset = onset_step(finding, job, now)
+            decision = self._gate(
+                ActionKind.HOLD, finding, source, now, f"job:{job_id}",
+                f"{finding.check}: the training state is suspect since step {onset}: "
+                "stop saving it", {"onset_step": onset}, population=0, job=job_id,
+            )
+            if decision is not None:
+                out.append(PlannedAction(ActionKind.HOLD, decision, finding, job=job))
         return out
 
     def _drain(self, finding: Finding, source: str, now: float) -> list[PlannedAction]:
@@ -589,6 +632,15 @@ class Policy:
             for k, t in self._cooldown.items()
             if t >= now - self.settings.cooldown_s.get(k[0].value, 0.0)
         }
+
+
+def onset_step(finding: Finding, job: JobInfo, now: float) -> int:
+    """First step of the suspect state: the finding's ``bad_step`` (the step the rank
+    reported the NaN or the spike at), else the job's furthest step by now."""
+    bad = finding.evidence.get("bad_step")
+    if isinstance(bad, int) and not isinstance(bad, bool) and bad >= 0:
+        return bad
+    return job.estimated_step(now) or 0
 
 
 def service_policy(config: Any) -> Any:

@@ -10,7 +10,9 @@ webhook routes (:mod:`..ingest.alerts`). With them run the live failure predicto
 (:mod:`.predict`: its findings go through the same policy, so the cost-aware checkpoint
 decision uses the predicted probability) and goodput accounting (:mod:`.goodput_service`),
 both fed from the stored batches; every ``predict_interval_s`` a timer scores the fleet and
-refreshes goodput advice on the policy thread.
+refreshes goodput advice on the policy thread. Peer comparison of the ranks of every job
+across its nodes (:mod:`.stragglers`) runs on the same batches; its straggler findings go
+through the policy too.
 
 Alert webhooks go through an :class:`~..ingest.alert_book.AlertBook` (deduplicated, stored in
 batches every half second); only alerts that start firing or resolve reach the policy,
@@ -59,6 +61,7 @@ from .incidents import IncidentBook, TrackedFinding, save_incidents
 from .orders import OrderBook, OrderSettings
 from .policy import Decision, Policy, PolicySettings
 from .predict import PredictorService
+from .stragglers import StragglerService
 from .webhooks import Delivery, WebhookEndpoint, WebhookSender
 
 if TYPE_CHECKING:
@@ -105,6 +108,7 @@ def settings_from_config(config: CollectorConfig) -> PolicySettings:
         },
         breaker_window_s=config.policy_breaker_window_s,
         probability=dict(config.policy_probability),
+        hold_checks=frozenset(config.policy_hold_checks),
     )
 
 
@@ -144,6 +148,7 @@ class PolicyService:
         checkpoint_default_s: float = 60.0,
         predictor: PredictorService | None = None,
         goodput: GoodputService | None = None,
+        stragglers: StragglerService | None = None,
         advise_hooks: bool = True,
         alert_ttl_s: float = 7200.0,
         alert_max_rows: int = 10_000,
@@ -177,6 +182,7 @@ class PolicyService:
         self._alert_flusher: concurrent.futures.Future[None] | None = None
         self.predictor = predictor
         self.goodput = goodput
+        self.stragglers = stragglers
         self.policy: Policy | None = None
         self._ticker: concurrent.futures.Future[None] | None = None
 
@@ -213,6 +219,7 @@ class PolicyService:
             predictor=PredictorService.from_config(config),
             goodput=GoodputService(checkpoint_default_s=config.checkpoint_default_s,
                                    gpu_mtbf_h=config.goodput_gpu_mtbf_h),
+            stragglers=StragglerService.from_config(config),
             # shadow mode acts on nothing: no advice reaches the ranks either
             advise_hooks=config.advise_hooks and not config.policy_shadow,
             alert_ttl_s=config.alert_ttl_s,
@@ -328,6 +335,10 @@ class PolicyService:
             self.predictor.observe(batches)
         if self.goodput is not None:
             self.goodput.on_batches(batches)
+        if self.stragglers is not None:
+            self.stragglers.observe(batches)
+            if self.stragglers.due(now):
+                self._detected(self.stragglers.findings(now), now, "peers")
         if self.predictor is not None and self.predictor.due(now):
             self.tick(now)
 
@@ -351,9 +362,7 @@ class PolicyService:
     def tick(self, now: float) -> None:
         """Score the fleet when due; predictions through the policy; goodput advice."""
         if self.predictor is not None and self.predictor.due(now):
-            findings = self.predictor.score(now)
-            if findings:
-                self._predicted(findings, now)
+            self._detected(self.predictor.score(now), now, "predictor")
         self.refresh_goodput(now)
 
     def refresh_goodput(self, now: float) -> None:
@@ -371,13 +380,14 @@ class PolicyService:
             # Hooks that follow the advice save at the advised steps: tell the job's agents.
             ctx.commands.enqueue_many(self.advice_sender.due(goodput.advice, ctx.jobs, now))
 
-    def _predicted(self, findings: list[Finding], now: float) -> None:
-        """Store the predictor's findings and run them through the policy (this thread)."""
+    def _detected(self, findings: list[Finding], now: float, origin: str) -> None:
+        """Store the findings of the collector's own detectors (``origin``: predictor,
+        peers) and run them through the policy (this thread)."""
         ctx = self._ctx
-        if ctx is None or self.pipeline is None:
+        if ctx is None or self.pipeline is None or not findings:
             return
-        _record_findings(ctx, findings, "predictor", now)
-        self.pipeline.handle_findings(findings, "predictor")
+        _record_findings(ctx, findings, origin, now)
+        self.pipeline.handle_findings(findings, origin)
         self._save_incidents()
 
     def expire_findings(self, now: float) -> list[TrackedFinding]:

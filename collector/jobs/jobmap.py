@@ -11,6 +11,7 @@ The ``apply_*`` functions run inside the ingest transaction; the queries read.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ __all__ = [
     "job_nodes",
     "jobs_on",
     "list_jobs",
+    "numerics_state",
 ]
 
 _RANK_UPSERT = """
@@ -224,8 +226,37 @@ def list_jobs(store: StateStore) -> list[dict[str, Any]]:
     return rows
 
 
+def numerics_state(store: StateStore, job: str) -> dict[str, Any] | None:
+    """The job's bad numerics as the policy saw them (its ``hold`` actions, shadow ones
+    too), or None: ``onset_step`` (first suspect step), ``held_from_step`` (where the
+    ranks stop saving; None in shadow mode), ``last_good_step`` (the newest checkpoint
+    before the onset: what a restart should resume from), ``since`` (time) and ``check``."""
+    rows = store.query("SELECT time, status, subject, detail FROM actions WHERE job = ?"
+                       " AND kind = 'hold' ORDER BY time, id", (job,))
+    onsets, holds = [], []
+    for r in rows:
+        detail = json.loads(r["detail"])
+        if isinstance(detail.get("onset_step"), int):
+            onsets.append(detail["onset_step"])
+        if r["status"] == "ordered" and isinstance(detail.get("step"), int):
+            holds.append(detail["step"])
+    if not onsets:
+        return None
+    onset = min(onsets)
+    # reports of finished saves, and what the ranks say they saved last (a rank reports
+    # its newest checkpoint; one from before the onset is good)
+    good = store.query(
+        "SELECT MAX(step) AS step FROM (SELECT step FROM checkpoints WHERE job = ? AND"
+        " phase = 'done' AND step < ? UNION ALL SELECT last_checkpoint_step FROM ranks"
+        " WHERE job = ? AND last_checkpoint_step < ?) AS good", (job, onset, job, onset))
+    return {"onset_step": onset, "held_from_step": min(holds) if holds else None,
+            "last_good_step": good[0]["step"] if good else None,
+            "since": rows[0]["time"], "subject": rows[0]["subject"]}
+
+
 def job_detail(store: StateStore, job: str) -> dict[str, Any] | None:
-    """One job, its ranks (node, GPU, progress) and its latest checkpoint reports."""
+    """One job, its ranks (node, GPU, progress), its latest checkpoint reports and its bad
+    numerics (:func:`numerics_state`: the last good step)."""
     rows = store.query("SELECT * FROM jobs WHERE job = ?", (job,))
     if not rows:
         return None
@@ -234,6 +265,7 @@ def job_detail(store: StateStore, job: str) -> dict[str, Any] | None:
     out["nodes"] = job_nodes(store, job)
     out["checkpoints"] = store.query(
         "SELECT * FROM checkpoints WHERE job = ? ORDER BY time DESC, id DESC LIMIT 200", (job,))
+    out["numerics"] = numerics_state(store, job)
     return out
 
 

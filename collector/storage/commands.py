@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from forewarn.wire import CheckpointOrder, Command, CommandAck, decode, encode
+from forewarn.wire import CheckpointOrder, Command, CommandAck, SaveHold, decode, encode
 
 from ..metrics import CollectorMetrics
 from .state import StateStore
@@ -94,10 +94,18 @@ class CommandQueue:
     def order_checkpoint(self, nodes: Iterable[str], order: CheckpointOrder) -> list[NodeCommand]:
         """Send ``order`` to every node in ``nodes`` (one command each, id
         ``<request_id>@<node>``); returns the commands queued."""
+        return self._to_nodes(nodes, order.request_id, order.issued, "checkpoint", order=order)
+
+    def hold_saves(self, nodes: Iterable[str], hold: SaveHold) -> list[NodeCommand]:
+        """Send ``hold`` to every node in ``nodes`` (one command each, id
+        ``<request_id>@<node>``); returns the commands queued."""
+        return self._to_nodes(nodes, hold.request_id, hold.issued, "hold", hold=hold)
+
+    def _to_nodes(self, nodes: Iterable[str], request_id: str, issued: float, kind: str,
+                  **payload: Any) -> list[NodeCommand]:
         out = []
         for node in sorted(set(nodes)):
-            cmd = Command(id=f"{order.request_id}@{node}"[:128], kind="checkpoint", order=order,
-                          issued=order.issued)
+            cmd = Command(id=f"{request_id}@{node}"[:128], kind=kind, issued=issued, **payload)
             if self.enqueue(node, cmd):
                 out.append(NodeCommand(node=node, command=cmd))
         return out

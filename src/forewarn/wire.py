@@ -49,6 +49,7 @@ __all__ = [
     "IntervalAdvice",
     "NvlinkCounters",
     "RankSummary",
+    "SaveHold",
     "StepRecord",
     "Subject",
     "SuggestedAction",
@@ -379,7 +380,24 @@ class IntervalAdvice(Struct, frozen=True, kw_only=True, tag="advice"):
     issued: UnixTime
 
 
-AgentMessage = CheckpointOrder | IntervalAdvice
+class SaveHold(Struct, frozen=True, kw_only=True, tag="hold"):
+    """collector -> agent -> hook: the training state of ``job`` is suspect since
+    ``onset_step`` (a NaN/Inf loss or a grad-norm spike): checkpoints of that step or later
+    are marked suspect, and from ``step`` on the ranks save nothing unless told (ordered
+    and periodic saves are refused). ``step`` lies ahead of the job's fastest rank, chosen
+    as a checkpoint order's step is, so every rank stops saving at the same step and no
+    rank waits in a collective save for a peer that refused."""
+
+    v: Version = WIRE_VERSION
+    request_id: Annotated[str, Meta(min_length=1, max_length=128)]
+    job: Name
+    onset_step: NonNegInt
+    step: NonNegInt
+    reason: Text = ""
+    issued: UnixTime
+
+
+AgentMessage = CheckpointOrder | IntervalAdvice | SaveHold
 """Everything an agent sends to a rank."""
 
 
@@ -402,6 +420,10 @@ class RankSummary(Struct, frozen=True, kw_only=True):
     loss: float | None = None
     grad_norm: float | None = None
     alive: bool = True
+    compute_seconds_p50: Seconds | None = None
+    """Median of the rank's last few compute times per step (the hook's
+    ``compute_seconds`` extra): who is slow in synchronous data parallelism, where every
+    rank's wall step time is equal. None when the hook does not report it."""
     last_checkpoint_step: NonNegInt | None = None
     last_checkpoint_time: UnixTime | None = None
     checkpoint_seconds: Seconds | None = None
@@ -430,13 +452,14 @@ class AgentBatch(Struct, frozen=True, kw_only=True):
 
 class Command(Struct, frozen=True, kw_only=True):
     """collector -> agent over the long poll. ``kind``: ``checkpoint`` (with ``order``),
-    ``advice`` (with ``advice``) or ``probe``."""
+    ``advice`` (with ``advice``), ``hold`` (with ``hold``) or ``probe``."""
 
     v: Version = WIRE_VERSION
     id: Annotated[str, Meta(min_length=1, max_length=128)]
-    kind: Annotated[str, Meta(pattern="^(checkpoint|probe|advice)$")]
+    kind: Annotated[str, Meta(pattern="^(checkpoint|probe|advice|hold)$")]
     order: CheckpointOrder | None = None
     advice: IntervalAdvice | None = None
+    hold: SaveHold | None = None
     issued: UnixTime
 
 
@@ -459,7 +482,7 @@ _hook_decoder: msgspec.msgpack.Decoder[StepRecord | Beat | CheckpointReport] = (
     msgspec.msgpack.Decoder(HookMessage)
 )
 _order_decoder = msgspec.msgpack.Decoder(CheckpointOrder)
-_agent_decoder: msgspec.msgpack.Decoder[CheckpointOrder | IntervalAdvice] = (
+_agent_decoder: msgspec.msgpack.Decoder[CheckpointOrder | IntervalAdvice | SaveHold] = (
     msgspec.msgpack.Decoder(AgentMessage)
 )
 
@@ -520,8 +543,8 @@ def decode_hook_message(data: bytes) -> StepRecord | Beat | CheckpointReport:
         raise _wrap(exc, "hook message") from None
 
 
-def decode_agent_message(data: bytes) -> CheckpointOrder | IntervalAdvice:
-    """Decode one agent -> hook datagram (an order or interval advice)."""
+def decode_agent_message(data: bytes) -> CheckpointOrder | IntervalAdvice | SaveHold:
+    """Decode one agent -> hook datagram (an order, interval advice or a save hold)."""
     try:
         return _agent_decoder.decode(data)
     except DECODE_ERRORS as exc:

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from forewarn.agent.orders import CheckpointOrders, HangTerminator, choose_step
@@ -26,6 +27,7 @@ from forewarn.wire import (
     Finding,
     Health,
     IntervalAdvice,
+    SaveHold,
     StepRecord,
     Subject,
     SuggestedAction,
@@ -292,9 +294,35 @@ def test_fast_path_spike_orders_nan_and_hang_do_not(ranks: Ranks) -> None:
     ranks.step("a", 0, 100, 7)
     orders = make_orders(ranks)
     assert orders.fast_path([rank_finding("nan_loss", "a", 0)]) == []
+    # not an order: a hold (see the next test)
+    assert isinstance(decode_agent_message(ranks.sockets[("a", 0)].recv(4096)), SaveHold)
     assert orders.fast_path([rank_finding("rank_hang", "a", 0)]) == []
     (order,) = orders.fast_path([rank_finding("grad_spike", "a", 0)])
     assert order.job == "a"
+
+
+def test_fast_path_nan_holds_the_saves_of_a_local_job_only(ranks: Ranks) -> None:
+    """Even with the collector down: every local rank hears the onset and one step where
+    saving stops, ahead of the fastest rank; a job spanning nodes is the collector's."""
+    for rank in (0, 1):
+        ranks.add("a", rank, 100 + rank, world=2)
+        ranks.step("a", rank, 100 + rank, 40 + rank)
+    ranks.add("big", 0, 300, local_rank=2, world=16)
+    ranks.step("big", 0, 300, 40)
+    orders = make_orders(ranks)
+    nan = Finding(check="nan_loss", health=Health.UNHEALTHY,
+                  subject=Subject(kind="rank", node="n", job="a", rank=1, gpu=1),
+                  reason="loss nan", action=SuggestedAction.RESTART_JOB,
+                  evidence={"bad_step": 38}, time=0.0)
+    assert orders.fast_path([nan]) == []  # no checkpoint order
+    holds = [decode_agent_message(ranks.sockets[("a", r)].recv(4096)) for r in (0, 1)]
+    assert holds[0] == holds[1] and isinstance(holds[0], SaveHold)
+    assert holds[0].onset_step == 38 and holds[0].step > 41
+    big = msgspec.structs.replace(nan, subject=Subject(kind="rank", node="n", job="big", rank=0))
+    orders.fast_path([big])
+    assert orders.deferred_total["big"] == 1
+    with pytest.raises(BlockingIOError):
+        ranks.sockets[("big", 0)].recv(4096)
 
 
 # -- hang terminator: real processes -------------------------------------------------------

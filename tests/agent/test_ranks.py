@@ -369,6 +369,19 @@ def test_listeners_and_summaries(proc: FakeProcTree) -> None:
     (s,) = table.summaries("node1", T0)
     assert s.node == "node1" and s.gpu == 0 and s.last_step == 3 and s.alive
     assert s.step_seconds_p50 == pytest.approx(0.2)
+    assert s.compute_seconds_p50 is None  # the hook sent no compute time
+
+
+def test_summaries_carry_the_recent_compute_pace(proc: FakeProcTree) -> None:
+    """The collector compares ranks across nodes by it (in synchronous data parallelism
+    every rank's wall step time is the slowest rank's)."""
+    proc.add(100)
+    table = table_for(proc)
+    for n, compute in enumerate([0.1] * 10 + [0.3] * 5):
+        table.admit(step(100, n, step_seconds=0.3, extras={"compute_seconds": compute}),
+                    cred(100), T0)
+    (s,) = table.summaries("node1", T0)
+    assert s.compute_seconds_p50 == pytest.approx(0.3)  # the last 8: recent, not all-time
 
 
 def test_quantile() -> None:

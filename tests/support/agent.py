@@ -24,7 +24,8 @@ QUIET_SCENARIO = 'name = "quiet"\ngpus = 2\nseed = 1\n'
 class AgentProc:
     """A real ``forewarn agent --source sim`` subprocess."""
 
-    def __init__(self, workdir: Path, sock: Path, name: str, **env: str) -> None:
+    def __init__(self, workdir: Path, sock: Path, name: str, node: str = "e2e", **env: str
+                 ) -> None:
         self.port = free_port()
         scenario = workdir / "quiet.toml"
         scenario.write_text(QUIET_SCENARIO)
@@ -33,7 +34,7 @@ class AgentProc:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "forewarn", "agent", "--source", "sim", "--scenario",
              str(scenario), "--socket", str(sock), "--listen", f"127.0.0.1:{self.port}",
-             "--no-kmsg", "--interval", "0.2", "--node", "e2e", "--config",
+             "--no-kmsg", "--interval", "0.2", "--node", node, "--config",
              str(workdir / "none.toml")],
             env=full_env, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
         (workdir / "none.toml").touch()

@@ -250,7 +250,10 @@ async function drawDetail() {
   const state = (r) => (r.alive ? "alive" : r.finished ? "finished" : "gone");
   box.querySelector(".job-summary").textContent =
     `${j.ranks.length} / ${j.world_size} ranks on ${j.nodes.length} nodes · step ${j.last_step ?? "?"}`
-    + ` · ${j.checkpoints.length} checkpoint reports`;
+    + ` · ${j.checkpoints.length} checkpoint reports`
+    // bad numerics: checkpoints since the onset are suspect; a restart wants the last good one
+    + (j.numerics ? ` · state suspect since step ${j.numerics.onset_step}, last good checkpoint: `
+      + `${j.numerics.last_good_step != null ? "step " + j.numerics.last_good_step : "none"}` : "");
   box.querySelector("tbody").replaceChildren(...j.ranks.map((r) => el("tr", {},
     el("td", {}, String(r.rank)), el("td", {}, r.node), el("td", {}, String(r.gpu ?? "?")),
     el("td", {}, String(r.last_step ?? "")), el("td", { class: "rank-state" }, state(r)),
