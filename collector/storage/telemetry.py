@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from forewarn.errors import StorageError
-from forewarn.wire import DECODE_ERRORS, GpuSample, encode
+from forewarn.wire import DECODE_ERRORS, INT64_MAX, GpuSample, encode
 
 from ..metrics import CollectorMetrics
 from .datadir import Quarantine
@@ -189,7 +189,8 @@ _NO_SUMS: tuple[None, None, None, None] = (None, None, None, None)
 
 
 def _nvlink_sums(links: Sequence[Any]) -> tuple[int | None, ...]:
-    """Sums over links of (crc_flit, crc_data, replay, recovery); None where no link has it."""
+    """Sums over links of (crc_flit, crc_data, replay, recovery), at most ``INT64_MAX``; None
+    where no link has it."""
     a = b = c = d = 0
     na = nb = nc = nd = False
     for link in links:
@@ -205,7 +206,9 @@ def _nvlink_sums(links: Sequence[Any]) -> tuple[int | None, ...]:
         if link.recovery is not None:
             d += link.recovery
             nd = True
-    return (a if na else None, b if nb else None, c if nc else None, d if nd else None)
+    # Each link's counter fits int64 (the wire checks it); their sum need not: saturate.
+    return (min(a, INT64_MAX) if na else None, min(b, INT64_MAX) if nb else None,
+            min(c, INT64_MAX) if nc else None, min(d, INT64_MAX) if nd else None)
 
 
 def samples_to_columns(samples: Sequence[GpuSample], agent_ids: Sequence[str],

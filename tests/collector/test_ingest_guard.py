@@ -284,3 +284,31 @@ def test_clock_skew_is_measured_per_agent(svc: Service) -> None:
     r = post(svc, "node3", AgentBatch(node="node3", agent_id="agent-node3", seq=0,
                                       created=now), headers={"forewarn-sent-at": "nan"})
     assert r.status_code == 400 and "forewarn-sent-at" in r.json()["error"], r.text
+
+
+def test_nvlink_counters_whose_sum_leaves_int64_do_not_fail_the_flush(tmp_path: Path) -> None:
+    """Each link's counter fits int64, their sum over links need not (the hypothesis test
+    found it): the Parquet column saturates at int64's maximum instead of failing the flush."""
+    from forewarn.wire import INT64_MAX, NvlinkCounters
+
+    store = Store(tmp_path / "collector.db")
+    metrics = CollectorMetrics()
+    staging = StagingLog(tmp_path / "staging")
+    telemetry = TelemetryWriter(store, tmp_path / "telemetry", metrics, staging=staging)
+    writer = IngestWriter(store, metrics, staging=staging, on_staged=telemetry.remember)
+    now = time.time()
+    links = [NvlinkCounters(link=i, crc_flit=INT64_MAX, replay=1) for i in range(2)]
+    batch = AgentBatch(node="n1", agent_id="a1", seq=0, created=now,
+                       samples=[sample("n1", 0, now, nvlink=links), sample("n1", 1, now)])
+    writer.start()
+    try:
+        assert writer.submit(batch, encode(batch)).result(30) is IngestResult.STORED
+    finally:
+        writer.stop()
+    assert telemetry.flush() == 2
+    assert metrics.flush_errors._value.get() == 0
+    df = telemetry.read(include_staged=False).sort_values("gpu")
+    # (read back as float64: the other GPU has no NVLink, a missing value)
+    assert df["nvlink_crc_flit"].iloc[0] == float(INT64_MAX)
+    assert df["nvlink_replay"].iloc[0] == 2
+    store.close()
