@@ -67,8 +67,15 @@ class AgentConfig:
     order_safety_s: float = 0.25
     """Checkpoint order margin: seconds of step-time jitter added ahead of the fastest rank."""
     # collector uplink
+    uplink: str = "http"
+    """Transport to the collector: ``http`` (``collector_url``) or ``nats`` (``nats_url``,
+    JetStream; see docs/scale.md)."""
     collector_url: str = ""
-    """Base URL of the collector; empty = run standalone."""
+    """Base URL of the collector; empty = run standalone (uplink = http)."""
+    nats_url: str = ""
+    """NATS server(s) for uplink = nats: ``nats://host:4222``, comma-separated for a cluster."""
+    nats_ca_file: Path | None = None
+    """PEM CA bundle that signed the NATS servers' TLS certificates (uplink = nats)."""
     token: str = ""
     """This node's collector token (visible to other users in a flag or variable: prefer
     token_file)."""
@@ -106,6 +113,8 @@ class AgentConfig:
                               "the socket; use 0660 (with socket_group) or 0600")
         if self.grad_spike_factor <= 1.0:
             raise ConfigError(f"grad_spike_factor: must be above 1, got {self.grad_spike_factor}")
+        if self.uplink not in ("http", "nats"):
+            raise ConfigError(f"uplink: must be http or nats, got {self.uplink!r}")
         if self.hang_action not in ("shadow", "terminate"):
             raise ConfigError(f"hang_action: must be shadow or terminate, got {self.hang_action!r}")
         if self.sim_gpus < 1 or self.sim_gpus > 64:

@@ -79,7 +79,7 @@ from forewarn.wire import (
     encode_json,
 )
 
-__all__ = ["Spool", "Uplink", "build"]
+__all__ = ["Spool", "Uplink", "build", "check_uplink_config", "read_token"]
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +244,7 @@ class _Metrics:
                                    "Failed command long polls.", registry=r)
 
 
-def _read_token(config: AgentConfig) -> str:
+def read_token(config: AgentConfig) -> str:
     if config.token:
         return config.token
     if config.token_file is not None:
@@ -259,6 +259,8 @@ class Uplink:
     """The agent's collector uplink component (see the module docstring)."""
 
     name = "uplink"
+    max_samples_per_batch = MAX_SAMPLES_PER_BATCH
+    """Seal early past this many samples (a transport with smaller messages lowers it)."""
 
     def __init__(
         self,
@@ -276,7 +278,7 @@ class Uplink:
         self.node = config.node
         self.clock = clock
         self.transport = transport
-        self.token = _read_token(config)
+        self.token = read_token(config)
         self.spool = Spool(config.spool_dir, config.spool_max_bytes)
         self.poll_wait_s = poll_wait_s
         self.retry_s = retry_s
@@ -346,7 +348,7 @@ class Uplink:
             self._findings.extend(findings)
             if urgent or any(f.health == Health.UNHEALTHY for f in findings):
                 self._urgent = True
-            big = len(self._samples) >= MAX_SAMPLES_PER_BATCH
+            big = len(self._samples) >= self.max_samples_per_batch
         if self._urgent or big:
             self._wake.set()
 
@@ -368,8 +370,8 @@ class Uplink:
         with self._lock:
             reports = self._unsent_reports + reports
             self._unsent_reports = []
-            samples = self._samples[:MAX_SAMPLES_PER_BATCH]
-            del self._samples[:MAX_SAMPLES_PER_BATCH]
+            samples = self._samples[:self.max_samples_per_batch]
+            del self._samples[:self.max_samples_per_batch]
             xids, self._xids = self._xids, []
             findings, self._findings = self._findings, []
             urgent = self._urgent or bool(reports)
@@ -411,47 +413,68 @@ class Uplink:
         return httpx.Client(base_url=self.config.collector_url.rstrip("/"), headers=headers,
                             timeout=timeout, transport=self.transport, verify=verify)
 
-    def flush(self, client: httpx.Client) -> bool:
-        """Send every spooled batch; True when the spool is empty afterwards."""
+    def flush(self, conn: Any) -> bool:
+        """Send every spooled batch over ``conn`` (what :meth:`_open` gave); True when
+        the spool is empty afterwards."""
         for seq, path in self.spool.pending():
             try:
                 body = path.read_bytes()
             except OSError:
                 self.spool.remove(seq)
                 continue
-            try:
-                r = client.post("/api/v1/ingest", content=body, headers={
-                    "content-type": "application/msgpack",
-                    SENT_AT_HEADER: f"{self.clock():.3f}"})
-            except httpx.HTTPError as exc:
-                self._count_error(f"collector unreachable: {exc!r}")
-                return False
+            outcome, detail = self._send(conn, seq, body)
             assert self.metrics is not None
-            if r.status_code == 200:
+            if outcome == "stored":
                 self._last_error = ""
                 self.spool.remove(seq)
                 self.metrics.sent.inc()
                 self.metrics.last_success.set(self.clock())
-                _log_refused(seq, r)
-            elif 400 <= r.status_code < 500 and r.status_code not in _RETRY_4XX:
-                why = f"collector answered {r.status_code}: {r.text[:2000]}"
-                where = self.spool.reject(seq, why)
-                log.error("uplink: collector rejected batch %d for good (%d: %s); moved to %s,"
-                          " it will not be sent again", seq, r.status_code, r.text[:300], where)
+            elif outcome == "rejected":
+                where = self.spool.reject(seq, detail)
+                log.error("uplink: batch %d refused for good (%s); moved to %s, it will not"
+                          " be sent again", seq, detail[:300], where)
                 self.metrics.rejected.inc()
             else:
-                self._count_error(f"collector answered {r.status_code}: {r.text[:300]}")
+                self._count_error(detail)
                 return False
             self._update_gauges()
         self._update_gauges()
         return True
+
+    # -- the transport: HTTP here, NATS in forewarn.agent.bus --------------------------
+
+    def _open(self) -> Any:
+        """The connection the push thread sends over (closed by :meth:`_close`)."""
+        return self._client(httpx.Timeout(10.0, connect=5.0))
+
+    def _close(self, conn: Any) -> None:
+        conn.close()
+
+    def _send(self, conn: Any, seq: int, body: bytes) -> tuple[str, str]:
+        """Send one spooled batch: ``("stored" | "rejected" | "retry", why)``. Stored
+        includes a duplicate; rejected means it would never be accepted."""
+        try:
+            r = conn.post("/api/v1/ingest", content=body, headers={
+                "content-type": "application/msgpack", SENT_AT_HEADER: f"{self.clock():.3f}"})
+        except httpx.HTTPError as exc:
+            return "retry", f"collector unreachable: {exc!r}"
+        if r.status_code == 200:
+            _log_refused(seq, r)
+            return "stored", ""
+        if 400 <= r.status_code < 500 and r.status_code not in _RETRY_4XX:
+            return "rejected", f"collector answered {r.status_code}: {r.text[:2000]}"
+        return "retry", f"collector answered {r.status_code}: {r.text[:300]}"
+
+    def _target(self) -> str:
+        """Where batches go, for /readyz."""
+        return self.config.collector_url
 
     def readiness(self) -> dict[str, Any]:
         """Ready unless the last attempt to send failed; with the spool depth."""
         batches, size = self._depth
         error = self._last_error
         return {"ready": not error, "spool_batches": batches, "spool_bytes": size,
-                "detail": error or f"{self.config.collector_url}: ok, {batches} batch(es) "
+                "detail": error or f"{self._target()}: ok, {batches} batch(es) "
                                    "waiting"}
 
     def _count_error(self, message: str) -> None:
@@ -473,7 +496,7 @@ class Uplink:
             self._dropped_seen = self.spool.dropped
 
     def _push_loop(self) -> None:
-        client = self._client(httpx.Timeout(10.0, connect=5.0))
+        client = self._open()
         backoff = self.retry_s
         next_seal = time.monotonic() + self.config.push_interval_s
         try:
@@ -487,7 +510,7 @@ class Uplink:
                 self._wake.clear()
                 stopping = self._stop.is_set()
                 if stopping or self._urgent or time.monotonic() >= next_seal or \
-                        len(self._samples) >= MAX_SAMPLES_PER_BATCH:
+                        len(self._samples) >= self.max_samples_per_batch:
                     try:
                         self.seal(force=time.monotonic() >= next_seal)
                     except OSError as exc:
@@ -503,7 +526,7 @@ class Uplink:
                 if stopping:
                     return
         finally:
-            client.close()
+            self._close(client)
 
     # -- commands ---------------------------------------------------------------------
 
@@ -603,18 +626,28 @@ def _log_refused(seq: int, r: httpx.Response) -> None:
 
 
 def build(config: AgentConfig) -> Uplink | None:
-    """The uplink for ``forewarn agent``, or None when no ``collector_url`` is set."""
+    """The uplink for ``forewarn agent``: over HTTP when ``collector_url`` is set, over
+    NATS when ``uplink = "nats"`` (:mod:`forewarn.agent.bus`); None when standalone."""
+    if config.uplink == "nats":
+        from forewarn.agent.bus import build_nats  # nats-py only where it is used
+
+        return build_nats(config)
     if not config.collector_url:
         return None
     if not config.collector_url.startswith(("http://", "https://")):
         raise ConfigError(f"collector_url: expected http(s)://host:port, got "
                           f"{config.collector_url!r}")
+    check_uplink_config(config)
+    if config.collector_ca_file is not None and not config.collector_ca_file.is_file():
+        raise ConfigError(f"collector_ca_file: no such file {config.collector_ca_file}")
+    return Uplink(config)
+
+
+def check_uplink_config(config: AgentConfig) -> None:
+    """What every transport needs: a bounded spool and this node's token."""
     if config.spool_max_bytes < 4096:
         raise ConfigError(f"spool_max_bytes: must be at least 4096, got "
                           f"{config.spool_max_bytes}")
     if not config.token and config.token_file is None:
         raise ConfigError("token: the collector needs this node's token (token or token_file;"
                           " enrol with `forewarn collector token add NODE`)")
-    if config.collector_ca_file is not None and not config.collector_ca_file.is_file():
-        raise ConfigError(f"collector_ca_file: no such file {config.collector_ca_file}")
-    return Uplink(config)

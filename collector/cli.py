@@ -4,7 +4,8 @@
 serves the API under uvicorn (TLS when ``certfile``/``keyfile`` are set).
 ``forewarn collector token add NODE`` enrols a node's agent: it stores the SHA-256 of a
 new random token in ``tokens_file`` and prints the token once (put it in the agent's
-``token_file``).
+``token_file``). ``forewarn collector nats-auth`` writes the nats-server authorization
+block for the enrolled nodes (:func:`forewarn.bus.authorization`).
 
 :class:`ServerThread` runs the same app in a background thread (tests, ``forewarn demo``).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -65,7 +67,17 @@ def register(sub: Any) -> None:
     add.set_defaults(func=_token_add)
     ls = toksub.add_parser("list", help="list enrolled nodes")
     ls.set_defaults(func=_token_list)
-    actions += [add, ls]
+    na = csub.add_parser(
+        "nats-auth", help="write the nats-server authorization block for the enrolled nodes",
+        description="Each enrolled node gets a NATS user that may publish only its own batch"
+                    " and answer subjects and pull only its own commands; the collector's"
+                    " user (forewarn-collector, password bus_password) may do everything."
+                    " Include the output in nats-server.conf; rerun after enrolling a node"
+                    " and reload nats-server (nats-server --signal reload).")
+    na.add_argument("--output", type=Path, default=None,
+                    help="write here (mode 0600) instead of standard output")
+    na.set_defaults(func=_nats_auth)
+    actions += [add, ls, na]
     for action in actions:
         add_config_arguments(action, CollectorConfig, service="collector", suppress=True)
 
@@ -109,6 +121,34 @@ def _token_list(args: argparse.Namespace) -> int:
         return 2
     for node in nodes:
         print(node)
+    return 0
+
+
+def _nats_auth(args: argparse.Namespace) -> int:
+    from forewarn.bus import authorization
+    from forewarn.config import ConfigError
+
+    from .config import bus_password
+    from .http.auth import AuthError, node_hashes
+
+    try:
+        config = _load(args)
+        password = bus_password(config)
+        if not password:
+            raise ConfigError("bus_password: the collector's NATS user needs a password"
+                              " (bus_password or bus_password_file)")
+        block = authorization(node_hashes(config.tokens_file), password)
+        if args.output is None:
+            sys.stdout.write(block)
+            return 0
+        tmp = args.output.with_name(args.output.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(block)
+        os.replace(tmp, args.output)
+    except (ConfigError, AuthError, OSError) as exc:
+        print(f"forewarn collector nats-auth: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from forewarn.config import ConfigError, check_logging
 
-__all__ = ["DEFAULT_CONFIG_PATH", "CollectorConfig"]
+__all__ = ["DEFAULT_CONFIG_PATH", "CollectorConfig", "bus_password"]
 
 DEFAULT_CONFIG_PATH = Path("/etc/forewarn/collector.toml")
 
@@ -224,6 +224,26 @@ class CollectorConfig:
     ignore it). ``false`` (and ``policy_shadow``) keep the advice in the API and metrics
     only."""
 
+    # -- NATS JetStream bus (forewarn.collector.ingest.bus; docs/scale.md) ----------------
+    bus_url: str = ""
+    """NATS server(s) to consume agents' batches from and send commands through
+    (``nats://host:4222``, comma-separated for a cluster); empty = HTTP only."""
+    bus_password: str = ""
+    """Password of the collector's NATS user (``forewarn-collector``)."""
+    bus_password_file: Path | None = None
+    bus_ca_file: Path | None = None
+    """PEM CA bundle that signed the NATS servers' TLS certificates."""
+    bus_stream_max_age_s: float = 86400.0
+    """Batches older than this leave the stream, consumed or not."""
+    bus_stream_max_bytes: int = 10 * 1024**3
+    """The stream keeps at most this many bytes of batches (the oldest go first)."""
+    bus_stream_replicas: int = 1
+    """JetStream replicas of the streams (3 on a 3-server cluster)."""
+    bus_ack_wait_s: float = 10.0
+    """A batch a replica took but did not acknowledge goes to another replica after this."""
+    bus_fetch_max: int = 256
+    """Batches one replica takes from the stream at a time."""
+
     def __post_init__(self) -> None:
         host, sep, port = self.listen.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
@@ -282,6 +302,7 @@ class CollectorConfig:
         for key in ("finding_ttl_s", "incident_window_s"):
             if not getattr(self, key) > 0:
                 raise ConfigError(f"{key}: must be positive, got {getattr(self, key)}")
+        _check_bus_keys(self)
         if not self.alert_ttl_s > 0 or not 1 <= self.alert_max_rows <= 10_000_000:
             raise ConfigError(f"alert_ttl_s (> 0), alert_max_rows (1..10^7): got "
                               f"{self.alert_ttl_s}, {self.alert_max_rows}")
@@ -313,6 +334,41 @@ class CollectorConfig:
     def quarantine_dir(self) -> Path:
         """Agent batches the store could not hold, kept for the operator."""
         return self.data_dir / "quarantine" / "ingest"
+
+
+def bus_password(c: CollectorConfig) -> str:
+    """The collector's NATS password: ``bus_password``, else ``bus_password_file``'s
+    contents; a file that cannot be read is a :class:`ConfigError` naming the key."""
+    if c.bus_password or c.bus_password_file is None:
+        return c.bus_password
+    try:
+        return c.bus_password_file.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"bus_password_file: cannot read {c.bus_password_file}:"
+                          f" {exc.strerror or exc}") from None
+
+
+def _check_bus_keys(c: CollectorConfig) -> None:
+    """The NATS bus keys (only checked when ``bus_url`` is set)."""
+    if not c.bus_url:
+        return
+    from forewarn.bus import check_url
+
+    try:
+        check_url("bus_url", c.bus_url)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    for key in ("bus_stream_max_age_s", "bus_ack_wait_s"):
+        if not getattr(c, key) > 0:
+            raise ConfigError(f"{key}: must be positive, got {getattr(c, key)}")
+    if c.bus_stream_max_bytes < 1024**2:
+        raise ConfigError(f"bus_stream_max_bytes: must be at least 1 MiB, got "
+                          f"{c.bus_stream_max_bytes}")
+    if c.bus_stream_replicas not in (1, 3, 5):
+        raise ConfigError(f"bus_stream_replicas: must be 1, 3 or 5, got "
+                          f"{c.bus_stream_replicas}")
+    if not 1 <= c.bus_fetch_max <= 10_000:
+        raise ConfigError(f"bus_fetch_max: must be within 1..10000, got {c.bus_fetch_max}")
 
 
 def _check_tokens_distinct(c: CollectorConfig) -> None:

@@ -16,7 +16,7 @@ from starlette.routing import Route
 
 from forewarn.wire import AgentBatch, Command, CommandAck, Finding
 
-from ..ingest.batch import IngestError, finding_rows_json
+from ..ingest.batch import IngestError, count_rejection, finding_rows_json
 from ..jobs.jobmap import job_detail, list_jobs
 from .read_routes import QueryError, check_reader, float_param, int_param
 
@@ -87,9 +87,10 @@ def handled(fn: Callable[[Request], Any]) -> Callable[[Request], Any]:
             response: Response = await fn(request)
             return response
         except IngestError as exc:
-            ctx_of(request).metrics.rejected.labels(exc.reason).inc()
             if request.url.path == "/api/v1/ingest":
-                ctx_of(request).metrics.batches.labels("rejected").inc()
+                count_rejection(ctx_of(request).metrics, exc)
+            else:
+                ctx_of(request).metrics.rejected.labels(exc.reason).inc()
             return error_response(exc.status, str(exc))
 
     wrapper.__name__ = fn.__name__

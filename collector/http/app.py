@@ -98,8 +98,7 @@ from ..ingest.batch import (
     IngestError,
     IngestWriter,
     TimeWindow,
-    check_batch,
-    count_refusals,
+    accept_batch,
     store_findings,
 )
 from ..jobs.jobmap import StoreJobView
@@ -214,6 +213,14 @@ class CollectorContext:
         local = self.leader.shared and origin in LOCAL_ORIGINS
         await self.run_policy(self._decide if local else self._policy_findings, list(findings))
 
+    def accept_ack(self, ack: CommandAck, node: str) -> str:
+        """Record ``node``'s answer to a command (HTTP or the bus) and tell the policy;
+        returns :meth:`CommandQueue.ack`'s ``acked``, ``already`` or ``unknown``."""
+        state = self.commands.ack(ack, node)
+        if state != "unknown" and self.policy is not None:
+            self._policy_pool.submit(self._policy_ack, ack, node)
+        return state
+
     # -- runs on the policy thread ----------------------------------------------------
 
     def _policy_findings(self, findings: list[Finding]) -> None:
@@ -300,12 +307,11 @@ async def ingest(request: Request) -> Response:
     if sent is not None:
         ctx.metrics.clock_skew.labels(node).set(_sent_at(sent) - received)
     window = TimeWindow(received, ctx.config.ingest_max_age_s, ctx.config.ingest_max_future_s)
-    checked = check_batch(body, node=node, max_items=ctx.config.max_batch_items,
-                          window=window)
-    count_refusals(ctx.metrics, checked)
     address = request.client.host if request.client else ""
+    checked, stored = accept_batch(ctx.writer, ctx.metrics, body, node=node, window=window,
+                                   max_items=ctx.config.max_batch_items, address=address)
     batch = checked.batch
-    result = await asyncio.wrap_future(ctx.writer.submit(batch, checked.body, address=address))
+    result = await asyncio.wrap_future(stored)
     answer: dict[str, Any] = {"result": result.value, "seq": batch.seq}
     if checked.refused:
         answer["refused"] = [r.as_json() for r in checked.refused]
@@ -354,11 +360,9 @@ async def ack_command(request: Request) -> Response:
     if ack.node != node:
         raise IngestError(403, "node_mismatch",
                           f"$.node: token is for node {node!r}, ack says {ack.node!r}")
-    state = await asyncio.to_thread(ctx.commands.ack, ack, node)
+    state = await asyncio.to_thread(ctx.accept_ack, ack, node)
     if state == "unknown":
         return error_response(404, f"no command {ack.id!r} for node {node!r}")
-    if ctx.policy is not None:
-        ctx._policy_pool.submit(ctx._policy_ack, ack, node)
     return json_response({"result": state})
 
 
@@ -487,6 +491,13 @@ def create_app(
                         "enrol nodes with `forewarn collector token add NODE`",
                         config.tokens_file)
         ctx.writer.start()
+        consumer = None
+        if config.bus_url:
+            from ..ingest.bus import BusConsumer  # nats-py only where the bus is used
+
+            consumer = BusConsumer(config, ctx.writer, metrics, commands,
+                                   on_ack=ctx.accept_ack, clock=clock)
+            await consumer.start()
         start = getattr(policy, "start", None)
         if start is not None:
             await ctx.run_policy(start, ctx)
@@ -505,6 +516,8 @@ def create_app(
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            if consumer is not None:
+                await consumer.stop()
             await asyncio.to_thread(ctx.writer.stop)
             stop = getattr(policy, "stop", None)
             if stop is not None:

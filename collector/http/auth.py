@@ -35,7 +35,8 @@ from pathlib import Path
 
 from forewarn.errors import InputError
 
-__all__ = ["AuthError", "TokenRegistry", "add_token", "hash_token", "parse_bearer"]
+__all__ = ["AuthError", "TokenRegistry", "add_token", "hash_token", "node_hashes",
+           "parse_bearer"]
 
 PREFIX = "sha256:"
 
@@ -60,6 +61,11 @@ def parse_bearer(header: str | None) -> str | None:
     if scheme.lower() != "bearer" or not token or len(token) > 512:
         return None
     return token
+
+
+def node_hashes(path: Path) -> dict[str, str]:
+    """node -> ``sha256:<hex>`` of the tokens file ``path`` (raises :class:`AuthError`)."""
+    return _read(path)
 
 
 def _read(path: Path) -> dict[str, str]:

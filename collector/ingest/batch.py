@@ -64,7 +64,8 @@ from ..storage.state import StateStore, Transaction
 from .authz import NotYourJob, authorise_batch
 
 __all__ = ["CheckedBatch", "IngestError", "IngestResult", "IngestWriter", "Refusal",
-           "TimeWindow", "check_batch", "count_refusals", "store_findings"]
+           "TimeWindow", "accept_batch", "check_batch", "count_refusals", "count_rejection",
+           "store_findings"]
 
 log = logging.getLogger(__name__)
 
@@ -311,6 +312,24 @@ def check_batch(body: bytes, *, node: str, max_items: int,
     if not refused:
         return CheckedBatch(batch, body)
     return CheckedBatch(batch, encode(batch), tuple(refused))
+
+
+def accept_batch(writer: IngestWriter, metrics: CollectorMetrics, body: bytes, *, node: str,
+                 window: TimeWindow, max_items: int, address: str = ""
+                 ) -> tuple[CheckedBatch, concurrent.futures.Future[IngestResult]]:
+    """The one ingest path of HTTP and the NATS bus: check ``body`` as ``node``'s batch
+    (:func:`check_batch`), count the records left out, queue the rest for ``writer``.
+    The future resolves once the batch is durable (or a duplicate); raises
+    :class:`IngestError` for a batch refused whole (count it with :func:`count_rejection`)."""
+    checked = check_batch(body, node=node, max_items=max_items, window=window)
+    count_refusals(metrics, checked)
+    return checked, writer.submit(checked.batch, checked.body, address=address)
+
+
+def count_rejection(metrics: CollectorMetrics, exc: IngestError) -> None:
+    """Count a batch refused whole (by reason)."""
+    metrics.rejected.labels(exc.reason).inc()
+    metrics.batches.labels("rejected").inc()
 
 
 def count_refusals(metrics: CollectorMetrics, checked: CheckedBatch) -> None:

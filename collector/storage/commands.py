@@ -54,6 +54,9 @@ class CommandQueue:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._events: dict[str, asyncio.Event] = {}
         self._closing = False
+        self.on_enqueue: Callable[[str], None] | None = None
+        """Called with the node after a new command is queued (any thread): the NATS bus
+        (:mod:`forewarn.collector.ingest.bus`) publishes it at once."""
         self._refresh_pending()
         store.watch_commands(self._wake)  # commands queued by another replica
 
@@ -85,6 +88,8 @@ class CommandQueue:
             self.metrics.commands.labels(command.kind, "queued").inc()
             self._refresh_pending()
             self._wake(node)
+            if self.on_enqueue is not None:
+                self.on_enqueue(node)
         return added
 
     def enqueue_many(self, items: Iterable[NodeCommand]) -> int:
@@ -123,6 +128,15 @@ class CommandQueue:
             event.set()
 
     # -- consuming ------------------------------------------------------------------------
+
+    def due_nodes(self) -> list[str]:
+        """Nodes with commands due for delivery now (new, or delivered but unacknowledged
+        for ``redeliver_s``)."""
+        now = self.clock()
+        rows = self.store.query(
+            "SELECT DISTINCT node FROM commands WHERE acked_at IS NULL AND expires > ?"
+            " AND (delivered_at IS NULL OR delivered_at < ?)", (now, now - self.redeliver_s))
+        return [str(r["node"]) for r in rows]
 
     def take(self, node: str) -> list[Command]:
         """Commands due for delivery to ``node`` now; marks them delivered."""

@@ -1,0 +1,342 @@
+"""Collector replicas on the NATS JetStream bus (``bus_url``): batches in, commands out.
+
+Names and subjects are :mod:`forewarn.bus`'s. At start, :class:`BusConsumer` creates or
+verifies the two streams (batches: limits by ``bus_stream_max_age_s`` and
+``bus_stream_max_bytes``; commands: a work queue kept ``command_ttl_s``) and the
+collectors' durable pull consumers, then runs three tasks on the app's event loop:
+
+* **Batches.** Every replica pulls from the ONE durable consumer
+  :data:`~forewarn.bus.BATCH_CONSUMER`, so each batch goes to one replica. A batch goes
+  through the HTTP route's path (:func:`~.batch.accept_batch`: the same checks, record
+  refusals and counts, the same writer and group commit) with the node named by its
+  subject, which nats-server's permissions bind to that node's user. The message is
+  acknowledged only after the batch is durable (or found a duplicate: the store keys
+  batches by ``(agent_id, seq)``, so a batch redelivered after a replica died between
+  its commit and its ack is stored once). A batch refused whole is counted
+  (``forewarn_collector_ingest_rejected_total{reason}``), logged and terminated (never
+  redelivered); a store failure (503) is negatively acknowledged and comes back after
+  a second. A replica that dies holding batches loses nothing: JetStream redelivers
+  them to another after ``bus_ack_wait_s``.
+* **Commands.** When a command is queued (:attr:`CommandQueue.on_enqueue`) and every
+  ``command_redeliver_s`` for commands still due, commands of nodes seen on the bus are
+  taken from the queue (marked delivered) and published to ``forewarn.cmd.<node>`` with
+  ``Nats-Msg-Id`` = the command id, so a republish is dropped by JetStream. Nodes that
+  never sent a batch over the bus keep getting theirs over the HTTP long poll.
+* **Answers.** Agents' :class:`~forewarn.wire.CommandAck`\\ s are pulled from
+  :data:`~forewarn.bus.ACK_CONSUMER` and recorded like the HTTP acknowledgement route
+  does (``on_ack``); an answer naming another node than its subject is dropped and
+  counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DiscardPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+
+from forewarn import bus
+from forewarn.errors import UnavailableError
+from forewarn.wire import CommandAck, WireError, decode_json, encode_json
+
+from ..config import CollectorConfig, bus_password
+from ..metrics import CollectorMetrics
+from ..storage.commands import CommandQueue
+from .batch import IngestError, IngestResult, IngestWriter, TimeWindow, accept_batch
+from .batch import count_rejection as _count_rejection
+
+__all__ = ["BusConsumer", "BusError"]
+
+log = logging.getLogger(__name__)
+
+DUPLICATE_WINDOW_S = 600.0
+"""JetStream drops a message whose ``Nats-Msg-Id`` it saw within this long."""
+
+
+STARTUP_WAIT_S = 60.0
+"""How long start-up waits for JetStream to answer (a cluster electing its leader)."""
+
+
+class BusError(UnavailableError, RuntimeError):
+    """The bus could not be set up (streams, consumers); the message names what."""
+
+
+def stream_configs(config: CollectorConfig) -> list[StreamConfig]:
+    """The two streams the collectors own, from ``config``."""
+    batches = StreamConfig(
+        name=bus.BATCH_STREAM, subjects=[f"{bus.BATCH_PREFIX}.*"],
+        retention=RetentionPolicy.LIMITS, discard=DiscardPolicy.OLD,
+        max_age=config.bus_stream_max_age_s, max_bytes=config.bus_stream_max_bytes,
+        storage=StorageType.FILE, num_replicas=config.bus_stream_replicas,
+        duplicate_window=min(DUPLICATE_WINDOW_S, config.bus_stream_max_age_s))
+    commands = StreamConfig(
+        name=bus.COMMAND_STREAM, subjects=[f"{bus.COMMAND_PREFIX}.*", f"{bus.ACK_PREFIX}.*"],
+        retention=RetentionPolicy.WORK_QUEUE, discard=DiscardPolicy.OLD,
+        max_age=config.command_ttl_s, storage=StorageType.FILE,
+        num_replicas=config.bus_stream_replicas,
+        duplicate_window=min(DUPLICATE_WINDOW_S, config.command_ttl_s))
+    return [batches, commands]
+
+
+class BusConsumer:
+    """One collector replica's side of the bus (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: CollectorConfig,
+        writer: IngestWriter,
+        metrics: CollectorMetrics,
+        commands: CommandQueue,
+        *,
+        on_ack: Callable[[CommandAck, str], str],
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self.writer = writer
+        self.metrics = metrics
+        self.commands = commands
+        self.on_ack = on_ack
+        self.clock = clock
+        self.nodes: set[str] = set()
+        """Nodes whose batches came over the bus (their commands go over it too)."""
+        self.error = ""
+        """Why the last bus operation failed ("" after one worked), for logs and tests."""
+        self._nc: NatsClient | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._wanted: set[str] = set()
+        self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    # -- life cycle -------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect, create or verify streams and consumers, start the tasks. Raises
+        :class:`BusError` when a stream exists with settings that cannot be changed."""
+        self._loop = asyncio.get_running_loop()
+        tls = None
+        if self.config.bus_ca_file is not None:
+            tls = ssl.create_default_context(cafile=str(self.config.bus_ca_file))
+        self._nc = await nats.connect(
+            servers=bus.servers(self.config.bus_url), user=bus.COLLECTOR_USER,
+            password=bus_password(self.config) or None, tls=tls, name="forewarn-collector",
+            max_reconnect_attempts=-1, reconnect_time_wait=1, connect_timeout=5,
+            error_cb=self._log_error)
+        js = self._nc.jetstream(timeout=10.0)
+        deadline = time.monotonic() + STARTUP_WAIT_S
+        for stream in stream_configs(self.config):
+            while True:
+                try:
+                    await _ensure_stream(js, stream)
+                    break
+                except (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError,
+                        nats.errors.NoRespondersError) as exc:
+                    # A cluster still electing its JetStream leader answers 503 or not
+                    # at all for a few seconds.
+                    if time.monotonic() > deadline:
+                        raise BusError(f"stream {stream.name}: JetStream not available"
+                                       f" after {STARTUP_WAIT_S:g} s: {exc!r}") from None
+                    await asyncio.sleep(0.5)
+        batches = await self._pull(js, f"{bus.BATCH_PREFIX}.*", bus.BATCH_CONSUMER,
+                                   bus.BATCH_STREAM)
+        acks = await self._pull(js, f"{bus.ACK_PREFIX}.*", bus.ACK_CONSUMER,
+                                bus.COMMAND_STREAM)
+        self.commands.on_enqueue = self._command_queued
+        self._tasks = [
+            asyncio.create_task(self._loop_forever(self._take_batches, batches),
+                                name="bus-batches"),
+            asyncio.create_task(self._loop_forever(self._take_acks, acks), name="bus-acks"),
+            asyncio.create_task(self._publish_commands(js), name="bus-commands"),
+        ]
+
+    async def stop(self) -> None:
+        """Stop the tasks (batches taken and not yet stored are redelivered), disconnect."""
+        self.commands.on_enqueue = None
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks = []
+        if self._nc is not None and not self._nc.is_closed:
+            with contextlib.suppress(Exception):
+                await self._nc.close()
+        self._nc = None
+
+    async def _pull(self, js: JetStreamContext, subject: str, durable: str, stream: str
+                    ) -> JetStreamContext.PullSubscription:
+        config = ConsumerConfig(
+            durable_name=durable, ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=self.config.bus_ack_wait_s, max_deliver=-1, filter_subject=subject,
+            max_ack_pending=max(1000, 8 * self.config.bus_fetch_max),
+            num_replicas=self.config.bus_stream_replicas)
+        try:
+            await js.add_consumer(stream, config=config)
+        except nats.js.errors.BadRequestError as exc:
+            raise BusError(f"stream {stream}: consumer {durable}: {exc.description}; delete"
+                           " it (nats consumer rm) to let the collector create it") from None
+        return await js.pull_subscribe_bind(durable=durable, stream=stream)
+
+    async def _loop_forever(self, step: Callable[[Any], Coroutine[Any, Any, None]],
+                            sub: JetStreamContext.PullSubscription) -> None:
+        """Run ``step(sub)`` until cancelled; NATS trouble is logged, counted, retried."""
+        backoff = 0.1
+        while True:
+            try:
+                await step(sub)
+                backoff = 0.1
+                self.error = ""
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.error = f"{type(exc).__name__}: {exc}"
+                log.warning("bus: %s", self.error)
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, 5.0)
+
+    async def _log_error(self, exc: Exception) -> None:
+        self.error = f"{type(exc).__name__}: {exc}"
+        log.warning("bus: NATS: %s", self.error)
+
+    # -- batches ----------------------------------------------------------------------
+
+    async def _take_batches(self, sub: JetStreamContext.PullSubscription) -> None:
+        try:
+            msgs = await sub.fetch(self.config.bus_fetch_max, timeout=1.0)
+        except nats.errors.TimeoutError:
+            return
+        await self.ingest(msgs)
+
+    async def ingest(self, msgs: list[Msg]) -> None:
+        """Store a fetched group of batches (one group commit), then acknowledge each."""
+        c = self.config
+        window = TimeWindow(self.clock(), c.ingest_max_age_s, c.ingest_max_future_s)
+        queued: list[tuple[Msg, asyncio.Future[IngestResult]]] = []
+        for msg in msgs:
+            try:
+                node = self._node(msg)
+                if len(msg.data) > c.max_body_bytes:
+                    raise IngestError(413, "too_large", f"batch of {len(msg.data)} bytes"
+                                      f" exceeds the limit of {c.max_body_bytes} bytes")
+                _checked, stored = accept_batch(self.writer, self.metrics, msg.data,
+                                                node=node, window=window,
+                                                max_items=c.max_batch_items, address="nats")
+            except IngestError as exc:
+                await self._refuse(msg, exc)
+                continue
+            self.nodes.add(node)
+            queued.append((msg, asyncio.wrap_future(stored)))
+        results = await asyncio.gather(*(f for _m, f in queued), return_exceptions=True)
+        for (msg, _f), result in zip(queued, results, strict=True):
+            if isinstance(result, IngestError) and result.status < 500:
+                await self._refuse(msg, result)
+            elif isinstance(result, BaseException):
+                log.warning("bus: batch on %s not stored (%s); it comes back", msg.subject,
+                            result)
+                await msg.nak(delay=1.0)
+            else:
+                await msg.ack()
+
+    def _node(self, msg: Msg) -> str:
+        try:
+            return bus.node_of(msg.subject.rpartition(".")[2])
+        except ValueError as exc:
+            raise IngestError(400, "subject", f"subject {msg.subject!r}: {exc}") from None
+
+    async def _refuse(self, msg: Msg, exc: IngestError) -> None:
+        """A batch that will never be stored: count, log, and never deliver it again."""
+        _count_rejection(self.metrics, exc)
+        log.warning("bus: batch on %s refused (%d %s): %s", msg.subject, exc.status,
+                    exc.reason, exc)
+        await msg.term()
+
+    # -- commands and their answers ---------------------------------------------------
+
+    def _command_queued(self, node: str) -> None:
+        """CommandQueue.on_enqueue (any thread): wake the publisher for ``node``."""
+        loop = self._loop
+        if loop is None or loop.is_closed() or node not in self.nodes:
+            return
+        with contextlib.suppress(RuntimeError):  # loop shutting down
+            loop.call_soon_threadsafe(self._want, node)
+
+    def _want(self, node: str) -> None:
+        self._wanted.add(node)
+        self._wake.set()
+
+    async def _publish_commands(self, js: JetStreamContext) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.commands.redeliver_s)
+            self._wake.clear()
+            wanted, self._wanted = self._wanted, set()
+            try:
+                due = set(await asyncio.to_thread(self.commands.due_nodes))
+                for node in sorted((wanted | due) & self.nodes):
+                    for command in await asyncio.to_thread(self.commands.take, node):
+                        # A failed publish leaves it delivered-but-unacknowledged: the
+                        # queue makes it due again after command_redeliver_s.
+                        await js.publish(bus.subject(bus.COMMAND_PREFIX, node),
+                                         encode_json(command),
+                                         headers={"Nats-Msg-Id": command.id})
+                self.error = ""
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.error = f"{type(exc).__name__}: {exc}"
+                log.warning("bus: publishing commands failed: %s", self.error)
+
+    async def _take_acks(self, sub: JetStreamContext.PullSubscription) -> None:
+        try:
+            msgs = await sub.fetch(64, timeout=1.0)
+        except nats.errors.TimeoutError:
+            return
+        for msg in msgs:
+            try:
+                node = bus.node_of(msg.subject.rpartition(".")[2])
+                ack = decode_json(msg.data, CommandAck)
+                if ack.node != node:
+                    raise WireError(f"$.node: {ack.node!r} answered on node {node!r}'s"
+                                    " subject")
+            except (ValueError, WireError) as exc:
+                self.metrics.rejected.labels("command_ack").inc()
+                log.warning("bus: command answer on %s dropped: %s", msg.subject, exc)
+                await msg.term()
+                continue
+            state = await asyncio.to_thread(self.on_ack, ack, node)
+            if state == "unknown":
+                log.warning("bus: node %s answered unknown command %r", node, ack.id)
+            await msg.ack()
+
+
+async def _ensure_stream(js: JetStreamContext, stream: StreamConfig) -> None:
+    """Create ``stream``, or bring an existing one to these settings."""
+    try:
+        await js.add_stream(stream)
+        return
+    except nats.js.errors.BadRequestError:
+        pass  # it exists with other settings (limits changed in the config): update
+    try:
+        await js.update_stream(stream)
+    except nats.js.errors.ServiceUnavailableError:
+        raise
+    except nats.js.errors.APIError as exc:
+        raise BusError(f"stream {stream.name}: exists with settings that cannot be changed"
+                       f" to these ({exc.description}); see docs/scale.md") from None

@@ -1,0 +1,277 @@
+"""The NATS JetStream bus: agent uplink, collector consumer, commands, permissions
+(a real nats-server on loopback, the real collector app, the real agent uplink)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import nats.errors
+import pytest
+from prometheus_client import CollectorRegistry
+
+from forewarn import bus
+from forewarn.agent.bus import NatsUplink
+from forewarn.agent.config import AgentConfig
+from forewarn.agent.uplink import build
+from forewarn.collector.cli import ServerThread
+from forewarn.collector.config import CollectorConfig
+from forewarn.collector.http.app import CollectorContext, create_app
+from forewarn.collector.http.auth import TokenRegistry, hash_token
+from forewarn.collector.storage.store import Store
+from forewarn.config import ConfigError
+from forewarn.wire import AgentBatch, CheckpointOrder, Command, GpuSample, encode
+
+from support.bus_stack import COLLECTOR_PASSWORD, TOKENS, auth_block
+from support.nats_server import NatsServer, start_server
+from support.polling import wait_for
+
+
+def samples(node: str, t: float, gpus: int = 2) -> list[GpuSample]:
+    return [GpuSample(node=node, gpu=g, time=t, source="sim", simulated=True,
+                      temperature_c=50.0) for g in range(gpus)]
+
+
+@dataclasses.dataclass
+class Replica:
+    """The collector app in bus mode, served on loopback."""
+
+    server: ServerThread
+    store: Store
+    ctx: CollectorContext
+
+    def seqs(self, node: str) -> list[int]:
+        return [r["seq"] for r in self.store.query(
+            "SELECT seq FROM batches WHERE node = ? ORDER BY seq", (node,))]
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.store.close()
+
+
+def start_replica(tmp: Path, url: str, **overrides: Any) -> Replica:
+    cfg = CollectorConfig(listen="127.0.0.1:0", data_dir=tmp / "collector",
+                          tokens_file=tmp / "none.toml", flush_interval_s=3600, bus_url=url,
+                          bus_password=COLLECTOR_PASSWORD, bus_ack_wait_s=2.0, **overrides)
+    store = Store(cfg.db_path)
+    app = create_app(cfg, store, tokens=TokenRegistry(tokens=dict(TOKENS)))
+    return Replica(ServerThread(app, cfg).start(), store, app.state.ctx)
+
+
+def agent(tmp: Path, url: str, node: str = "gpu.a", **kw: Any) -> NatsUplink:
+    cfg = AgentConfig(node=node, uplink="nats", nats_url=url, token=TOKENS[node],
+                      spool_dir=tmp / f"spool-{node}", push_interval_s=0.2, **kw)
+    return NatsUplink(cfg, registry=CollectorRegistry(), retry_s=0.05, publish_timeout_s=2.0,
+                      fetch_wait_s=0.5)
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
+    server = start_server(tmp_path / "nats", authorization=auth_block())
+    yield server
+    server.stop()
+
+
+def test_node_token_is_one_subject_token_and_round_trips() -> None:
+    for node in ("gpu-07", "gpu.a", "gpu_b", "x_2E", "a%b", "nœud 7", "a.*>"):
+        token = bus.node_token(node)
+        assert all(c.isascii() and (c.isalnum() or c in "-_") for c in token), token
+        assert bus.node_of(token) == node
+    assert bus.node_token("gpu.a") != bus.node_token("gpu_2Ea")
+    for bad in ("a.b", "a_2", "a_zz", "", "a_C3"):
+        with pytest.raises(ValueError):
+            bus.node_of(bad)
+
+
+def test_agent_config_picks_the_nats_transport_and_names_bad_keys(tmp_path: Path) -> None:
+    base = {"node": "gpu.a", "token": "t", "spool_dir": tmp_path / "s"}
+    with pytest.raises(ConfigError, match="uplink"):
+        AgentConfig(uplink="kafka", **base)
+    with pytest.raises(ConfigError, match="nats_url"):
+        build(AgentConfig(uplink="nats", nats_url="http://x:1", **base))
+    up = build(AgentConfig(uplink="nats", nats_url="nats://127.0.0.1:4222", **base))
+    assert isinstance(up, NatsUplink)
+    # HTTP stays the default and is unchanged.
+    assert build(AgentConfig(**base)) is None
+    with pytest.raises(ConfigError, match="bus_url"):
+        CollectorConfig(bus_url="localhost")
+
+
+def test_batches_flow_through_nats_and_are_stored_once(tmp_path: Path,
+                                                       nats_server: NatsServer) -> None:
+    replica = start_replica(tmp_path, nats_server.url)
+    up = agent(tmp_path, nats_server.url)
+    up.start()
+    try:
+        for i in range(5):
+            up.add(samples=samples("gpu.a", time.time() + i * 0.01))
+            time.sleep(0.25)
+        wait_for(lambda: len(replica.seqs("gpu.a")) >= 3 and len(up.spool) == 0, 30,
+                 "batches stored")
+        # Publish an already stored batch again (an agent that lost the publish ack):
+        # JetStream drops it inside its window, and under another id the store does.
+        seq = replica.seqs("gpu.a")[0]
+        again = AgentBatch(node="gpu.a", agent_id=up.spool.agent_id, seq=seq,
+                           created=time.time(), samples=samples("gpu.a", time.time()))
+        for msg_id in (f"{up.spool.agent_id}:{seq}", "other-id"):
+            up._run(up._publish(bus.subject(bus.BATCH_PREFIX, "gpu.a"), encode(again),
+                                msg_id), 5)
+        wait_for(lambda: replica.ctx.metrics.batches.labels("duplicate")._value.get() >= 1,
+                 20, "the republished batch answered as a duplicate")
+        seqs = replica.seqs("gpu.a")
+        assert len(seqs) == len(set(seqs))
+        stored = replica.store.scalar("SELECT SUM(samples) FROM batches WHERE node = 'gpu.a'")
+        assert stored == 10
+    finally:
+        up.stop()
+        replica.stop()
+
+
+def test_a_batch_refused_over_the_bus_is_counted_and_not_redelivered(
+        tmp_path: Path, nats_server: NatsServer) -> None:
+    replica = start_replica(tmp_path, nats_server.url)
+    up = agent(tmp_path, nats_server.url)
+    up.start()
+    try:
+        # Node gpu.a's user publishing a batch that claims to be gpu_b's: its subject
+        # says gpu.a, so it is refused whole (403 node_mismatch), as over HTTP.
+        forged = AgentBatch(node="gpu_b", agent_id="x", seq=1, created=time.time(),
+                            samples=samples("gpu_b", time.time()))
+        up._run(up._publish(bus.subject(bus.BATCH_PREFIX, "gpu.a"), encode(forged), "f1"), 5)
+        rejected = replica.ctx.metrics.rejected.labels("node_mismatch")
+        wait_for(lambda: rejected._value.get() == 1, 20, "the forged batch refused")
+        time.sleep(2 * replica.ctx.config.bus_ack_wait_s + 0.5)
+        assert rejected._value.get() == 1  # terminated: never delivered again
+        assert replica.seqs("gpu_b") == []
+    finally:
+        up.stop()
+        replica.stop()
+
+
+def test_a_node_cannot_publish_or_pull_as_another_node(nats_server: NatsServer,
+                                                       tmp_path: Path) -> None:
+    replica = start_replica(tmp_path, nats_server.url)
+
+    async def attempt() -> list[str]:
+        nc = await nats.connect(nats_server.url, user=bus.node_token("gpu.a"),
+                                password=bus.nats_password(TOKENS["gpu.a"]),
+                                inbox_prefix=bus.inbox_prefix("gpu.a"))
+        js = nc.jetstream(timeout=1.0)
+        outcomes = []
+        batch = AgentBatch(node="gpu_b", agent_id="evil", seq=1, created=time.time())
+        try:
+            await js.publish(bus.subject(bus.BATCH_PREFIX, "gpu_b"), encode(batch))
+            outcomes.append("published as gpu_b")
+        except nats.errors.TimeoutError:
+            outcomes.append("publish refused")
+        try:
+            sub = await js.pull_subscribe(bus.subject(bus.COMMAND_PREFIX, "gpu_b"),
+                                          durable=bus.command_consumer("gpu_b"),
+                                          stream=bus.COMMAND_STREAM)
+            await sub.fetch(1, timeout=1.0)
+            outcomes.append("pulled gpu_b's commands")
+        except (nats.errors.TimeoutError, nats.errors.Error):
+            outcomes.append("pull refused")
+        try:
+            await nc.subscribe("forewarn.>")
+            await nc.flush(timeout=1.0)
+            outcomes.append("subscribed")
+        except nats.errors.Error:
+            outcomes.append("subscribe refused")
+        await nc.close()
+        bad_password = None
+        try:
+            await nats.connect(nats_server.url, user=bus.node_token("gpu_b"),
+                               password=bus.nats_password(TOKENS["gpu.a"]),
+                               max_reconnect_attempts=0, connect_timeout=2,
+                               allow_reconnect=False)
+            bad_password = "connected"
+        except Exception:
+            bad_password = "refused"
+        outcomes.append(f"gpu_b with gpu.a's password {bad_password}")
+        return outcomes
+
+    try:
+        outcomes = asyncio.run(attempt())
+        assert outcomes[:2] == ["publish refused", "pull refused"]
+        assert outcomes[3] == "gpu_b with gpu.a's password refused"
+        assert "Publish Violation" in nats_server.log_tail()
+        assert replica.seqs("gpu_b") == []
+    finally:
+        replica.stop()
+
+
+def test_orders_reach_the_agent_once_and_come_again_until_answered(
+        tmp_path: Path, nats_server: NatsServer) -> None:
+    replica = start_replica(tmp_path, nats_server.url, command_redeliver_s=60)
+    seen: list[str] = []
+
+    def on_command(command: Command) -> tuple[bool, str]:
+        seen.append(command.id)
+        return True, "ordered"
+
+    up = agent(tmp_path, nats_server.url)
+    up.on_command = on_command
+    up.start()
+    try:
+        up.add(samples=samples("gpu.a", time.time()))
+        wait_for(lambda: replica.seqs("gpu.a"), 20, "the node seen on the bus")
+        order = CheckpointOrder(job="j1", step=100, reason="test", request_id="r1",
+                                issued=time.time())
+        replica.ctx.commands.order_checkpoint(["gpu.a"], order)
+        row = wait_for(lambda: replica.store.query(
+            "SELECT * FROM commands WHERE acked_at IS NOT NULL"), 20, "the order answered")
+        assert row[0]["id"] == "r1@gpu.a" and row[0]["ok"] == 1
+        assert seen == ["r1@gpu.a"]
+    finally:
+        up.stop()
+    # An agent that took a command and died before answering: it comes again (ack_wait),
+    # and the new agent applies it once.
+    replica.ctx.commands.order_checkpoint(
+        ["gpu.a"], CheckpointOrder(job="j1", step=200, reason="t", request_id="r2",
+                                   issued=time.time()))
+
+    async def take_and_die() -> bytes:
+        nc = await nats.connect(nats_server.url, user=bus.node_token("gpu.a"),
+                                password=bus.nats_password(TOKENS["gpu.a"]),
+                                inbox_prefix=bus.inbox_prefix("gpu.a"))
+        js = nc.jetstream()
+        sub = await js.pull_subscribe(bus.subject(bus.COMMAND_PREFIX, "gpu.a"),
+                                      durable=bus.command_consumer("gpu.a"),
+                                      stream=bus.COMMAND_STREAM)
+        msgs = await sub.fetch(1, timeout=10)
+        await nc.close()  # no ack, no answer
+        return bytes(msgs[0].data)
+
+    assert b"r2@gpu.a" in asyncio.run(take_and_die())
+    again = agent(tmp_path, nats_server.url)
+    again.on_command = on_command
+    again.start()
+    try:
+        wait_for(lambda: replica.store.scalar(
+            "SELECT acked_at FROM commands WHERE id = 'r2@gpu.a'"), 30, "r2 redelivered")
+        assert seen == ["r1@gpu.a", "r2@gpu.a"]
+    finally:
+        again.stop()
+        replica.stop()
+
+
+def test_nats_auth_command_prints_the_authorization_block(tmp_path: Path) -> None:
+    from forewarn.cli import main
+
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text("".join(f'"{n}" = "{hash_token(t)}"\n' for n, t in TOKENS.items()))
+    out = tmp_path / "auth.conf"
+    password = tmp_path / "pw"
+    password.write_text(COLLECTOR_PASSWORD + "\n")
+    (tmp_path / "none.toml").touch()
+    assert main(["collector", "--config", str(tmp_path / "none.toml"), "--tokens-file",
+                 str(tokens), "nats-auth", "--password-file", str(password), "--output",
+                 str(out)]) == 0
+    assert out.read_text() == auth_block()
+    assert out.stat().st_mode & 0o077 == 0
