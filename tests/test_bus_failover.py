@@ -1,0 +1,113 @@
+"""Failover on the NATS bus, with real processes: a collector replica SIGKILLed during
+ingest, one server of a 3-node JetStream cluster killed, all of NATS stopped for a while.
+Each time: every batch the agents sealed is stored exactly once (no sample lost, none
+stored twice).
+
+The NATS outage lasts ``FOREWARN_NATS_OUTAGE_S`` seconds (default 10; the issue's 60 s
+variant: ``FOREWARN_NATS_OUTAGE_S=60 pytest tests/test_bus_failover.py -k outage``)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from forewarn.collector.storage.store import Store
+
+from support.bus_stack import TOKENS, FedAgent, ReplicaProc, auth_block, stored
+from support.nats_server import start_cluster, start_server
+from support.polling import wait_for
+
+OUTAGE_S = float(os.environ.get("FOREWARN_NATS_OUTAGE_S", "10"))
+
+
+def shared_db(tmp: Path) -> Path:
+    db = tmp / "shared" / "collector.db"
+    Store(db).close()  # migrated once, before replicas open it together
+    return db
+
+
+def assert_exactly_once(db: Path, agents: list[FedAgent]) -> None:
+    """Every batch each agent sealed is in the store once, with all its samples."""
+    for a in agents:
+        expected = list(range(a.uplink.spool.next_seq))
+        wait_for(lambda a=a, e=expected: stored(db, a.node)["seqs"] == e, 60,
+                 f"{a.node}'s batches stored: {stored(db, a.node)['seqs'][-5:]}")
+        s = stored(db, a.node)
+        assert s["samples"] == s["staged"] == a.sent, (a.node, s, a.sent)
+        assert a.metric("forewarn_uplink_dropped_batches_total") == 0
+
+
+def test_a_replica_killed_during_ingest_loses_and_duplicates_nothing(tmp_path: Path) -> None:
+    server = start_server(tmp_path / "nats", authorization=auth_block())
+    db = shared_db(tmp_path)
+    replicas = [ReplicaProc(db, server.url, name) for name in ("r1", "r2")]
+    agents = [FedAgent(tmp_path, server.url, node).start() for node in TOKENS]
+    try:
+        wait_for(lambda: all(stored(db, a.node)["seqs"] for a in agents), 30, "ingest")
+        time.sleep(1.0)
+        replicas[0].kill()  # SIGKILL: batches it took and did not acknowledge come back
+        at_kill = sum(stored(db, a.node)["samples"] for a in agents)
+        time.sleep(3.0)
+        for a in agents:
+            a.drain()
+        assert_exactly_once(db, agents)
+        assert sum(stored(db, a.node)["samples"] for a in agents) > at_kill  # r2 went on
+    finally:
+        for a in agents:
+            a.stop()
+        for r in replicas:
+            r.stop()
+        server.stop()
+
+
+def test_one_server_of_a_three_node_cluster_killed_loses_nothing(tmp_path: Path) -> None:
+    db = shared_db(tmp_path)
+    with start_cluster(tmp_path / "nats", 3, authorization=auth_block()) as servers:
+        url = ",".join(s.url for s in servers)
+        replica = ReplicaProc(db, url, "r1", stream_replicas=3)
+        agents = [FedAgent(tmp_path, url, node).start() for node in TOKENS]
+        try:
+            wait_for(lambda: all(stored(db, a.node)["seqs"] for a in agents), 60, "ingest")
+            time.sleep(1.0)
+            servers[0].kill()
+            time.sleep(4.0)
+            for a in agents:
+                a.drain()
+            assert_exactly_once(db, agents)
+        finally:
+            for a in agents:
+                a.stop()
+            replica.stop()
+
+
+def test_agents_spool_through_a_nats_outage_and_replay_in_order(tmp_path: Path) -> None:
+    server = start_server(tmp_path / "nats", authorization=auth_block())
+    db = shared_db(tmp_path)
+    replica = ReplicaProc(db, server.url, "r1")
+    agents = [FedAgent(tmp_path, server.url, node, every_s=0.2).start() for node in TOKENS]
+    try:
+        wait_for(lambda: all(stored(db, a.node)["seqs"] for a in agents), 30, "ingest")
+        server.stop()
+        time.sleep(OUTAGE_S)
+        before = {a.node: len(a.uplink.spool) for a in agents}
+        assert all(n > 0 for n in before.values()), before  # the spool holds the outage
+        assert all(a.metric("forewarn_uplink_push_errors_total") > 0 for a in agents)
+        server.start()
+        for a in agents:
+            a.drain(timeout=60 + OUTAGE_S)
+        assert_exactly_once(db, agents)
+        # Replayed in order: one replica stores them in the order they were published.
+        store = Store(db)
+        try:
+            for a in agents:
+                received = [r["received"] for r in store.query(
+                    "SELECT received FROM batches WHERE node = ? ORDER BY seq", (a.node,))]
+                assert received == sorted(received), a.node
+        finally:
+            store.close()
+    finally:
+        for a in agents:
+            a.stop()
+        replica.stop()
+        server.stop()
