@@ -261,6 +261,29 @@ def test_orders_reach_the_agent_once_and_come_again_until_answered(
         replica.stop()
 
 
+def test_a_batch_over_the_servers_max_payload_is_set_aside_not_retried(
+        tmp_path: Path) -> None:
+    server = start_server(tmp_path / "nats", authorization=auth_block(),
+                          extra="max_payload: 4096\n")
+    replica = start_replica(tmp_path, server.url)
+    up = agent(tmp_path, server.url)
+    up.start()
+    try:
+        up.add(samples=samples("gpu.a", time.time(), gpus=2))  # small: fits
+        wait_for(lambda: replica.seqs("gpu.a"), 20, "the small batch stored")
+        up.add(samples=samples("gpu.a", time.time(), gpus=64))  # ~10 KB: never fits
+        rejected = wait_for(lambda: list((up.spool.root / "rejected").glob("*.txt")), 20,
+                            "the large batch set aside")
+        assert "max_payload" in rejected[0].read_text()
+        up.add(samples=samples("gpu.a", time.time(), gpus=2))  # the spool keeps going
+        n = len(replica.seqs("gpu.a"))
+        wait_for(lambda: len(replica.seqs("gpu.a")) > n, 20, "later batches stored")
+    finally:
+        up.stop()
+        replica.stop()
+        server.stop()
+
+
 def test_nats_auth_command_prints_the_authorization_block(tmp_path: Path) -> None:
     from forewarn.cli import main
 

@@ -107,6 +107,8 @@ def test_scenario_meets_its_expectation(lab: Lab, scenario: Scenario) -> None:
         assert f["written_after_free"] is True
     if scenario.name == "partition_60s":
         assert f["cutoff_s"] == 60.0 and f["spool_peak_batches"] > 0
+    if scenario.name == "nats_outage_60s":
+        assert f["outage_s"] == 60.0 and f["spool_peak_batches"] > 0
     if scenario.name == "clock_skew":
         assert abs(f["skew_reported_s"] - f["skew_set_s"]) < 30 and f["real_rows_lag_s"] < 5
     if scenario.name == "row_remap_failure":
@@ -119,7 +121,7 @@ def test_scenario_meets_its_expectation(lab: Lab, scenario: Scenario) -> None:
 
 def test_registry_names_are_unique_and_selectable() -> None:
     names = [s.name for s in SCENARIOS]
-    assert len(names) == len(set(names)) == 22
+    assert len(names) == len(set(names)) == 23
     assert [s.name for s in by_name(["spool_full", "rank_hung"])] == ["rank_hung", "spool_full"]
     with pytest.raises(ValueError, match="unknown scenario"):
         by_name(["meltdown"])

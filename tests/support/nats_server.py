@@ -90,18 +90,20 @@ class NatsServer:
 
 
 def _config(name: str, root: Path, port: int, authorization: str = "",
-            cluster: str = "") -> str:
+            cluster: str = "", extra: str = "") -> str:
     store = root / f"{name}-js"
     return (f'server_name: "{name}"\nlisten: "127.0.0.1:{port}"\n'
-            f'jetstream {{ store_dir: "{store}" }}\n{cluster}{authorization}')
+            f'jetstream {{ store_dir: "{store}" }}\n{cluster}{authorization}{extra}')
 
 
-def start_server(root: Path, *, authorization: str = "", name: str = "nats"
-                 ) -> NatsServer:
-    """One JetStream server on a free loopback port, store under ``root``."""
+def start_server(root: Path, *, authorization: str = "", name: str = "nats",
+                 extra: str = "") -> NatsServer:
+    """One JetStream server on a free loopback port, store under ``root``; ``extra``:
+    more config lines."""
     root.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    return NatsServer(name, root, port, _config(name, root, port, authorization)).start()
+    return NatsServer(name, root, port,
+                      _config(name, root, port, authorization, extra=extra)).start()
 
 
 @contextlib.contextmanager

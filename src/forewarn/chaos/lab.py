@@ -18,7 +18,7 @@ Three rigs:
   jobs: independent, and all play out together within ``hw_window_s``.
 * :class:`TelemetryRig`: a collector and an agent of their own, per scenario, with the
   agent's uplink going through a :class:`~forewarn.chaos.procs.TcpProxy`; kills and cuts
-  here touch nothing else.
+  here touch nothing else. :class:`BusRig` is the same over a nats-server of its own.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ import dataclasses
 import json
 import os
 import queue
+import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -37,7 +39,7 @@ from typing import Any
 from forewarn.chaos.procs import Procs, TcpProxy, get_json, scrape, wait_http, wait_until
 from forewarn.demo.launch import Node, TorchrunJob, free_port, python_module
 
-__all__ = ["HardwareRig", "Lab", "Options", "TelemetryRig", "TrainingRig"]
+__all__ = ["BusRig", "HardwareRig", "Lab", "Options", "TelemetryRig", "TrainingRig"]
 
 TRAIN_JOB = "chaos-train"
 HW_FAULTS = ("ecc_storm", "pcie_replay", "remap_growth", "thermal_runaway")
@@ -420,6 +422,62 @@ class TelemetryRig:
         return self.agent.metric("forewarn_uplink_spool_batches") == 0
 
 
+def nats_binary() -> str | None:
+    """The installed nats-server (Debian puts it in /usr/sbin), or None."""
+    return shutil.which("nats-server") or next(
+        (p for p in ("/usr/sbin/nats-server", "/usr/bin/nats-server") if os.path.exists(p)),
+        None)
+
+
+@dataclasses.dataclass
+class BusRig(TelemetryRig):
+    """A :class:`TelemetryRig` whose agent and collector talk through a nats-server of
+    its own (``uplink = "nats"``, ``bus_url``) instead of the proxy; the server can be
+    stopped and started again on the same port and JetStream store."""
+
+    nats: str = "nats-server"
+
+    def __post_init__(self) -> None:
+        o = self.lab.options
+        self.dir = self.lab.dir / self.name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.nats_port = free_port()
+        self.nats_url = f"nats://127.0.0.1:{self.nats_port}"
+        conf = self.dir / "nats.conf"
+        conf.write_text(f'listen: "127.0.0.1:{self.nats_port}"\n'
+                        f'jetstream {{ store_dir: "{self.dir / "js"}" }}\n')
+        self._nats_argv = [self.nats, "-c", str(conf)]
+        self.start_nats()
+        node = self.node
+        self.collector = _Collector(self.lab, f"{self.name}-collector", [node],
+                                    f'bus_url = "{self.nats_url}"\nbus_ack_wait_s = 2.0\n')
+        self.agent = _Agent(
+            self.lab, f"{self.name}-agent", node, self.collector.url,
+            self.collector.tokens[node],
+            f'name = "{node}"\ndescription = "quiet"\ngpus = 4\nseed = 2\n',
+            interval_s=o.telemetry_interval_s, push_s=o.push_interval_s,
+            env={"FOREWARN_AGENT_UPLINK": "nats", "FOREWARN_AGENT_NATS_URL": self.nats_url})
+
+    def start_nats(self) -> None:
+        name = f"{self.name}-nats"
+        proc = self.lab.procs.spawn(name, self._nats_argv, self.dir / "nats.log")
+
+        def listening() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited; see {self.dir / 'nats.log'}")
+            with socket.create_connection(("127.0.0.1", self.nats_port), timeout=0.5):
+                return True
+
+        if wait_until(listening, 30) is None:
+            raise RuntimeError(f"nats-server did not listen; see {self.dir / 'nats.log'}")
+
+    def stop_nats(self) -> float:
+        """Stop the nats-server (SIGTERM); returns when."""
+        t = time.time()
+        self.lab.procs.stop(f"{self.name}-nats")
+        return t
+
+
 class Lab:
     """Owns every process, rig and proxy of a chaos run; :meth:`close` ends them all."""
 
@@ -453,6 +511,11 @@ class Lab:
                   others: tuple[str, ...] = (), disk: Path | None = None,
                   collector_extra: str = "") -> TelemetryRig:
         return TelemetryRig(self, name, spool_max_bytes, others, disk, collector_extra)
+
+    def bus(self, name: str) -> BusRig | None:
+        """A :class:`BusRig`, or None when nats-server is not installed."""
+        nats = nats_binary()
+        return None if nats is None else BusRig(self, name, nats=nats)
 
     def close(self) -> None:
         if self._training is not None:

@@ -620,6 +620,33 @@ def partition_60s(lab: Lab, out: Outcome) -> None:
     _cut_off(lab, out, "partition", PARTITION_S)
 
 
+def nats_outage_60s(lab: Lab, out: Outcome) -> None:
+    """All of NATS stopped for :data:`PARTITION_S`: the agent spools, then replays."""
+    rig = lab.bus("nats-outage")
+    if rig is None:
+        out.skipped = "nats-server is not installed (Debian package nats-server)"
+        return
+    wait_until(lambda: rig.stored_batches() >= 5, 60)
+    t_stop = rig.stop_nats()
+    errors0 = rig.agent.metric("forewarn_uplink_push_errors_total") or 0.0
+    peak = 0.0
+    while time.time() - t_stop < PARTITION_S:
+        peak = max(peak, rig.agent.metric("forewarn_uplink_spool_batches") or 0.0)
+        time.sleep(1.0)
+    errors = (rig.agent.metric("forewarn_uplink_push_errors_total") or 0.0) - errors0
+    rig.start_nats()
+    drained = _settle(rig, out, "after NATS came back", timeout=60 + PARTITION_S)
+    out.expect(peak > 0, "nothing was spooled while NATS was down")
+    out.detected = (f"agent: {int(errors)} failed publishes, spool peaked at {int(peak)} "
+                    f"batches; replayed {drained} s after NATS was back")
+    out.detection_s = drained
+    out.action = f"spooled for {PARTITION_S:g} s (nats-server stopped), replayed in order"
+    out.figures.update(outage_s=PARTITION_S, spool_peak_batches=int(peak))
+    n = rig.stored_batches()
+    wait_until(lambda: rig.stored_batches() >= n + 4, 60)
+    _finish_telemetry(lab, rig, out, excused=[])
+
+
 def _sizes(path: Path, pattern: str) -> list[int]:
     out = []
     for p in path.glob(pattern):
@@ -1377,6 +1404,9 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("partition_60s", "telemetry",
              f"the agent is cut off its collector for {PARTITION_S:g} s: it spools, then "
              "replays; nothing lost, no gap", partition_60s),
+    Scenario("nats_outage_60s", "telemetry",
+             f"agent and collector on NATS JetStream; nats-server stopped for {PARTITION_S:g}"
+             " s: the agent spools, then replays; nothing lost, no gap", nats_outage_60s),
     Scenario("clock_skew", "telemetry",
              f"an agent's clock {SKEW_S:g} s ahead: the skew is measured and reported, its "
              "future samples refused, its rows follow it once its clock is fixed, other "
