@@ -100,11 +100,14 @@ class FedAgent:
         self._thread.join(5)
 
     def drain(self, timeout: float = 60.0) -> None:
-        """Stop feeding, wait until the push thread sealed what is buffered and the
-        spool is empty (the spool has one user, the push thread: no seal from here)."""
+        """Stop feeding, wait until the spool is empty, then stop the uplink (it seals and
+        sends what is left; the push thread seals an empty batch every push interval, so
+        only a stopped uplink has a final ``next_seq``)."""
         self.stop_feeding()
         wait_for(lambda: not self.uplink._samples and len(self.uplink.spool) == 0, timeout,
                  f"{self.node}'s spool to empty ({self.uplink.readiness()['detail']})")
+        self.uplink.stop()
+        assert len(self.uplink.spool) == 0, self.uplink.readiness()
 
     def stop(self) -> None:
         self.stop_feeding()
