@@ -8,17 +8,54 @@ variant: ``FOREWARN_NATS_OUTAGE_S=60 pytest tests/test_bus_failover.py -k outage
 
 from __future__ import annotations
 
+import asyncio
 import os
+import sqlite3
 import time
 from pathlib import Path
 
+import nats
+
+from forewarn import bus
 from forewarn.collector.storage.store import Store
 
-from support.bus_stack import TOKENS, FedAgent, ReplicaProc, auth_block, stored
+from support.bus_stack import (
+    COLLECTOR_PASSWORD,
+    TOKENS,
+    FedAgent,
+    ReplicaProc,
+    auth_block,
+    stored,
+)
 from support.nats_server import start_cluster, start_server
 from support.polling import wait_for
 
 OUTAGE_S = float(os.environ.get("FOREWARN_NATS_OUTAGE_S", "10"))
+
+
+def consumer_state(url: str) -> tuple[int, int]:
+    """(pull requests waiting, batches taken and not acknowledged) of the replicas'
+    consumer."""
+
+    async def ask() -> tuple[int, int]:
+        nc = await nats.connect(url, user=bus.COLLECTOR_USER, password=COLLECTOR_PASSWORD)
+        try:
+            info = await nc.jetstream().consumer_info(bus.BATCH_STREAM, bus.BATCH_CONSUMER)
+            return int(info.num_waiting or 0), int(info.num_ack_pending or 0)
+        finally:
+            await nc.close()
+
+    return asyncio.run(ask())
+
+
+def both_replicas_busy(url: str) -> tuple[int] | None:
+    """When no replica has asked for more for over a second (each waits in its commit):
+    ``(batches they took and have not acknowledged,)``; else None."""
+    if consumer_state(url)[0]:
+        return None
+    time.sleep(1.2)  # a fetch asks for at most 1 s
+    waiting, held = consumer_state(url)
+    return None if waiting else (held,)
 
 
 def shared_db(tmp: Path) -> Path:
@@ -30,9 +67,12 @@ def shared_db(tmp: Path) -> Path:
 def assert_exactly_once(db: Path, agents: list[FedAgent], timeout: float = 60.0) -> None:
     """Every batch each agent sealed is in the store once, with all its samples."""
     for a in agents:
-        expected = list(range(a.uplink.spool.next_seq))
-        wait_for(lambda a=a, e=expected: stored(db, a.node)["seqs"] == e, timeout,
-                 f"{a.node}'s batches stored ({a.uplink.spool.next_seq} sealed)",
+        node, expected = a.node, list(range(a.uplink.spool.next_seq))
+
+        def all_stored(node: str = node, expected: list[int] = expected) -> bool:
+            return bool(stored(db, node)["seqs"] == expected)
+
+        wait_for(all_stored, timeout, f"{node}'s batches stored ({len(expected)} sealed)",
                  interval=0.5)
         s = stored(db, a.node)
         assert s["samples"] == s["staged"] == a.sent, (a.node, s, a.sent)
@@ -46,14 +86,24 @@ def test_a_replica_killed_during_ingest_loses_and_duplicates_nothing(tmp_path: P
     agents = [FedAgent(tmp_path, server.url, node).start() for node in TOKENS]
     try:
         wait_for(lambda: all(stored(db, a.node)["seqs"] for a in agents), 30, "ingest")
-        time.sleep(1.0)
-        replicas[0].kill()  # SIGKILL: batches it took and did not acknowledge come back
+        # Hold the store's write lock: both replicas take batches and wait in their
+        # commit, so r1 surely dies holding batches (it must not have acknowledged them).
+        lock = sqlite3.connect(db, isolation_level=None)
+        lock.execute("BEGIN IMMEDIATE")
+        try:
+            (held,) = wait_for(lambda: both_replicas_busy(server.url), 30,
+                               "both replicas waiting in their commit")
+            replicas[0].kill()  # SIGKILL: what it took and did not acknowledge comes back
+        finally:
+            lock.execute("ROLLBACK")
+            lock.close()
         at_kill = sum(stored(db, a.node)["samples"] for a in agents)
         time.sleep(3.0)
         for a in agents:
             a.drain()
         assert_exactly_once(db, agents)
         assert sum(stored(db, a.node)["samples"] for a in agents) > at_kill  # r2 went on
+        assert held > 0, "the replicas acknowledged batches they had not stored"
     finally:
         for a in agents:
             a.stop()
