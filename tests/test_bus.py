@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import nats
 import nats.errors
 import pytest
@@ -282,6 +283,27 @@ def test_a_batch_over_the_servers_max_payload_is_set_aside_not_retried(
         up.stop()
         replica.stop()
         server.stop()
+
+
+def test_readyz_reports_the_bus_and_recovers_when_nats_is_back(
+        tmp_path: Path, nats_server: NatsServer) -> None:
+    replica = start_replica(tmp_path, nats_server.url)
+
+    def bus_part() -> dict[str, Any]:
+        r = httpx.get(replica.server.url + "/readyz", timeout=10)
+        part: dict[str, Any] = r.json()["components"]["bus"]
+        part["status"] = r.status_code
+        return part
+
+    try:
+        assert bus_part()["ready"] is True
+        nats_server.stop()
+        down = wait_for(lambda: (p := bus_part())["status"] == 503 and p, 20, "bus not ready")
+        assert down["ready"] is False and nats_server.url.rsplit(":", 1)[1] in down["detail"]
+        nats_server.start()
+        wait_for(lambda: bus_part()["ready"], 30, "bus ready again")
+    finally:
+        replica.stop()
 
 
 def test_nats_auth_command_prints_the_authorization_block(tmp_path: Path) -> None:

@@ -134,6 +134,8 @@ from .readiness import readyz
 if TYPE_CHECKING:
     import httpx
 
+    from ..ingest.bus import BusConsumer
+
 __all__ = ["CollectorContext", "FindingsPolicy", "create_app"]
 
 log = logging.getLogger(__name__)
@@ -175,6 +177,8 @@ class CollectorContext:
     leader: Leadership = dataclasses.field(default_factory=SoleLeader)
     """Whether this replica decides (always, with embedded state; see
     :mod:`~forewarn.collector.storage.leader`)."""
+    bus: BusConsumer | None = None
+    """The NATS bus side of this replica (``bus_url`` set), once started."""
     _policy_pool: PolicyThread = dataclasses.field(default_factory=PolicyThread)
     _flush_wanted: asyncio.Event | None = None
     flush_error: str = ""
@@ -498,6 +502,7 @@ def create_app(
             consumer = BusConsumer(config, ctx.writer, metrics, commands,
                                    on_ack=ctx.accept_ack, clock=clock)
             await consumer.start()
+            ctx.bus = consumer
         start = getattr(policy, "start", None)
         if start is not None:
             await ctx.run_policy(start, ctx)

@@ -15,7 +15,9 @@ component is not ready:
 * ``remote_write``: the series queue and the last error (always ready: samples wait in
   a bounded queue or are dropped and counted, ingest never waits for the series store);
 * ``telemetry_flush``: the last staging-to-Parquet flush worked (its error otherwise,
-  with the samples still staged).
+  with the samples still staged);
+* ``bus`` (only with ``bus_url``): connected to a NATS server and its last pull, store
+  or publish worked (:meth:`~forewarn.collector.ingest.bus.BusConsumer.readiness`).
 
 ``forewarn status URL`` prints it for a person.
 """
@@ -78,6 +80,8 @@ def collector_readiness(ctx: CollectorContext) -> dict[str, Any]:
             "ready": not flush_error, "staged_samples": staged, "last_flush": ctx.flush_time,
             "detail": flush_error or ("last flush ok" if ctx.flush_time else "no flush yet")},
     }
+    if ctx.bus is not None:
+        parts["bus"] = ctx.bus.readiness()
     return {"ready": all(p["ready"] for p in parts.values()), "service": "collector",
             "components": parts}
 

@@ -180,6 +180,18 @@ class BusConsumer:
                 await self._nc.close()
         self._nc = None
 
+    def readiness(self) -> dict[str, Any]:
+        """The ``bus`` part of ``/readyz``: connected to a NATS server, last step ok."""
+        nc = self._nc
+        connected = nc is not None and nc.is_connected
+        where = self.config.bus_url
+        if not connected:
+            return {"ready": False, "nodes": len(self.nodes),
+                    "detail": f"{where}: not connected ({self.error or 'reconnecting'})"}
+        return {"ready": not self.error, "nodes": len(self.nodes),
+                "detail": f"{where}: {self.error}" if self.error
+                          else f"{where}: connected, {len(self.nodes)} node(s) on the bus"}
+
     async def _pull(self, js: JetStreamContext, subject: str, durable: str, stream: str
                     ) -> JetStreamContext.PullSubscription:
         config = ConsumerConfig(
