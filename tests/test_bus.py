@@ -178,12 +178,19 @@ def test_a_node_cannot_publish_or_pull_as_another_node(nats_server: NatsServer,
             outcomes.append("pulled gpu_b's commands")
         except (nats.errors.TimeoutError, nats.errors.Error):
             outcomes.append("pull refused")
+        # A subscription the server refuses fails asynchronously: look at what arrives.
+        sniffed = await nc.subscribe("forewarn.>")
+        await nc.flush(timeout=1.0)
+        col = await nats.connect(nats_server.url, user=bus.COLLECTOR_USER,
+                                 password=COLLECTOR_PASSWORD)
+        await col.publish(bus.subject(bus.COMMAND_PREFIX, "gpu_b"), b"secret order")
+        await col.flush()
         try:
-            await nc.subscribe("forewarn.>")
-            await nc.flush(timeout=1.0)
-            outcomes.append("subscribed")
-        except nats.errors.Error:
-            outcomes.append("subscribe refused")
+            await sniffed.next_msg(timeout=1.0)
+            outcomes.append("read gpu_b's commands")
+        except nats.errors.TimeoutError:
+            outcomes.append("nothing read")
+        await col.close()
         await nc.close()
         bad_password = None
         try:
@@ -199,8 +206,8 @@ def test_a_node_cannot_publish_or_pull_as_another_node(nats_server: NatsServer,
 
     try:
         outcomes = asyncio.run(attempt())
-        assert outcomes[:2] == ["publish refused", "pull refused"]
-        assert outcomes[3] == "gpu_b with gpu.a's password refused"
+        assert outcomes == ["publish refused", "pull refused", "nothing read",
+                            "gpu_b with gpu.a's password refused"]
         assert "Publish Violation" in nats_server.log_tail()
         assert replica.seqs("gpu_b") == []
     finally:
@@ -283,6 +290,33 @@ def test_a_batch_over_the_servers_max_payload_is_set_aside_not_retried(
         up.stop()
         replica.stop()
         server.stop()
+
+
+def test_streams_are_created_with_the_configured_limits_and_updated_at_start(
+        tmp_path: Path, nats_server: NatsServer) -> None:
+    async def limits() -> list[tuple[float, int, int]]:
+        nc = await nats.connect(nats_server.url, user=bus.COLLECTOR_USER,
+                                password=COLLECTOR_PASSWORD)
+        try:
+            js = nc.jetstream()
+            out = []
+            for name in (bus.BATCH_STREAM, bus.COMMAND_STREAM):
+                c = (await js.stream_info(name)).config
+                out.append((float(c.max_age or 0), int(c.max_bytes or 0),
+                            int(c.num_replicas or 0)))
+            return out
+        finally:
+            await nc.close()
+
+    replica = start_replica(tmp_path / "a", nats_server.url, bus_stream_max_age_s=3600.0,
+                            bus_stream_max_bytes=2 * 1024**2, command_ttl_s=600.0)
+    replica.stop()
+    assert asyncio.run(limits()) == [(3600.0, 2 * 1024**2, 1), (600.0, -1, 1)]
+    # A collector started with other limits brings the existing streams to them.
+    replica = start_replica(tmp_path / "b", nats_server.url, bus_stream_max_age_s=7200.0,
+                            bus_stream_max_bytes=4 * 1024**2)
+    replica.stop()
+    assert asyncio.run(limits())[0] == (7200.0, 4 * 1024**2, 1)
 
 
 def test_readyz_reports_the_bus_and_recovers_when_nats_is_back(
