@@ -319,6 +319,51 @@ def test_streams_are_created_with_the_configured_limits_and_updated_at_start(
     assert asyncio.run(limits())[0] == (7200.0, 4 * 1024**2, 1)
 
 
+def test_a_batch_taken_while_the_writer_shuts_down_comes_back_to_another_replica(
+        tmp_path: Path, nats_server: NatsServer) -> None:
+    """The writer refuses with 503 while stopping: the batch is not stored, so it must be
+    negatively acknowledged (delivered again), never terminated."""
+    from forewarn.collector.ingest.batch import IngestWriter
+    from forewarn.collector.ingest.bus import BusConsumer
+    from forewarn.collector.metrics import CollectorMetrics
+    from forewarn.collector.storage.commands import CommandQueue
+
+    cfg = CollectorConfig(data_dir=tmp_path / "stopping", tokens_file=tmp_path / "none.toml",
+                          bus_url=nats_server.url, bus_password=COLLECTOR_PASSWORD,
+                          bus_ack_wait_s=2.0)
+    store = Store(cfg.db_path)
+    metrics = CollectorMetrics()
+    writer = IngestWriter(store, metrics)
+    writer.stop()  # shutting down: every submit is refused with 503
+
+    async def stopping_replica() -> None:
+        consumer = BusConsumer(cfg, writer, metrics, CommandQueue(store, metrics),
+                               on_ack=lambda ack, node: "unknown")
+        await consumer.start()
+        nc = await nats.connect(nats_server.url, user=bus.node_token("gpu.a"),
+                                password=bus.nats_password(TOKENS["gpu.a"]),
+                                inbox_prefix=bus.inbox_prefix("gpu.a"))
+        batch = AgentBatch(node="gpu.a", agent_id="a1", seq=0, created=time.time(),
+                           samples=samples("gpu.a", time.time()))
+        await nc.jetstream().publish(bus.subject(bus.BATCH_PREFIX, "gpu.a"), encode(batch))
+        await nc.close()
+        for _ in range(100):
+            if metrics.rejected.labels("store")._value.get() or \
+                    metrics.batches.labels("rejected")._value.get():
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.5)
+        await consumer.stop()
+
+    asyncio.run(stopping_replica())
+    store.close()
+    replica = start_replica(tmp_path, nats_server.url)
+    try:
+        wait_for(lambda: replica.seqs("gpu.a") == [0], 20, "the batch stored by the next replica")
+    finally:
+        replica.stop()
+
+
 def test_readyz_reports_the_bus_and_recovers_when_nats_is_back(
         tmp_path: Path, nats_server: NatsServer) -> None:
     replica = start_replica(tmp_path, nats_server.url)

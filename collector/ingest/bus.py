@@ -251,20 +251,25 @@ class BusConsumer:
                                                 node=node, window=window,
                                                 max_items=c.max_batch_items, address="nats")
             except IngestError as exc:
-                await self._refuse(msg, exc)
+                await self._not_stored(msg, exc)
                 continue
             self.nodes.add(node)
             queued.append((msg, asyncio.wrap_future(stored)))
         results = await asyncio.gather(*(f for _m, f in queued), return_exceptions=True)
         for (msg, _f), result in zip(queued, results, strict=True):
-            if isinstance(result, IngestError) and result.status < 500:
-                await self._refuse(msg, result)
-            elif isinstance(result, BaseException):
-                log.warning("bus: batch on %s not stored (%s); it comes back", msg.subject,
-                            result)
-                await msg.nak(delay=1.0)
+            if isinstance(result, BaseException):
+                await self._not_stored(msg, result)
             else:
                 await msg.ack()
+
+    async def _not_stored(self, msg: Msg, exc: BaseException) -> None:
+        """A batch refused for good (a 4xx) is terminated; any other failure (the store,
+        a writer shutting down: 503) is negatively acknowledged and comes back."""
+        if isinstance(exc, IngestError) and exc.status < 500:
+            await self._refuse(msg, exc)
+            return
+        log.warning("bus: batch on %s not stored (%s); it comes back", msg.subject, exc)
+        await msg.nak(delay=1.0)
 
     def _node(self, msg: Msg) -> str:
         try:
