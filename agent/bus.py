@@ -197,8 +197,13 @@ class NatsUplink(Uplink):
 
     async def _commands(self) -> None:
         backoff = self.retry_s
+        sub: JetStreamContext.PullSubscription | None = None
         while not self._stop.is_set():
             try:
+                if sub is not None:  # the last pull failed: drop its inbox subscription
+                    with contextlib.suppress(Exception):
+                        await sub.unsubscribe()
+                    sub = None
                 js = await self._connect()
                 sub = await js.pull_subscribe(
                     bus.subject(bus.COMMAND_PREFIX, self.node),

@@ -364,6 +364,27 @@ def test_a_batch_taken_while_the_writer_shuts_down_comes_back_to_another_replica
         replica.stop()
 
 
+def test_the_agent_command_pull_does_not_pile_up_subscriptions_across_outages(
+        tmp_path: Path, nats_server: NatsServer) -> None:
+    replica = start_replica(tmp_path, nats_server.url)
+    up = agent(tmp_path, nats_server.url)
+    up.start()
+    try:
+        wait_for(lambda: up._nc is not None and up._nc.is_connected, 20, "connected")
+        time.sleep(1.0)
+        before = len(up._nc._subs)
+        for _ in range(2):
+            nats_server.stop()
+            time.sleep(2.0)  # the pull fails and is set up again
+            nats_server.start()
+            wait_for(lambda: up._nc is not None and up._nc.is_connected, 30, "reconnected")
+            time.sleep(2.0)
+        assert len(up._nc._subs) == before
+    finally:
+        up.stop()
+        replica.stop()
+
+
 def test_readyz_reports_the_bus_and_recovers_when_nats_is_back(
         tmp_path: Path, nats_server: NatsServer) -> None:
     replica = start_replica(tmp_path, nats_server.url)
