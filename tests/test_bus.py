@@ -385,6 +385,27 @@ def test_the_agent_command_pull_does_not_pile_up_subscriptions_across_outages(
         replica.stop()
 
 
+def test_a_collector_whose_nats_is_unreachable_at_start_stops_with_a_clear_error(
+        tmp_path: Path) -> None:
+    from forewarn.collector.ingest.batch import IngestWriter
+    from forewarn.collector.ingest.bus import BusConsumer, BusError
+    from forewarn.collector.metrics import CollectorMetrics
+    from forewarn.collector.storage.commands import CommandQueue
+
+    from support.polling import free_port
+
+    url = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
+    cfg = CollectorConfig(data_dir=tmp_path, tokens_file=tmp_path / "none.toml", bus_url=url)
+    store = Store(cfg.db_path)
+    metrics = CollectorMetrics()
+    consumer = BusConsumer(cfg, IngestWriter(store, metrics), metrics,
+                           CommandQueue(store, metrics), on_ack=lambda ack, node: "unknown",
+                           startup_wait_s=2.0)
+    with pytest.raises(BusError, match=url):
+        asyncio.run(asyncio.wait_for(consumer.start(), 20))
+    store.close()
+
+
 def test_readyz_reports_the_bus_and_recovers_when_nats_is_back(
         tmp_path: Path, nats_server: NatsServer) -> None:
     replica = start_replica(tmp_path, nats_server.url)

@@ -108,6 +108,7 @@ class BusConsumer:
         *,
         on_ack: Callable[[CommandAck, str], str],
         clock: Callable[[], float] = time.time,
+        startup_wait_s: float = STARTUP_WAIT_S,
     ) -> None:
         self.config = config
         self.writer = writer
@@ -115,6 +116,7 @@ class BusConsumer:
         self.commands = commands
         self.on_ack = on_ack
         self.clock = clock
+        self.startup_wait_s = startup_wait_s
         self.nodes: set[str] = set()
         """Nodes whose batches came over the bus (their commands go over it too)."""
         self.error = ""
@@ -134,13 +136,20 @@ class BusConsumer:
         tls = None
         if self.config.bus_ca_file is not None:
             tls = ssl.create_default_context(cafile=str(self.config.bus_ca_file))
-        self._nc = await nats.connect(
-            servers=bus.servers(self.config.bus_url), user=bus.COLLECTOR_USER,
-            password=bus_password(self.config) or None, tls=tls, name="forewarn-collector",
-            max_reconnect_attempts=-1, reconnect_time_wait=1, connect_timeout=5,
-            error_cb=self._log_error)
+        wait = self.startup_wait_s
+        deadline = time.monotonic() + wait
+        try:
+            # Without a bound, the client retries a server that is not there for ever
+            # (max_reconnect_attempts=-1) and the collector would never start serving.
+            self._nc = await asyncio.wait_for(nats.connect(
+                servers=bus.servers(self.config.bus_url), user=bus.COLLECTOR_USER,
+                password=bus_password(self.config) or None, tls=tls,
+                name="forewarn-collector", max_reconnect_attempts=-1, reconnect_time_wait=1,
+                connect_timeout=min(5.0, wait), error_cb=self._log_error), wait)
+        except (TimeoutError, OSError, nats.errors.Error) as exc:
+            raise BusError(f"bus_url {self.config.bus_url}: no NATS server answered within"
+                           f" {wait:g} s ({self.error or exc!r})") from None
         js = self._nc.jetstream(timeout=10.0)
-        deadline = time.monotonic() + STARTUP_WAIT_S
         for stream in stream_configs(self.config):
             while True:
                 try:
@@ -152,7 +161,7 @@ class BusConsumer:
                     # at all for a few seconds.
                     if time.monotonic() > deadline:
                         raise BusError(f"stream {stream.name}: JetStream not available"
-                                       f" after {STARTUP_WAIT_S:g} s: {exc!r}") from None
+                                       f" after {wait:g} s: {exc!r}") from None
                     await asyncio.sleep(0.5)
         batches = await self._pull(js, f"{bus.BATCH_PREFIX}.*", bus.BATCH_CONSUMER,
                                    bus.BATCH_STREAM)
