@@ -36,6 +36,10 @@ SPECIAL: dict[str, str] = {
     "drain_command": "kubectl,cordon,{node}",
     "policy_probability": "xid_fatal=0.5,ecc_dbe=0.25",
     "dcgm_url": "http://dcgm.example:9400/metrics", "collector_url": "https://collector:9404",
+    "uplink": "nats", "nats_url": "nats://nats1:4222,nats://nats2:4222",
+    "bus_url": "nats://nats1:4222", "bus_stream_replicas": "3",
+    "remote_write_labels": "cluster=a,region=b", "state": "postgresql",
+    "remote_write_url": "http://vm.example:8428/api/v1/write",
 }
 
 SERVICES: dict[str, tuple[type[Any], list[str]]] = {

@@ -436,8 +436,8 @@ def test_nats_auth_command_prints_the_authorization_block(tmp_path: Path) -> Non
     password = tmp_path / "pw"
     password.write_text(COLLECTOR_PASSWORD + "\n")
     (tmp_path / "none.toml").touch()
-    assert main(["collector", "--config", str(tmp_path / "none.toml"), "--tokens-file",
-                 str(tokens), "nats-auth", "--password-file", str(password), "--output",
-                 str(out)]) == 0
+    assert main(["collector", "nats-auth", "--config", str(tmp_path / "none.toml"),
+                 "--tokens-file", str(tokens), "--bus-password-file", str(password),
+                 "--output", str(out)]) == 0
     assert out.read_text() == auth_block()
     assert out.stat().st_mode & 0o077 == 0

@@ -4,7 +4,7 @@ Each time: every batch the agents sealed is stored exactly once (no sample lost,
 stored twice).
 
 The NATS outage lasts ``FOREWARN_NATS_OUTAGE_S`` seconds (default 10; the issue's 60 s
-variant: ``FOREWARN_NATS_OUTAGE_S=60 pytest tests/test_bus_failover.py -k outage``)."""
+variant: ``FOREWARN_NATS_OUTAGE_S=60 pytest tests/e2e/test_bus_failover.py -k outage``)."""
 
 from __future__ import annotations
 
