@@ -13,7 +13,6 @@ import shutil
 import stat
 import subprocess
 import sys
-import time
 import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,7 +21,12 @@ import pytest
 
 from forewarn.demo.launch import free_port
 
+from support.paths import REPO, TESTS
+
 pytestmark = pytest.mark.timeout(900)
+
+DATA = TESTS / "data"
+RULES = REPO / "dashboards" / "rules" / "forewarn.rules.yml"
 
 
 def _run(argv: list[str],
@@ -144,80 +148,140 @@ def test_deploy_install_collector_and_agent_units_start(
 
     aport = free_port()
     aenv = dict(cenv, FOREWARN_AGENT_NODE="node-1", FOREWARN_AGENT_SOURCE="sim",
-                FOREWARN_AGENT_SIM_GPUS="2", FOREWARN_AGENT_KMSG="false",
-                FOREWARN_AGENT_LISTEN=f"127.0.0.1:{aport}",
+                FOREWARN_AGENT_SCENARIO=str(DATA / "gpu1-off-the-bus.toml"),
+                FOREWARN_AGENT_KMSG="false", FOREWARN_AGENT_LISTEN=f"127.0.0.1:{aport}",
                 FOREWARN_AGENT_SOCKET_PATH=str(tmp_path / "agent.sock"),
                 FOREWARN_AGENT_SPOOL_DIR=str(prefix / "var" / "lib" / "forewarn" / "spool"),
                 FOREWARN_AGENT_COLLECTOR_URL=collector, FOREWARN_AGENT_TOKEN_FILE=str(token),
                 FOREWARN_AGENT_PUSH_INTERVAL_S="0.5")
-    _serve(started, _as_unit_would(_exec_start(units / "forewarn-agent.service"), prefix),
-           aenv, f"http://127.0.0.1:{aport}/healthz", tmp_path / "agent.log")
+    agent_argv = _as_unit_would(_exec_start(units / "forewarn-agent.service"), prefix)
+
+    def start_agent(scenario: str) -> subprocess.Popen[bytes]:
+        """The installed agent from its unit's command line, playing ``scenario``."""
+        _serve(started, agent_argv, dict(aenv, FOREWARN_AGENT_SCENARIO=str(DATA / scenario)),
+               f"http://127.0.0.1:{aport}/healthz", tmp_path / "agent.log")
+        return started[-1]
+
+    agent = start_agent("gpu1-off-the-bus.toml")
     from forewarn.chaos.procs import get_json, wait_until
 
     def node_seen() -> bool:
         return any(n.get("node") == "node-1" for n in get_json(collector + "/api/v1/nodes"))
 
     assert wait_until(node_seen, 60), (tmp_path / "agent.log").read_text()[-3000:]
-    _alert_fires_and_resolves(venv, tmp_path, collector, started)
+
+    def heal() -> None:
+        """The condition goes: the agent restarts with GPU 1 healthy again (a reset GPU)."""
+        started.remove(agent)
+        agent.terminate()
+        assert agent.wait(timeout=30) == 0, (tmp_path / "agent.log").read_text()[-3000:]
+        start_agent("gpus2-healthy.toml")
+
+    _alert_fires_and_resolves(venv, tmp_path, collector, f"127.0.0.1:{aport}",
+                              f"127.0.0.1:{port}", started, heal)
 
 
 ALERT_TOKEN = "operator-alert-token-0123456789"
-ALERT = {"alertname": "ForewarnOperatorTest", "node": "node-1", "gpu": "1",
-         "severity": "critical", "forewarn_action": "checkpoint"}
+# What the shipped rules fire when GPU 1 falls off the bus (XID 79, NVML "lost").
+ALERTS = ("ForewarnGpuUnhealthy", "ForewarnGpuLost", "ForewarnXidHardware")
+
+
+def _shipped(venv: Path, name: str, replace: dict[str, str]) -> str:
+    """The wheel's example ``name`` (``forewarn deploy print``) with each key of ``replace``
+    replaced: only addresses, paths and timings a test must set."""
+    printed = _run([str(venv / "bin" / "forewarn"), "deploy", "print", name])
+    assert printed.returncode == 0, printed.stderr
+    text = printed.stdout
+    for old, new in replace.items():
+        assert old in text, f"the shipped {name} no longer has {old!r}"
+        text = text.replace(old, new)
+    return text
 
 
 def _alertmanager(venv: Path, tmp_path: Path, collector: str,
                   started: list[subprocess.Popen[bytes]]) -> str:
-    """Alertmanager with the wheel's example config (``forewarn deploy print``), pointed at
-    ``collector`` with the alert token in its credentials file; its URL."""
+    """Alertmanager with the wheel's example config, pointed at ``collector`` with the alert
+    token in its credentials file; its address (host:port)."""
     binary = shutil.which("prometheus-alertmanager")
     if binary is None:
         pytest.skip("prometheus-alertmanager is not installed")
-    printed = _run([str(venv / "bin" / "forewarn"), "deploy", "print", "alertmanager.yml"])
-    assert printed.returncode == 0, printed.stderr
     token = tmp_path / "alert-token"
     token.write_text(ALERT_TOKEN + "\n")
-    config = (printed.stdout.replace("http://forewarn-collector:9404", collector)
-              .replace("/etc/alertmanager/forewarn-alert-token", str(token)))
+    config = _shipped(venv, "alertmanager.yml", {
+        "http://forewarn-collector:9404": collector,
+        "/etc/alertmanager/forewarn-alert-token": str(token)})
     assert "send_resolved: true" in config
     (tmp_path / "alertmanager.yml").write_text(config)
-    url = f"http://127.0.0.1:{free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     _serve(started, [binary, f"--config.file={tmp_path / 'alertmanager.yml'}",
                      f"--storage.path={tmp_path / 'am'}", "--cluster.listen-address=",
+                     f"--web.listen-address={address}"],
+           dict(os.environ), f"http://{address}/-/ready", tmp_path / "alertmanager.log")
+    return address
+
+
+def _prometheus(venv: Path, tmp_path: Path, agent: str, collector: str, alertmanager: str,
+                started: list[subprocess.Popen[bytes]]) -> str:
+    """Prometheus with the wheel's example config (scraping and evaluating every second,
+    the repository's shipped rule file) scraping the installed agent and collector and
+    sending to ``alertmanager``; its URL."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("prometheus is not installed")
+    config = _shipped(venv, "prometheus.yml", {
+        "scrape_interval: 15s": "scrape_interval: 1s",
+        "evaluation_interval: 15s": "evaluation_interval: 1s",
+        "scrape_interval: 5s": "scrape_interval: 1s",
+        "/etc/prometheus/forewarn.rules.yml": str(RULES),
+        "alertmanager:9093": alertmanager,
+        '"gpu-node-001:9403", "gpu-node-002:9403"': f'"{agent}"',
+        "forewarn-collector:9404": collector})
+    (tmp_path / "prometheus.yml").write_text(config)
+    url = f"http://127.0.0.1:{free_port()}"
+    _serve(started, [binary, f"--config.file={tmp_path / 'prometheus.yml'}",
+                     f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                      f"--web.listen-address={url.removeprefix('http://')}"],
-           dict(os.environ), url + "/-/ready", tmp_path / "alertmanager.log")
+           dict(os.environ), url + "/-/ready", tmp_path / "prometheus.log")
     return url
 
 
-def _alert_fires_and_resolves(venv: Path, tmp_path: Path, collector: str,
-                              started: list[subprocess.Popen[bytes]]) -> None:
-    """Issue 13's operator leg: an alert fires through a real Alertmanager into the
-    installed collector and the status page (headless Chromium) shows its incident; the
-    alert resolves and the page shows the incident resolved, without a reload."""
-    import httpx
-
+def _alert_fires_and_resolves(venv: Path, tmp_path: Path, collector: str, agent: str,
+                              collector_address: str, started: list[subprocess.Popen[bytes]],
+                              heal: Callable[[], None]) -> None:
+    """Issue 13's operator leg, every part real and shipped: a real Prometheus scrapes the
+    installed agent (GPU 1 off the bus) and fires the shipped rules
+    (dashboards/rules/forewarn.rules.yml), the real Alertmanager (the wheel's example
+    config, only its addresses set) sends them to the installed collector, and the status
+    page (headless Chromium) shows them firing in GPU 1's incident. The condition goes (the
+    agent restarts with healthy GPUs): Prometheus resolves the alerts, Alertmanager sends
+    them resolved at its group's next interval (30 s in the example) and the page shows
+    each resolved, and GPU 1 no longer red, without a reload."""
     chromium = shutil.which("chromium")
     sync_api = pytest.importorskip("playwright.sync_api")
     if chromium is None:
         pytest.skip("chromium is not installed")
     am = _alertmanager(venv, tmp_path, collector, started)
-    finding = ('#incidents tr[data-scope="gpu:node-1/1"] '
-               '.finding[data-check="alert:ForewarnOperatorTest"][data-state="{}"]')
+    _prometheus(venv, tmp_path, agent, collector_address, am, started)
+    incident = '#incidents tr[data-scope="gpu:node-1/1"]'
+    finding = incident + ' .finding[data-check="alert:{}"][data-state="{}"]'
+    gpu = '#fleet .node[data-node="node-1"] .cell[data-gpu="1"][data-health="{}"]'
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=chromium,
                                      args=["--headless", "--no-sandbox", "--disable-gpu"])
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.goto(collector + "/")
-            r = httpx.post(f"{am}/api/v2/alerts", json=[{"labels": ALERT}], timeout=10)
-            assert r.status_code == 200, r.text
-            page.locator(finding.format("firing")).wait_for(timeout=60_000)
-            ended = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-            r = httpx.post(f"{am}/api/v2/alerts", json=[{"labels": ALERT, "endsAt": ended}],
-                           timeout=10)
-            assert r.status_code == 200, r.text
-            # Alertmanager sends it resolved at the group's next interval (30 s)
-            page.locator(finding.format("resolved")).wait_for(timeout=90_000)
+            for alert in ALERTS:  # Prometheus' first scrape and evaluation, then Alertmanager
+                page.locator(finding.format(alert, "firing")).wait_for(timeout=60_000)
+            page.locator(gpu.format("unhealthy")).wait_for(timeout=10_000)
+            page.screenshot(path=str(tmp_path / "incident-firing.png"), full_page=True)
+            heal()
+            for alert in ALERTS:  # resolved at the group's next interval (30 s)
+                page.locator(finding.format(alert, "resolved")).wait_for(timeout=90_000)
+            # Every finding of the incident is over (the agent's too): the incident ends.
+            page.locator(f"{incident}.recovered").wait_for(timeout=10_000)
+            assert page.locator(f"{incident}:not(.recovered)").count() == 0
+            page.locator(gpu.format("healthy")).wait_for(timeout=10_000)
             page.screenshot(path=str(tmp_path / "incident-resolved.png"), full_page=True)
         finally:
             browser.close()
