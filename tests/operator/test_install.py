@@ -9,7 +9,6 @@ from __future__ import annotations
 import configparser
 import os
 import shlex
-import shutil
 import stat
 import subprocess
 import sys
@@ -106,7 +105,8 @@ def _serve(started: list[subprocess.Popen[bytes]], argv: list[str], env: dict[st
 
 
 def test_deploy_install_collector_and_agent_units_start(
-        venv: Path, tmp_path: Path, started: list[subprocess.Popen[bytes]]) -> None:
+        venv: Path, tmp_path: Path, started: list[subprocess.Popen[bytes]],
+        require_binary: Callable[[str], str]) -> None:
     forewarn = str(venv / "bin" / "forewarn")
     prefix = tmp_path / "root"
     said = _install(venv, "collector", prefix) + _install(venv, "agent", prefix)
@@ -178,7 +178,7 @@ def test_deploy_install_collector_and_agent_units_start(
         start_agent("gpus2-healthy.toml")
 
     _alert_fires_and_resolves(venv, tmp_path, collector, f"127.0.0.1:{aport}",
-                              f"127.0.0.1:{port}", started, heal)
+                              f"127.0.0.1:{port}", started, heal, require_binary)
 
 
 ALERT_TOKEN = "operator-alert-token-0123456789"
@@ -199,12 +199,9 @@ def _shipped(venv: Path, name: str, replace: dict[str, str]) -> str:
 
 
 def _alertmanager(venv: Path, tmp_path: Path, collector: str,
-                  started: list[subprocess.Popen[bytes]]) -> str:
+                  started: list[subprocess.Popen[bytes]], binary: str) -> str:
     """Alertmanager with the wheel's example config, pointed at ``collector`` with the alert
     token in its credentials file; its address (host:port)."""
-    binary = shutil.which("prometheus-alertmanager")
-    if binary is None:
-        pytest.skip("prometheus-alertmanager is not installed")
     token = tmp_path / "alert-token"
     token.write_text(ALERT_TOKEN + "\n")
     config = _shipped(venv, "alertmanager.yml", {
@@ -221,13 +218,10 @@ def _alertmanager(venv: Path, tmp_path: Path, collector: str,
 
 
 def _prometheus(venv: Path, tmp_path: Path, agent: str, collector: str, alertmanager: str,
-                started: list[subprocess.Popen[bytes]]) -> str:
+                started: list[subprocess.Popen[bytes]], binary: str) -> str:
     """Prometheus with the wheel's example config (scraping and evaluating every second,
     the repository's shipped rule file) scraping the installed agent and collector and
     sending to ``alertmanager``; its URL."""
-    binary = shutil.which("prometheus")
-    if binary is None:
-        pytest.skip("prometheus is not installed")
     config = _shipped(venv, "prometheus.yml", {
         "scrape_interval: 15s": "scrape_interval: 1s",
         "evaluation_interval: 15s": "evaluation_interval: 1s",
@@ -247,7 +241,8 @@ def _prometheus(venv: Path, tmp_path: Path, agent: str, collector: str, alertman
 
 def _alert_fires_and_resolves(venv: Path, tmp_path: Path, collector: str, agent: str,
                               collector_address: str, started: list[subprocess.Popen[bytes]],
-                              heal: Callable[[], None]) -> None:
+                              heal: Callable[[], None],
+                              require_binary: Callable[[str], str]) -> None:
     """Issue 13's operator leg, every part real and shipped: a real Prometheus scrapes the
     installed agent (GPU 1 off the bus) and fires the shipped rules
     (dashboards/rules/forewarn.rules.yml), the real Alertmanager (the wheel's example
@@ -256,12 +251,12 @@ def _alert_fires_and_resolves(venv: Path, tmp_path: Path, collector: str, agent:
     agent restarts with healthy GPUs): Prometheus resolves the alerts, Alertmanager sends
     them resolved at its group's next interval (30 s in the example) and the page shows
     each resolved, and GPU 1 no longer red, without a reload."""
-    chromium = shutil.which("chromium")
+    chromium = require_binary("chromium")
     sync_api = pytest.importorskip("playwright.sync_api")
-    if chromium is None:
-        pytest.skip("chromium is not installed")
-    am = _alertmanager(venv, tmp_path, collector, started)
-    _prometheus(venv, tmp_path, agent, collector_address, am, started)
+    am = _alertmanager(venv, tmp_path, collector, started,
+                       require_binary("prometheus-alertmanager"))
+    _prometheus(venv, tmp_path, agent, collector_address, am, started,
+                require_binary("prometheus"))
     incident = '#incidents tr[data-scope="gpu:node-1/1"]'
     finding = incident + ' .finding[data-check="alert:{}"][data-state="{}"]'
     gpu = '#fleet .node[data-node="node-1"] .cell[data-gpu="1"][data-health="{}"]'
