@@ -250,7 +250,9 @@ def _alert_fires_and_resolves(venv: Path, tmp_path: Path, collector: str, agent:
     page (headless Chromium) shows them firing in GPU 1's incident. The condition goes (the
     agent restarts with healthy GPUs): Prometheus resolves the alerts, Alertmanager sends
     them resolved at its group's next interval (30 s in the example) and the page shows
-    each resolved, and GPU 1 no longer red, without a reload."""
+    each resolved, the incident ended and GPU 1 no longer red, without a reload. The rules
+    it fires have no ``for:`` (ForewarnGpuUnhealthy's is 0s): the rule file is loaded as
+    shipped, unchanged."""
     chromium = require_binary("chromium")
     sync_api = pytest.importorskip("playwright.sync_api")
     am = _alertmanager(venv, tmp_path, collector, started,
