@@ -2,7 +2,8 @@
 checkpoint order, through the real ``forewarn collector`` process.
 
 One collector process (pinned to core 0 when ``taskset`` exists) with the real policy
-(cost model, dedup/cooldown/rate limits/breaker set open so every trial acts), real HTTP on
+(cost model, dedup/cooldown/rate limits/breaker set open, and each trial's GPU recovers after
+it so the next trial is a new incident: every trial acts), real HTTP on
 loopback. ``--nodes`` simulated agents each hold the command long poll open
 (``GET /api/v1/commands?wait=25``) and acknowledge what they get, as the agent uplink does.
 Jobs span ``--job-nodes`` nodes each. Each trial: the agent of one node of a job posts an
@@ -139,6 +140,10 @@ class Fleet:
         done = await asyncio.wait_for(asyncio.gather(*waits), 60)
         for a in self.agents.values():
             a.waiters.clear()
+        # The GPU comes back (the agent's healthy finding of the same check): its incident
+        # ends, so a later trial on this GPU is a new incident that orders again.
+        await reporter.post(findings=[msgspec.structs.replace(
+            finding, health=Health.HEALTHY, action=SuggestedAction.NONE, time=time.time())])
         return max(done) - t0
 
     async def trials(self, first: int, count: int, gap: float) -> list[float]:
@@ -179,7 +184,8 @@ async def drive(url: str, tokens: dict[str, str], args: argparse.Namespace) -> d
 
 BENCH_POLICY = (
     "policy_dedup_s = 0\npolicy_cooldown_checkpoint_s = 0\npolicy_cooldown_webhook_s = 0\n"
-    "policy_rate_checkpoint_per_min = 1000000\npolicy_breaker_checkpoint_share = 1.0\n")
+    "policy_rate_checkpoint_per_min = 1000000\npolicy_breaker_checkpoint_share = 1.0\n"
+    "incident_window_s = 0.001\n")
 """Policy gates open, so every trial's finding acts."""
 
 

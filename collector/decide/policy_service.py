@@ -38,6 +38,7 @@ import concurrent.futures
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -81,6 +82,8 @@ and counted: their rows and findings are stored all the same."""
 ALERT_FLUSH_S = 0.5
 EXPIRE_EVERY_S = 5.0
 """How often silent sources' findings are checked for expiry."""
+BULK_SAVE_S = 1.0
+"""How often the bulk lane writes the incidents that changed while alerts keep coming."""
 
 
 def settings_from_config(config: CollectorConfig) -> PolicySettings:
@@ -172,6 +175,7 @@ class PolicyService:
         self._drain_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="drain")
         self._incident_settings = (finding_ttl_s, incident_window_s)
         self.incidents: IncidentBook | None = None
+        self._bulk_saved = 0.0
         self._expirer: concurrent.futures.Future[None] | None = None
         self._alert_settings = (alert_ttl_s, alert_max_rows, retention_days * 86400.0)
         self.alert_book: AlertBook | None = None
@@ -489,7 +493,12 @@ class PolicyService:
             except Exception:
                 ctx.metrics.policy_errors.inc()
                 log.exception("policy failed on alert finding %s", finding.check)
-        self._save_incidents()
+        # During a storm the incidents are written once a second and when the queue runs
+        # dry, not after every chunk: a write per turn would hold up the decision lane.
+        mono = time.monotonic()
+        if not more or mono - self._bulk_saved >= BULK_SAVE_S:
+            self._bulk_saved = mono
+            self._save_incidents()
 
     def _refresh_alerts(self, findings: list[Finding], source: str, now: float) -> None:
         """Bulk lane: alerts re-sent while firing keep their findings from expiring."""
