@@ -18,6 +18,7 @@ COMPLEX_FUNCTIONS = {
     "agent/sources/dcgm.py:_fields",
     "agent/sources/replay.py:_validate",
     "collector/config.py:__post_init__",
+    "collector/http/app.py:create_app",
     "collector/ingest/authz.py:authorise_batch",
     "models/live.py:observe",
 }
@@ -38,6 +39,7 @@ LONG_MODULES = {
     "collector/storage/telemetry.py",
     "hook/checkpoint.py",
     "hook/monitor.py",
+    "src/forewarn/chaos/lab.py",
     "src/forewarn/chaos/scenarios.py",
     "src/forewarn/dashboards/build.py",
     "src/forewarn/demo/run.py",
