@@ -19,8 +19,8 @@ Call order in a loop::
 appends it to a deque; the rank's background thread sends queued records to the agent's
 Unix datagram socket every ``flush_interval_s`` (10 ms; at once for NaN/Inf values and
 checkpoint reports), sends a :class:`~forewarn.wire.Beat` every ``beat_interval_s``
-(the first at construction) and receives orders (:mod:`._sender`, :mod:`._channel`).
-The training thread makes no syscall per step.
+(the first at construction) and receives orders (:mod:`._reporter`, :mod:`._sender`,
+:mod:`._channel`). The training thread makes no syscall per step.
 
 **Loss and grad norm as tensors.** Python floats and CPU tensors are read at once. A CUDA
 tensor is never read with ``.item()`` (that would sync the device every step): it is
@@ -39,7 +39,8 @@ With ``agree_every=k`` the ranks instead ``all_reduce(MAX)`` the pending order s
 k steps over the default process group so that all of them agree; this adds one tiny
 collective (and, on NCCL, one device sync) every k steps and is off by default.
 
-**Preemption.** A preemption notice is one of ``preempt_signals`` (SIGTERM by default;
+**Preemption** (the decisions in :mod:`._preempt_state`, the signals and exits in
+:mod:`._preempt`). A preemption notice is one of ``preempt_signals`` (SIGTERM by default;
 SIGUSR1 for Slurm's ``--signal=USR1@N`` warning; handlers in the main thread only,
 ``handle_sigterm=False`` opts out) or the appearance of ``preempt_notice_file`` (a cloud
 maintenance notice written by the user's watcher; checked once per beat on the background
