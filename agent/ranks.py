@@ -486,91 +486,141 @@ class RankTable:
         return self.proc.alive(st.os_pid, st.start_time)
 
     def admit(self, msg: HookRecord, cred: Credentials, now: float) -> str | None:
-        """Apply ``msg`` if believable; return the drop reason otherwise (see module doc)."""
-        lim = self.limits
-        if abs(msg.time - now) > lim.max_clock_skew_s:
+        """Apply ``msg`` if believable; return the drop reason otherwise (see module doc).
+
+        The rules run in a fixed order, each a method below: the record alone
+        (:meth:`_implausible`), its sender (:meth:`_sender_pid`), then, under the lock, the
+        table (:meth:`_conflict_locked`), the slot (:meth:`_seat_locked`) and the update
+        (:meth:`_apply_locked`); listeners run last, outside the lock."""
+        if abs(msg.time - now) > self.limits.max_clock_skew_s:
             return "absurd"
         if isinstance(msg, CheckpointReport):
             return self._admit_report(msg, cred, now)
-        if msg.rank >= msg.world_size:
+        if self._implausible(msg):
             return "absurd"
-        if isinstance(msg, StepRecord) and (
-            msg.step_seconds is not None and msg.step_seconds > lim.max_step_seconds
-        ):
-            return "absurd"
-        os_pid = msg.pid
-        if cred.pid != msg.pid:
-            if self.proc.same_pid_namespace(cred.pid):
-                return "forged"
-            os_pid = cred.pid  # a containerised rank: its own pid differs from ours
+        os_pid = self._sender_pid(msg, cred)
+        if os_pid is None:
+            return "forged"
         key = (msg.job, msg.rank)
         with self._lock:
+            reason = self._conflict_locked(msg, key, os_pid, now)
+            if reason is not None:
+                return reason
             st = self._ranks.get(key)
-            other = self._by_pid.get(os_pid)
-            if other is not None and other != key:
-                owner = self._ranks.get(other)
-                if owner is not None and owner.os_pid == os_pid and self._live(owner, now):
-                    return "wrong_job"
-            if st is not None and st.os_pid != os_pid and self._live(st, now):
-                return "slot_taken"
-            for peer in self._ranks.values():
-                if (
-                    peer.job == msg.job
-                    and peer.world_size != msg.world_size
-                    and peer.os_pid != os_pid
-                    and self._live(peer, now)
-                ):
-                    return "world_size_mismatch"
-            if (
-                st is not None
-                and st.os_pid == os_pid
-                and isinstance(msg, StepRecord)
-                and st.last_step is not None
-                and msg.step - st.last_step > lim.max_step_jump
-            ):
-                return "absurd"
             if st is None or st.os_pid != os_pid:
-                if st is None and len(self._ranks) >= lim.max_ranks:
-                    self._evict_locked(now)
-                    if len(self._ranks) >= lim.max_ranks:
-                        return "table_full"
-                restarts = 0 if st is None else st.restarts + 1
-                if st is not None:
-                    self._by_pid.pop(st.os_pid, None)
-                if other is not None and other != key:
-                    self._ranks.pop(other, None)
-                self._new_round_locked(key, msg.world_size, now)
-                st = RankState(
-                    job=msg.job, rank=msg.rank, local_rank=msg.local_rank,
-                    world_size=msg.world_size, host=msg.host, pid=msg.pid, os_pid=os_pid,
-                    uid=cred.uid, start_time=self.proc.start_time(os_pid), first_seen=now,
-                    last_msg=now, history=lim.history, restarts=restarts,
-                )
-                self._ranks[key] = st
-                self._by_pid[os_pid] = key
-            st.local_rank, st.world_size, st.host = msg.local_rank, msg.world_size, msg.host
-            if isinstance(msg, StepRecord):
-                st.apply_step(msg, now, self.spike_factor)
-                if not self._step_listeners or not (
-                    st.steps_total == 1
-                    or msg.step in (st.nonfinite_loss_step, st.nonfinite_grad_step,
-                                    st.spike_step)
-                ):
-                    return None
-                view = st.view()
-            else:
-                uid = cred.uid
-                if not st.apply_beat(msg, now, lim.min_beat_interval_s,
-                                     lambda path: self._reply_ok(path, uid)):
-                    return None
-                view = st.view()
+                st = self._seat_locked(msg, key, os_pid, cred.uid, now)
+                if st is None:
+                    return "table_full"
+            view = self._apply_locked(st, msg, cred.uid, now)
+        if view is not None:
+            self._notify(view, msg)
+        return None
+
+    def _implausible(self, msg: StepRecord | Beat) -> bool:
+        """The record contradicts itself: a rank outside its world, a step over a day."""
+        if msg.rank >= msg.world_size:
+            return True
+        return isinstance(msg, StepRecord) and (
+            msg.step_seconds is not None and msg.step_seconds > self.limits.max_step_seconds
+        )
+
+    def _sender_pid(self, msg: StepRecord | Beat, cred: Credentials) -> int | None:
+        """The sender's pid in our namespace, or None when the claimed pid is forged."""
+        if cred.pid == msg.pid:
+            return msg.pid
+        if self.proc.same_pid_namespace(cred.pid):
+            return None
+        return cred.pid  # a containerised rank: its own pid differs from ours
+
+    def _conflict_locked(self, msg: StepRecord | Beat, key: tuple[str, int], os_pid: int,
+                         now: float) -> str | None:
+        """The drop reason when the record clashes with what the table holds, else None."""
+        if self._owns_another_slot(key, os_pid, now):
+            return "wrong_job"
+        st = self._ranks.get(key)
+        if st is not None and st.os_pid != os_pid and self._live(st, now):
+            return "slot_taken"
+        if self._world_size_disagrees(msg, os_pid, now):
+            return "world_size_mismatch"
+        if st is not None and st.os_pid == os_pid and self._step_jumps(st, msg):
+            return "absurd"
+        return None
+
+    def _owns_another_slot(self, key: tuple[str, int], os_pid: int, now: float) -> bool:
+        """The process is the live owner of another ``(job, rank)``."""
+        other = self._by_pid.get(os_pid)
+        if other is None or other == key:
+            return False
+        owner = self._ranks.get(other)
+        return owner is not None and owner.os_pid == os_pid and self._live(owner, now)
+
+    def _world_size_disagrees(self, msg: StepRecord | Beat, os_pid: int, now: float) -> bool:
+        """Another live process of the job reports another world size."""
+        return any(
+            peer.job == msg.job
+            and peer.world_size != msg.world_size
+            and peer.os_pid != os_pid
+            and self._live(peer, now)
+            for peer in self._ranks.values()
+        )
+
+    def _step_jumps(self, st: RankState, msg: StepRecord | Beat) -> bool:
+        """A step record further from the process's last step than ``max_step_jump``."""
+        return (
+            isinstance(msg, StepRecord)
+            and st.last_step is not None
+            and msg.step - st.last_step > self.limits.max_step_jump
+        )
+
+    def _seat_locked(self, msg: StepRecord | Beat, key: tuple[str, int], os_pid: int,
+                     uid: int, now: float) -> RankState | None:
+        """A new process takes slot ``key`` (first seen, or a restart); None when the table
+        is full even after evicting silent ranks."""
+        st = self._ranks.get(key)
+        other = self._by_pid.get(os_pid)
+        if st is None and len(self._ranks) >= self.limits.max_ranks:
+            self._evict_locked(now)
+            if len(self._ranks) >= self.limits.max_ranks:
+                return None
+        restarts = 0 if st is None else st.restarts + 1
+        if st is not None:
+            self._by_pid.pop(st.os_pid, None)
+        if other is not None and other != key:
+            self._ranks.pop(other, None)  # its owner is dead: admission checked
+        self._new_round_locked(key, msg.world_size, now)
+        st = RankState(
+            job=msg.job, rank=msg.rank, local_rank=msg.local_rank,
+            world_size=msg.world_size, host=msg.host, pid=msg.pid, os_pid=os_pid,
+            uid=uid, start_time=self.proc.start_time(os_pid), first_seen=now,
+            last_msg=now, history=self.limits.history, restarts=restarts,
+        )
+        self._ranks[key] = st
+        self._by_pid[os_pid] = key
+        return st
+
+    def _apply_locked(self, st: RankState, msg: StepRecord | Beat, uid: int,
+                      now: float) -> RankView | None:
+        """Apply the record; a view when listeners must hear of it (see :meth:`on_step`,
+        :meth:`on_preempt`), else None (a view is a copy: most steps skip it)."""
+        st.local_rank, st.world_size, st.host = msg.local_rank, msg.world_size, msg.host
+        if isinstance(msg, StepRecord):
+            st.apply_step(msg, now, self.spike_factor)
+            marks = (st.nonfinite_loss_step, st.nonfinite_grad_step, st.spike_step)
+            if self._step_listeners and (st.steps_total == 1 or msg.step in marks):
+                return st.view()
+            return None
+        noticed = st.apply_beat(msg, now, self.limits.min_beat_interval_s,
+                                lambda path: self._reply_ok(path, uid))
+        return st.view() if noticed else None
+
+    def _notify(self, view: RankView, msg: StepRecord | Beat) -> None:
+        """Run the step or preemption listeners (outside the lock)."""
         if isinstance(msg, StepRecord):
             for fn in self._step_listeners:
                 fn(view, msg)
         else:
-            for hear in self._preempt_listeners:  # listeners run outside the lock
+            for hear in self._preempt_listeners:
                 hear(view)
-        return None
 
     def _new_round_locked(self, key: tuple[str, int], world_size: int, now: float) -> None:
         """A new process joins the job as rank ``key``: a new rendezvous round when it

@@ -19,8 +19,8 @@ Call order in a loop::
 appends it to a deque; the rank's background thread sends queued records to the agent's
 Unix datagram socket every ``flush_interval_s`` (10 ms; at once for NaN/Inf values and
 checkpoint reports), sends a :class:`~forewarn.wire.Beat` every ``beat_interval_s``
-(the first at construction) and receives orders (:mod:`._sender`, :mod:`._channel`).
-The training thread makes no syscall per step.
+(the first at construction) and receives orders (:mod:`._reporter`, :mod:`._sender`,
+:mod:`._channel`). The training thread makes no syscall per step.
 
 **Loss and grad norm as tensors.** Python floats and CPU tensors are read at once. A CUDA
 tensor is never read with ``.item()`` (that would sync the device every step): it is
@@ -39,7 +39,8 @@ With ``agree_every=k`` the ranks instead ``all_reduce(MAX)`` the pending order s
 k steps over the default process group so that all of them agree; this adds one tiny
 collective (and, on NCCL, one device sync) every k steps and is off by default.
 
-**Preemption.** A preemption notice is one of ``preempt_signals`` (SIGTERM by default;
+**Preemption** (the decisions in :mod:`._preempt_state`, the signals and exits in
+:mod:`._preempt`). A preemption notice is one of ``preempt_signals`` (SIGTERM by default;
 SIGUSR1 for Slurm's ``--signal=USR1@N`` warning; handlers in the main thread only,
 ``handle_sigterm=False`` opts out) or the appearance of ``preempt_notice_file`` (a cloud
 maintenance notice written by the user's watcher; checked once per beat on the background
@@ -94,31 +95,26 @@ import collections
 import contextlib
 import dataclasses
 import logging
-import operator
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from types import FrameType, TracebackType
+from types import TracebackType
 from typing import Any, Final
 
 from forewarn import wire
 
 from ._channel import AgentChannel, resolve_socket_path
 from ._identity import RankIdentity, identity_from_env
-from ._pack import build_step_packer
 from ._preempt import PREEMPT_REQUEST, SignalExit, is_preemption, parse_signals
+from ._preempt_state import NONE, PENDING, SAVING, PreemptState
+from ._reporter import Reporter, checked_step
 from ._sender import Sender
-from ._tensors import DeferredValues, read_now
 
 __all__ = ["Monitor", "MonitorStats"]
 
 _log = logging.getLogger("forewarn.hook")
-
-_NO_PREEMPT: Final = 0
-_PREEMPT_PENDING: Final = 1
-_PREEMPT_SAVING: Final = 2
 
 _MAX_PHASES: Final = 16
 """Phases whose longest stay a beat carries (the wire's limit)."""
@@ -242,28 +238,21 @@ class Monitor:
         self.rank = self.identity.rank
         self.beat_interval_s = beat_interval_s
         self.agree_every = agree_every
-        self.preempt_grace_s = preempt_grace_s
-        self.preempt_order_wait_s = preempt_order_wait_s
         self._signals = SignalExit(
             parse_signals(preempt_signals if preempt_signals is not None
                           else os.environ.get("FOREWARN_PREEMPT_SIGNALS", "TERM")),
             preempt_exit_code, lambda finished: self._close(finished))
         self.preempt_signals = self._signals.signals
         notice = preempt_notice_file or os.environ.get("FOREWARN_PREEMPT_NOTICE_FILE")
-        self.preempt_notice_file = os.fspath(notice) if notice else None
-        self._cuda_depth = cuda_depth
         self._time = clock
         self._mono = monotonic
-        self._pack = build_step_packer(self.identity)
         self._log = _RateLimitedLog()
         self._lock = threading.Lock()
         # hot-path state
         self._prev_mono: float | None = None
         self._last_step: int | None = None
         self._steps = 0
-        self._dropped = 0
         self._failures = 0
-        self._deferred: DeferredValues | None = None
         self._special = agree_every > 0  # step() runs _special_step when True
         # orders and checkpoints
         self._due: dict[int, list[tuple[str, str]]] = {}  # step -> [(request_id, reason)]
@@ -276,14 +265,12 @@ class Monitor:
         self._checks_seen = False
         self._orders = self._orders_ignored = self._orders_invalid = 0
         self._missed = self._checkpoints = 0
-        self._values_skipped = 0
-        # preemption
-        self._preempt = _NO_PREEMPT
-        self._preempt_signum: int | None = None
-        self._preempt_mono = 0.0
-        self._preempt_order_due = False  # the agent's job-wide preemption order arrived
-        self._noticed = False  # this process got a notice (sticky: what beats say)
-        self._notices_absorbed = 0
+        self._pre = PreemptState(
+            self._signals, notice_file=os.fspath(notice) if notice else None,
+            grace_s=preempt_grace_s, order_wait_s=preempt_order_wait_s, monotonic=monotonic,
+            can_save=lambda: self._checks_seen and not self._closed,
+            on_notice=self._on_notice,
+        )
         # phases (see phase())
         self._phase = ""
         self._phase_started: float | None = None
@@ -296,14 +283,15 @@ class Monitor:
         self._suspect_listeners: list[Callable[[int], object]] = []
         self._ch = AgentChannel(resolve_socket_path(socket_path), send_timeout_s)
         if handle_sigterm:
-            self._signals.install(self._on_signal)
-        self._queue_limit = queue_limit
+            self._signals.install(self._pre.on_signal)
         self._sender = Sender(
             self._ch, self._make_beat, self._on_datagram, self._on_thread_error,
             beat_interval_s=beat_interval_s, flush_interval_s=flush_interval_s,
             queue_limit=queue_limit, name=f"forewarn-hook-r{self.rank}",
         )
-        self._queue = self._sender.queue
+        self._out = Reporter(self.identity, self._ch, self._sender, clock=clock,
+                             queue_limit=queue_limit, cuda_depth=cuda_depth,
+                             on_nonfinite_loss=self._nonfinite_loss)
         self._sender.start()  # the first beat goes out at construction
         atexit.register(self._at_exit)
 
@@ -324,29 +312,31 @@ class Monitor:
             self._steps += 1
             if self._special:
                 self._special_step(step)
+            out = self._out
             if (
                 type(loss) is float
                 and type(grad_norm) is float
                 and prev is not None
                 and not extras
-                and self._deferred is None
+                and out.deferred is None
             ):
-                data = self._pack(step, now, mono - prev, loss, grad_norm)
+                data = out.pack(step, now, mono - prev, loss, grad_norm)
             else:
                 ss = None if prev is None else mono - prev
-                slow = self._general_record(step, now, ss, loss, grad_norm, extras)
+                slow = self._record(step, now, ss, loss, grad_norm, extras)
                 if slow is None:
-                    return
+                    return  # sent by a later step() once the CUDA copy has landed
                 data = slow
             bad = type(loss) is float and loss - loss != 0.0
             if bad:
                 self._nonfinite_loss(step)  # with or without an agent
+            # out.send(data, urgent=bad), inlined: the hot path spares a call
             if not self._ch.up:
-                self._dropped += 1  # no agent: the background thread reconnects
+                out.dropped += 1  # no agent: the background thread reconnects
                 return
-            q = self._queue
-            if len(q) >= self._queue_limit:
-                self._dropped += 1
+            q = out.queue
+            if len(q) >= out.queue_limit:
+                out.dropped += 1
                 return
             q.append(data)
             if bad:
@@ -362,88 +352,23 @@ class Monitor:
         step-time statistics are not touched. Never raises."""
         try:
             if not self._ch.up:
-                self._dropped += 1
+                self._out.dropped += 1
                 return
-            data = self._general_record(step, self._time(), None, loss, grad_norm, extras)
+            data = self._record(step, self._time(), None, loss, grad_norm, extras)
             if data is not None:
-                self._send(data, urgent=not _finite(loss) or not _finite(grad_norm))
+                self._out.send(data, urgent=not _finite(loss) or not _finite(grad_norm))
         except Exception as exc:
             self._failures += 1
             self._log.warning("step", "report_values() failed and was skipped: %r", exc)
 
-    def _general_record(
+    def _record(
         self, step: Any, now: float, ss: float | None, loss: Any, grad_norm: Any,
         extras: dict[str, Any],
     ) -> bytes | None:
-        step = operator.index(step)
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
+        """The slow path's record (see :meth:`._reporter.Reporter.record`)."""
+        step = checked_step(step)
         self._last_step = step
-        ex: dict[str, float] = {}
-        for key, value in extras.items():
-            ok, f = read_now(value)
-            if ok and f is not None:
-                ex[str(key)[:64]] = f
-            else:
-                self._values_skipped += 1
-        if self._deferred is not None:
-            self._flush_deferred(wait=False)
-        ok_l, lv = self._read(loss)
-        ok_g, gv = self._read(grad_norm)
-        if not (ok_l and ok_g):
-            if self._deferred is None:
-                self._deferred = DeferredValues(self._cuda_depth)
-            got = self._deferred.submit(
-                step, now, ss, ex, loss if not ok_l else lv, grad_norm if not ok_g else gv
-            )
-            if got is None:
-                return None  # sent by a later step() once the copy has landed
-            lv, gv = got
-        return self._encode_step(step, now, ss, lv, gv, ex)
-
-    def _read(self, x: Any) -> tuple[bool, float | None]:
-        """``(False, None)`` only for CUDA tensors (deferred); other devices are skipped."""
-        ok, v = read_now(x)
-        if ok:
-            return ok, v
-        if x.device.type == "cuda":
-            return False, None
-        self._values_skipped += 1
-        return True, None
-
-    def _encode_step(
-        self, step: int, now: float, ss: float | None, loss: float | None, gn: float | None,
-        extras: dict[str, float],
-    ) -> bytes:
-        if loss is not None and loss - loss != 0.0:
-            self._nonfinite_loss(step)  # a tensor's value, read now or landed later
-        if ss is not None and loss is not None and gn is not None and not extras:
-            return self._pack(step, now, ss, loss, gn)
-        i = self.identity
-        return wire.encode(
-            wire.StepRecord(
-                job=i.job, rank=i.rank, local_rank=i.local_rank, world_size=i.world_size,
-                pid=i.pid, host=i.host, step=step, time=now, step_seconds=ss,
-                loss=loss, grad_norm=gn, extras=extras,
-            )
-        )
-
-    def _flush_deferred(self, wait: bool) -> None:
-        d = self._deferred
-        if d is None or not len(d):
-            return
-        for p, lv, gv in d.ready(wait=wait):
-            self._send(self._encode_step(p.step, p.time, p.step_seconds, lv, gv, p.extras))
-        self._values_skipped = max(self._values_skipped, d.values_skipped)
-
-    def _send(self, data: bytes, urgent: bool = False) -> None:
-        """Queue one datagram for the background thread (off the hot path)."""
-        if not self._ch.up or len(self._queue) >= self._queue_limit:
-            self._dropped += 1
-            return
-        self._queue.append(data)
-        if urgent:
-            self._sender.kick()
+        return self._out.record(step, now, ss, loss, grad_norm, extras)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -451,11 +376,12 @@ class Monitor:
         """True when this rank must save now, at ``step`` (call after :meth:`step`)."""
         try:
             self._checks_seen = True
-            if self._preempt == _PREEMPT_PENDING and self._save_alone():
+            pre = self._pre
+            if pre.stage == PENDING and pre.save_alone(self._agreeing(), self._ch.up):
                 with self._lock:
                     self._due.clear()  # the preemption save comes first, then the exit
                     self._next_due = None
-                    self._preempt = _PREEMPT_SAVING
+                    pre.stage = SAVING
                 self._start(step, (PREEMPT_REQUEST,), "preempted")
                 return True
             next_due = self._next_due
@@ -486,7 +412,7 @@ class Monitor:
             if any(is_preemption(r) for _, r in now):
                 # the job-wide preemption save (this rank may not have been signalled
                 # itself): checkpoint_done() then exits the process
-                self._preempt = _PREEMPT_SAVING
+                pre.stage = SAVING
                 reason = PREEMPT_REQUEST
             self._start(step, rids, reason)
             return True
@@ -503,21 +429,12 @@ class Monitor:
             self._next_due = min(self._due, default=None)
         why = f"held: the training state is suspect since step {self._onset}"
         for rid in due:
-            self._report(step, "failed", rid, path=why)
-
-    def _save_alone(self) -> bool:
-        """A noticed rank saves at once, on its own, unless the job agrees on a step:
-        through the collective (agree mode) or the agent's order (awaited for
-        ``preempt_order_wait_s`` while an agent is connected, then for good once it came)."""
-        if self._agreeing() or self._preempt_order_due:
-            return False
-        waited = self._mono() - self._preempt_mono
-        return not self._ch.up or waited >= self.preempt_order_wait_s
+            self._out.checkpoint(step, "failed", rid, path=why)
 
     def _start(self, step: int, request_ids: tuple[str, ...], reason: str) -> None:
         self._active = (request_ids, reason)
         for rid in request_ids:
-            self._report(step, "started", rid)
+            self._out.checkpoint(step, "started", rid)
 
     def checkpoint_done(self, step: int, seconds: float, bytes: int, path: str = "") -> None:
         """Report a finished checkpoint (ordered or not): the policy learns its cost.
@@ -529,13 +446,12 @@ class Monitor:
             self._active = None
             self._checkpoints += 1
             for rid in rids:
-                self._report(step, "done", rid, seconds=max(0.0, float(seconds)),
-                             nbytes=max(0, int(bytes)), path=str(path)[:4096])
+                self._out.checkpoint(step, "done", rid, seconds=max(0.0, float(seconds)),
+                                     nbytes=max(0, int(bytes)), path=str(path)[:4096])
         except Exception as exc:
             self._failures += 1
             self._log.warning("checkpoint", "checkpoint_done() failed: %r", exc)
-        if self._preempt == _PREEMPT_SAVING:
-            self._exit_after_save()
+        self._pre.exit_if_saving()
 
     def checkpoint_failed(self, step: int, reason: str = "") -> None:
         """Report a checkpoint that could not be written (a preempted process still exits)."""
@@ -543,28 +459,15 @@ class Monitor:
             rids = self._active[0] if self._active is not None else ("",)
             self._active = None
             for rid in rids:
-                self._report(step, "failed", rid, path=str(reason)[:4096])
+                self._out.checkpoint(step, "failed", rid, path=str(reason)[:4096])
         except Exception as exc:
             self._failures += 1
             self._log.warning("checkpoint", "checkpoint_failed() failed: %r", exc)
-        if self._preempt == _PREEMPT_SAVING:
-            self._exit_after_save()
-
-    def _report(
-        self, step: int, phase: str, request_id: str, *, seconds: float | None = None,
-        nbytes: int | None = None, path: str = "",
-    ) -> None:
-        i = self.identity
-        rep = wire.CheckpointReport(
-            job=i.job, rank=i.rank, host=i.host, request_id=request_id[:128],
-            step=max(0, int(step)), phase=phase, seconds=seconds, bytes=nbytes,
-            time=self._time(), path=path,
-        )
-        self._send(wire.encode(rep), urgent=True)
+        self._pre.exit_if_saving()
 
     def _report_missed(self, step: int, request_id: str) -> None:
         self._missed += 1
-        self._report(step, "missed", request_id)
+        self._out.checkpoint(step, "missed", request_id)
 
     # ------------------------------------------------------------------ orders
 
@@ -586,7 +489,7 @@ class Monitor:
                 self._add_due(order.step, order.request_id, order.reason)
                 self._orders += 1
                 if is_preemption(order.reason):
-                    self._preempt_order_due = True
+                    self._pre.order_due = True
                 return
         self._report_missed(last if last is not None else 0, order.request_id)
 
@@ -600,14 +503,12 @@ class Monitor:
     def _special_step(self, step: int) -> None:
         if self.agree_every > 0 and step % self.agree_every == 0 and self._agreeing():
             self._agree(step)
-        if (
-            self._preempt == _PREEMPT_PENDING
-            and self._mono() - self._preempt_mono > self.preempt_grace_s
-            and not self._agreeing()  # a rank leaving alone would hang its peers' collective
-        ):
+        pre = self._pre
+        # a rank leaving alone would hang its peers' collective: not while agreeing
+        if pre.grace_over() and not self._agreeing():
             self._log.warning("preempt", "no checkpoint started %.0f s after the preemption "
-                              "notice", self.preempt_grace_s)
-            self._exit_as_before(self._preempt_signum)
+                              "notice", pre.grace_s)
+            pre.exit_as_before(pre.signum)
 
     def _agree(self, step: int) -> None:
         """All ranks: ``all_reduce(MAX)`` of the pending order step (or -1)."""
@@ -617,7 +518,7 @@ class Monitor:
         with self._lock:
             pend, self._agree_pending = self._agree_pending, None
         value = pend[0] if pend is not None else -1
-        noticed = self._preempt == _PREEMPT_PENDING or (
+        noticed = self._pre.stage == PENDING or (
             pend is not None and is_preemption(pend[2]))
         if noticed:
             value = max(value, step + 1)
@@ -646,20 +547,16 @@ class Monitor:
 
     def _make_beat(self, sender_dropped: int) -> bytes:
         """The beat (background thread; also where the notice file is looked for)."""
-        notice = self.preempt_notice_file
-        if (notice is not None and self._preempt == _NO_PREEMPT and self._checks_seen
-                and not self._closed and os.path.exists(notice)):
-            _log.warning("forewarn: preemption notice file %s appeared", notice)
-            self._notice(None)
+        self._pre.poll_notice_file()
         i = self.identity
         return wire.encode(
             wire.Beat(
                 job=i.job, rank=i.rank, local_rank=i.local_rank, world_size=i.world_size,
                 pid=i.pid, host=i.host, time=self._time(), last_step=self._last_step,
-                dropped=self._dropped + sender_dropped, reply_to=self._ch.reply_path,
+                dropped=self._out.dropped + sender_dropped, reply_to=self._ch.reply_path,
                 phase=self._phase, phase_started=self._phase_started,
                 phase_longest=dict(self._phase_longest),
-                preempted=self._noticed, finished=self._finished,
+                preempted=self._pre.noticed, finished=self._finished,
             )
         )
 
@@ -693,41 +590,30 @@ class Monitor:
 
     # ------------------------------------------------------------------ preemption
 
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        """A preemption signal. Runs between two bytecodes of the training thread: it only
-        sets flags and writes one byte to a pipe (no lock the interrupted code may hold)."""
-        if self._closed or not self._checks_seen:
-            self._exit_as_before(signum, frame)  # nothing here can save: as without us
-            return
-        if self._preempt != _NO_PREEMPT:
-            if self._mono() - self._preempt_mono <= self.preempt_grace_s:
-                self._notices_absorbed += 1  # Slurm's SIGTERM, SIGCONT, SIGTERM: save on
-                return
-            self._exit_as_before(signum, frame)
-            return
-        self._notice(signum)
-
-    def _notice(self, signum: int | None) -> None:
-        """A preemption notice (signal, or the notice file when ``signum`` is None)."""
-        self._preempt_signum = signum
-        self._preempt_mono = self._mono()
-        self._noticed = True
-        self._preempt = _PREEMPT_PENDING
-        self._special = True
+    def _on_notice(self) -> None:
+        """The first preemption notice (maybe in a signal handler: flags and a pipe write)."""
+        self._special = True  # step() now looks at the grace
         self._sender.beat_soon()  # the agent orders the job as soon as it hears
 
     @property
     def preempted(self) -> bool:
         """True once a preemption notice (or the job's preemption order) arrived."""
-        return self._preempt != _NO_PREEMPT
+        return self._pre.stage != NONE
 
-    def _exit_as_before(self, signum: int | None, frame: FrameType | None = None) -> None:
-        self._preempt = _NO_PREEMPT
-        self._signals.as_before(signum, frame)
+    @property
+    def preempt_notice_file(self) -> str | None:
+        """The path whose appearance is a preemption notice (None: not watched)."""
+        return self._pre.notice_file
 
-    def _exit_after_save(self) -> None:
-        self._preempt = _NO_PREEMPT
-        self._signals.after_save(self._preempt_signum)
+    @property
+    def preempt_grace_s(self) -> float:
+        """Repeated notices within this time of the first do not abort the save."""
+        return self._pre.grace_s
+
+    @property
+    def preempt_order_wait_s(self) -> float:
+        """How long a noticed rank waits for the agent's job-wide order."""
+        return self._pre.order_wait_s
 
     # ------------------------------------------------------------------ bad numerics
 
@@ -807,7 +693,7 @@ class Monitor:
     @property
     def dropped(self) -> int:
         """Reports that did not reach an agent (no agent, agent queue full, ...)."""
-        return self._dropped + self._sender.dropped
+        return self._out.dropped + self._sender.dropped
 
     @property
     def connected(self) -> bool:
@@ -822,15 +708,12 @@ class Monitor:
     @property
     def stats(self) -> MonitorStats:
         """A snapshot of the counters."""
-        skipped = self._values_skipped
-        if self._deferred is not None:
-            skipped = max(skipped, self._deferred.values_skipped)
         return MonitorStats(
             steps=self._steps, dropped=self.dropped, failures=self._failures,
             beats=self._sender.beats, orders=self._orders, orders_ignored=self._orders_ignored,
             orders_invalid=self._orders_invalid, missed=self._missed,
-            checkpoints=self._checkpoints, values_skipped=skipped, connected=self._ch.up,
-            notices_absorbed=self._notices_absorbed,
+            checkpoints=self._checkpoints, values_skipped=self._out.values_skipped,
+            connected=self._ch.up,            notices_absorbed=self._pre.absorbed,
         )
 
     def close(self) -> None:
@@ -851,7 +734,7 @@ class Monitor:
         if os.getpid() != self.identity.pid:
             return  # a forked child (e.g. a DataLoader worker): the parent owns all of it
         try:
-            self._flush_deferred(wait=True)
+            self._out.flush_deferred(wait=True)
         except Exception as exc:
             self._log.warning("close", "could not flush pending tensor values: %r", exc)
         self._sender.stop()

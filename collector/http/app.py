@@ -37,7 +37,9 @@ The seam for the policy and actions (``policy=``)
     policy may also queue itself through ``ctx.commands`` (a ``CommandSink``:
     ``order_checkpoint(nodes, order)``).
 
-and optionally any of (looked up with ``getattr``):
+and optionally any of these (each its own small Protocol, :class:`StartHook`,
+:class:`StopHook`, :class:`BatchHook`, :class:`AckHook`, :class:`RouteHook`: a policy
+implements the ones it needs, and :func:`create_app` calls what it implements):
 
 ``start(ctx: CollectorContext) -> None`` / ``stop() -> None``
     At app start-up / shutdown. ``ctx`` holds ``config``, ``store``, ``commands``,
@@ -74,7 +76,7 @@ import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -136,7 +138,10 @@ if TYPE_CHECKING:
 
     from ..ingest.bus import BusConsumer
 
-__all__ = ["CollectorContext", "FindingsPolicy", "create_app"]
+__all__ = [
+    "AckHook", "BatchHook", "CollectorContext", "FindingsPolicy", "RouteHook", "StartHook",
+    "StopHook", "create_app",
+]
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +158,52 @@ class FindingsPolicy(Protocol):
 
     def on_findings(
         self, findings: Sequence[Finding], store: StateStore, now: float
-    ) -> Sequence[NodeCommand] | None: ...
+    ) -> Sequence[NodeCommand] | None:
+        """Newly stored findings; the commands returned are queued for their agents."""
+
+
+# The optional hooks: runtime_checkable so that create_app tells which ones a policy has
+# by isinstance (a method set to None counts as absent), and mypy checks each signature.
+
+
+@runtime_checkable
+class StartHook(Protocol):
+    """A policy started with the app."""
+
+    def start(self, ctx: CollectorContext) -> None:
+        """At app start-up, on the policy thread, before any other hook call."""
+
+
+@runtime_checkable
+class StopHook(Protocol):
+    """A policy stopped with the app."""
+
+    def stop(self) -> None:
+        """At app shutdown, on the policy thread; an exception is ignored."""
+
+
+@runtime_checkable
+class BatchHook(Protocol):
+    """A policy that hears every stored batch."""
+
+    def on_batches(self, batches: Sequence[AgentBatch], now: float) -> None:
+        """Newly stored batches (leader only), before their findings reach ``on_findings``."""
+
+
+@runtime_checkable
+class AckHook(Protocol):
+    """A policy that hears the agents' acknowledgements."""
+
+    def on_ack(self, ack: CommandAck, node: str) -> None:
+        """An acknowledgement from ``node``'s agent (leader only)."""
+
+
+@runtime_checkable
+class RouteHook(Protocol):
+    """A policy with routes of its own."""
+
+    def routes(self) -> Sequence[BaseRoute]:
+        """Routes mounted on the app once, when it is built."""
 
 
 @dataclasses.dataclass
@@ -250,20 +300,20 @@ class CollectorContext:
         with self._backlog_lock:
             self._policy_backlog -= len(batches)
             self.metrics.policy_backlog.set(self._policy_backlog)
-        hook = getattr(self.policy, "on_batches", None)
-        if hook is not None and self.leader.is_leader:
+        policy = self.policy
+        if isinstance(policy, BatchHook) and self.leader.is_leader:
             try:
-                hook(batches, self.clock())
+                policy.on_batches(batches, self.clock())
             except Exception:
                 self.metrics.policy_errors.inc()
                 log.exception("policy.on_batches failed")
         self._policy_findings([f for b in batches for f in b.findings])
 
     def _policy_ack(self, ack: CommandAck, node: str) -> None:
-        hook = getattr(self.policy, "on_ack", None)
-        if hook is not None and self.leader.is_leader:
+        policy = self.policy
+        if isinstance(policy, AckHook) and self.leader.is_leader:
             try:
-                hook(ack, node)
+                policy.on_ack(ack, node)
             except Exception:
                 self.metrics.policy_errors.inc()
                 log.exception("policy.on_ack failed")
@@ -503,9 +553,8 @@ def create_app(
                                    on_ack=ctx.accept_ack, clock=clock)
             await consumer.start()
             ctx.bus = consumer
-        start = getattr(policy, "start", None)
-        if start is not None:
-            await ctx.run_policy(start, ctx)
+        if isinstance(policy, StartHook):
+            await ctx.run_policy(policy.start, ctx)
         ctx.leader.start()
         if ctx.series is not None:
             ctx.series.start()
@@ -524,10 +573,9 @@ def create_app(
             if consumer is not None:
                 await consumer.stop()
             await asyncio.to_thread(ctx.writer.stop)
-            stop = getattr(policy, "stop", None)
-            if stop is not None:
+            if isinstance(policy, StopHook):
                 with contextlib.suppress(Exception):
-                    await ctx.run_policy(stop)
+                    await ctx.run_policy(policy.stop)
             ctx._policy_pool.shutdown(wait=True)
             try:
                 if ctx.leader.is_leader:
@@ -551,9 +599,8 @@ def create_app(
         *statuspage.routes(),
         *extra_routes,
     ]
-    policy_routes = getattr(policy, "routes", None)
-    if policy_routes is not None:
-        routes.extend(policy_routes())
+    if isinstance(policy, RouteHook):
+        routes.extend(policy.routes())
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.ctx = ctx
     return app
