@@ -26,7 +26,8 @@ reported when the order lands (:func:`preempt_step`)::
 the interpreter's switch interval for the hook's thread), ``p10`` the job's fast pace. With
 50 ms steps that is the next step, or the one after when the ranks are about to finish
 theirs. A rank for which S already passed still reports ``missed`` and the whole job gets
-a new S, 2, then 4, ... steps ahead.
+a new S, 2, then 4, ... steps ahead (of the estimate, and of the step the rank reported:
+every reissue, preemption or not, passes that step to the rule as its ``floor``).
 
 Protocol
 --------
@@ -156,12 +157,13 @@ def choose_step(
     safety_s: float = 0.25,
     margin_scale: float = 1.0,
     fallback_steps: int = 10,
+    floor: int | None = None,
 ) -> int:
     """The step S every rank of a job should save at: :func:`forewarn.ordering.order_step`
-    with the job's median step time on this node as every rank's pace."""
+    with the job's median step time on this node as every rank's pace (S > ``floor``)."""
     p50, estimated = _paced_estimate(list(views), 0.5, now)
     step, _ = order_step(estimated, p50, lead_s=margin_scale * (delivery_latency_s + safety_s),
-                         unknown_margin=math.ceil(margin_scale * fallback_steps))
+                         unknown_margin=math.ceil(margin_scale * fallback_steps), floor=floor)
     return step
 
 
@@ -172,6 +174,7 @@ def preempt_step(
     reissues: int = 0,
     fallback_delivery_s: float = 0.05,
     fallback_steps: int = 10,
+    floor: int | None = None,
 ) -> int:
     """The step S of a local preemption order: the first step no rank can have reported
     when the order lands, by :func:`forewarn.ordering.order_step` with no extra lead.
@@ -185,13 +188,14 @@ def preempt_step(
     slowest recent beat from a rank to here (measured) plus the interpreter's switch
     interval (the hook's thread may wait that long for the GIL before it compares its
     step with S); ``fallback_delivery_s`` before any beat was measured. Each reissue
-    after a ``missed`` report doubles the margin in steps (1, 2, 4, ...)."""
+    after a ``missed`` report doubles the margin in steps (1, 2, 4, ...) past the
+    estimate or ``floor`` (the step the rank reported with its ``missed``)."""
     views = list(views)
     measured = [v.delivery_s for v in views if v.delivery_s is not None]
     delivery = (max(measured) if measured else fallback_delivery_s) + sys.getswitchinterval()
     pace, estimated = _paced_estimate(views, 0.1, now + delivery)
     step, _ = order_step(estimated, pace, lead_s=0.0, min_margin=2**reissues,
-                         unknown_margin=fallback_steps * 2**reissues)
+                         unknown_margin=fallback_steps * 2**reissues, floor=floor)
     return step
 
 
@@ -336,7 +340,8 @@ class CheckpointOrders:
                                None, "local", None, 0)
 
     def _issue(self, job: str, step: int | None, reason: str, request_id: str | None,
-               origin: str, root: str | None, reissues: int) -> CheckpointOrder | None:
+               origin: str, root: str | None, reissues: int, floor: int | None = None
+               ) -> CheckpointOrder | None:
         now = self.clock()
         views = [v for v in self.table.job_views(job) if self.table.alive(v, now)]
         if not views:
@@ -344,11 +349,12 @@ class CheckpointOrders:
             return None
         chose = step is None
         if step is None and reason.startswith(PREEMPTED):
-            step = preempt_step(views, now, reissues=reissues,
+            step = preempt_step(views, now, reissues=reissues, floor=floor,
                                 fallback_delivery_s=self.delivery_latency_s)
         elif step is None:
             step = choose_step(views, now, delivery_latency_s=self.delivery_latency_s,
-                               safety_s=self.safety_s, margin_scale=2.0**reissues)
+                               safety_s=self.safety_s, margin_scale=2.0**reissues,
+                               floor=floor)
         rid = request_id or f"fw-{uuid.uuid4().hex[:16]}"
         order = CheckpointOrder(request_id=rid, job=job, step=step, reason=reason[:4000],
                                 issued=now)
@@ -384,7 +390,7 @@ class CheckpointOrders:
             st.phases[rep.rank] = rep.phase
             st.unsent.discard(rep.rank)
             if rep.phase == "missed":
-                self._missed(st, f"rank {rep.rank} was at step {rep.step} already")
+                self._missed(st, f"rank {rep.rank} was at step {rep.step} already", rep.step)
             elif rep.phase == "failed":
                 log.error("checkpoint order %s: rank %d failed to save", rep.request_id, rep.rank)
                 if all(st.phases.get(r) in ("done", "failed") for r in st.expected):
@@ -396,7 +402,8 @@ class CheckpointOrders:
                          rep.request_id, len(st.expected), st.order.job, st.order.step)
                 self._close(st, "done")
 
-    def _missed(self, st: OrderStatus, why: str) -> None:
+    def _missed(self, st: OrderStatus, why: str, floor: int | None = None) -> None:
+        """Reissue an order the agent chose S for, past ``floor`` (the rank's step)."""
         if not st.agent_chose_step:
             log.warning("checkpoint order %s (step %d from %s): %s; left to the %s to reissue",
                         st.order.request_id, st.order.step, st.origin, why, st.origin)
@@ -410,7 +417,7 @@ class CheckpointOrders:
         log.warning("checkpoint order %s missed (%s): reissuing with a wider margin",
                     st.order.request_id, why)
         self._issue(st.order.job, None, st.order.reason, f"{st.root}-r{st.reissues + 1}",
-                    st.origin, st.root, st.reissues + 1)
+                    st.origin, st.root, st.reissues + 1, floor)
 
     # -- every poll ----------------------------------------------------------------------
     def tick(self, now: float) -> None:

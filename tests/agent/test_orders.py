@@ -248,9 +248,9 @@ def test_missed_preemption_order_is_reissued_further_ahead_for_every_rank(
     assert ranks.received("j", 1) == [again]
     assert again.request_id == f"{first.request_id}-r1"
     assert again.reason == first.reason and again.step == 41 + 2
-    ranks.report("j", 0, 100, again.request_id, 43, "missed")
+    ranks.report("j", 0, 100, again.request_id, 44, "missed")  # past the rank's own step
     (third,) = ranks.received("j", 0)
-    assert third.request_id == f"{first.request_id}-r2" and third.step == 41 + 4
+    assert third.request_id == f"{first.request_id}-r2" and third.step == 44 + 4
     (st,) = orders.open_orders()
     assert st.order == third and st.reissues == 2
     for rank in (0, 1):
@@ -280,11 +280,30 @@ def test_missed_reissues_for_the_whole_job(ranks: Ranks) -> None:
     assert ranks.received("j", 1) == [again]
     assert again.request_id == f"{first.request_id}-r1"
     assert again.step > first.step
-    # the margin doubled: 2 x ceil(0.3 / 0.1) = 6 (+1) past the fastest known step
-    assert again.step == 11 + 6 + 1
+    # the margin doubled: 2 x ceil(0.3 / 0.1) = 6 (+1) past the step rank 1 said it was at
+    assert again.step == first.step + 2 + 6 + 1
     (st,) = orders.open_orders()
     assert st.order == again and st.reissues == 1
     assert orders.outcomes_total["superseded"] == 1
+
+
+@pytest.mark.parametrize("preempt", [False, True])
+def test_a_reissue_is_past_the_step_the_missing_rank_reported(
+    ranks: Ranks, preempt: bool
+) -> None:
+    """The ``missed`` report names the rank's step; the table may not have seen that step
+    yet (its records lost or still on the way): the reissue is past it all the same."""
+    orders = _paced_job(ranks, [(40, 0.010), (40, 0.010)], 0.05)
+    if preempt:
+        _notice(ranks, "j", 0, 100)
+    first = orders.open_orders()[0].order if preempt else orders.order_job(
+        "j", reason="test", origin="local")
+    assert first is not None
+    ranks.received("j", 0)
+    ranks.received("j", 1)
+    ranks.report("j", 1, 101, first.request_id, 60, "missed")
+    (again,) = ranks.received("j", 0)
+    assert again.request_id == f"{first.request_id}-r1" and again.step > 60
 
 
 def test_collector_step_is_not_reissued_locally(ranks: Ranks) -> None:
