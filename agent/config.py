@@ -65,7 +65,9 @@ class AgentConfig:
     grad_spike_factor: float = 10.0
     """Grad norm above this many times the rank's rolling median is a spike."""
     order_safety_s: float = 0.25
-    """Checkpoint order margin: seconds of step-time jitter added ahead of the fastest rank."""
+    """Checkpoint order margin: seconds of step-time jitter added ahead of the fastest rank
+    (not for preemption orders: those are placed by the measured delivery and each rank's
+    phase, see agent/orders.py)."""
     # collector uplink
     uplink: str = "http"
     """Transport to the collector: ``http`` (``collector_url``) or ``nats`` (``nats_url``,

@@ -15,6 +15,20 @@ rank's last step, ``delivery_latency_s`` covers the datagram and the hook notici
 ``missed`` report doubles the margin. Without step times yet, the margin is
 ``fallback_steps`` (10).
 
+A preemption order (below) is placed closer, because the scheduler's grace period is
+ticking: by the same rule with no extra lead, S is the first step no rank can have
+reported when the order lands (:func:`preempt_step`)::
+
+    s_arrival = max over ranks (last_step + floor((now + delivery - t_last_step) / p10))
+    S         = s_arrival + 1
+
+``delivery`` is measured (the slowest of the ranks' recent beats from hook to agent, plus
+the interpreter's switch interval for the hook's thread), ``p10`` the job's fast pace. With
+50 ms steps that is the next step, or the one after when the ranks are about to finish
+theirs. A rank for which S already passed still reports ``missed`` and the whole job gets
+a new S, 2, then 4, ... steps ahead (of the estimate, and of the step the rank reported:
+every reissue, preemption or not, passes that step to the rule as its ``floor``).
+
 Protocol
 --------
 The order (:class:`forewarn.wire.CheckpointOrder`) goes to each local rank's ``reply_to``.
@@ -54,7 +68,8 @@ Preemption
 ----------
 A rank that gets a preemption notice (SIGTERM, Slurm's USR1 warning, a maintenance-notice
 file) says so in its next beat, sent at once. The first such beat of a job orders every
-local rank to save at S chosen as above, reason ``preempted: ...`` (``preempt_job``);
+local rank to save at S chosen by :func:`preempt_step`, reason ``preempted: ...``
+(``preempt_job``);
 further notices while that order is open (Slurm's double SIGTERM, the other ranks' own
 signals) add nothing. Each rank exits after that save, so all of them save the same step
 and none waits in a collective for a peer that left. Jobs spanning nodes are left to the
@@ -79,6 +94,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -99,7 +115,8 @@ from forewarn.wire import (
     encode,
 )
 
-__all__ = ["CheckpointOrders", "HangTerminator", "OrderStatus", "choose_step", "reason_label"]
+__all__ = ["CheckpointOrders", "HangTerminator", "OrderStatus", "choose_step", "preempt_step",
+           "reason_label"]
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +141,14 @@ def reason_label(reason: str, origin: str) -> str:
     return label or origin
 
 
+def _paced_estimate(views: list[RankView], q: float, at: float) -> tuple[float | None, int | None]:
+    """The job's ``q`` quantile step time on this node, and the furthest step a rank has
+    probably reported by ``at`` when every rank goes at that pace."""
+    pace = quantile([s for v in views for s in v.step_seconds], q)
+    return pace, estimated_step(
+        (RankProgress(v.last_step, v.last_progress, pace) for v in views), at)
+
+
 def choose_step(
     views: Iterable[RankView],
     now: float,
@@ -132,15 +157,45 @@ def choose_step(
     safety_s: float = 0.25,
     margin_scale: float = 1.0,
     fallback_steps: int = 10,
+    floor: int | None = None,
 ) -> int:
     """The step S every rank of a job should save at: :func:`forewarn.ordering.order_step`
-    with the job's median step time on this node as every rank's pace."""
-    views = list(views)
-    p50 = quantile([s for v in views for s in v.step_seconds], 0.5)
-    estimated = estimated_step(
-        (RankProgress(v.last_step, v.last_progress, p50) for v in views), now)
+    with the job's median step time on this node as every rank's pace (S > ``floor``)."""
+    p50, estimated = _paced_estimate(list(views), 0.5, now)
     step, _ = order_step(estimated, p50, lead_s=margin_scale * (delivery_latency_s + safety_s),
-                         unknown_margin=math.ceil(margin_scale * fallback_steps))
+                         unknown_margin=math.ceil(margin_scale * fallback_steps), floor=floor)
+    return step
+
+
+def preempt_step(
+    views: Iterable[RankView],
+    now: float,
+    *,
+    reissues: int = 0,
+    fallback_delivery_s: float = 0.05,
+    fallback_steps: int = 10,
+    floor: int | None = None,
+) -> int:
+    """The step S of a local preemption order: the first step no rank can have reported
+    when the order lands, by :func:`forewarn.ordering.order_step` with no extra lead.
+
+    The order goes over this node's datagram socket, and the ranks' step records carry
+    the time of each step on this host's clock, so the agent knows each rank's phase
+    within its current step. It estimates where the fastest rank is when the order
+    arrives (``now + delivery``), advancing each rank at the job's fast pace (the 10th
+    percentile of its recent step times, so a rank running faster than its median is
+    still behind the estimate), and orders the step after that. ``delivery`` is the
+    slowest recent beat from a rank to here (measured) plus the interpreter's switch
+    interval (the hook's thread may wait that long for the GIL before it compares its
+    step with S); ``fallback_delivery_s`` before any beat was measured. Each reissue
+    after a ``missed`` report doubles the margin in steps (1, 2, 4, ...) past the
+    estimate or ``floor`` (the step the rank reported with its ``missed``)."""
+    views = list(views)
+    measured = [v.delivery_s for v in views if v.delivery_s is not None]
+    delivery = (max(measured) if measured else fallback_delivery_s) + sys.getswitchinterval()
+    pace, estimated = _paced_estimate(views, 0.1, now + delivery)
+    step, _ = order_step(estimated, pace, lead_s=0.0, min_margin=2**reissues,
+                         unknown_margin=fallback_steps * 2**reissues, floor=floor)
     return step
 
 
@@ -265,7 +320,8 @@ class CheckpointOrders:
 
     def preempt_job(self, view: RankView) -> CheckpointOrder | None:
         """A rank of ``view.job`` got a preemption notice (table listener, ingest thread):
-        order the whole job to save one step ahead of its fastest rank, once per notice
+        order the whole job to save at the first step its fastest rank cannot have
+        reported when the order lands (:func:`preempt_step`), once per notice
         round (ranks signalled together, twice, or a step apart share the order). Reason
         ``preempted: ...``: every rank that gets it exits after the save. A job with ranks
         on other nodes is left to its ranks' collective fallback (as the fast path)."""
@@ -284,16 +340,21 @@ class CheckpointOrders:
                                None, "local", None, 0)
 
     def _issue(self, job: str, step: int | None, reason: str, request_id: str | None,
-               origin: str, root: str | None, reissues: int) -> CheckpointOrder | None:
+               origin: str, root: str | None, reissues: int, floor: int | None = None
+               ) -> CheckpointOrder | None:
         now = self.clock()
         views = [v for v in self.table.job_views(job) if self.table.alive(v, now)]
         if not views:
             log.info("checkpoint order for job %s: no live rank on this node", job)
             return None
         chose = step is None
-        if step is None:
+        if step is None and reason.startswith(PREEMPTED):
+            step = preempt_step(views, now, reissues=reissues, floor=floor,
+                                fallback_delivery_s=self.delivery_latency_s)
+        elif step is None:
             step = choose_step(views, now, delivery_latency_s=self.delivery_latency_s,
-                               safety_s=self.safety_s, margin_scale=2.0**reissues)
+                               safety_s=self.safety_s, margin_scale=2.0**reissues,
+                               floor=floor)
         rid = request_id or f"fw-{uuid.uuid4().hex[:16]}"
         order = CheckpointOrder(request_id=rid, job=job, step=step, reason=reason[:4000],
                                 issued=now)
@@ -329,7 +390,7 @@ class CheckpointOrders:
             st.phases[rep.rank] = rep.phase
             st.unsent.discard(rep.rank)
             if rep.phase == "missed":
-                self._missed(st, f"rank {rep.rank} was at step {rep.step} already")
+                self._missed(st, f"rank {rep.rank} was at step {rep.step} already", rep.step)
             elif rep.phase == "failed":
                 log.error("checkpoint order %s: rank %d failed to save", rep.request_id, rep.rank)
                 if all(st.phases.get(r) in ("done", "failed") for r in st.expected):
@@ -341,7 +402,8 @@ class CheckpointOrders:
                          rep.request_id, len(st.expected), st.order.job, st.order.step)
                 self._close(st, "done")
 
-    def _missed(self, st: OrderStatus, why: str) -> None:
+    def _missed(self, st: OrderStatus, why: str, floor: int | None = None) -> None:
+        """Reissue an order the agent chose S for, past ``floor`` (the rank's step)."""
         if not st.agent_chose_step:
             log.warning("checkpoint order %s (step %d from %s): %s; left to the %s to reissue",
                         st.order.request_id, st.order.step, st.origin, why, st.origin)
@@ -355,7 +417,7 @@ class CheckpointOrders:
         log.warning("checkpoint order %s missed (%s): reissuing with a wider margin",
                     st.order.request_id, why)
         self._issue(st.order.job, None, st.order.reason, f"{st.root}-r{st.reissues + 1}",
-                    st.origin, st.root, st.reissues + 1)
+                    st.origin, st.root, st.reissues + 1, floor)
 
     # -- every poll ----------------------------------------------------------------------
     def tick(self, now: float) -> None:

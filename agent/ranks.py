@@ -211,6 +211,10 @@ class RankState:
     """The same window kept sorted (bisect), so the median costs no sort per step."""
     last_beat: float | None = None
     beat_interval_s: float | None = None
+    beat_latency: collections.deque[float] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=8))
+    """Seconds from the hook making each recent beat to its arrival here (same host clock):
+    the measured one-way delivery of a datagram between the rank and the agent."""
     reply_to: str = ""
     hook_dropped: int = 0
     nonfinite_loss_step: int | None = None
@@ -313,6 +317,8 @@ class RankState:
             elif gap >= 0.5 * self.beat_interval_s:
                 self.beat_interval_s = 0.8 * self.beat_interval_s + 0.2 * gap
         self.last_beat = now
+        if 0.0 <= now - beat.time < 1.0:  # a late or skewed one says nothing of the socket
+            self.beat_latency.append(now - beat.time)
         if beat.reply_to and beat.reply_to != self.reply_to and reply_ok(beat.reply_to):
             self.reply_to = beat.reply_to
         self.hook_dropped = beat.dropped
@@ -343,7 +349,8 @@ class RankState:
             compute_seconds=tuple(self.compute_seconds), loss=self.loss,
             grad_norm=self.grad_norm, grad_norm_median=self.grad_median(),
             grad_norm_samples=len(self.grad_norms), last_beat=self.last_beat,
-            beat_interval_s=self.beat_interval_s, reply_to=self.reply_to,
+            beat_interval_s=self.beat_interval_s,
+            delivery_s=max(self.beat_latency, default=None), reply_to=self.reply_to,
             hook_dropped=self.hook_dropped, nonfinite_loss_step=self.nonfinite_loss_step,
             nonfinite_grad_step=self.nonfinite_grad_step,
             nonfinite_grad_streak=self.nonfinite_grad_streak, spike_step=self.spike_step,
@@ -386,6 +393,8 @@ class RankView:
     grad_norm_samples: int
     last_beat: float | None
     beat_interval_s: float | None
+    delivery_s: float | None
+    """The slowest of the rank's recent beats from the hook to here (None: none measured)."""
     reply_to: str
     hook_dropped: int
     nonfinite_loss_step: int | None

@@ -47,11 +47,11 @@ maintenance notice written by the user's watcher; checked once per beat on the b
 thread, nothing on the step path). Every rank of the job then saves ONE step and exits:
 
 * with an agent: the rank's next beat (sent at once) says ``preempted``; the agent orders
-  the whole job, as for any checkpoint order, to save one step ahead of its fastest rank
-  (reason ``preempted``). Every rank that gets that order saves at its step and exits,
-  signalled or not, so ranks signalled a step apart, or only some ranks, save the same
-  step. A rank whose agent does not answer within ``preempt_order_wait_s`` saves alone at
-  its next step;
+  the whole job to save at the first step its fastest rank cannot have reached when the
+  order lands, usually the next step (reason ``preempted``). Every rank that gets that
+  order saves at its step and exits, signalled or not, so ranks signalled a step apart, or
+  only some ranks, save the same step. A rank whose agent does not answer within
+  ``preempt_order_wait_s`` saves alone at its next step;
 * with ``agree_every=k`` (the collective fallback for jobs run without an agent): the
   ranks' ``all_reduce(MAX)`` every k steps carries the notice, and every rank saves the
   agreed step and exits;
@@ -412,6 +412,10 @@ class Monitor:
             if any(is_preemption(r) for _, r in now):
                 # the job-wide preemption save (this rank may not have been signalled
                 # itself): checkpoint_done() then exits the process
+                if pre.stage == NONE:
+                    # the order is this rank's notice: its own signal, arriving during
+                    # the save, is a repeat within the grace, not a reason to die mid-save
+                    pre.since = self._mono()
                 pre.stage = SAVING
                 reason = PREEMPT_REQUEST
             self._start(step, rids, reason)

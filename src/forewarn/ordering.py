@@ -14,6 +14,12 @@ for nothing; a report from the future (clock skew) advances nothing. ``lead_s`` 
 the order needs to reach every rank (delivery latency + safety). ``floor`` is a step S must
 exceed, e.g. the step a rank reported when it missed the previous order.
 
+A caller that knows when each rank reported its last step on its own clock (the agent,
+for ranks on its node) may instead estimate at the moment the order lands and pass no
+lead: ``order_step(estimated_step(ranks, now + lead_s), pace, lead_s=0)`` is the first step
+no rank can have reported by then, up to one step sooner than the margin form, which
+does not know where in its current step each rank is (the agent's preemption orders).
+
 Properties (tests/test_ordering.py checks them with hypothesis): S is greater than every
 rank's estimated step and than ``floor``; S never decreases when ``lead_s`` or time grows;
 with a known pace, S - estimated is at least the number of steps the fastest rank makes

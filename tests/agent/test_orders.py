@@ -182,8 +182,80 @@ def test_preemption_notice_orders_the_whole_job_once_per_round(ranks: Ranks) -> 
     _notice(ranks, "j", 0, 100)  # ... again (Slurm: SIGTERM, SIGCONT, SIGTERM)
     _notice(ranks, "j", 1, 101)  # ... and rank 1's own signal
     (o0,), (o1,) = ranks.received("j", 0), ranks.received("j", 1)
-    assert o0 == o1 and o0.step == 14 and o0.reason.startswith("preempted:")
+    # both ranks reported step 10 just now and steps take 0.1 s: the order (delivered in
+    # well under a step) lands while they run step 11, which is the step they save
+    assert o0 == o1 and o0.step == 11 and o0.reason.startswith("preempted:")
     assert orders.orders_total[("j", "preempted")] == 1
+
+
+def _paced_job(ranks: Ranks, reports: list[tuple[int, float]], step_s: float,
+               beat_late_s: float = 0.0) -> CheckpointOrders:
+    """Job ``j`` whose rank r last reported step ``reports[r][0]`` ``reports[r][1]`` seconds
+    ago, at ``step_s`` a step; its beats arrive ``beat_late_s`` after they were made."""
+    now = ranks.clock.t
+    for rank, (last, ago) in enumerate(reports):
+        ranks.add("j", rank, 100 + rank, world=len(reports))
+        for n in range(last - 19, last + 1):
+            ranks.clock.t = now - ago - (last - n) * step_s
+            ranks.step("j", rank, 100 + rank, n, seconds=step_s)
+    ranks.clock.t = now
+    for rank in range(len(reports)):
+        b = Beat(job="j", rank=rank, local_rank=rank, world_size=len(reports), pid=100 + rank,
+                 host="h", time=now - beat_late_s, last_step=reports[rank][0])
+        assert ranks.table.admit(b, Credentials(100 + rank, os.getuid(), 0), now) is None
+    orders = make_orders(ranks)
+    ranks.table.on_preempt(orders.preempt_job)
+    return orders
+
+
+@pytest.mark.parametrize(("reports", "beat_late_s", "expected"), [
+    # 50 ms steps, the fastest rank reported step 40 10 ms ago: 40 ms of step 41 are left,
+    # far more than the delivery (sub-ms datagram + the hook's GIL switch): save step 41
+    ([(40, 0.010), (39, 0.001)], 0.0, 41),
+    # the fastest rank is 1 ms from ending step 41: it may report it before the order
+    # lands, so step 42 (the next step no rank can have reached by then)
+    ([(40, 0.049), (40, 0.049)], 0.0, 42),
+    # beats measured 30 ms late: the order needs ~35 ms, step 41 ends in 20 ms -> 42
+    ([(40, 0.030), (40, 0.030)], 0.030, 42),
+])
+def test_preemption_order_is_for_the_first_step_no_rank_can_reach_before_it_lands(
+    ranks: Ranks, reports: list[tuple[int, float]], beat_late_s: float, expected: int
+) -> None:
+    """The local preemption order's lead is the measured delivery and the ranks' own
+    phase and pace, not the fixed 0.3 s (which put S 7 steps ahead at 50 ms a step)."""
+    _paced_job(ranks, reports, 0.05, beat_late_s)
+    _notice(ranks, "j", 0, 100)
+    (o0,), (o1,) = ranks.received("j", 0), ranks.received("j", 1)
+    assert o0 == o1 and o0.step == expected
+    # a fast-path order keeps its configured margin (delivery 0.05 s + safety 0.25 s)
+    assert choose_step(ranks.table.job_views("j"), ranks.clock()) >= 40 + 6
+
+
+def test_missed_preemption_order_is_reissued_further_ahead_for_every_rank(
+    ranks: Ranks
+) -> None:
+    """A rank already past S says ``missed``; the agent reissues the preemption order to
+    the whole job with twice the steps of margin each time, under the same chain."""
+    orders = _paced_job(ranks, [(40, 0.010), (40, 0.010)], 0.05)
+    _notice(ranks, "j", 0, 100)
+    (first,) = ranks.received("j", 0)
+    ranks.received("j", 1)
+    assert first.step == 41
+    # rank 1 ran faster than its pace: it had reported step 41 when the order came
+    ranks.step("j", 1, 101, 41, seconds=0.04)
+    ranks.report("j", 1, 101, first.request_id, 41, "missed")
+    (again,) = ranks.received("j", 0)
+    assert ranks.received("j", 1) == [again]
+    assert again.request_id == f"{first.request_id}-r1"
+    assert again.reason == first.reason and again.step == 41 + 2
+    ranks.report("j", 0, 100, again.request_id, 44, "missed")  # past the rank's own step
+    (third,) = ranks.received("j", 0)
+    assert third.request_id == f"{first.request_id}-r2" and third.step == 44 + 4
+    (st,) = orders.open_orders()
+    assert st.order == third and st.reissues == 2
+    for rank in (0, 1):
+        ranks.report("j", rank, 100 + rank, third.request_id, third.step, "done")
+    assert not orders.open_orders() and orders.outcomes_total["done"] == 1
 
 
 def test_preemption_of_a_job_spanning_nodes_is_not_ordered_locally(ranks: Ranks) -> None:
@@ -208,11 +280,30 @@ def test_missed_reissues_for_the_whole_job(ranks: Ranks) -> None:
     assert ranks.received("j", 1) == [again]
     assert again.request_id == f"{first.request_id}-r1"
     assert again.step > first.step
-    # the margin doubled: 2 x ceil(0.3 / 0.1) = 6 (+1) past the fastest known step
-    assert again.step == 11 + 6 + 1
+    # the margin doubled: 2 x ceil(0.3 / 0.1) = 6 (+1) past the step rank 1 said it was at
+    assert again.step == first.step + 2 + 6 + 1
     (st,) = orders.open_orders()
     assert st.order == again and st.reissues == 1
     assert orders.outcomes_total["superseded"] == 1
+
+
+@pytest.mark.parametrize("preempt", [False, True])
+def test_a_reissue_is_past_the_step_the_missing_rank_reported(
+    ranks: Ranks, preempt: bool
+) -> None:
+    """The ``missed`` report names the rank's step; the table may not have seen that step
+    yet (its records lost or still on the way): the reissue is past it all the same."""
+    orders = _paced_job(ranks, [(40, 0.010), (40, 0.010)], 0.05)
+    if preempt:
+        _notice(ranks, "j", 0, 100)
+    first = orders.open_orders()[0].order if preempt else orders.order_job(
+        "j", reason="test", origin="local")
+    assert first is not None
+    ranks.received("j", 0)
+    ranks.received("j", 1)
+    ranks.report("j", 1, 101, first.request_id, 60, "missed")
+    (again,) = ranks.received("j", 0)
+    assert again.request_id == f"{first.request_id}-r1" and again.step > 60
 
 
 def test_collector_step_is_not_reissued_locally(ranks: Ranks) -> None:

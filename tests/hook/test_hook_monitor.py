@@ -431,6 +431,106 @@ def test_sigterm_without_checkpoint_support_behaves_as_before(
     assert proc.stdout == "" and proc.returncode == -signal.SIGTERM
 
 
+_ORDERED_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from forewarn.hook import Monitor
+    mon = Monitor(job="pre", rank=1, world_size=2, socket_path=sys.argv[1], beat_interval_s=0.1)
+    for step in range(200):
+        time.sleep(0.02)
+        mon.step(step, loss=1.0, grad_norm=1.0)
+        if mon.should_checkpoint(step):
+            print("checkpoint", step, mon.preempted, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)  # this rank's own notice, during the save
+            time.sleep(0.05)
+            mon.checkpoint_done(step, 0.5, 10)
+            print("still running after checkpoint_done", flush=True)
+    print("finished", flush=True)
+    """
+)
+
+
+def _ordered_rank(tmp_path: Path, agent: FakeAgent) -> subprocess.Popen[str]:
+    script = tmp_path / "ordered.py"
+    script.write_text(_ORDERED_SCRIPT)
+    return subprocess.Popen([sys.executable, str(script), agent.path], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _read_until_exit(proc: subprocess.Popen[str], agent: FakeAgent) -> tuple[str, str]:
+    """Keep reading the agent socket (it queues only a few datagrams) until ``proc`` exits;
+    its stdout and stderr."""
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline:
+        agent.recv(0.1)
+    while agent.recv(0.2) is not None:
+        pass
+    return proc.communicate(timeout=10)
+
+
+def test_a_rank_saving_on_the_jobs_preemption_order_survives_its_own_signal_in_the_save(
+    tmp_path: Path, agent: FakeAgent
+) -> None:
+    """A rank not signalled itself saves on the agent's job-wide preemption order; its own
+    SIGTERM arriving during that save is a repeated notice, not a reason to die mid-save
+    (it did: the grace was counted from a notice it never had, and the peer's collective
+    save failed)."""
+    proc = _ordered_rank(tmp_path, agent)
+    try:
+        beat = agent.wait_for(lambda m: isinstance(m, wire.Beat) and m.last_step is not None
+                              and m.last_step >= 2, 30)
+        assert isinstance(beat, wire.Beat) and beat.last_step is not None
+        o = wire.CheckpointOrder(request_id="fw-1", job="pre", step=beat.last_step + 10,
+                                 reason="preempted: rank 0 got a notice", issued=time.time())
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(wire.encode(o), beat.reply_to)
+        out, err = _read_until_exit(proc, agent)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert out.splitlines() == [f"checkpoint {o.step} True"], err
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert any(isinstance(m, wire.CheckpointReport) and m.phase == "done"
+               and m.request_id == "fw-1" for m in agent.seen)
+
+
+def test_a_missed_preemption_order_is_reported_and_the_reissue_is_saved(
+    tmp_path: Path, agent: FakeAgent
+) -> None:
+    """The miss path on the rank's side: a preemption order for a step this rank passed
+    is reported ``missed`` with its current step (it neither saves nor exits); the
+    agent's reissue, further ahead, is saved and the process exits 128 + SIGTERM."""
+    proc = _ordered_rank(tmp_path, agent)
+
+    def order(rid: str, step: int, reply_to: str) -> None:
+        o = wire.CheckpointOrder(request_id=rid, job="pre", step=step, issued=time.time(),
+                                 reason="preempted: rank 0 got a notice")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(wire.encode(o), reply_to)
+
+    try:
+        beat = agent.wait_for(lambda m: isinstance(m, wire.Beat) and m.last_step is not None
+                              and m.last_step >= 3, 30)
+        assert isinstance(beat, wire.Beat) and beat.last_step is not None
+        order("fw-2", beat.last_step - 1, beat.reply_to)
+        missed = agent.wait_for(lambda m: isinstance(m, wire.CheckpointReport), 10)
+        assert isinstance(missed, wire.CheckpointReport)
+        assert (missed.phase, missed.request_id) == ("missed", "fw-2")
+        assert missed.step >= beat.last_step and proc.poll() is None
+        again = missed.step + 10
+        order("fw-2-r1", again, beat.reply_to)
+        out, err = _read_until_exit(proc, agent)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert out.splitlines() == [f"checkpoint {again} True"], err
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert any(isinstance(m, wire.CheckpointReport) and m.phase == "done"
+               and m.request_id == "fw-2-r1" and m.step == again for m in agent.seen)
+
+
 def test_bad_preempt_signal_name_is_an_error_naming_it(agent: FakeAgent) -> None:
     with pytest.raises(ValueError, match="SIGNOPE"):
         _monitor(agent.path, preempt_signals="TERM,SIGNOPE")
