@@ -38,3 +38,13 @@ def test_print_of_an_unknown_file_names_the_shipped_ones() -> None:
     assert r.returncode == 2
     assert "agent.toml" in r.stderr and "prometheus.yml" in r.stderr
     assert r.stdout == ""
+
+
+def test_print_gives_the_prometheus_alert_rules_the_repository_checks() -> None:
+    """The rules that deploy/prometheus.yml loads ship with the package: an operator who
+    installed only the wheel prints them (the same file promtool checks in dashboards/rules/)."""
+    from support.paths import REPO
+
+    r = _forewarn("deploy", "print", "rules/forewarn.rules.yml")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == (REPO / "dashboards" / "rules" / "forewarn.rules.yml").read_text()

@@ -20,12 +20,11 @@ import pytest
 
 from forewarn.demo.launch import free_port
 
-from support.paths import REPO, TESTS
+from support.paths import TESTS
 
 pytestmark = pytest.mark.timeout(900)
 
 DATA = TESTS / "data"
-RULES = REPO / "dashboards" / "rules" / "forewarn.rules.yml"
 
 
 def _run(argv: list[str],
@@ -219,14 +218,16 @@ def _alertmanager(venv: Path, tmp_path: Path, collector: str,
 
 def _prometheus(venv: Path, tmp_path: Path, agent: str, collector: str, alertmanager: str,
                 started: list[subprocess.Popen[bytes]], binary: str) -> str:
-    """Prometheus with the wheel's example config (scraping and evaluating every second,
-    the repository's shipped rule file) scraping the installed agent and collector and
+    """Prometheus with the wheel's example config and rule file (scraping and evaluating
+    every second) scraping the installed agent and collector and
     sending to ``alertmanager``; its URL."""
+    rules = tmp_path / "forewarn.rules.yml"  # the wheel's rules, as an operator gets them
+    rules.write_text(_shipped(venv, "rules/forewarn.rules.yml", {}))
     config = _shipped(venv, "prometheus.yml", {
         "scrape_interval: 15s": "scrape_interval: 1s",
         "evaluation_interval: 15s": "evaluation_interval: 1s",
         "scrape_interval: 5s": "scrape_interval: 1s",
-        "/etc/prometheus/forewarn.rules.yml": str(RULES),
+        "/etc/prometheus/forewarn.rules.yml": str(rules),
         "alertmanager:9093": alertmanager,
         '"gpu-node-001:9403", "gpu-node-002:9403"': f'"{agent}"',
         "forewarn-collector:9404": collector})
