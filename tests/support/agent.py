@@ -38,8 +38,13 @@ class AgentProc:
              str(workdir / "none.toml")],
             env=full_env, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
         (workdir / "none.toml").touch()
-        wait_for(self._ready, 60, f"agent {name} to serve (see {self.log})")
-        wait_for(sock.exists, 30, "the agent socket")
+        try:
+            wait_for(self._ready, 60, f"agent {name} to serve (see {self.log})")
+            wait_for(sock.exists, 30, "the agent socket")
+        except BaseException:
+            self.proc.kill()  # never leave an agent behind when its start fails
+            self.proc.wait()
+            raise
 
     def _get(self, path: str) -> bytes | None:
         try:
