@@ -61,14 +61,18 @@ class FailurePredictor:
         return out
 
     def findings(self, nodes: np.ndarray, gpus: np.ndarray, probs: np.ndarray, now: float,
-                 evidence: dict[str, np.ndarray] | None = None) -> list[Finding]:
-        """Findings for the GPUs whose probability is at or above the threshold."""
+                 evidence: dict[str, np.ndarray] | None = None,
+                 alarm: np.ndarray | None = None) -> list[Finding]:
+        """Findings for the GPUs whose probability is at or above the threshold (or, given
+        ``alarm``, those it marks), with their ``evidence`` values (numbers rounded,
+        strings as they are)."""
         out = []
-        for i in np.nonzero(probs >= self.threshold)[0]:
+        for i in np.nonzero(probs >= self.threshold if alarm is None else alarm)[0]:
             p = float(probs[i])
             ev: dict[str, float | int | str | bool | None] = {"probability": round(p, 4)}
             if evidence:
-                ev.update({k: round(float(v[i]), 4) for k, v in evidence.items()})
+                ev.update({k: v[i] if isinstance(v[i], str) else round(float(v[i]), 4)
+                           for k, v in evidence.items()})
             out.append(Finding(
                 check=self.check_name,
                 health=Health.DEGRADED if p < 0.8 else Health.UNHEALTHY,
