@@ -47,6 +47,8 @@ __all__ = [
     "GRID_S",
     "LAGS",
     "LAST_COLUMNS",
+    "LEGACY_NAMES",
+    "PEER_MINUTES",
     "XID_CLASSES",
     "derive",
     "gpu_features",
@@ -97,6 +99,10 @@ GAUGES: Final = ("temp", "temp_std", "margin", "power", "power_std", "thr_therma
 """Gauge signals compared with the GPU's own long-run level and with its node peers."""
 PEER_COUNTERS: Final = _RATE_COUNTERS
 """Counter rates compared with the node peers' (a node-wide event moves them all)."""
+PEER_MINUTES: Final = 15
+"""A GPU counts as a peer at a grid row when it sent a sample in the last this many
+minutes (from the grid itself, so batch and live agree); a quiet GPU's own peer
+deviation is zero."""
 
 
 def xid_class(code: int) -> str:
@@ -109,7 +115,8 @@ def _feature_names() -> tuple[str, ...]:
     for c in _RATE_COUNTERS:
         names += [f"{c}_d5", f"{c}_d15", f"{c}_d60", f"{c}_accel"]
     names += [f"{c}_{k}" for c in ACTIVE for k in ("active15", "active60", "conc15")]
-    names += ["remap_u_total", "pending_frac60", "temp_slope", "temp_excursion",
+    names += ["baseline_hours", "remap_u_total", "pending_frac60", "temp_slope",
+              "temp_excursion",
               "power_std15", "width_ratio", "samples_missing5", "samples_missing15"]
     names += [f"{g}_vs_own" for g in GAUGES]
     names += [f"{g}_vs_peers" for g in GAUGES]
@@ -120,6 +127,12 @@ def _feature_names() -> tuple[str, ...]:
 
 FEATURE_NAMES: Final = _feature_names()
 """Order of the feature vector the models see."""
+LEGACY_NAMES: Final = ("remap_c_total", "ret_sbe_total", "temp_mean5", "margin_mean5",
+                       "margin_last", "thr_thermal_frac15", "thr_thermal_frac60",
+                       "thr_power_frac15")
+"""Level features of models trained before every feature became a change against the
+GPU's own baseline or its peers (issue 17): still computed, so such a model (the shipped
+one) keeps working; new models are not trained on them."""
 
 
 def _mean(sum_a: np.ndarray, sum_b: np.ndarray, n_a: np.ndarray, n_b: np.ndarray,
@@ -202,6 +215,10 @@ def derive(now: Mapping[str, np.ndarray], lag: Mapping[int, Mapping[str, np.ndar
         # Concentration: errors per active minute. A burst packs many errors into a few
         # minutes; a precursor spreads a growing rate over many.
         out[f"{c}_conc15"] = np.log1p(d15 / np.maximum(out[f"{c}_active15"], 1.0))
+    # How much own history the baseline rests on (0: none yet, raw counts above): a
+    # model must tell "many errors on a GPU it knows" from "on a GPU it just met".
+    out["baseline_hours"] = zero if minutes is None else np.where(
+        minutes >= BASELINE_MIN_MINUTES, np.minimum(minutes, 48 * 60.0) / 60.0, 0.0)
     out["remap_u_total"] = np.log1p(np.maximum(now["remap_u"], 0.0))
     n60 = np.maximum(now["n"] - l60["n"], 0.0)
     with np.errstate(invalid="ignore", divide="ignore"):
@@ -244,10 +261,21 @@ def derive(now: Mapping[str, np.ndarray], lag: Mapping[int, Mapping[str, np.ndar
     # every GPU of the node and is no precursor of one GPU's failure.
     peer_in = {f"{g}_vs_peers": level[g] for g in GAUGES}
     peer_in |= {f"{c}_vs_peers": out[f"{c}_d15"] for c in PEER_COUNTERS}
-    out |= peer_deviation(peer_in, group)
+    member = (now["n"] - lag[PEER_MINUTES]["n"]) > 0
+    out |= peer_deviation(peer_in, None if group is None else np.where(member, group, -1))
     for c in XID_CLASSES:
         out[f"xid_{c}_60"] = np.maximum(now[f"xid_{c}"] - l60[f"xid_{c}"], 0.0)
-    return {k: np.nan_to_num(np.asarray(out[k], dtype=np.float64)) for k in FEATURE_NAMES}
+    out["remap_c_total"] = np.log1p(np.maximum(now["remap_c"], 0.0))
+    out["ret_sbe_total"] = np.log1p(np.maximum(now["ret_sbe"], 0.0))
+    out["temp_mean5"] = t5
+    out["margin_mean5"] = level["margin"]
+    out["margin_last"] = now["margin_last"]
+    out["thr_thermal_frac15"] = level["thr_thermal"]
+    out["thr_thermal_frac60"] = _mean(now["thr_thermal"], l60["thr_thermal"], now["n"],
+                                      l60["n"], zero)
+    out["thr_power_frac15"] = level["thr_power"]
+    return {k: np.nan_to_num(np.asarray(out[k], dtype=np.float64))
+            for k in FEATURE_NAMES + LEGACY_NAMES}
 
 
 def _gauge_levels(now: Mapping[str, np.ndarray], l5: Mapping[str, np.ndarray],
@@ -301,15 +329,22 @@ def _own_levels(first: Mapping[str, np.ndarray], end: Mapping[str, np.ndarray],
 
 def peer_deviation(values: Mapping[str, np.ndarray], group: np.ndarray | None
                    ) -> dict[str, np.ndarray]:
-    """Each value minus the median of its ``group`` (the GPUs of one node at one time);
-    ``samples_vs_peers`` as a ratio to the median, minus one. No group: zeros."""
+    """Each value minus the median of its ``group`` (the GPUs of one node at one time;
+    -1: not a peer, deviation zero); ``samples_vs_peers`` as a ratio to the median, minus
+    one. No group: zeros."""
     if group is None or len(group) == 0:
         return {k: np.zeros(len(v)) for k, v in values.items()}
     df = pd.DataFrame(dict(values))
-    med = df.groupby(group, sort=False).transform("median")
+    grouped = df.groupby(group, sort=False)
+    med = grouped.transform("median")
+    # A GPU without peers (alone on its node, or the others quiet) is compared with what
+    # a healthy peer's counters read, zero; its gauges have nothing to compare with.
+    alone = (grouped[df.columns[0]].transform("size").to_numpy() == 1) & (group >= 0)
     out: dict[str, np.ndarray] = {}
     for k in values:
         v, m = df[k].to_numpy(), med[k].to_numpy()
+        lone = 0.0 if k.removesuffix("_vs_peers") in PEER_COUNTERS else v
+        m = np.where(group >= 0, np.where(alone, lone, m), v)
         if k == "samples_vs_peers":
             with np.errstate(invalid="ignore", divide="ignore"):
                 out[k] = np.where(m > 0, v / m - 1.0, 0.0)
@@ -437,7 +472,7 @@ def grid_state(samples: pd.DataFrame, xids: pd.DataFrame | None = None) -> pd.Da
 
 def gpu_features(samples: pd.DataFrame, xids: pd.DataFrame | None = None) -> pd.DataFrame:
     """Feature table: one row per GPU per minute, columns ``node, gpu, time`` (end of the
-    minute, seconds) and :data:`FEATURE_NAMES`."""
+    minute, seconds), :data:`FEATURE_NAMES` and :data:`LEGACY_NAMES`."""
     g = grid_state(samples, xids)
     gid = g["_gid"]
     cols = list(CUM_COLUMNS)

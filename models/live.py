@@ -29,6 +29,7 @@ from forewarn.models.features import (
     GRID_S,
     LAGS,
     LAST_COLUMNS,
+    PEER_MINUTES,
     baseline_end,
     derive,
     xid_class,
@@ -260,8 +261,13 @@ class LiveScorer:
         self._roll(last_complete)
         n = len(self._nodes)
         m = last_complete
-        live = np.nonzero((self._first_minute[:n] >= 0) & (self._first_minute[:n] <= m)
-                          & (now - self._last_seen[:n] <= self.stale_s))[0]
+        started = (self._first_minute[:n] >= 0) & (self._first_minute[:n] <= m)
+        # Features for every GPU that may count as a peer (a sample within PEER_MINUTES:
+        # derive decides exactly, from the grid, as the batch features do); returned for
+        # the fresh ones only.
+        seen = now - self._last_seen[:n]
+        live = np.nonzero(started & (seen <= PEER_MINUTES * GRID_S + 2 * GRID_S))[0]
+        fresh = seen[live] <= self.stale_s
         now_row = self._ring[m % _RING, live]
         cols = {c: now_row[:, j] for j, c in enumerate(CUM_COLUMNS)}
         for c in LAST_COLUMNS:
@@ -280,10 +286,9 @@ class LiveScorer:
             minutes[:] = 0.0
         rows = self._block[held[0] if len(held) else 0, live]
         end = {c: rows[:, j] for j, c in enumerate(CUM_COLUMNS)}
-        # Peers: the node's other GPUs scored now (the batch features group by node and
-        # minute; a GPU gone quiet drops out of both after stale_s).
         group = np.unique(np.asarray(self._node_ids, np.int64)[live], return_inverse=True)[1]
-        return live, derive(cols, lag, first, end, minutes, group), (m + 1) * GRID_S
+        feats = derive(cols, lag, first, end, minutes, group)
+        return live[fresh], {k: v[fresh] for k, v in feats.items()}, (m + 1) * GRID_S
 
     def score(self, now: float) -> list[Finding]:
         """Findings for the GPUs in an alarm episode (:meth:`alarming`), each with its

@@ -19,7 +19,7 @@ __all__ = ["heldout_suite", "simulate_features", "train_suite", "tune_params"]
 
 def train_suite(base: FleetParams | None = None, scale: float = 1.0) -> list[FleetParams]:
     """Training fleets: seeds 101 and 102, precursor scale 1.0 and 0.8, noise 1.0 and 1.2;
-    4 days each at 100 failures per 1,000 GPU-days with every precursor family equally
+    4 days each at 250 failures per 1,000 GPU-days with every precursor family equally
     likely (rare families such as thermal ones get enough examples to learn from)."""
     p = _training(base)
     nodes = max(1, round(p.nodes * scale))
@@ -31,7 +31,7 @@ def train_suite(base: FleetParams | None = None, scale: float = 1.0) -> list[Fle
 
 def _training(base: FleetParams | None) -> FleetParams:
     p = base or load_params()
-    return p.replace(days=4.0, rate_per_1000_gpu_days=100.0, balanced_families=True)
+    return p.replace(days=4.0, rate_per_1000_gpu_days=250.0, balanced_families=True)
 
 
 def tune_params(base: FleetParams | None = None, scale: float = 1.0) -> FleetParams:

@@ -263,5 +263,5 @@ def test_shipped_model_loads_by_default(tmp_path: Path) -> None:
     assert svc.predictor.source == "default"
     shipped = load_model(default_model_path())
     assert svc.predictor.model.threshold == shipped.threshold
-    probs = svc.predictor.model.predict_proba(np.zeros((1, len(FEATURE_NAMES))))
+    probs = svc.predictor.model.predict_proba(np.zeros((1, len(shipped.feature_names))))
     assert probs.shape == (1,)

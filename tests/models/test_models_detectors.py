@@ -87,6 +87,7 @@ def test_isolation_forest_finds_the_failing_gpu() -> None:
     odd["remap_c_d60"], odd["pending_frac60"], odd["xid_memory_60"] = 1.0, 0.5, 4.0
     odd["temp_vs_own"], odd["temp_vs_peers"], odd["margin_vs_own"] = 20.0, 15.0, -20.0
     odd["thr_thermal_vs_own"], odd["thr_thermal_vs_peers"], odd["width_ratio"] = 1.0, 1.0, 0.5
+    odd["ecc_vs_peers"], odd["pcie_vs_peers"], odd["baseline_hours"] = 6.0, 6.0, 24.0
     assert det.scores(odd)[0] < det.cutoff
     f = det.findings(odd, now=1.0)
     assert len(f) == 1 and f[0].check == "models.isolation_forest"
