@@ -3,7 +3,6 @@ persistence with the skops allow-list; live scoring with shadow scores; CLI and 
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +22,7 @@ from forewarn.models.persist import (
     save_model,
 )
 from forewarn.models.predictor import FailurePredictor, label_rows, train_predictor
+from forewarn.models.suites import classic
 from forewarn.wire import GpuSample, NvlinkCounters
 
 from support.images import check_png
@@ -30,27 +30,10 @@ from support.images import check_png
 pytestmark = pytest.mark.timeout(600)
 
 
-_CLASSIC = ("ecc_accel", "sram_bursts", "pcie_accel", "nvlink_one", "thermal_creep",
-            "gsp_power")
-
-
-def _classic(p: FleetParams) -> FleetParams:
-    """The simulator's world before issue 17's families: its first six precursor families
-    and none of the chronic or node-wide benign behaviour. These tests check the training,
-    persistence and live-scoring machinery on a small fleet; how a model fares on the
-    families is the leave-one-family-out table in docs/models.md."""
-    causes = tuple(dataclasses.replace(c, families=tuple(f for f in c.families
-                                                         if f in _CLASSIC))
-                   for c in p.causes)
-    off = dict.fromkeys(("ecc_trickle", "pcie_creep", "hot_gpu", "telemetry_gaps",
-                         "node_event"), 0.0)
-    return p.replace(causes=causes, benign=p.benign | off)
-
-
 def _params(**kw: object) -> FleetParams:
     # Small fleets with failures inflated further (200 per 1,000 GPU-days) for positives.
     base: dict[str, object] = {"nodes": 5, "days": 2.0, "rate_per_1000_gpu_days": 200.0}
-    return _classic(load_params()).replace(**(base | kw))
+    return classic(load_params()).replace(**(base | kw))
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +113,7 @@ def _sample(row: dict[str, object], state: str = "ok") -> GpuSample:
 
 
 def test_live_scorer_warns_before_failure_and_scores_itself(model: FailurePredictor) -> None:
-    p = _classic(load_params()).replace(nodes=4, days=1.0, seed=41,
+    p = classic(load_params()).replace(nodes=4, days=1.0, seed=41,
                                         rate_per_1000_gpu_days=400.0)
     d = simulate_fleet(p)
     pre = d.labels[d.labels["had_precursor"] & d.labels["cause"].isin(["hbm3", "faulty_gpu"])]
