@@ -35,6 +35,7 @@ import numpy as np
 import pandas as pd
 
 from forewarn.gpu import POWER_BITS, THERMAL_BITS, XID_CATALOG
+from forewarn.models.gauges import gauge_levels, own_levels, peer_deviation, window_mean
 from forewarn.models.schema import nvlink_columns, validate_samples, validate_xids
 
 __all__ = [
@@ -135,14 +136,6 @@ GPU's own baseline or its peers (issue 17): still computed, so such a model (the
 one) keeps working; new models are not trained on them."""
 
 
-def _mean(sum_a: np.ndarray, sum_b: np.ndarray, n_a: np.ndarray, n_b: np.ndarray,
-          fallback: np.ndarray) -> np.ndarray:
-    n = n_a - n_b
-    with np.errstate(invalid="ignore", divide="ignore"):
-        m = (sum_a - sum_b) / n
-    return np.where(n > 0, m, fallback)
-
-
 def baseline_end(minute: np.ndarray) -> np.ndarray:
     """The absolute minute the own baseline of a row at ``minute`` ends at."""
     out: np.ndarray = (minute // BASELINE_BLOCK - 1) * BASELINE_BLOCK
@@ -224,20 +217,20 @@ def derive(now: Mapping[str, np.ndarray], lag: Mapping[int, Mapping[str, np.ndar
     with np.errstate(invalid="ignore", divide="ignore"):
         out["pending_frac60"] = np.where(n60 > 0, (now["pending"] - l60["pending"]) / n60, 0.0)
     t_last = now["temp_last"]
-    t5 = _mean(now["temp"], l5["temp"], now["n"], l5["n"], t_last)
-    t5_15 = _mean(l5["temp"], l15["temp"], l5["n"], l15["n"], t5)
-    t60 = _mean(now["temp"], l60["temp"], now["n"], l60["n"], t5)
+    t5 = window_mean(now["temp"], l5["temp"], now["n"], l5["n"], t_last)
+    t5_15 = window_mean(l5["temp"], l15["temp"], l5["n"], l15["n"], t5)
+    t60 = window_mean(now["temp"], l60["temp"], now["n"], l60["n"], t5)
     out["temp_slope"] = t5 - t5_15
     out["temp_excursion"] = t5 - t60
     limit = np.where(now["limit_last"] > 0, now["limit_last"], 1.0)
-    level = _gauge_levels(now, l5, l15, limit, t5)
+    level = gauge_levels(now, l5, l15, limit, t5)
     out["power_std15"] = level["power_std"]
     out["width_ratio"] = now["width_ratio"]
     # Missing telemetry: the sample rate of the last 5 / 15 minutes against the GPU's own
     # long-run rate (or, before it has one, the hour's): a GPU about to fall off the bus
     # often goes quiet first (NVML calls time out), so samples thin out.
-    own = _own_levels(first, end, minutes, limit) if first is not None and end is not None \
-        and minutes is not None else None
+    own = None if first is None or end is None or minutes is None \
+        else own_levels(first, end, minutes, limit, BASELINE_MIN_MINUTES)
     ref = np.maximum(now["n"] - l60["n"], 0.0) / 60.0
     if own is not None:
         ref = np.where(own["_has"] > 0, own["samples"], ref)
@@ -262,7 +255,8 @@ def derive(now: Mapping[str, np.ndarray], lag: Mapping[int, Mapping[str, np.ndar
     peer_in = {f"{g}_vs_peers": level[g] for g in GAUGES}
     peer_in |= {f"{c}_vs_peers": out[f"{c}_d15"] for c in PEER_COUNTERS}
     member = (now["n"] - lag[PEER_MINUTES]["n"]) > 0
-    out |= peer_deviation(peer_in, None if group is None else np.where(member, group, -1))
+    out |= peer_deviation(peer_in, None if group is None else np.where(member, group, -1),
+                          PEER_COUNTERS)
     for c in XID_CLASSES:
         out[f"xid_{c}_60"] = np.maximum(now[f"xid_{c}"] - l60[f"xid_{c}"], 0.0)
     out["remap_c_total"] = np.log1p(np.maximum(now["remap_c"], 0.0))
@@ -271,86 +265,11 @@ def derive(now: Mapping[str, np.ndarray], lag: Mapping[int, Mapping[str, np.ndar
     out["margin_mean5"] = level["margin"]
     out["margin_last"] = now["margin_last"]
     out["thr_thermal_frac15"] = level["thr_thermal"]
-    out["thr_thermal_frac60"] = _mean(now["thr_thermal"], l60["thr_thermal"], now["n"],
+    out["thr_thermal_frac60"] = window_mean(now["thr_thermal"], l60["thr_thermal"], now["n"],
                                       l60["n"], zero)
     out["thr_power_frac15"] = level["thr_power"]
     return {k: np.nan_to_num(np.asarray(out[k], dtype=np.float64))
             for k in FEATURE_NAMES + LEGACY_NAMES}
-
-
-def _gauge_levels(now: Mapping[str, np.ndarray], l5: Mapping[str, np.ndarray],
-                  l15: Mapping[str, np.ndarray], limit: np.ndarray, t5: np.ndarray
-                  ) -> dict[str, np.ndarray]:
-    """The current level of each of :data:`GAUGES` (5- or 15-minute means)."""
-    zero = np.zeros_like(t5)
-    n = now["n"]
-    t15 = _mean(now["temp"], l15["temp"], n, l15["n"], t5)
-    t2_15 = _mean(now["temp2"], l15["temp2"], n, l15["n"], t15 * t15)
-    p15 = _mean(now["power"], l15["power"], n, l15["n"], zero)
-    p2_15 = _mean(now["power2"], l15["power2"], n, l15["n"], zero)
-    return {
-        "temp": t5,
-        "temp_std": np.sqrt(np.maximum(t2_15 - t15 * t15, 0.0)),
-        "margin": _mean(now["margin"], l5["margin"], n, l5["n"], now["margin_last"]),
-        "power": p15 / limit,
-        "power_std": np.sqrt(np.maximum(p2_15 - p15 * p15, 0.0)) / limit,
-        "thr_thermal": _mean(now["thr_thermal"], l15["thr_thermal"], n, l15["n"], zero),
-        "thr_power": _mean(now["thr_power"], l15["thr_power"], n, l15["n"], zero),
-        "pending": _mean(now["pending"], l15["pending"], n, l15["n"], zero),
-        "samples": np.maximum(n - l5["n"], 0.0) / 5.0,
-    }
-
-
-def _own_levels(first: Mapping[str, np.ndarray], end: Mapping[str, np.ndarray],
-                minutes: np.ndarray, limit: np.ndarray) -> dict[str, np.ndarray]:
-    """The GPU's own long-run level of each of :data:`GAUGES`, from its first grid row to
-    the baseline's end row; ``_has`` is 1 where that spans :data:`BASELINE_MIN_MINUTES`
-    and holds samples. Standard deviations here are over the whole baseline (workload
-    changes included), so a 15-minute one is usually below it."""
-    n = end["n"] - first["n"]
-    has = (minutes >= BASELINE_MIN_MINUTES) & (n > 0)
-    zero = np.zeros_like(minutes)
-
-    def mean(col: str) -> np.ndarray:
-        return _mean(end[col], first[col], end["n"], first["n"], zero)
-
-    t, p = mean("temp"), mean("power")
-    with np.errstate(invalid="ignore", divide="ignore"):
-        samples = np.where(minutes > 0, n / minutes, 0.0)
-    return {
-        "_has": has.astype(np.float64), "temp": t,
-        "temp_std": np.sqrt(np.maximum(mean("temp2") - t * t, 0.0)),
-        "margin": mean("margin"), "power": p / limit,
-        "power_std": np.sqrt(np.maximum(mean("power2") - p * p, 0.0)) / limit,
-        "thr_thermal": mean("thr_thermal"), "thr_power": mean("thr_power"),
-        "pending": mean("pending"), "samples": samples,
-    }
-
-
-def peer_deviation(values: Mapping[str, np.ndarray], group: np.ndarray | None
-                   ) -> dict[str, np.ndarray]:
-    """Each value minus the median of its ``group`` (the GPUs of one node at one time;
-    -1: not a peer, deviation zero); ``samples_vs_peers`` as a ratio to the median, minus
-    one. No group: zeros."""
-    if group is None or len(group) == 0:
-        return {k: np.zeros(len(v)) for k, v in values.items()}
-    df = pd.DataFrame(dict(values))
-    grouped = df.groupby(group, sort=False)
-    med = grouped.transform("median")
-    # A GPU without peers (alone on its node, or the others quiet) is compared with what
-    # a healthy peer's counters read, zero; its gauges have nothing to compare with.
-    alone = (grouped[df.columns[0]].transform("size").to_numpy() == 1) & (group >= 0)
-    out: dict[str, np.ndarray] = {}
-    for k in values:
-        v, m = df[k].to_numpy(), med[k].to_numpy()
-        lone = 0.0 if k.removesuffix("_vs_peers") in PEER_COUNTERS else v
-        m = np.where(group >= 0, np.where(alone, lone, m), v)
-        if k == "samples_vs_peers":
-            with np.errstate(invalid="ignore", divide="ignore"):
-                out[k] = np.where(m > 0, v / m - 1.0, 0.0)
-        else:
-            out[k] = v - m
-    return out
 
 
 def _num(df: pd.DataFrame, col: str, default: float = 0.0) -> pd.Series:
