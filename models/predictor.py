@@ -5,9 +5,13 @@ isotonic regression (:class:`~sklearn.calibration.CalibratedClassifierCV`), trai
 per-minute feature rows (:mod:`forewarn.models.features`) labelled 1 when the GPU fails
 within ``horizon_s`` after the row. Rows after a failure are dropped; negatives are
 subsampled every ``neg_stride`` minutes and weighted back so that the calibrated
-probability keeps the true base rate. The operating threshold is tuned on GPUs held out
-of the fit (by default: the most recall whose false alarms stay under
-``target_false_alarms`` per 1,000 GPU-days), and is configurable afterwards.
+probability keeps the true base rate. Negatives in the hours just before a failure
+(``precursor_window_s``) are not fitted on: a precursor often starts earlier than the
+horizon, and its early minutes, labelled 0, would teach the model that its signal is
+normal (the evaluation counts an alarm raised there as true when it lasts to the
+failure). The operating threshold is tuned on GPUs held out of the fit (by default: the
+most recall whose false alarms stay under ``target_false_alarms`` per 1,000 GPU-days), and
+is configurable afterwards.
 
 Gradient boosting for GPU failure prediction follows Liu et al. (SYSTOR 2023,
 docs/reference.md), who found single GBDTs imprecise on real fleets; here the model is judged
@@ -29,7 +33,8 @@ from forewarn.models.evaluate import evaluate_scores
 from forewarn.models.features import FEATURE_NAMES
 from forewarn.wire import Finding, Health, Subject, SuggestedAction
 
-__all__ = ["FailurePredictor", "fit_table", "label_rows", "split_gpus", "train_predictor"]
+__all__ = ["PRECURSOR_WINDOW_S", "FailurePredictor", "fit_table", "label_rows", "split_gpus",
+           "train_predictor"]
 
 
 @dataclasses.dataclass
@@ -143,13 +148,22 @@ def _tune_threshold(scored: pd.DataFrame, labels: pd.DataFrame, horizon_s: float
     return min(catching, key=lambda r: (r[1], -r[3], -r[0]))[0]
 
 
+PRECURSOR_WINDOW_S = 4 * 3600.0
+"""Negatives less than this before a failure are left out of the fit (precursors last up
+to a few hours; the features' own baseline ends 4 to 8 hours back for the same reason)."""
+
+
 def fit_table(features: pd.DataFrame, labels: pd.DataFrame, horizon_s: float,
-              neg_stride: int = 5) -> pd.DataFrame:
+              neg_stride: int = 5, precursor_window_s: float = PRECURSOR_WINDOW_S
+              ) -> pd.DataFrame:
     """Rows to fit on: every positive row and every ``neg_stride``-th minute of the
-    negatives, with ``y`` and a weight ``w`` that restores the negatives' share."""
+    negatives, with ``y`` and a weight ``w`` that restores the negatives' share. Negatives
+    whose next failure is less than ``precursor_window_s`` away are left out: they may be
+    a precursor's early minutes, neither normal nor yet within the horizon."""
     y, keep = label_rows(features, labels, horizon_s)
+    near, _keep = label_rows(features, labels, max(horizon_s, precursor_window_s))
     minute = (features["time"].to_numpy() // 60).astype(np.int64)
-    rows = keep & ((y == 1) | (minute % neg_stride == 0))
+    rows = keep & ((y == 1) | ((minute % neg_stride == 0) & (near == 0)))
     out = features.loc[rows, list(FEATURE_NAMES)].copy()
     out["y"] = y[rows]
     out["w"] = np.where(out["y"] == 1, 1.0, float(neg_stride))
