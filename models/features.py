@@ -35,6 +35,7 @@ import numpy as np
 import pandas as pd
 
 from forewarn.gpu import POWER_BITS, THERMAL_BITS, XID_CATALOG
+from forewarn.models.gauges import gauge_levels, own_levels, peer_deviation, window_mean
 from forewarn.models.schema import nvlink_columns, validate_samples, validate_xids
 
 __all__ = [
@@ -43,13 +44,17 @@ __all__ = [
     "CHRONIC_PER_HOUR",
     "CUM_COLUMNS",
     "FEATURE_NAMES",
+    "GAUGES",
     "GRID_S",
     "LAGS",
     "LAST_COLUMNS",
+    "LEGACY_NAMES",
+    "PEER_MINUTES",
     "XID_CLASSES",
     "derive",
     "gpu_features",
     "grid_state",
+    "peer_deviation",
     "rank_features",
     "xid_class",
 ]
@@ -72,10 +77,14 @@ COUNTERS: Final = (
     "ecc", "ecc_unc", "remap_c", "remap_u", "ret_sbe", "ret_dbe", "pcie",
     "nvl_crc", "nvl_replay", "nvl_recovery",
 )
-SUMS: Final = ("n", "temp", "margin", "power", "power2", "thr_thermal", "thr_power", "pending")
-ACTIVE: Final = ("ecc", "pcie", "nvl_crc")
-"""Counters whose *active minutes* (minutes with any increment) are counted: a burst that
-leads nowhere is short, a precursor persists."""
+SUMS: Final = ("n", "temp", "temp2", "margin", "power", "power2", "thr_thermal", "thr_power",
+               "pending")
+_RATE_COUNTERS: Final = ("ecc", "remap_c", "ret_sbe", "pcie", "nvl_crc", "nvl_replay",
+                         "nvl_recovery")
+ACTIVE: Final = _RATE_COUNTERS
+"""Counters whose *active minutes* (minutes with any increment) are counted -- every
+counter the features rate: a burst that leads nowhere is short, a precursor persists, and
+the active minutes tell a chronic trickle (its own baseline) from a one-off burst."""
 XID_CLASSES: Final = ("application", "memory", "interconnect", "bus", "gsp", "other")
 CUM_COLUMNS: Final = COUNTERS + SUMS + tuple(f"xid_{c}" for c in XID_CLASSES) \
     + tuple(f"{c}_active" for c in ACTIVE)
@@ -86,8 +95,15 @@ LAST_COLUMNS: Final = ("temp_last", "margin_last", "limit_last", "width_ratio")
 
 _XID_CLASS: Final = {code: c.cls for code, c in XID_CATALOG.items()}
 
-_RATE_COUNTERS: Final = ("ecc", "remap_c", "ret_sbe", "pcie", "nvl_crc", "nvl_replay",
-                         "nvl_recovery")
+GAUGES: Final = ("temp", "temp_std", "margin", "power", "power_std", "thr_thermal",
+                  "thr_power", "pending", "samples")
+"""Gauge signals compared with the GPU's own long-run level and with its node peers."""
+PEER_COUNTERS: Final = _RATE_COUNTERS
+"""Counter rates compared with the node peers' (a node-wide event moves them all)."""
+PEER_MINUTES: Final = 15
+"""A GPU counts as a peer at a grid row when it sent a sample in the last this many
+minutes (from the grid itself, so batch and live agree); a quiet GPU's own peer
+deviation is zero."""
 
 
 def xid_class(code: int) -> str:
@@ -100,24 +116,24 @@ def _feature_names() -> tuple[str, ...]:
     for c in _RATE_COUNTERS:
         names += [f"{c}_d5", f"{c}_d15", f"{c}_d60", f"{c}_accel"]
     names += [f"{c}_{k}" for c in ACTIVE for k in ("active15", "active60", "conc15")]
-    names += ["remap_c_total", "remap_u_total", "ret_sbe_total", "pending_frac60",
-              "temp_mean5", "temp_slope", "temp_excursion", "margin_mean5", "margin_last",
-              "thr_thermal_frac15", "thr_thermal_frac60", "thr_power_frac15",
-              "power_std15", "width_ratio"]
+    names += ["baseline_hours", "remap_u_total", "pending_frac60", "temp_slope",
+              "temp_excursion",
+              "power_std15", "width_ratio", "samples_missing5", "samples_missing15"]
+    names += [f"{g}_vs_own" for g in GAUGES]
+    names += [f"{g}_vs_peers" for g in GAUGES]
+    names += [f"{c}_vs_peers" for c in PEER_COUNTERS]
     names += [f"xid_{c}_60" for c in XID_CLASSES]
     return tuple(names)
 
 
 FEATURE_NAMES: Final = _feature_names()
 """Order of the feature vector the models see."""
-
-
-def _mean(sum_a: np.ndarray, sum_b: np.ndarray, n_a: np.ndarray, n_b: np.ndarray,
-          fallback: np.ndarray) -> np.ndarray:
-    n = n_a - n_b
-    with np.errstate(invalid="ignore", divide="ignore"):
-        m = (sum_a - sum_b) / n
-    return np.where(n > 0, m, fallback)
+LEGACY_NAMES: Final = ("remap_c_total", "ret_sbe_total", "temp_mean5", "margin_mean5",
+                       "margin_last", "thr_thermal_frac15", "thr_thermal_frac60",
+                       "thr_power_frac15")
+"""Level features of models trained before every feature became a change against the
+GPU's own baseline or its peers (issue 17): still computed, so such a model (the shipped
+one) keeps working; new models are not trained on them."""
 
 
 def baseline_end(minute: np.ndarray) -> np.ndarray:
@@ -157,11 +173,14 @@ def _excess(d: np.ndarray, rate: np.ndarray, window: float) -> np.ndarray:
 def derive(now: Mapping[str, np.ndarray], lag: Mapping[int, Mapping[str, np.ndarray]],
            first: Mapping[str, np.ndarray] | None = None,
            end: Mapping[str, np.ndarray] | None = None,
-           minutes: np.ndarray | None = None) -> dict[str, np.ndarray]:
+           minutes: np.ndarray | None = None,
+           group: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """Features from the current grid row (cumulative and latest columns), the rows
     :data:`LAGS` steps back and, for the GPU's own baseline, its first grid row, the row
     at :func:`baseline_end` and the ``minutes`` between them (without them: no
-    baseline). Arrays are aligned (one element per GPU or per grid row)."""
+    baseline), and the peer ``group`` of each row (integer codes: the rows of one node at
+    one time; without it: no peer deviation). Arrays are aligned (one element per GPU or
+    per grid row)."""
     out: dict[str, np.ndarray] = {}
     l5, l15, l60 = lag[5], lag[15], lag[60]
     zero = np.zeros_like(np.asarray(now["n"], dtype=np.float64))
@@ -189,36 +208,68 @@ def derive(now: Mapping[str, np.ndarray], lag: Mapping[int, Mapping[str, np.ndar
         # Concentration: errors per active minute. A burst packs many errors into a few
         # minutes; a precursor spreads a growing rate over many.
         out[f"{c}_conc15"] = np.log1p(d15 / np.maximum(out[f"{c}_active15"], 1.0))
-    out["remap_c_total"] = np.log1p(np.maximum(now["remap_c"], 0.0))
+    # How much own history the baseline rests on (0: none yet, raw counts above): a
+    # model must tell "many errors on a GPU it knows" from "on a GPU it just met".
+    out["baseline_hours"] = zero if minutes is None else np.where(
+        minutes >= BASELINE_MIN_MINUTES, np.minimum(minutes, 48 * 60.0) / 60.0, 0.0)
     out["remap_u_total"] = np.log1p(np.maximum(now["remap_u"], 0.0))
-    out["ret_sbe_total"] = np.log1p(np.maximum(now["ret_sbe"], 0.0))
     n60 = np.maximum(now["n"] - l60["n"], 0.0)
     with np.errstate(invalid="ignore", divide="ignore"):
         out["pending_frac60"] = np.where(n60 > 0, (now["pending"] - l60["pending"]) / n60, 0.0)
     t_last = now["temp_last"]
-    t5 = _mean(now["temp"], l5["temp"], now["n"], l5["n"], t_last)
-    t5_15 = _mean(l5["temp"], l15["temp"], l5["n"], l15["n"], t5)
-    t60 = _mean(now["temp"], l60["temp"], now["n"], l60["n"], t5)
-    out["temp_mean5"] = t5
+    t5 = window_mean(now["temp"], l5["temp"], now["n"], l5["n"], t_last)
+    t5_15 = window_mean(l5["temp"], l15["temp"], l5["n"], l15["n"], t5)
+    t60 = window_mean(now["temp"], l60["temp"], now["n"], l60["n"], t5)
     out["temp_slope"] = t5 - t5_15
     out["temp_excursion"] = t5 - t60
-    out["margin_mean5"] = _mean(now["margin"], l5["margin"], now["n"], l5["n"],
-                                now["margin_last"])
-    out["margin_last"] = now["margin_last"]
-    out["thr_thermal_frac15"] = _mean(now["thr_thermal"], l15["thr_thermal"], now["n"],
-                                      l15["n"], zero)
-    out["thr_thermal_frac60"] = _mean(now["thr_thermal"], l60["thr_thermal"], now["n"],
-                                      l60["n"], zero)
-    out["thr_power_frac15"] = _mean(now["thr_power"], l15["thr_power"], now["n"], l15["n"],
-                                    zero)
-    p15 = _mean(now["power"], l15["power"], now["n"], l15["n"], zero)
-    p2_15 = _mean(now["power2"], l15["power2"], now["n"], l15["n"], zero)
     limit = np.where(now["limit_last"] > 0, now["limit_last"], 1.0)
-    out["power_std15"] = np.sqrt(np.maximum(p2_15 - p15 * p15, 0.0)) / limit
+    level = gauge_levels(now, l5, l15, limit, t5)
+    out["power_std15"] = level["power_std"]
     out["width_ratio"] = now["width_ratio"]
+    # Missing telemetry: the sample rate of the last 5 / 15 minutes against the GPU's own
+    # long-run rate (or, before it has one, the hour's): a GPU about to fall off the bus
+    # often goes quiet first (NVML calls time out), so samples thin out.
+    own = None if first is None or end is None or minutes is None \
+        else own_levels(first, end, minutes, limit, BASELINE_MIN_MINUTES)
+    ref = np.maximum(now["n"] - l60["n"], 0.0) / 60.0
+    if own is not None:
+        ref = np.where(own["_has"] > 0, own["samples"], ref)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for k, lag_k in ((5, l5), (15, l15)):
+            rate = np.maximum(now["n"] - lag_k["n"], 0.0) / k
+            out[f"samples_missing{k}"] = np.where(ref > 0, np.clip(1.0 - rate / ref, 0, 1), 0.0)
+    # Against its own long-run level: a GPU that always runs hot, throttles or draws much
+    # power is normal for that GPU; what changed is what counts.
+    for g in GAUGES:
+        if own is None:
+            out[f"{g}_vs_own"] = zero
+        elif g == "samples":
+            with np.errstate(invalid="ignore", divide="ignore"):
+                out[f"{g}_vs_own"] = np.where((own["_has"] > 0) & (own[g] > 0),
+                                              level[g] / own[g] - 1.0, 0.0)
+        else:
+            out[f"{g}_vs_own"] = np.where(own["_has"] > 0, level[g] - own[g], 0.0)
+    # Against the node's other GPUs at the same time (Minder, docs/reference.md): a
+    # node-wide event (cooling, power capping, the host's PCIe, an agent restart) moves
+    # every GPU of the node and is no precursor of one GPU's failure.
+    peer_in = {f"{g}_vs_peers": level[g] for g in GAUGES}
+    peer_in |= {f"{c}_vs_peers": out[f"{c}_d15"] for c in PEER_COUNTERS}
+    member = (now["n"] - lag[PEER_MINUTES]["n"]) > 0
+    out |= peer_deviation(peer_in, None if group is None else np.where(member, group, -1),
+                          PEER_COUNTERS)
     for c in XID_CLASSES:
         out[f"xid_{c}_60"] = np.maximum(now[f"xid_{c}"] - l60[f"xid_{c}"], 0.0)
-    return {k: np.nan_to_num(np.asarray(out[k], dtype=np.float64)) for k in FEATURE_NAMES}
+    out["remap_c_total"] = np.log1p(np.maximum(now["remap_c"], 0.0))
+    out["ret_sbe_total"] = np.log1p(np.maximum(now["ret_sbe"], 0.0))
+    out["temp_mean5"] = t5
+    out["margin_mean5"] = level["margin"]
+    out["margin_last"] = now["margin_last"]
+    out["thr_thermal_frac15"] = level["thr_thermal"]
+    out["thr_thermal_frac60"] = window_mean(now["thr_thermal"], l60["thr_thermal"], now["n"],
+                                      l60["n"], zero)
+    out["thr_power_frac15"] = level["thr_power"]
+    return {k: np.nan_to_num(np.asarray(out[k], dtype=np.float64))
+            for k in FEATURE_NAMES + LEGACY_NAMES}
 
 
 def _num(df: pd.DataFrame, col: str, default: float = 0.0) -> pd.Series:
@@ -253,7 +304,8 @@ def _row_values(samples: pd.DataFrame) -> pd.DataFrame:
         "nvl_recovery": sum((_num(s, c).fillna(0) for c in links["recovery"]),
                             start=pd.Series(0.0, index=s.index)),
         "n": (has_t | has_p).astype(np.float64),
-        "temp": temp.fillna(0), "margin": _num(s, "slowdown_margin_c").fillna(0),
+        "temp": temp.fillna(0), "temp2": temp.fillna(0) ** 2,
+        "margin": _num(s, "slowdown_margin_c").fillna(0),
         "power": power.fillna(0), "power2": power.fillna(0) ** 2,
         "thr_thermal": ((thr & THERMAL_BITS) != 0).astype(np.float64),
         "thr_power": ((thr & POWER_BITS) != 0).astype(np.float64),
@@ -339,7 +391,7 @@ def grid_state(samples: pd.DataFrame, xids: pd.DataFrame | None = None) -> pd.Da
 
 def gpu_features(samples: pd.DataFrame, xids: pd.DataFrame | None = None) -> pd.DataFrame:
     """Feature table: one row per GPU per minute, columns ``node, gpu, time`` (end of the
-    minute, seconds) and :data:`FEATURE_NAMES`."""
+    minute, seconds), :data:`FEATURE_NAMES` and :data:`LEGACY_NAMES`."""
     g = grid_state(samples, xids)
     gid = g["_gid"]
     cols = list(CUM_COLUMNS)
@@ -357,7 +409,8 @@ def gpu_features(samples: pd.DataFrame, xids: pd.DataFrame | None = None) -> pd.
     at = np.arange(len(g)) - pos + span
     base = {c: first[c].to_numpy() for c in cols}
     end = {c: g[c].to_numpy(dtype=np.float64)[at] for c in cols}
-    feats = derive(now, lag, base, end, span.astype(np.float64))
+    group = pd.MultiIndex.from_arrays([g["node"], minute]).factorize()[0]
+    feats = derive(now, lag, base, end, span.astype(np.float64), group)
     out = pd.DataFrame(feats)
     out.insert(0, "time", (g["minute"].to_numpy() + 1) * GRID_S)
     out.insert(0, "gpu", g["gpu"].to_numpy())

@@ -2,27 +2,26 @@
 
 Simulates ``nodes x gpus_per_node`` GPUs for ``days`` at ``sample_interval_s`` and writes
 what the agent would have recorded (see :mod:`forewarn.models.schema`), the XID events,
-and the ground truth: one label row per failure (``node, gpu, time, cause,
-had_precursor``). Parameters live in ``models/data/fleet_params.toml`` (documented in
-``docs/models.md``); every number there is an assumption, several of them stated as such.
+the ground truth -- one label row per failure (``node, gpu, time, cause, had_precursor,
+family``) -- and which benign behaviour families each GPU shows. Parameters live in
+``models/data/fleet_params.toml`` (documented in ``docs/models.md``); every number there
+is an assumption, several of them stated as such.
 
 Model of a GPU (all vectorised with numpy over GPUs x time, one node at a time):
 
 * workload: busy/idle phases shared by the GPUs of a node; temperature follows the load
-  through an AR(1) lag, with benign hot spells; power follows the load, capped on
-  power-capped nodes (``SW_POWER_CAP`` throttle bit) -- benign look-alikes of thermal and
-  power precursors;
-* counters: background correctable ECC / PCIe replay / NVLink CRC, isolated benign bursts
-  (some raising XID 92 or a single XID 63 remap) that lead nowhere;
-* failures: a Poisson draw per GPU at an (inflated) rate; cause from the Llama 3 mix
-  (docs/reference.md, table 5); with probability ``precursor_share`` (per cause, an assumption)
-  a precursor of lognormal duration and amplitude precedes it, shaped by the cause:
-  ``hbm3`` correctable ECC accelerating + row remaps (XID 63) ending in a DBE (XID 48);
-  ``sram`` SRAM ECC bursts + contained errors (XID 94) ending in XID 95; ``faulty_gpu``
-  PCIe replays accelerating + link width drop ending off the bus (XID 79); ``network``
-  NVLink CRC growth ending in XID 74; ``thermal`` temperature creep and throttling ending
-  in XID 79; ``gsp`` power hiccups ending in XID 119. After its failure a GPU writes one
-  last sample and then nothing (it is out for repair).
+  through an AR(1) lag; power follows the load, capped on power-capped nodes
+  (``SW_POWER_CAP`` throttle bit);
+* benign behaviour families (:data:`forewarn.models.families.BENIGN`) at a prevalence
+  drawn per fleet: chronic correctable-ECC trickles, PCIe replays creeping up, GPUs that
+  always run hot, telemetry gaps, node-wide events, one-off bursts, hot spells;
+* failures: a Poisson draw per GPU at an (inflated) rate -- precision is judged at the real
+  rate, ``real_per_1000_node_days`` -- with the cause from the Llama 3 mix
+  (docs/reference.md, table 5); with probability ``precursor_share`` (per cause, an
+  assumption) one of the cause's precursor families
+  (:data:`forewarn.models.families.PRECURSORS`) precedes it, with a lognormal duration
+  (minutes to days), amplitude and a randomly drawn growth shape. After its failure a GPU
+  writes one last sample and then nothing (it is out for repair).
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ import dataclasses
 import tomllib
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 import pandas as pd
@@ -44,9 +43,11 @@ from forewarn.gpu import (
     SW_POWER_CAP,
     SW_THERMAL_SLOWDOWN,
 )
+from forewarn.models.families import BENIGN, N_LINKS, PRECURSORS, NodeArrays
 
 __all__ = [
     "CauseParams",
+    "FamilyParams",
     "FleetData",
     "FleetParams",
     "load_params",
@@ -57,19 +58,26 @@ __all__ = [
 IDLE = GPU_IDLE
 SW_THERMAL = SW_THERMAL_SLOWDOWN
 HW_THERMAL = HW_THERMAL_SLOWDOWN
-N_LINKS = 4
 
 
 @dataclasses.dataclass(frozen=True)
 class CauseParams:
-    """One failure cause: its weight in the mix and its precursor."""
+    """One failure cause: its weight in the mix, the share of its failures with a
+    precursor, the precursor families it draws from, and its XID without one."""
 
     name: str
     weight: float
     precursor_share: float
-    precursor_median_min: float = 30.0
-    precursor_sigma: float = 0.5
     final_xid: int = 0
+    families: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilyParams:
+    """A precursor family's duration: lognormal, median and sigma (of the log)."""
+
+    median_min: float
+    sigma: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +91,9 @@ class FleetParams:
     start_time: float
     seed: int
     rate_per_1000_gpu_days: float
+    real_per_1000_node_days: float
     causes: tuple[CauseParams, ...]
+    families: dict[str, FamilyParams]
     precursor_scale: float
     strength_sigma: float
     min_minutes: float
@@ -94,6 +104,10 @@ class FleetParams:
     background_pcie_per_hour: float
     background_nvlink_per_hour: float
     benign: dict[str, float]
+    balanced_families: bool = False
+    """Every failure gets a precursor with probability 0.8, its family drawn uniformly
+    over all families (the leave-one-family-out pool: enough failures of each family;
+    per-family figures do not depend on the mix)."""
 
     def replace(self, **changes: Any) -> FleetParams:
         """A copy with some fields changed (e.g. ``seed``, ``precursor_scale``)."""
@@ -102,6 +116,11 @@ class FleetParams:
     @property
     def gpu_days(self) -> float:
         return self.nodes * self.gpus_per_node * self.days
+
+    @property
+    def real_per_1000_gpu_days(self) -> float:
+        """The real fleet's failure rate per GPU: precision is judged at this base rate."""
+        return self.real_per_1000_node_days / self.gpus_per_node
 
 
 def load_params(path: str | Path | None = None) -> FleetParams:
@@ -114,9 +133,18 @@ def load_params(path: str | Path | None = None) -> FleetParams:
     try:
         fleet, fail, pre, noise = raw["fleet"], raw["failures"], raw["precursor"], raw["noise"]
         causes = tuple(
-            CauseParams(name=name, **{k: v for k, v in c.items()})
+            CauseParams(name=name, weight=float(c["weight"]),
+                        precursor_share=float(c["precursor_share"]),
+                        final_xid=int(c.get("final_xid", 0)),
+                        families=tuple(c.get("families", ())))
             for name, c in raw["causes"].items()
         )
+        families = {name: FamilyParams(float(f["median_min"]), float(f["sigma"]))
+                    for name, f in raw["families"].items()}
+        unknown = sorted({f for c in causes for f in c.families} - set(PRECURSORS)
+                         | set(families) - set(PRECURSORS))
+        if unknown:
+            raise ValueError(f"fleet parameters: unknown precursor family {unknown[0]!r}")
         return FleetParams(
             nodes=int(fleet["nodes"]),
             gpus_per_node=int(fleet["gpus_per_node"]),
@@ -125,7 +153,9 @@ def load_params(path: str | Path | None = None) -> FleetParams:
             start_time=float(fleet["start_time"]),
             seed=int(fleet["seed"]),
             rate_per_1000_gpu_days=float(fail["rate_per_1000_gpu_days"]),
+            real_per_1000_node_days=float(fail["real_per_1000_node_days"]),
             causes=causes,
+            families=families,
             precursor_scale=float(pre["scale"]),
             strength_sigma=float(pre["strength_sigma"]),
             min_minutes=float(pre["min_minutes"]),
@@ -143,114 +173,77 @@ def load_params(path: str | Path | None = None) -> FleetParams:
 
 @dataclasses.dataclass
 class FleetData:
-    """What :func:`simulate_fleet` returns: samples, XID events and failure labels."""
+    """What :func:`simulate_fleet` returns: samples, XID events, failure labels (with
+    each failure's precursor ``family``, ``none`` without one) and the benign behaviour
+    families each GPU shows (``node, gpu, behaviour``)."""
 
     samples: pd.DataFrame
     xids: pd.DataFrame
     labels: pd.DataFrame
     params: FleetParams
+    behaviours: pd.DataFrame = dataclasses.field(default_factory=lambda: pd.DataFrame(
+        columns=["node", "gpu", "behaviour"]))
 
 
-@dataclasses.dataclass
-class _Node:
-    """Per-node arrays under construction, shape (G, T)."""
-
-    load: np.ndarray
-    temp_target: np.ndarray
-    power_extra_sd: np.ndarray
-    ecc: np.ndarray
-    remap: np.ndarray
-    remap_pending: np.ndarray
-    pcie: np.ndarray
-    width_drop: np.ndarray
-    nvl_crc: np.ndarray
-    nvl_replay: np.ndarray
-    xids: list[tuple[int, float, int]]
-
-
-def _poisson_rate(rng: np.random.Generator, rate_per_step: np.ndarray) -> np.ndarray:
-    out: np.ndarray = rng.poisson(np.clip(rate_per_step, 0.0, None)).astype(np.int64)
-    return out
-
-
-def _bursts(
-    rng: np.random.Generator, arr: np.ndarray, per_gpu_day: float, days: float,
-    size: float, len_steps: tuple[int, int],
-) -> list[tuple[int, int]]:
-    """Add isolated bursts of counts to ``arr``; return (gpu, start step) of each."""
-    g_count, t_count = arr.shape
-    n = rng.poisson(per_gpu_day * days * g_count)
-    out = []
-    for _ in range(n):
-        g = int(rng.integers(g_count))
-        s = int(rng.integers(t_count))
-        length = int(rng.integers(len_steps[0], len_steps[1] + 1))
-        total = rng.poisson(size)
-        e = min(t_count, s + length)
-        arr[g, s:e] += rng.multinomial(total, np.full(e - s, 1.0 / (e - s)))
-        out.append((g, s))
-    return out
-
-
-def _simulate_node(p: FleetParams, node_idx: int) -> tuple[pd.DataFrame, list[dict[str, Any]],
-                                                            list[dict[str, Any]]]:
-    rng = np.random.default_rng([p.seed, node_idx])
+def _arrays(p: FleetParams, rng: np.random.Generator, t_count: int) -> NodeArrays:
+    """Workload (busy/idle phases shared by the node's GPUs: one job per node at a time),
+    the temperature target it drives, and background counters."""
     g_count = p.gpus_per_node
     dt = p.sample_interval_s
-    t_count = round(p.days * 86400 / dt)
-    times = p.start_time + np.arange(t_count) * dt
-    hours = dt / 3600.0
     ns = p.noise_scale
-    b = p.benign
-    node = f"node{node_idx:04d}"
-
-    # Workload: busy/idle phases shared by the node's GPUs (one job per node at a time).
-    changes = rng.random(t_count) < b["job_change_per_gpu_day"] * dt / 86400
+    changes = rng.random(t_count) < p.benign["job_change_per_gpu_day"] * dt / 86400
     phase = np.cumsum(changes)
     levels = np.where(rng.random(phase.max() + 1) < 0.8,
                       rng.uniform(0.75, 1.0, phase.max() + 1), 0.05)
-    load = np.broadcast_to(levels[phase], (g_count, t_count)) \
-        + rng.normal(0, 0.03, (g_count, t_count))
-    load = np.clip(load, 0.0, 1.0)
-    temp_target = 32.0 + rng.normal(0, 2, (g_count, 1)) + 45.0 * load
-    # Benign hot spells: workload-driven swings of +5..15 C for about an hour.
-    for g, s in _bursts_positions(rng, g_count, t_count, b["hot_spell_per_gpu_day"] * ns, p.days):
-        length = int(rng.uniform(0.5, 1.5) * 3600 / dt) + 1
-        e = min(t_count, s + length)
-        temp_target[g, s:e] += rng.uniform(5, 15) * np.sin(np.linspace(0, np.pi, e - s))
-
-    st = _Node(
-        load=load, temp_target=temp_target,
+    load = np.clip(np.broadcast_to(levels[phase], (g_count, t_count))
+                   + rng.normal(0, 0.03, (g_count, t_count)), 0.0, 1.0)
+    a = NodeArrays(
+        rng=rng, dt=dt, times=p.start_time + np.arange(t_count) * dt, load=load,
+        temp_target=32.0 + rng.normal(0, 2, (g_count, 1)) + 45.0 * load,
         power_extra_sd=np.zeros((g_count, t_count)),
-        ecc=_poisson_rate(rng, np.full((g_count, t_count), p.background_ecc_per_hour * hours * ns)
-                          * (rng.random((g_count, 1)) < 0.2)),
+        ecc=np.zeros((g_count, t_count), np.int64),
         remap=np.zeros((g_count, t_count), np.int64),
         remap_pending=np.zeros((g_count, t_count), bool),
-        pcie=_poisson_rate(rng, np.full((g_count, t_count), p.background_pcie_per_hour * hours * ns)
-                           * (rng.random((g_count, 1)) < 0.2)),
+        pcie=np.zeros((g_count, t_count), np.int64),
         width_drop=np.zeros((g_count, t_count), bool),
-        nvl_crc=_poisson_rate(rng, np.full((g_count, t_count),
-                                           p.background_nvlink_per_hour * hours * ns)),
-        nvl_replay=np.zeros((g_count, t_count), np.int64),
-        xids=[],
+        nvl_crc=np.zeros((g_count, N_LINKS, t_count), np.int64),
+        nvl_replay=np.zeros((g_count, N_LINKS, t_count), np.int64),
+        keep=np.ones((g_count, t_count), bool), xids=[], tags=[set() for _ in range(g_count)],
     )
-    minute = max(1, round(60 / dt))
-    for g, s in _bursts(rng, st.ecc, b["ecc_burst_per_gpu_day"] * ns, p.days,
-                        b["ecc_burst_size"], (2 * minute, 10 * minute)):
-        if rng.random() < b["ecc_burst_xid92_share"]:
-            st.xids.append((g, float(times[s]), 92))
-    _bursts(rng, st.pcie, b["pcie_burst_per_gpu_day"] * ns, p.days, 60.0, (minute, 5 * minute))
-    _bursts(rng, st.nvl_crc, b["nvlink_burst_per_gpu_day"] * ns, p.days, 30.0,
-            (minute, 3 * minute))
-    for g, s in _bursts_positions(rng, g_count, t_count, b["remap_event_per_gpu_day"] * ns,
-                                  p.days):
-        st.remap[g, s] += 1
-        st.remap_pending[g, s:s + 5 * minute] = True
-        st.xids.append((g, float(times[s]), 63))
-    for g, s in _bursts_positions(rng, g_count, t_count, b["app_xid_per_gpu_day"], p.days):
-        st.xids.append((g, float(times[s]), int(rng.choice([13, 31, 43]))))
+    some = rng.random((g_count, 1)) < 0.2  # most healthy GPUs see no background errors
+    a.ecc += a.poisson(p.background_ecc_per_hour * ns * some, (g_count, t_count))
+    a.pcie += a.poisson(p.background_pcie_per_hour * ns * some, (g_count, t_count))
+    a.nvl_crc[:, 0] += a.poisson(p.background_nvlink_per_hour * ns, (g_count, t_count))
+    return a
 
-    # Failures.
+
+def _benign(p: FleetParams, a: NodeArrays, fleet_rng: np.random.Generator) -> None:
+    """Every benign family at this fleet's prevalence (drawn once per fleet around the
+    parameter file's, lognormal with ``prevalence_sigma``) times ``noise_scale``."""
+    b = p.benign
+    spread = b.get("prevalence_sigma", 0.0)
+    for name, fn in BENIGN.items():
+        level = b[name] * p.noise_scale * float(fleet_rng.lognormal(0.0, spread))
+        fn(a, min(level, 1.0) if name in _SHARES else level)
+    for g, s in _positions(a, b["app_xid_per_gpu_day"]):
+        a.xid(g, s, int(a.rng.choice([13, 31, 43])))
+
+
+_SHARES: Final = frozenset({"ecc_trickle", "pcie_creep", "hot_gpu", "telemetry_gaps"})
+"""Benign families whose value is a share of GPUs (the others are rates)."""
+
+
+def _positions(a: NodeArrays, per_gpu_day: float) -> list[tuple[int, int]]:
+    g_count, t_count = a.keep.shape
+    n = a.rng.poisson(per_gpu_day * t_count * a.dt / 86400 * g_count)
+    return [(int(a.rng.integers(g_count)), int(a.rng.integers(t_count))) for _ in range(n)]
+
+
+def _failures(p: FleetParams, a: NodeArrays, node: str, node_idx: int
+              ) -> tuple[list[dict[str, Any]], np.ndarray, np.ndarray, np.ndarray]:
+    """Draw failures and write their precursors; (labels, end step, state lost, DBE)."""
+    rng, dt = a.rng, a.dt
+    g_count, t_count = a.keep.shape
     weights = np.array([c.weight for c in p.causes])
     prob_fail = 1.0 - np.exp(-p.rate_per_1000_gpu_days / 1000.0 * p.days)
     end_step = np.full(g_count, t_count)
@@ -262,52 +255,74 @@ def _simulate_node(p: FleetParams, node_idx: int) -> tuple[pd.DataFrame, list[di
             continue
         f_step = int(rng.integers(1, t_count))
         cause = p.causes[int(rng.choice(len(p.causes), p=weights / weights.sum()))]
-        has_pre = bool(rng.random() < cause.precursor_share)
-        minutes = 0.0
-        if has_pre:
-            minutes = max(p.min_minutes, float(rng.lognormal(
-                np.log(cause.precursor_median_min), cause.precursor_sigma))) * p.precursor_scale
+        family, minutes, xid = "none", 0.0, cause.final_xid
+        share, choices = cause.precursor_share, cause.families
+        if p.balanced_families:
+            share, choices = 0.8, tuple(PRECURSORS)
+        if choices and rng.random() < share:
+            family = str(rng.choice(choices))
+            fp = p.families[family]
+            minutes = max(p.min_minutes, float(rng.lognormal(np.log(fp.median_min), fp.sigma))
+                          ) * p.precursor_scale
             strength = float(rng.lognormal(0.0, p.strength_sigma))
-            _precursor(rng, st, g, cause.name, f_step, max(1, round(minutes * 60 / dt)),
-                       strength, times, dt)
+            s = max(0, f_step - max(1, round(minutes * 60 / dt)))
+            xid = PRECURSORS[family](a, g, s, f_step, strength)
         end_step[g] = f_step + 1
-        if cause.final_xid:
-            st.xids.append((g, float(times[f_step]), cause.final_xid))
-        state_lost[g] = cause.final_xid in (79, 119)
-        dbe[g] = cause.final_xid in (48, 95)
+        a.keep[g, f_step] = True  # the failure itself is recorded
+        if xid:
+            a.xid(g, f_step, xid)
+        state_lost[g] = xid in (79, 119)
+        dbe[g] = xid in (48, 64, 95)
         labels.append({
             "node": node, "gpu": g, "uuid": f"GPU-{node_idx:04d}-{g}",
-            "time": float(times[f_step]), "cause": cause.name, "had_precursor": has_pre,
-            "precursor_minutes": minutes,
+            "time": float(a.times[f_step]), "cause": cause.name, "had_precursor": minutes > 0,
+            "precursor_minutes": minutes, "family": family,
         })
+    return labels, end_step, state_lost, dbe
+
+
+def _simulate_node(p: FleetParams, node_idx: int) -> tuple[
+        pd.DataFrame, list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    rng = np.random.default_rng([p.seed, node_idx])
+    g_count = p.gpus_per_node
+    dt = p.sample_interval_s
+    t_count = round(p.days * 86400 / dt)
+    node = f"node{node_idx:04d}"
+    a = _arrays(p, rng, t_count)
+    _benign(p, a, np.random.default_rng([p.seed, 10**6]))  # same draws on every node
+    capped = rng.random() < p.benign["power_capped_node_share"]
+    if capped:
+        for tags in a.tags:
+            tags.add("power_cap")
+    labels, end_step, state_lost, dbe = _failures(p, a, node, node_idx)
+    times = a.times
 
     # Temperature: AR(1) lag toward the target, plus noise.
-    a = np.exp(-dt / 120.0)
-    noise = rng.normal(0, p.temperature_ar_sd_c * ns, (g_count, t_count))
-    temp = lfilter([1 - a], [1, -a], st.temp_target + noise / (1 - a), axis=1,
-                   zi=(st.temp_target[:, :1] * a))[0]
+    lag = np.exp(-dt / 120.0)
+    noise = rng.normal(0, p.temperature_ar_sd_c * p.noise_scale, (g_count, t_count))
+    temp = lfilter([1 - lag], [1, -lag], a.temp_target + noise / (1 - lag), axis=1,
+                   zi=(a.temp_target[:, :1] * lag))[0]
     slowdown = 87.0 + rng.normal(0, 1.5, (g_count, 1))
     margin = slowdown - temp
-    capped = rng.random() < b["power_capped_node_share"]
     limit = 500.0 if capped else 700.0
-    demand = 700.0 * (0.1 + 0.85 * st.load) \
-        + rng.normal(0, 1, (g_count, t_count)) * 700.0 * (p.power_sd_frac * ns
-                                                           + st.power_extra_sd)
+    demand = 700.0 * (0.1 + 0.85 * a.load) \
+        + rng.normal(0, 1, (g_count, t_count)) * 700.0 * (p.power_sd_frac * p.noise_scale
+                                                           + a.power_extra_sd)
     power = np.clip(np.minimum(demand, limit), 30.0, None)
-    throttle = np.where(st.load < 0.2, IDLE, 0) | np.where(demand > limit, SW_POWER_CAP, 0) \
+    throttle = np.where(a.load < 0.2, IDLE, 0) | np.where(demand > limit, SW_POWER_CAP, 0) \
         | np.where(margin < 3.0, SW_THERMAL, 0) \
         | np.where(margin < 0.0, HW_THERMAL | HW_SLOWDOWN, 0)
 
-    ecc = np.cumsum(st.ecc, axis=1)
+    ecc = np.cumsum(a.ecc, axis=1)
     uncorr = np.zeros((g_count, t_count), np.int64)
     uncorr[dbe, :] = (np.arange(t_count)[None, :] >= (end_step[dbe] - 1)[:, None])
-    remap_c = np.cumsum(st.remap, axis=1)
-    pcie = np.cumsum(st.pcie, axis=1)
-    width = np.where(st.width_drop, 8, 16)
-    crc = np.cumsum(st.nvl_crc, axis=1)
-    rep = np.cumsum(st.nvl_replay, axis=1)
+    remap_c = np.cumsum(a.remap, axis=1)
+    pcie = np.cumsum(a.pcie, axis=1)
+    width = np.where(a.width_drop, 8, 16)
+    crc = np.cumsum(a.nvl_crc, axis=2)
+    rep = np.cumsum(a.nvl_replay, axis=2)
 
-    keep = np.arange(t_count)[None, :] < end_step[:, None]
+    keep = (np.arange(t_count)[None, :] < end_step[:, None]) & a.keep
     gi, ti = np.nonzero(keep)
     state = np.full((g_count, t_count), "ok", dtype=object)
     last = end_step - 1
@@ -328,7 +343,7 @@ def _simulate_node(p: FleetParams, node_idx: int) -> tuple[pd.DataFrame, list[di
         "ecc_uncorrected_volatile": uncorr[gi, ti],
         "remapped_rows_correctable": remap_c[gi, ti],
         "remapped_rows_uncorrectable": uncorr[gi, ti],
-        "remap_pending": st.remap_pending[gi, ti],
+        "remap_pending": a.remap_pending[gi, ti],
         "remap_failure": False,
         "retired_pages_sbe": 0,
         "retired_pages_dbe": 0,
@@ -337,92 +352,45 @@ def _simulate_node(p: FleetParams, node_idx: int) -> tuple[pd.DataFrame, list[di
         "pcie_link_width": width[gi, ti].astype(np.int64),
         "pcie_link_width_max": 16,
     })
-    # The failing NVLink sits on link 0; links 1..3 carry background only.
     for link in range(N_LINKS):
-        if link == 0:
-            df["nvlink0_crc_flit"] = crc[gi, ti]
-            df["nvlink0_replay"] = rep[gi, ti]
-        else:
-            df[f"nvlink{link}_crc_flit"] = 0
-            df[f"nvlink{link}_replay"] = 0
+        df[f"nvlink{link}_crc_flit"] = crc[gi, link, ti]
+        df[f"nvlink{link}_replay"] = rep[gi, link, ti]
     xids = [
         {"node": node, "gpu": g, "time": t, "code": c, "text": ""}
-        for g, t, c in st.xids if t <= times[end_step[g] - 1]
+        for g, t, c in a.xids if t <= times[end_step[g] - 1]
     ]
-    return df, xids, labels
-
-
-def _bursts_positions(rng: np.random.Generator, g_count: int, t_count: int,
-                      per_gpu_day: float, days: float) -> list[tuple[int, int]]:
-    n = rng.poisson(per_gpu_day * days * g_count)
-    return [(int(rng.integers(g_count)), int(rng.integers(t_count))) for _ in range(n)]
-
-
-def _precursor(rng: np.random.Generator, st: _Node, g: int, cause: str, f_step: int,
-               d_steps: int, strength: float, times: np.ndarray, dt: float) -> None:
-    """Write the cause's precursor into the node arrays over [f_step - d_steps, f_step)."""
-    s = max(0, f_step - d_steps)
-    prog = (np.arange(s, f_step) - (f_step - d_steps)) / d_steps  # 0..1
-    hours = dt / 3600.0
-    n = f_step - s
-    if n <= 0:
-        return
-    minute = max(1, round(60 / dt))
-
-    def some_steps(k: int, after: float) -> np.ndarray:
-        lo = s + int(after * n)
-        return np.sort(rng.integers(lo, f_step, size=k)) if f_step > lo else np.array([], int)
-
-    if cause == "hbm3":
-        # Correctable ECC accelerating from ~30/h to ~1,000/h; rows remapped on the way.
-        st.ecc[g, s:f_step] += rng.poisson(strength * 30.0 * np.exp(3.5 * prog) * hours)
-        for k in some_steps(1 + rng.poisson(2 * strength), 0.3):
-            st.remap[g, k] += 1
-            st.remap_pending[g, k:k + 5 * minute] = True
-            st.xids.append((g, float(times[k]), 63))
-        for k in some_steps(1, 0.6):
-            st.xids.append((g, float(times[k]), 92))
-    elif cause == "sram":
-        st.ecc[g, s:f_step] += rng.poisson(strength * 40.0 * (1 + 10 * prog**2) * hours)
-        for k in some_steps(1 + rng.poisson(1), 0.5):
-            st.xids.append((g, float(times[k]), 94))
-    elif cause == "faulty_gpu":
-        st.pcie[g, s:f_step] += rng.poisson(strength * 60.0 * np.exp(3.0 * prog) * hours)
-        if rng.random() < 0.5:
-            st.width_drop[g, s + int(0.7 * n):f_step + 1] = True
-    elif cause == "network":
-        crc = rng.poisson(strength * 50.0 * np.exp(3.0 * prog) * hours)
-        st.nvl_crc[g, s:f_step] += crc
-        st.nvl_replay[g, s:f_step] += rng.binomial(crc, 0.1)
-    elif cause == "thermal":
-        st.temp_target[g, s:f_step] += strength * 18.0 * prog**1.3
-    elif cause == "gsp":
-        st.power_extra_sd[g, s:f_step] += 0.08 * strength * (0.3 + prog)
+    behaviours = [{"node": node, "gpu": g, "behaviour": b}
+                  for g in range(g_count) for b in sorted(a.tags[g])]
+    return df, xids, labels, behaviours
 
 
 def simulate_fleet(params: FleetParams) -> FleetData:
     """Simulate the fleet described by ``params`` (deterministic for a given seed)."""
-    frames, xids, labels = [], [], []
+    frames, xids, labels, behaviours = [], [], [], []
     for node_idx in range(params.nodes):
-        df, x, lab = _simulate_node(params, node_idx)
+        df, x, lab, beh = _simulate_node(params, node_idx)
         frames.append(df)
         xids.extend(x)
         labels.extend(lab)
+        behaviours.extend(beh)
     samples = pd.concat(frames, ignore_index=True)
     xid_df = pd.DataFrame(xids, columns=["node", "gpu", "time", "code", "text"]).rename(
         columns={"code": "xid", "text": "xid_text"})  # the agent's replay events columns
     xid_df = xid_df.sort_values(["time", "node", "gpu"], ignore_index=True)
     label_df = pd.DataFrame(labels, columns=["node", "gpu", "uuid", "time", "cause",
-                                             "had_precursor", "precursor_minutes"])
-    return FleetData(samples=samples, xids=xid_df, labels=label_df, params=params)
+                                             "had_precursor", "precursor_minutes", "family"])
+    return FleetData(samples=samples, xids=xid_df, labels=label_df, params=params,
+                     behaviours=pd.DataFrame(behaviours, columns=["node", "gpu", "behaviour"]))
 
 
 def write_fleet(data: FleetData, out_dir: str | Path) -> dict[str, Path]:
-    """Write ``samples.parquet``, ``xids.parquet`` and ``labels.csv`` under ``out_dir``."""
+    """Write ``samples.parquet``, ``xids.parquet``, ``labels.csv`` and
+    ``behaviours.csv`` under ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"samples": out / "samples.parquet", "xids": out / "xids.parquet",
-             "labels": out / "labels.csv"}
+             "labels": out / "labels.csv", "behaviours": out / "behaviours.csv"}
+    data.behaviours.to_csv(paths["behaviours"], index=False)
     data.samples.to_parquet(paths["samples"], index=False)
     data.xids.to_parquet(paths["xids"], index=False)
     data.labels.to_csv(paths["labels"], index=False)

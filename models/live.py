@@ -21,6 +21,7 @@ from typing import Final
 import numpy as np
 
 from forewarn.gpu import FATAL_XIDS, POWER_BITS, THERMAL_BITS
+from forewarn.models.explain import explain
 from forewarn.models.features import (
     ACTIVE,
     BASELINE_BLOCK,
@@ -28,6 +29,7 @@ from forewarn.models.features import (
     GRID_S,
     LAGS,
     LAST_COLUMNS,
+    PEER_MINUTES,
     baseline_end,
     derive,
     xid_class,
@@ -100,14 +102,26 @@ class LiveScorer:
 
     def __init__(self, model: FailurePredictor, *, stale_s: float = 180.0,
                  merge_gap_s: float = 3600.0, lead_min_s: float = 60.0,
-                 capacity: int = 256) -> None:
+                 capacity: int = 256, release: float = 0.8, memory_s: float = 7 * 86400.0,
+                 bar_step: float = 0.5, alarm_budget: int = 3) -> None:
         self.model = model
         self.stale_s = stale_s
         self.merge_gap_s = merge_gap_s
         self.lead_min_s = lead_min_s
+        self.release = release
+        self.memory_s = memory_s
+        self.bar_step = bar_step
+        self.alarm_budget = alarm_budget
+        self._false_at: dict[int, list[float]] = {}
+        self._recent: dict[int, list[float]] = {}
+        self.suppressed = 0
+        """Scorings where a GPU was at or above the model's threshold but below its own
+        raised bar or over its alarm budget (no finding)."""
         self._index: dict[tuple[str, int], int] = {}
         self._nodes: list[str] = []
         self._gpus: list[int] = []
+        self._node_ids: list[int] = []
+        self._node_index: dict[str, int] = {}
         self._cur = np.zeros((capacity, len(_COLS)))
         self._ring = np.zeros((_RING, capacity, _N_CUM))
         self._first = np.zeros((capacity, _N_CUM))
@@ -137,6 +151,7 @@ class LiveScorer:
                 self._grow()
             self._index[key] = i
             self._nodes.append(node)
+            self._node_ids.append(self._node_index.setdefault(node, len(self._node_index)))
             self._gpus.append(gpu)
         return i
 
@@ -184,6 +199,7 @@ class LiveScorer:
             row[ix["n"]] += 1
         if t is not None:
             row[ix["temp"]] += t
+            row[ix["temp2"]] += t * t
             row[ix["temp_last"]] = t
         if s.slowdown_margin_c is not None:
             row[ix["margin"]] += s.slowdown_margin_c
@@ -245,8 +261,13 @@ class LiveScorer:
         self._roll(last_complete)
         n = len(self._nodes)
         m = last_complete
-        live = np.nonzero((self._first_minute[:n] >= 0) & (self._first_minute[:n] <= m)
-                          & (now - self._last_seen[:n] <= self.stale_s))[0]
+        started = (self._first_minute[:n] >= 0) & (self._first_minute[:n] <= m)
+        # Features for every GPU that may count as a peer (a sample within PEER_MINUTES:
+        # derive decides exactly, from the grid, as the batch features do); returned for
+        # the fresh ones only.
+        seen = now - self._last_seen[:n]
+        live = np.nonzero(started & (seen <= PEER_MINUTES * GRID_S + 2 * GRID_S))[0]
+        fresh = seen[live] <= self.stale_s
         now_row = self._ring[m % _RING, live]
         cols = {c: now_row[:, j] for j, c in enumerate(CUM_COLUMNS)}
         for c in LAST_COLUMNS:
@@ -265,10 +286,14 @@ class LiveScorer:
             minutes[:] = 0.0
         rows = self._block[held[0] if len(held) else 0, live]
         end = {c: rows[:, j] for j, c in enumerate(CUM_COLUMNS)}
-        return live, derive(cols, lag, first, end, minutes), (m + 1) * GRID_S
+        group = np.unique(np.asarray(self._node_ids, np.int64)[live], return_inverse=True)[1]
+        feats = derive(cols, lag, first, end, minutes, group)
+        return live[fresh], {k: v[fresh] for k, v in feats.items()}, (m + 1) * GRID_S
 
     def score(self, now: float) -> list[Finding]:
-        """Findings for every GPU whose failure probability is at or above threshold."""
+        """Findings for the GPUs in an alarm episode (:meth:`alarming`), each with its
+        episode and an explanation (:func:`forewarn.models.explain.explain`) in its
+        evidence."""
         live, feats, _t = self.features(now)
         if len(live) == 0:
             return []
@@ -276,10 +301,59 @@ class LiveScorer:
         probs = self.model.predict_proba(x)
         nodes = np.asarray(self._nodes, dtype=object)[live]
         gpus = np.asarray(self._gpus)[live]
-        for i in live[probs >= self.model.threshold]:
-            self._alarm(int(i), now)
         self._settle(now)
-        return self.model.findings(nodes, gpus, probs, now)
+        alarm = self.alarming(live, probs, now)
+        rows = np.nonzero(alarm)[0]
+        for i in live[rows]:
+            self._alarm(int(i), now)
+        evidence: dict[str, np.ndarray] = {}
+        if len(rows):
+            ex = explain(feats, rows)
+            for k, v in ex.items():
+                col = np.full(len(live), None, dtype=object)
+                col[rows] = v
+                evidence[k] = col
+            col = np.full(len(live), None, dtype=object)
+            col[rows] = [f"{nodes[j]}/{gpus[j]}@{self._episodes[int(live[j])][-1].start:.0f}"
+                         for j in rows]
+            evidence["episode"] = col
+            bar = np.full(len(live), np.nan)
+            bar[rows] = [self.bar(int(live[j]), now) for j in rows]
+            evidence["bar"] = bar
+        return self.model.findings(nodes, gpus, probs, now, evidence, alarm=alarm)
+
+    # -- alarms with memory -------------------------------------------------------------
+    def bar(self, i: int, now: float) -> float:
+        """GPU slot ``i``'s own alarm bar: the model's threshold, raised for every alarm
+        episode of this GPU that ended without a failure in the last :attr:`memory_s`
+        (each takes ``1 - bar_step`` of the remaining distance to 1)."""
+        k = sum(1 for t in self._false_at.get(i, ()) if now - t <= self.memory_s)
+        return 1.0 - (1.0 - self.model.threshold) * self.bar_step ** k
+
+    def alarming(self, live: np.ndarray, probs: np.ndarray, now: float) -> np.ndarray:
+        """Which of the ``live`` GPU slots alarm now. An open episode (the GPU's last,
+        within :attr:`merge_gap_s`) goes on while the probability stays at or above
+        :attr:`release` x its bar (hysteresis: one episode per incident, not one per
+        crossing); a new one opens at or above the GPU's own :meth:`bar`, unless the GPU
+        already opened :attr:`alarm_budget` episodes within :attr:`memory_s`."""
+        thr = self.model.threshold
+        out = np.zeros(len(live), bool)
+        cand = np.nonzero(probs >= self.release * thr)[0]
+        for j in cand:
+            i = int(live[j])
+            bar = self.bar(i, now)
+            eps = self._episodes.get(i, [])
+            recent = self._recent.get(i, [])
+            if eps and now - eps[-1].end <= self.merge_gap_s:
+                out[j] = probs[j] >= self.release * bar
+            elif probs[j] >= bar:
+                if sum(1 for t in recent if now - t <= self.memory_s) >= self.alarm_budget:
+                    self.suppressed += 1
+                else:
+                    out[j] = True
+            elif probs[j] >= thr:
+                self.suppressed += 1
+        return out
 
     # -- shadow scoring ---------------------------------------------------------------
     def _alarm(self, i: int, now: float) -> None:
@@ -289,6 +363,8 @@ class LiveScorer:
         else:
             eps.append(_Episode(now, now))
             self._alarms += 1
+            recent = [t for t in self._recent.get(i, []) if now - t <= self.memory_s]
+            self._recent[i] = [*recent, now]
 
     def _failure(self, i: int, t: float) -> None:
         last = self._last_failure.get(i)
@@ -317,6 +393,9 @@ class LiveScorer:
             for ep in eps:
                 if now - ep.end > self.model.horizon_s:
                     self._false += 1
+                    # It alarmed and did not fail: its own bar goes up.
+                    self._false_at[i] = [t for t in self._false_at.get(i, [])
+                                         if now - t <= self.memory_s] + [now]
                 else:
                     keep.append(ep)
             self._episodes[i] = keep

@@ -84,7 +84,8 @@ def _plots(report: dict[str, Any], out: Path) -> None:
     curve = pd.DataFrame(report["pr_curve"])
     base = report["overall"]["baseline"]
     fig, ax = plt.subplots(figsize=(6, 4.5), dpi=100)
-    ax.plot(curve["recall"], curve["precision"], marker=".", label="forewarn model")
+    ax.plot(curve["recall"], curve["precision"], marker="o", markersize=5, linewidth=3,
+            label="forewarn model")
     ax.scatter([base["recall_precursor"]], [base["precision"]], color="red", zorder=3,
                label="rules-only baseline (error codes)")
     m = report["overall"]["model"]

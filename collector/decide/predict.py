@@ -124,10 +124,11 @@ def _recording(model: FailurePredictor, rec: _Recorder) -> FailurePredictor:
 
     class RecordingPredictor(FailurePredictor):
         def findings(self, nodes: np.ndarray, gpus: np.ndarray, probs: np.ndarray,
-                     now: float, evidence: dict[str, np.ndarray] | None = None
-                     ) -> list[Finding]:
+                     now: float, evidence: dict[str, np.ndarray] | None = None,
+                     alarm: np.ndarray | None = None) -> list[Finding]:
             rec.last = (nodes, gpus, probs)
-            return super().findings(nodes, gpus, probs, now, evidence)
+            # The scorer's alarm episodes and explanations go into the findings as they are.
+            return super().findings(nodes, gpus, probs, now, evidence, alarm)
 
     fields = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
     return RecordingPredictor(**fields)

@@ -30,6 +30,7 @@ from forewarn.models.features import FEATURE_NAMES, gpu_features
 from forewarn.models.fleetsim import FleetData, load_params, simulate_fleet
 from forewarn.models.persist import default_model_path, load_model, save_model
 from forewarn.models.predictor import FailurePredictor, fit_table
+from forewarn.models.suites import classic
 from forewarn.wire import (
     GpuSample,
     GpuState,
@@ -71,33 +72,44 @@ def _fit_model(d: FleetData, path: Path) -> FailurePredictor:
     return model
 
 
+def _sent(df: pd.DataFrame, gpus: list[int], start: float) -> pd.DataFrame:
+    """The rows of ``df`` the test sends: these GPUs of the node, from ``start``."""
+    out: pd.DataFrame = df[(df.node == NODE) & df.gpu.isin(gpus) & (df.time >= start)]
+    return out
+
+
 def _case(d: FleetData, model: FailurePredictor, model_path: Path) -> Case | None:
     """The first failure with a precursor that the model alarms on at least 2 minutes ahead,
-    within the (up to) three hours of telemetry the test sends. Live features equal the
-    batch ones once an hour of history is in (or from the start of the simulation)."""
-    scored = model.score(gpu_features(d.samples, d.xids))
+    within the (up to) three hours of telemetry the test sends. The batch features are
+    computed from exactly that telemetry (the failing GPU and its quiet neighbours from
+    the window's start): features compare a GPU with its own history and its node peers,
+    so they depend on what the collector was sent."""
     labels = d.labels[d.labels["had_precursor"] & (d.labels["node"] == NODE)]
     sim_start = float(d.samples["time"].min())
     for lab in labels.sort_values("time").itertuples():
         start = max(sim_start, lab.time - 180 * 60)
-        mine = scored[(scored.node == NODE) & (scored.gpu == lab.gpu)]
-        alarms = mine[(mine.p >= model.threshold) & (mine.time >= _comparable(start, d))
-                      & (mine.time <= lab.time - 120)]
-        if alarms.empty:
-            continue
         # neighbours that do not fail anywhere near the window (one failure to score)
         near = d.labels[(d.labels.node == NODE) & (d.labels.time > start - 3600)
                         & (d.labels.time < lab.time + 3 * 3600)]
         quiet = [g for g in range(8) if g != lab.gpu and g not in set(near.gpu)][:3]
+        gpus = [int(lab.gpu), *quiet]
+
+        scored = model.score(gpu_features(_sent(d.samples, gpus, start),
+                                          _sent(d.xids, gpus, start)))
+        mine = scored[scored.gpu == lab.gpu]
+        alarms = mine[(mine.p >= model.threshold) & (mine.time >= _comparable(start, d))
+                      & (mine.time <= lab.time - 120)]
+        if alarms.empty:
+            continue
         return Case(d, model_path, model.threshold, int(lab.gpu), float(lab.time),
-                    float(alarms.time.min()), start, [int(lab.gpu), *quiet])
+                    float(alarms.time.min()), start, gpus)
     return None
 
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory: pytest.TempPathFactory) -> Case:
-    p = load_params().replace(nodes=1, gpus_per_node=8, days=2.0, seed=11,
-                              rate_per_1000_gpu_days=1500.0)
+    p = classic(load_params()).replace(nodes=1, gpus_per_node=8, days=2.0, seed=11,
+                                       rate_per_1000_gpu_days=1500.0)
     d = simulate_fleet(p)
     path = tmp_path_factory.mktemp("model") / "retrained.skops"
     c = _case(d, _fit_model(d, path), path)
@@ -263,5 +275,5 @@ def test_shipped_model_loads_by_default(tmp_path: Path) -> None:
     assert svc.predictor.source == "default"
     shipped = load_model(default_model_path())
     assert svc.predictor.model.threshold == shipped.threshold
-    probs = svc.predictor.model.predict_proba(np.zeros((1, len(FEATURE_NAMES))))
+    probs = svc.predictor.model.predict_proba(np.zeros((1, len(shipped.feature_names))))
     assert probs.shape == (1,)

@@ -84,9 +84,10 @@ def test_isolation_forest_finds_the_failing_gpu() -> None:
     for col in ("ecc_d5", "ecc_d15", "ecc_d60", "ecc_conc15", "pcie_d15", "pcie_d60"):
         odd[col] = 6.0
     odd["ecc_active15"], odd["ecc_active60"], odd["pcie_active60"] = 15.0, 60.0, 60.0
-    odd["remap_c_total"], odd["pending_frac60"], odd["xid_memory_60"] = 2.0, 0.5, 4.0
-    odd["temp_mean5"], odd["margin_mean5"], odd["margin_last"] = 95.0, -5.0, -5.0
-    odd["thr_thermal_frac15"], odd["thr_thermal_frac60"], odd["width_ratio"] = 1.0, 1.0, 0.5
+    odd["remap_c_d60"], odd["pending_frac60"], odd["xid_memory_60"] = 1.0, 0.5, 4.0
+    odd["temp_vs_own"], odd["temp_vs_peers"], odd["margin_vs_own"] = 20.0, 15.0, -20.0
+    odd["thr_thermal_vs_own"], odd["thr_thermal_vs_peers"], odd["width_ratio"] = 1.0, 1.0, 0.5
+    odd["ecc_vs_peers"], odd["pcie_vs_peers"], odd["baseline_hours"] = 6.0, 6.0, 24.0
     assert det.scores(odd)[0] < det.cutoff
     f = det.findings(odd, now=1.0)
     assert len(f) == 1 and f[0].check == "models.isolation_forest"

@@ -6,12 +6,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import skops.io as sio
 
 from forewarn.cli import main
 from forewarn.models.evaluate import baseline_scores, evaluate_scores
-from forewarn.models.features import gpu_features
+from forewarn.models.features import FEATURE_NAMES, gpu_features
 from forewarn.models.fleetsim import FleetParams, load_params, simulate_fleet, write_fleet
 from forewarn.models.live import LiveScorer
 from forewarn.models.persist import (
@@ -21,7 +22,8 @@ from forewarn.models.persist import (
     load_model,
     save_model,
 )
-from forewarn.models.predictor import FailurePredictor, label_rows, train_predictor
+from forewarn.models.predictor import FailurePredictor, fit_table, label_rows, train_predictor
+from forewarn.models.suites import classic
 from forewarn.wire import GpuSample, NvlinkCounters
 
 from support.images import check_png
@@ -32,7 +34,7 @@ pytestmark = pytest.mark.timeout(600)
 def _params(**kw: object) -> FleetParams:
     # Small fleets with failures inflated further (200 per 1,000 GPU-days) for positives.
     base: dict[str, object] = {"nodes": 5, "days": 2.0, "rate_per_1000_gpu_days": 200.0}
-    return load_params().replace(**(base | kw))
+    return classic(load_params()).replace(**(base | kw))
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +64,20 @@ def test_predictor_beats_the_rules_baseline_on_unseen_fleets(model: FailurePredi
     assert r.median_lead_precursor_min >= 10.0, r
     assert r.false_alarms_per_1000_gpu_days < base.false_alarms_per_1000_gpu_days
     assert r.recall_precursor > base.recall_precursor
+
+
+def test_fit_leaves_out_negatives_just_before_a_failure() -> None:
+    # One GPU, a row a minute for 10 hours, failing at hour 9: the last hour is positive;
+    # the hours before it may hold the precursor's start, so they are not fitted as normal.
+    t = np.arange(0.0, 10 * 3600.0, 60.0)
+    f = pd.DataFrame({"node": "n0", "gpu": 0, "time": t} | dict.fromkeys(FEATURE_NAMES, 0.0))
+    labels = pd.DataFrame({"node": ["n0"], "gpu": [0], "time": [9 * 3600.0]})
+    fit = fit_table(f, labels, 3600.0, neg_stride=1, precursor_window_s=4 * 3600.0)
+    before = 9 * 3600.0 - f.loc[fit.index, "time"]
+    assert (fit["y"] == 1).sum() == 60 and (before[fit["y"] == 1] <= 3600.0).all()
+    negatives = before[fit["y"] == 0]
+    assert len(negatives) > 0 and (negatives >= 4 * 3600.0).all()
+    assert not ((before > 3600.0) & (before < 4 * 3600.0)).any()
 
 
 def test_model_round_trips_through_skops(model: FailurePredictor, tmp_path: Path) -> None:
@@ -112,7 +128,8 @@ def _sample(row: dict[str, object], state: str = "ok") -> GpuSample:
 
 
 def test_live_scorer_warns_before_failure_and_scores_itself(model: FailurePredictor) -> None:
-    p = load_params().replace(nodes=4, days=1.0, seed=41, rate_per_1000_gpu_days=400.0)
+    p = classic(load_params()).replace(nodes=4, days=1.0, seed=41,
+                                        rate_per_1000_gpu_days=400.0)
     d = simulate_fleet(p)
     pre = d.labels[d.labels["had_precursor"] & d.labels["cause"].isin(["hbm3", "faulty_gpu"])]
     assert len(pre) > 0

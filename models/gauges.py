@@ -1,0 +1,103 @@
+"""Gauge levels now, over the GPU's own long run, and against its node peers.
+
+Helpers of :func:`forewarn.models.features.derive`: every gauge (:data:`GAUGES` there) is
+a mean between two cumulative grid rows, so the same arithmetic serves the current window,
+the GPU's own baseline (first grid row to the baseline's end) and the comparison with the
+node's other GPUs at the same minute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import pandas as pd
+
+__all__ = ["gauge_levels", "own_levels", "peer_deviation", "window_mean"]
+
+
+def window_mean(sum_a: np.ndarray, sum_b: np.ndarray, n_a: np.ndarray, n_b: np.ndarray,
+                fallback: np.ndarray) -> np.ndarray:
+    """Mean of a gauge between two cumulative rows (sums ``sum_a - sum_b`` over sample
+    counts ``n_a - n_b``); ``fallback`` where no sample came in between."""
+    n = n_a - n_b
+    with np.errstate(invalid="ignore", divide="ignore"):
+        m = (sum_a - sum_b) / n
+    return np.where(n > 0, m, fallback)
+
+
+
+def gauge_levels(now: Mapping[str, np.ndarray], l5: Mapping[str, np.ndarray],
+                  l15: Mapping[str, np.ndarray], limit: np.ndarray, t5: np.ndarray
+                  ) -> dict[str, np.ndarray]:
+    """The current level of each of :data:`GAUGES` (5- or 15-minute means)."""
+    zero = np.zeros_like(t5)
+    n = now["n"]
+    t15 = window_mean(now["temp"], l15["temp"], n, l15["n"], t5)
+    t2_15 = window_mean(now["temp2"], l15["temp2"], n, l15["n"], t15 * t15)
+    p15 = window_mean(now["power"], l15["power"], n, l15["n"], zero)
+    p2_15 = window_mean(now["power2"], l15["power2"], n, l15["n"], zero)
+    return {
+        "temp": t5,
+        "temp_std": np.sqrt(np.maximum(t2_15 - t15 * t15, 0.0)),
+        "margin": window_mean(now["margin"], l5["margin"], n, l5["n"], now["margin_last"]),
+        "power": p15 / limit,
+        "power_std": np.sqrt(np.maximum(p2_15 - p15 * p15, 0.0)) / limit,
+        "thr_thermal": window_mean(now["thr_thermal"], l15["thr_thermal"], n, l15["n"], zero),
+        "thr_power": window_mean(now["thr_power"], l15["thr_power"], n, l15["n"], zero),
+        "pending": window_mean(now["pending"], l15["pending"], n, l15["n"], zero),
+        "samples": np.maximum(n - l5["n"], 0.0) / 5.0,
+    }
+
+
+def own_levels(first: Mapping[str, np.ndarray], end: Mapping[str, np.ndarray],
+               minutes: np.ndarray, limit: np.ndarray, min_minutes: float
+               ) -> dict[str, np.ndarray]:
+    """The GPU's own long-run level of each of :data:`GAUGES`, from its first grid row to
+    the baseline's end row; ``_has`` is 1 where that spans ``min_minutes``
+    and holds samples. Standard deviations here are over the whole baseline (workload
+    changes included), so a 15-minute one is usually below it."""
+    n = end["n"] - first["n"]
+    has = (minutes >= min_minutes) & (n > 0)
+    zero = np.zeros_like(minutes)
+
+    def mean(col: str) -> np.ndarray:
+        return window_mean(end[col], first[col], end["n"], first["n"], zero)
+
+    t, p = mean("temp"), mean("power")
+    with np.errstate(invalid="ignore", divide="ignore"):
+        samples = np.where(minutes > 0, n / minutes, 0.0)
+    return {
+        "_has": has.astype(np.float64), "temp": t,
+        "temp_std": np.sqrt(np.maximum(mean("temp2") - t * t, 0.0)),
+        "margin": mean("margin"), "power": p / limit,
+        "power_std": np.sqrt(np.maximum(mean("power2") - p * p, 0.0)) / limit,
+        "thr_thermal": mean("thr_thermal"), "thr_power": mean("thr_power"),
+        "pending": mean("pending"), "samples": samples,
+    }
+
+
+def peer_deviation(values: Mapping[str, np.ndarray], group: np.ndarray | None,
+                   counters: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+    """Each value minus the median of its ``group`` (the GPUs of one node at one time;
+    -1: not a peer, deviation zero); ``samples_vs_peers`` as a ratio to the median, minus
+    one. No group: zeros."""
+    if group is None or len(group) == 0:
+        return {k: np.zeros(len(v)) for k, v in values.items()}
+    df = pd.DataFrame(dict(values))
+    grouped = df.groupby(group, sort=False)
+    med = grouped.transform("median")
+    # A GPU without peers (alone on its node, or the others quiet) is compared with what
+    # a healthy peer's counters read, zero; its gauges have nothing to compare with.
+    alone = (grouped[df.columns[0]].transform("size").to_numpy() == 1) & (group >= 0)
+    out: dict[str, np.ndarray] = {}
+    for k in values:
+        v, m = df[k].to_numpy(), med[k].to_numpy()
+        lone = 0.0 if k.removesuffix("_vs_peers") in counters else v
+        m = np.where(group >= 0, np.where(alone, lone, m), v)
+        if k == "samples_vs_peers":
+            with np.errstate(invalid="ignore", divide="ignore"):
+                out[k] = np.where(m > 0, v / m - 1.0, 0.0)
+        else:
+            out[k] = v - m
+    return out

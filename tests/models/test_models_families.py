@@ -1,0 +1,60 @@
+"""The simulator's behaviour families and the leave-one-family-out evaluation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from forewarn.cli import main
+from forewarn.models.families import BENIGN, PRECURSORS
+from forewarn.models.fleetsim import load_params, simulate_fleet
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def test_families_have_random_shapes_durations_and_realistic_prevalence() -> None:
+    p = load_params()
+    assert p.real_per_1000_node_days == 6.5 and p.real_per_1000_gpu_days == 6.5 / 8
+    # Durations from minutes to days.
+    medians = [f.median_min for f in p.families.values()]
+    assert min(medians) < 60 and max(medians) > 24 * 60
+    assert set(p.families) == set(PRECURSORS)
+    for name in ("nvlink_multi", "pcie_steps", "thermal_oscillation", "pending_remaps",
+                 "ecc_drift_days", "sample_thinning"):
+        assert name in PRECURSORS
+    d = simulate_fleet(p.replace(nodes=6, days=2.0, rate_per_1000_gpu_days=400.0,
+                                 balanced_families=True, seed=7))
+    fams = d.labels["family"]
+    assert fams.nunique() >= 6 and (fams == "none").any()
+    # Same family, different shapes: precursor lengths vary.
+    assert d.labels.loc[fams != "none", "precursor_minutes"].std() > 10
+    gpus = 6 * 8
+    share = d.behaviours.groupby("behaviour")["gpu"].size() / gpus
+    assert 0.1 < share["ecc_trickle"] < 0.45, share  # a large share of healthy GPUs
+    assert set(share.index) <= {*BENIGN, "power_cap"}
+    # A trickle GPU that never fails reports correctable ECC all the time.
+    trickle = d.behaviours[d.behaviours["behaviour"] == "ecc_trickle"]
+    failed = set(zip(d.labels["node"], d.labels["gpu"], strict=True))
+    node, gpu = next((n, g) for n, g in zip(trickle["node"], trickle["gpu"], strict=True)
+                     if (n, g) not in failed)
+    s = d.samples[(d.samples["node"] == node) & (d.samples["gpu"] == gpu)]
+    assert s["ecc_corrected_volatile"].iloc[-1] > 0
+    assert np.all(np.diff(s["ecc_corrected_volatile"].to_numpy()) >= 0)
+
+
+def test_eval_families_writes_the_per_family_table(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    doc = tmp_path / "models.md"
+    doc.write_text("before\n<!-- eval-families:begin -->\nSTALE-TABLE\n<!-- eval-families:end -->\n"
+                   "after\n")
+    assert main(["models", "eval-families", "--scale", "0.1", "--family", "thermal_oscillation",
+                 "--family", "hot_spells", "--markdown", str(doc),
+                 "--out", str(tmp_path / "lofo.csv")]) == 0
+    text = doc.read_text()
+    assert text.startswith("before\n") and text.endswith("after\n") and "STALE-TABLE" not in text
+    for who in ("model", "rules", "isolation_forest"):
+        assert f"| thermal_oscillation | precursor | {who} |" in text
+    assert "| hot_spells | benign | model |" in text
+    assert "precision (real rate)" in text and "Best on leave-family-out" in text
