@@ -110,7 +110,7 @@ def test_node_cannot_forge_checkpoints_order_or_move_ranks_of_another_nodes_job(
 
         # node1's finding orders train-1; node2's reports about its own job (ranks 2 and 3
         # of train-2) cannot complete train-1's order
-        own = Finding(check="nan_loss", health=Health.UNHEALTHY, reason="NaN loss",
+        own = Finding(check="grad_spike", health=Health.UNHEALTHY, reason="grad spike",
                       action=SuggestedAction.CHECKPOINT, time=now,
                       subject=Subject(kind="job", job="train-1"))
         assert post(svc, "node1", urgent=True, findings=[own])[0] == 200
