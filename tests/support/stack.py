@@ -93,17 +93,21 @@ rank, local, world, out = int(rank), int(local), int(world), Path(out)
 m = Monitor(job=job, rank=rank, world_size=world, local_rank=local, socket_path=sock,
             beat_interval_s=0.2, handle_sigterm=False)
 step = 0
+saved = False
 while True:
     time.sleep(0.05)
     step += 1
     if step == hang_at:
         time.sleep(3600)  # hung: beats go on, steps stop
-    loss = float("nan") if 0 <= nan_at <= step else 2.0 / step
+    # The NaN comes after the job's first ordered save: a NaN holds the job's saves from then
+    # on (no poisoned state is saved), and the tests want both the save and the NaN.
+    loss = float("nan") if saved and 0 <= nan_at <= step else 2.0 / step
     m.step(step, loss=loss, grad_norm=0.5 + 0.01 * rank)
     if m.should_checkpoint(step):
         t0 = time.monotonic()
         (out / f"rank{rank}-step{step}.ckpt").write_bytes(b"x" * 4096)
         m.checkpoint_done(step, time.monotonic() - t0 + 0.01, 4096, str(out))
+        saved = True
 '''
 
 
