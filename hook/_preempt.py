@@ -113,6 +113,11 @@ class SignalExit:
             return
         code = self.exit_code if self.exit_code is not None else 128 + (signum or signal.SIGTERM)
         _log.warning("forewarn: preemption checkpoint done; exiting with code %d", code)
+        if threading.current_thread() is threading.main_thread():
+            # The process exits with ``code`` now: a repeated notice in the last milliseconds
+            # (Slurm's second SIGTERM) must not end it by the default action instead.
+            for sig in self.signals:
+                signal.signal(sig, signal.SIG_IGN)
         self._close(True)
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):

@@ -615,3 +615,23 @@ def test_importing_and_stepping_with_floats_loads_no_third_party_framework(sockd
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_a_signal_repeated_while_the_preemption_exit_closes_still_exits_128_plus_signal(
+        tmp_path: Path) -> None:
+    """Slurm's second SIGTERM can land in the milliseconds between the end of the save and
+    the exit, while the Monitor closes (and puts back the default handlers): the process
+    still ends with 128 + the signal, not killed by it."""
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import os, signal\n"
+        "from forewarn.hook._preempt import SignalExit\n"
+        "def close(finished):\n"
+        "    if callable(signal.getsignal(signal.SIGTERM)):  # restore(), where ours is set\n"
+        "        signal.signal(signal.SIGTERM, signal.SIG_DFL)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)  # the repeated notice, right then\n"
+        "ex = SignalExit((signal.SIGTERM,), None, close)\n"
+        "ex.install(lambda s, f: None)\n"
+        "ex.after_save(signal.SIGTERM)\n")
+    r = subprocess.run([sys.executable, str(script)], timeout=60, capture_output=True)
+    assert r.returncode == 128 + signal.SIGTERM, (r.returncode, r.stderr[-2000:])
