@@ -85,9 +85,12 @@ def test_stop_signal_stops_everything(tmp_path: Path, signum: signal.Signals, af
     """Ctrl-C and SIGTERM both stop the collector, the agents and the job the demo
     started."""
     work = tmp_path / "demo"
+    # A shell runs a background job with SIGINT ignored, and Python then keeps it ignored:
+    # give the demo the default disposition, as a terminal's Ctrl-C finds it.
     proc = subprocess.Popen(
         [sys.executable, "-m", "forewarn", "demo", "--fast", "--workdir", str(work)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert proc.stdout is not None
     for line in proc.stdout:
         if after in line:
