@@ -83,7 +83,7 @@ from forewarn.gpu import CLOCK_EVENT_REASONS
 from forewarn.wire import Finding, GpuSample, GpuState, Health
 
 __all__ = [
-    "CLOCK_EVENT_REASONS",
+    "GPU_GAUGES",
     "HEALTH_VALUE",
     "AgentExporter",
     "MetricsServer",
@@ -102,8 +102,7 @@ HEALTH_VALUE: dict[Health, int] = {
 """Gauge value of each health; higher is worse except unknown (3: could not tell)."""
 
 
-# (sample field, metric name, help, scale)
-_GAUGES: tuple[tuple[str, str, str, float], ...] = (
+GPU_GAUGES: tuple[tuple[str, str, str, float], ...] = (
     ("temperature_c", "forewarn_gpu_temperature_celsius", "GPU core temperature.", 1.0),
     ("memory_temperature_c", "forewarn_gpu_memory_temperature_celsius",
      "GPU memory (HBM) temperature.", 1.0),
@@ -143,6 +142,9 @@ _GAUGES: tuple[tuple[str, str, str, float], ...] = (
     ("nvlink_rx_bytes_per_s", "forewarn_gpu_nvlink_rx_bytes_per_second",
      "NVLink bytes received per second over all links.", 1.0),
 )
+"""Every GPU gauge as (sample field, metric name, help, scale to the metric's unit): the
+one table the agent's exporter and the collector's remote write (same names, same series)
+both read."""
 
 FIELDS: tuple[str, ...] = (
     "temperature_c", "memory_temperature_c", "slowdown_margin_c", "power_w", "power_limit_w",
@@ -246,7 +248,7 @@ class AgentExporter:
         yield info
         yield state
 
-        for field, name, help_, scale in _GAUGES:
+        for field, name, help_, scale in GPU_GAUGES:
             fam = GaugeMetricFamily(name, help_, labels=base)
             for s in samples:
                 v = getattr(s, field)

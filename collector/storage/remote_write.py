@@ -5,7 +5,7 @@ mode. Parquet stays the embedded mode's history and the models' training export.
 What is sent: for every GPU sample the collector accepted (once per batch: a duplicate
 batch is not staged, so not sent), the series the agent's exporter exposes for it, with the
 same names and labels (``node``, ``gpu``, ``uuid``, ``simulated``; names and scales from
-:data:`forewarn.agent.exporter._GAUGES`, plus ``forewarn_gpu_info`` and
+:data:`forewarn.agent.exporter.GPU_GAUGES`, plus ``forewarn_gpu_info`` and
 ``forewarn_gpu_state``), stamped with the sample's own time, plus ``remote_write_labels``
 (e.g. ``cluster``). So the dashboards' queries run unchanged against the store.
 
@@ -38,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from forewarn.agent.exporter import _GAUGES
+from forewarn.agent.exporter import GPU_GAUGES
 from forewarn.config import ConfigError
 from forewarn.wire import GpuSample, GpuState
 
@@ -111,7 +111,7 @@ def series_of(samples: Iterable[GpuSample], extra: Mapping[str, str] | None = No
         for state in GpuState:
             add("forewarn_gpu_state", base, t_ms, 1.0 if s.state == state else 0.0,
                 ("state", state.value))
-        for field, name, _help, scale in _GAUGES:
+        for field, name, _help, scale in GPU_GAUGES:
             value = getattr(s, field)
             if value is not None:
                 add(name, base, t_ms, float(value) * scale)
