@@ -71,3 +71,26 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         rel = os.path.relpath(str(item.path), tests)
         if rel.split(os.sep, 1)[0] in SYSTEM_FOLDERS:
             item.add_marker(pytest.mark.system)
+
+
+SHARED_GROUPS = ("operator",)
+"""Folders whose files share a machine-wide resource (the operator tests: the wheelhouse
+and the cached Debian root in /var/cache/forewarn), so their files run on one worker."""
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under ``pytest -n N`` (``./dev test`` runs two workers) a worker takes a whole
+    test file at a time, so module fixtures (one chaos lab, one Slurm cluster) start once,
+    and the whole folder for those in ``SHARED_GROUPS``. (xdist's own ``loadgroup`` marks
+    do not group under pytest 9.2, which no longer reads the node id they rewrite.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            parts = path.split("/")
+            if len(parts) > 2 and parts[1] in SHARED_GROUPS:
+                return "/".join(parts[:2])
+            return path
+
+    return ByFile(config, log)
