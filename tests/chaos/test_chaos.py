@@ -77,6 +77,11 @@ def test_scenario_meets_its_expectation(lab: Lab, scenario: Scenario) -> None:
         assert f["duplicate_samples"] == 0
     elif scenario.rig == "store":
         assert f["parquet_rows"] > 0 and f["empty_rows_lost"] == f["older_rows_lost"] == 0
+    elif scenario.rig == "scale":
+        # every sealed batch in PostgreSQL, every GPU sample in VictoriaMetrics once
+        assert f["batches_sealed"] == f["batches_stored"] > 0
+        assert f["samples_sent"] == f["samples_stored"] > 0
+        assert f["samples_lost"] == f["samples_duplicated"] == 0
     else:
         assert out.detection_s is not None and out.detection_s >= 0
         assert f["steps_lost"] >= 0
@@ -109,6 +114,12 @@ def test_scenario_meets_its_expectation(lab: Lab, scenario: Scenario) -> None:
         assert f["cutoff_s"] == 60.0 and f["spool_peak_batches"] > 0
     if scenario.name == "nats_outage_60s":
         assert f["outage_s"] == 60.0 and f["spool_peak_batches"] > 0
+    if scenario.name in ("replica_killed_ingest", "replica_killed_order"):
+        assert f["takeover_s"] is not None and f["takeover_s"] < 5.0
+    if scenario.name == "replica_killed_order":
+        assert f["orders"] == f["orders_acked"] == 2 and f["rank0_ordered_saves"] == 1
+    if scenario.name == "postgres_restart":
+        assert f["ready_again_s"] is not None
     if scenario.name == "clock_skew":
         assert abs(f["skew_reported_s"] - f["skew_set_s"]) < 30 and f["real_rows_lag_s"] < 5
     if scenario.name == "row_remap_failure":
@@ -121,7 +132,7 @@ def test_scenario_meets_its_expectation(lab: Lab, scenario: Scenario) -> None:
 
 def test_registry_names_are_unique_and_selectable() -> None:
     names = [s.name for s in SCENARIOS]
-    assert len(names) == len(set(names)) == 23
+    assert len(names) == len(set(names)) == 27
     assert [s.name for s in by_name(["spool_full", "rank_hung"])] == ["rank_hung", "spool_full"]
     with pytest.raises(ValueError, match="unknown scenario"):
         by_name(["meltdown"])
