@@ -42,7 +42,10 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
         print("\nchaos figures:\n" + "\n".join(lines))
 
 
-KNOWN_GAPS: dict[str, str] = {}
+KNOWN_GAPS: dict[str, str] = {
+    "replica_killed_series_backlog": "issue 16: the samples a replica queued for remote "
+    "write die with it (stored in PostgreSQL and acknowledged on the bus, never re-sent)",
+}
 """Scenarios whose stated bound the product does not meet yet: strict xfail, so a fix shows."""
 
 
@@ -114,7 +117,8 @@ def test_scenario_meets_its_expectation(lab: Lab, scenario: Scenario) -> None:
         assert f["cutoff_s"] == 60.0 and f["spool_peak_batches"] > 0
     if scenario.name == "nats_outage_60s":
         assert f["outage_s"] == 60.0 and f["spool_peak_batches"] > 0
-    if scenario.name in ("replica_killed_ingest", "replica_killed_order"):
+    if scenario.name in ("replica_killed_ingest", "replica_killed_order",
+                         "replica_killed_series_backlog"):
         assert f["takeover_s"] is not None and f["takeover_s"] < 5.0
     if scenario.name == "replica_killed_order":
         assert f["orders"] == f["orders_acked"] == 2 and f["rank0_ordered_saves"] == 1
@@ -132,7 +136,7 @@ def test_scenario_meets_its_expectation(lab: Lab, scenario: Scenario) -> None:
 
 def test_registry_names_are_unique_and_selectable() -> None:
     names = [s.name for s in SCENARIOS]
-    assert len(names) == len(set(names)) == 27
+    assert len(names) == len(set(names)) == 28
     assert [s.name for s in by_name(["spool_full", "rank_hung"])] == ["rank_hung", "spool_full"]
     with pytest.raises(ValueError, match="unknown scenario"):
         by_name(["meltdown"])

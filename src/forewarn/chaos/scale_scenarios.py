@@ -8,6 +8,7 @@ every GPU sample (in VictoriaMetrics, once): nothing may be lost or duplicated.
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -122,6 +123,29 @@ def jetstream_node_killed(lab: Lab, out: Outcome) -> None:
     _account(rig, out)
 
 
+def replica_killed_series_backlog(lab: Lab, out: Outcome) -> None:
+    """The series store stalls (SIGSTOP) while the agents publish, so each replica holds
+    samples it has stored in PostgreSQL and acknowledged on the bus but not yet written to
+    VictoriaMetrics; then a replica is SIGKILLed and the store resumes."""
+    rig = _rig(lab, out)
+    if rig is None:
+        return
+    out.expect(rig.ingesting(), "the agents' batches were not being stored")
+    queued0 = rig.metric("forewarn_collector_remote_write_queued_samples")
+    rig.vm.proc.send_signal(signal.SIGSTOP)
+    try:
+        out.expect(rig.ingesting(more=20), "ingest stopped while the series store stalled")
+        queued = rig.metric("forewarn_collector_remote_write_queued_samples") - queued0
+        dead, _at = _takeover(rig, out)
+    finally:
+        rig.vm.proc.send_signal(signal.SIGCONT)
+    rig.start_replica(dead)
+    out.figures["queued_at_kill"] = int(queued)
+    out.action = (f"VictoriaMetrics stopped (SIGSTOP) while 2 agents publish; {dead} "
+                  f"SIGKILLed holding {int(queued)} queued samples (both replicas); resumed")
+    _account(rig, out)
+
+
 # --------------------------------------------------------------------------- the order
 
 def _order_job(lab: Lab, rig: ScaleRig) -> dict[int, Path]:
@@ -225,4 +249,9 @@ SCALE_SCENARIOS = (
     Scenario("jetstream_node_killed", "scale",
              "SIGKILL one server of the 3-server JetStream cluster (streams R3): ingest goes "
              "on; no batch lost, no sample lost or duplicated", jetstream_node_killed),
+    # last: a sample it loses stays lost, and the scenarios account cumulatively
+    Scenario("replica_killed_series_backlog", "scale",
+             "the series store stalls while 2 agents publish, then the leading replica is "
+             "SIGKILLed: the other leads within 5 s; no batch lost, no sample lost or "
+             "duplicated in the series store once it is back", replica_killed_series_backlog),
 )
