@@ -124,7 +124,8 @@ def test_scenario_meets_its_expectation(lab: Lab, scenario: Scenario) -> None:
                          "replica_killed_series_backlog"):
         assert f["takeover_s"] is not None and f["takeover_s"] < 5.0
     if scenario.name == "replica_killed_order":
-        assert f["orders"] == f["orders_acked"] == 2 and f["rank0_ordered_saves"] == 1
+        assert f["orders"] == f["orders_acked"] >= 2
+        assert f["rank0_ordered_saves"] == f["rank0_orders"] >= 1
     if scenario.name == "postgres_restart":
         assert f["ready_again_s"] is not None
     if scenario.name == "clock_skew":
