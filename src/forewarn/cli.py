@@ -17,7 +17,7 @@ SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("agent", "forewarn.agent.cli"),
     ("collector", "forewarn.collector.cli"),
     ("status", "forewarn.status"),
-    ("demo", "forewarn.demo.run"),
+    ("demo", "forewarn.demo.cli"),
     ("chaos", "forewarn.chaos.cli"),
     ("simulate", "forewarn.simulate"),
     ("check", "forewarn.check"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -42,7 +43,10 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
         print("\nchaos figures:\n" + "\n".join(lines))
 
 
-KNOWN_GAPS: dict[str, str] = {}
+KNOWN_GAPS: dict[str, str] = {
+    "replica_killed_series_backlog": "issue 16: the samples a replica queued for remote "
+    "write die with it (stored in PostgreSQL and acknowledged on the bus, never re-sent)",
+}
 """Scenarios whose stated bound the product does not meet yet: strict xfail, so a fix shows."""
 
 
@@ -57,6 +61,8 @@ def test_scenario_meets_its_expectation(lab: Lab, scenario: Scenario) -> None:
     out = run_one(lab, scenario)
     REPORT[scenario.name] = out
     if out.skipped:
+        if scenario.rig == "scale" and os.environ.get("CI"):  # .ci/run installs the servers
+            pytest.fail(f"{scenario.name} skipped under CI: {out.skipped}")
         pytest.skip(out.skipped)
     assert out.passed, f"{scenario.name}: {out.problems}\n{out}"
     assert out.detected, "a passing scenario says what was detected"
@@ -77,6 +83,11 @@ def test_scenario_meets_its_expectation(lab: Lab, scenario: Scenario) -> None:
         assert f["duplicate_samples"] == 0
     elif scenario.rig == "store":
         assert f["parquet_rows"] > 0 and f["empty_rows_lost"] == f["older_rows_lost"] == 0
+    elif scenario.rig == "scale":
+        # every sealed batch in PostgreSQL, every GPU sample in VictoriaMetrics once
+        assert f["batches_sealed"] == f["batches_stored"] > 0
+        assert f["samples_sent"] == f["samples_stored"] > 0
+        assert f["samples_lost"] == f["samples_duplicated"] == 0
     else:
         assert out.detection_s is not None and out.detection_s >= 0
         assert f["steps_lost"] >= 0
@@ -109,6 +120,14 @@ def test_scenario_meets_its_expectation(lab: Lab, scenario: Scenario) -> None:
         assert f["cutoff_s"] == 60.0 and f["spool_peak_batches"] > 0
     if scenario.name == "nats_outage_60s":
         assert f["outage_s"] == 60.0 and f["spool_peak_batches"] > 0
+    if scenario.name in ("replica_killed_ingest", "replica_killed_order",
+                         "replica_killed_series_backlog"):
+        assert f["takeover_s"] is not None and f["takeover_s"] < 5.0
+    if scenario.name == "replica_killed_order":
+        assert f["orders"] == f["orders_acked"] >= 2
+        assert f["rank0_ordered_saves"] == f["rank0_orders"] >= 1
+    if scenario.name == "postgres_restart":
+        assert f["ready_again_s"] is not None
     if scenario.name == "clock_skew":
         assert abs(f["skew_reported_s"] - f["skew_set_s"]) < 30 and f["real_rows_lag_s"] < 5
     if scenario.name == "row_remap_failure":
@@ -121,7 +140,7 @@ def test_scenario_meets_its_expectation(lab: Lab, scenario: Scenario) -> None:
 
 def test_registry_names_are_unique_and_selectable() -> None:
     names = [s.name for s in SCENARIOS]
-    assert len(names) == len(set(names)) == 23
+    assert len(names) == len(set(names)) == 28
     assert [s.name for s in by_name(["spool_full", "rank_hung"])] == ["rank_hung", "spool_full"]
     with pytest.raises(ValueError, match="unknown scenario"):
         by_name(["meltdown"])

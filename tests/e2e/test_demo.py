@@ -4,43 +4,14 @@ and nothing it started is left running (also after Ctrl-C)."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-
-def _leftovers(marker: str) -> list[str]:
-    """Processes whose command line mentions ``marker`` (the demo's work dir)."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == os.getpid():
-            continue
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if marker in cmd:
-            found.append(f"{pid}: {cmd}")
-    return found
-
-
-def _wait_gone(marker: str, timeout: float = 10.0) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while (left := _leftovers(marker)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return left
-
-
-def _wait_started(marker: str, timeout: float = 10.0) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while not (found := _leftovers(marker)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return found
+from support.leftovers import wait_gone, wait_started
 
 
 @pytest.mark.timeout(240)
@@ -72,7 +43,7 @@ def test_demo_fast_claims_hold(tmp_path: Path) -> None:
     # The printed summary says what the JSON says.
     assert f"checkpoint step           {ckpt} on every rank" in out
     assert f"steps lost with forewarn  {result['steps_lost']}" in out
-    assert _wait_gone(str(work)) == []
+    assert wait_gone(str(work)) == []
 
 
 @pytest.mark.timeout(120)
@@ -95,9 +66,9 @@ def test_stop_signal_stops_everything(tmp_path: Path, signum: signal.Signals, af
     for line in proc.stdout:
         if after in line:
             break
-    assert _wait_started(str(work)), "the demo should have started its processes"
+    assert wait_started(str(work)), "the demo should have started its processes"
     proc.send_signal(signum)
     rest = proc.communicate(timeout=60)[0]
     assert proc.returncode == status, rest
     assert "interrupted" in rest
-    assert _wait_gone(str(work)) == []
+    assert wait_gone(str(work)) == []

@@ -23,20 +23,21 @@ Three rigs:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import queue
-import shutil
 import signal
-import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from forewarn.chaos.procs import Procs, TcpProxy, get_json, scrape, wait_http, wait_until
+from forewarn.demo import servers
 from forewarn.demo.launch import Node, TorchrunJob, free_port, python_module
 
 __all__ = ["BusRig", "HardwareRig", "Lab", "Options", "TelemetryRig", "TrainingRig"]
@@ -422,13 +423,6 @@ class TelemetryRig:
         return self.agent.metric("forewarn_uplink_spool_batches") == 0
 
 
-def nats_binary() -> str | None:
-    """The installed nats-server (Debian puts it in /usr/sbin), or None."""
-    return shutil.which("nats-server") or next(
-        (p for p in ("/usr/sbin/nats-server", "/usr/bin/nats-server") if os.path.exists(p)),
-        None)
-
-
 @dataclasses.dataclass
 class BusRig(TelemetryRig):
     """A :class:`TelemetryRig` whose agent and collector talk through a nats-server of
@@ -440,14 +434,9 @@ class BusRig(TelemetryRig):
     def __post_init__(self) -> None:
         o = self.lab.options
         self.dir = self.lab.dir / self.name
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.nats_port = free_port()
-        self.nats_url = f"nats://127.0.0.1:{self.nats_port}"
-        conf = self.dir / "nats.conf"
-        conf.write_text(f'listen: "127.0.0.1:{self.nats_port}"\n'
-                        f'jetstream {{ store_dir: "{self.dir / "js"}" }}\n')
-        self._nats_argv = [self.nats, "-c", str(conf)]
-        self.start_nats()
+        self.nats_server = servers.start_nats(self.dir, binary=self.nats)
+        self.lab.closers.append(self.nats_server.stop)
+        self.nats_url = self.nats_server.url
         node = self.node
         self.collector = _Collector(self.lab, f"{self.name}-collector", [node],
                                     f'bus_url = "{self.nats_url}"\nbus_ack_wait_s = 2.0\n')
@@ -459,22 +448,13 @@ class BusRig(TelemetryRig):
             env={"FOREWARN_AGENT_UPLINK": "nats", "FOREWARN_AGENT_NATS_URL": self.nats_url})
 
     def start_nats(self) -> None:
-        name = f"{self.name}-nats"
-        proc = self.lab.procs.spawn(name, self._nats_argv, self.dir / "nats.log")
-
-        def listening() -> bool:
-            if proc.poll() is not None:
-                raise RuntimeError(f"nats-server exited; see {self.dir / 'nats.log'}")
-            with socket.create_connection(("127.0.0.1", self.nats_port), timeout=0.5):
-                return True
-
-        if wait_until(listening, 30) is None:
-            raise RuntimeError(f"nats-server did not listen; see {self.dir / 'nats.log'}")
+        """Start the nats-server again, on the same port and JetStream store."""
+        self.nats_server.start()
 
     def stop_nats(self) -> float:
         """Stop the nats-server (SIGTERM); returns when."""
         t = time.time()
-        self.lab.procs.stop(f"{self.name}-nats")
+        self.nats_server.stop()
         return t
 
 
@@ -491,6 +471,10 @@ class Lab:
         self._main: _Collector | None = None
         self._training: TrainingRig | None = None
         self._hardware: HardwareRig | None = None
+        self.rigs: dict[str, Any] = {}
+        """Rigs other modules build once per lab (the scale-out rig), by name."""
+        self.closers: list[Callable[[], None]] = []
+        """Stops for what is not a process of :attr:`procs` (servers), run by close()."""
 
     def main_collector(self) -> _Collector:
         if self._main is None:
@@ -514,8 +498,11 @@ class Lab:
 
     def bus(self, name: str) -> BusRig | None:
         """A :class:`BusRig`, or None when nats-server is not installed."""
-        nats = nats_binary()
-        return None if nats is None else BusRig(self, name, nats=nats)
+        try:
+            nats = servers.find_binary("nats-server")
+        except servers.MissingServer:
+            return None
+        return BusRig(self, name, nats=nats)
 
     def close(self) -> None:
         if self._training is not None:
@@ -525,3 +512,6 @@ class Lab:
         for p in self.proxies:
             p.close()
         self.procs.close()
+        for close in reversed(self.closers):
+            with contextlib.suppress(Exception):  # every server is stopped whatever happens
+                close()

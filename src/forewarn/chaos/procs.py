@@ -17,18 +17,31 @@ import struct
 import subprocess
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Procs", "TcpProxy", "get_json", "scrape", "wait_http", "wait_until"]
+__all__ = ["Procs", "TcpProxy", "get_json", "leader_role", "scrape", "wait_http",
+           "wait_until"]
 
 
 def get_json(url: str, timeout: float = 2.0) -> Any:
     """GET ``url`` and decode its JSON body."""
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return json.loads(r.read())
+
+
+def leader_role(url: str) -> str:
+    """A collector replica's role (``leader``, ``follower``) from ``/readyz``, also when
+    it answers 503 (not ready)."""
+    try:
+        with urllib.request.urlopen(url + "/readyz", timeout=1) as r:
+            body = json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        body = json.loads(exc.read())
+    return str(body["components"]["leader"]["role"])
 
 
 def scrape(url: str, name: str, labels: dict[str, str] | None = None,

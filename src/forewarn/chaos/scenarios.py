@@ -13,7 +13,6 @@ The registry :data:`SCENARIOS` is an explicit list, in the order they run.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import signal
 import time
 import urllib.request
@@ -23,47 +22,11 @@ from typing import Any
 
 from forewarn.chaos.accounting import Account, account
 from forewarn.chaos.lab import HW_FAULTS, TRAIN_JOB, HardwareRig, Lab, TelemetryRig, TrainingRig
+from forewarn.chaos.outcome import Outcome, Scenario
 from forewarn.chaos.procs import wait_until
+from forewarn.chaos.scale_scenarios import SCALE_SCENARIOS
 
 __all__ = ["SCENARIOS", "Outcome", "Scenario", "by_name"]
-
-
-@dataclasses.dataclass
-class Outcome:
-    """What one scenario saw (see the module docstring)."""
-
-    name: str
-    expected: str
-    passed: bool = False
-    detected: str = ""
-    detection_s: float | None = None
-    action: str = ""
-    lost: str = ""
-    figures: dict[str, Any] = dataclasses.field(default_factory=dict)
-    problems: list[str] = dataclasses.field(default_factory=list)
-    skipped: str = ""
-    """Why the scenario could not run here (e.g. no permission to mount); not a pass."""
-
-    def expect(self, ok: bool, problem: str) -> bool:
-        """Record ``problem`` unless ``ok``; returns ``ok``."""
-        if not ok:
-            self.problems.append(problem)
-        return ok
-
-    def finish(self) -> Outcome:
-        self.passed = not self.problems
-        return self
-
-
-@dataclasses.dataclass(frozen=True)
-class Scenario:
-    """A fault, the rig it runs on, its stated expectation, and the function that runs it."""
-
-    name: str
-    rig: str
-    """training, hardware, telemetry (a rig of its own, accounted at the end) or store."""
-    expected: str
-    run: Callable[[Lab, Outcome], None]
 
 
 def _r(x: float | None, nd: int = 2) -> float | None:
@@ -1411,6 +1374,7 @@ SCENARIOS: tuple[Scenario, ...] = (
              f"an agent's clock {SKEW_S:g} s ahead: the skew is measured and reported, its "
              "future samples refused, its rows follow it once its clock is fixed, other "
              "GPUs' rows not frozen", clock_skew),
+    *SCALE_SCENARIOS,
 )
 
 

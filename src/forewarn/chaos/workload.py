@@ -189,15 +189,16 @@ def _placed_gpu(args: argparse.Namespace, rank: int) -> int | None:
 def _light_rank(args: argparse.Namespace) -> int:
     from forewarn.hook import Monitor
 
-    monitor = Monitor(job=args.job, rank=0, world_size=1, local_rank=args.gpu,
+    rank = args.rank
+    monitor = Monitor(job=args.job, rank=rank, world_size=args.world_size, local_rank=args.gpu,
                       socket_path=args.socket, beat_interval_s=0.25)
     ckpt = Path(args.checkpoint_dir)
     ckpt.mkdir(parents=True, exist_ok=True)
-    emit(event="started", rank=0, job=args.job, gpu=args.gpu)
+    emit(event="started", rank=rank, job=args.job, gpu=args.gpu)
     for step in range(1, args.steps + 1):
         time.sleep(args.step_seconds)
         monitor.step(step, loss=1.0 / step, grad_norm=1.0)
-        emit(event="step", rank=0, step=step)
+        emit(event="step", rank=rank, step=step)
         ordered = monitor.should_checkpoint(step)
         if ordered or step == args.first_checkpoint:
             t0 = time.monotonic()
@@ -210,7 +211,7 @@ def _light_rank(args: argparse.Namespace) -> int:
             os.replace(tmp, ckpt / f"step-{step:09d}.json")
             seconds = time.monotonic() - t0
             monitor.checkpoint_done(step, seconds, len(data))
-            emit(event="checkpoint", rank=0, step=step, ordered=ordered, seconds=seconds,
+            emit(event="checkpoint", rank=rank, step=step, ordered=ordered, seconds=seconds,
                  bytes=len(data))
     monitor.close()
     return 0
@@ -235,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     lt.add_argument("--job", required=True)
     lt.add_argument("--gpu", type=int, required=True)
     lt.add_argument("--socket", required=True)
+    lt.add_argument("--rank", type=int, default=0, help="this rank of a job over nodes")
+    lt.add_argument("--world-size", type=int, default=1)
     lt.add_argument("--checkpoint-dir", required=True)
     lt.add_argument("--steps", type=int, default=10**9)
     lt.add_argument("--step-seconds", type=float, default=0.1)

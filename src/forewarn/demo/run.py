@@ -21,9 +21,7 @@ since the last periodic checkpoint plus NCCL's timeout for each failure.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import importlib
 import itertools
 import json
 import os
@@ -33,16 +31,18 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from forewarn.chaos.procs import Procs, get_json, wait_http
 from forewarn.demo.launch import Node, TorchrunJob, free_port
 
-__all__ = ["DemoResult", "register", "run_demo"]
+__all__ = ["Demo", "DemoResult", "run_demo", "summary_lines"]
 
 NCCL_TIMEOUT_S = 600.0
 JOB = "demo-job"
+NODES = ("demo-node-1", "demo-node-2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,15 +179,26 @@ class Demo:
         self.last_step: dict[int, int] = {}
         self.step_times: list[float] = []
         self.events: list[dict[str, Any]] = []
+        self.agent_env: dict[str, str] = {}
+        """More environment for the agents (the scale-out demo's NATS uplink)."""
 
     # ------------------------------------------------------------------ start-up
 
-    def start_collector(self) -> None:
-        port = free_port()
-        self.collector_url = f"http://127.0.0.1:{port}"
-        data = self.dir / "collector"
+    def write_tokens(self) -> None:
+        """Enrol both demo nodes: the collector's tokens file and one token file each."""
+        from forewarn.collector.http.auth import add_token
+
+        for node in NODES:
+            token = add_token(self.dir / "tokens.toml", node)
+            path = self.dir / f"{node}.token"
+            path.write_text(token + "\n")
+            path.chmod(0o600)
+
+    def collector_config(self, name: str, port: int, extra: str = "") -> Path:
+        """Write collector ``name``'s config (listening on ``port``); returns its path."""
+        data = self.dir / name
         data.mkdir()
-        config = self.dir / "collector.toml"
+        config = self.dir / f"{name}.toml"
         config.write_text(
             "# forewarn demo collector: short cooldowns so each phase can act\n"
             f'listen = "127.0.0.1:{port}"\n'
@@ -197,25 +208,27 @@ class Demo:
             "policy_dedup_s = 5.0\n"
             "command_redeliver_s = 2.0\n"
             "flush_interval_s = 2.0\n"
-            'log_level = "warning"\n'
-        )
-        from forewarn.collector.http.auth import add_token
+            'log_level = "warning"\n' + extra)
+        return config
 
-        for node in ("demo-node-1", "demo-node-2"):
-            token = add_token(self.dir / "tokens.toml", node)
-            path = self.dir / f"{node}.token"
-            path.write_text(token + "\n")
-            path.chmod(0o600)
-        log = self.dir / "collector.log"
+    def spawn_collector(self, name: str, port: int, config: Path) -> None:
+        """Start collector ``name`` and wait until it answers."""
+        log = self.dir / f"{name}.log"
         proc = self.stack.spawn(
-            "collector",
-            [sys.executable, "-m", "forewarn", "collector", "--config", str(config), "run"], log)
-        wait_http(self.collector_url + "/healthz", 30, proc, log)
+            name, [sys.executable, "-m", "forewarn", "collector", "--config", str(config),
+                   "run"], log)
+        wait_http(f"http://127.0.0.1:{port}/healthz", 60, proc, log)
+
+    def start_collector(self) -> None:
+        port = free_port()
+        self.collector_url = f"http://127.0.0.1:{port}"
+        self.write_tokens()
+        self.spawn_collector("collector", port, self.collector_config("collector", port))
         self.result.url = self.collector_url + "/"
 
     def start_agents(self) -> None:
         real = _nvml_present()
-        for i, node in enumerate(("demo-node-1", "demo-node-2"), start=1):
+        for i, node in enumerate(NODES, start=1):
             ndir = self.dir / node
             ndir.mkdir()
             port = free_port()
@@ -239,7 +252,7 @@ class Demo:
             env.update(FOREWARN_AGENT_SPOOL_DIR=str(ndir / "spool"),
                        FOREWARN_AGENT_PUSH_INTERVAL_S="0.5",
                        FOREWARN_AGENT_HANG_ACTION="terminate",
-                       FOREWARN_AGENT_HANG_GRACE_S="1.0")
+                       FOREWARN_AGENT_HANG_GRACE_S="1.0", **self.agent_env)
             log = ndir / "agent.log"
             proc = self.stack.spawn(node, argv, log, env)
             wait_http(self.agent_urls[node] + "/healthz", 30, proc, log)
@@ -255,7 +268,7 @@ class Demo:
                 "--control-dir", str(self.control), "--step-seconds", str(self.t.step_seconds),
                 "--checkpoint-every", str(self.t.checkpoint_every), "--initial-checkpoint",
                 "--placement-file", str(self.placement)]
-        nodes = [Node(n, self.sockets[n]) for n in ("demo-node-1", "demo-node-2")]
+        nodes = [Node(n, self.sockets[n]) for n in NODES]
         job = TorchrunJob("forewarn.chaos.workload", args, nodes, job=JOB, log_dir=self.dir,
                           max_restarts=6)
         self.stack.job = job
@@ -499,12 +512,13 @@ def summary_lines(r: DemoResult) -> list[str]:
 
 
 def run_demo(fast: bool = False, workdir: Path | None = None, keep: bool = False,
-             say: Any = print) -> DemoResult:
-    """Run the demo; returns what happened. Everything started is stopped on return."""
+             say: Any = print, make: Callable[[Path, bool, Any], Demo] = Demo) -> DemoResult:
+    """Run the demo (``make``: the :class:`Demo` to run, e.g. the scale-out one); returns
+    what happened. Everything started is stopped on return."""
     made = workdir is None
     wd = Path(tempfile.mkdtemp(prefix="forewarn-demo-")) if workdir is None else workdir
     wd.mkdir(parents=True, exist_ok=True)
-    demo = Demo(wd, fast, say)
+    demo = make(wd, fast, say)
     try:
         say("starting the collector …")
         demo.start_collector()
@@ -523,55 +537,3 @@ def run_demo(fast: bool = False, workdir: Path | None = None, keep: bool = False
         if made and not keep:
             shutil.rmtree(wd, ignore_errors=True)
     return demo.result
-
-
-def register(sub: Any) -> None:
-    p: argparse.ArgumentParser = sub.add_parser(
-        "demo", help="run the whole loop on this machine: collector, agents, a real training "
-        "job, injected faults", description=__doc__)
-    p.add_argument("--fast", action="store_true", help="a run of about a minute (for tests)")
-    p.add_argument("--workdir", type=Path, default=None,
-                   help="keep logs, checkpoints and databases here (default: a temp dir)")
-    p.add_argument("--keep", action="store_true", help="keep the temp dir")
-    p.add_argument("--json", action="store_true", help="print the result as JSON at the end")
-    p.set_defaults(func=_cli)
-
-
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM arrived: stop as on Ctrl-C, exit 143 (128 + SIGTERM)."""
-
-
-def _terminate(signum: int, frame: object) -> None:
-    raise _Terminated
-
-
-def _cli(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
-    # The job's ranks need torch: without it they would fail and be restarted over and
-    # over. Importing it here lets `forewarn` name what to install before anything starts.
-    importlib.import_module("torch")
-    console = Console()
-    t0 = time.monotonic()
-
-    def say(msg: str) -> None:
-        console.print(f"[cyan]{time.monotonic() - t0:6.1f}s[/cyan] {msg}")
-
-    # SIGTERM (`kill`, a service manager) stops the demo as Ctrl-C
-    # does: run_demo's cleanup ends every process it started, which the default action
-    # (die at once) would leave running in their own sessions.
-    signal.signal(signal.SIGTERM, _terminate)
-    try:
-        result = run_demo(args.fast, args.workdir, args.keep, say)
-    except KeyboardInterrupt as exc:
-        console.print("interrupted: everything the demo started was stopped")
-        return 128 + (signal.SIGTERM if isinstance(exc, _Terminated) else signal.SIGINT)
-    console.rule("summary")
-    for line in summary_lines(result):
-        console.print(line)
-    if args.json:
-        print(json.dumps(dataclasses.asdict(result) | {
-            "lead_s": result.lead_s, "checkpoint_step": result.checkpoint_step,
-            "steps_lost": result.steps_lost, "steps_lost_without": result.steps_lost_without,
-            "hang_latency_s": result.hang_latency_s}))
-    return 0 if not result.problems else 1
