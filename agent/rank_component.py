@@ -33,11 +33,14 @@ from forewarn.agent.checks.grad_spike import judge_spike
 from forewarn.agent.checks.nan_loss import judge_nan
 from forewarn.agent.checks.rank_hang import RankHangCheck, hang_deadline, hang_timeout
 from forewarn.agent.config import AgentConfig
+from forewarn.agent.hang import HangTerminator
 from forewarn.agent.ingest import RankIngest
-from forewarn.agent.orders import CheckpointOrders, HangTerminator
+from forewarn.agent.orders import CheckpointOrders
+from forewarn.agent.procview import ProcView
 from forewarn.agent.protocols import AgentHost, ComponentBase, Poll
 from forewarn.agent.rank_metrics import RankCollector
-from forewarn.agent.ranks import ProcView, RankLimits, RankTable, RankView, by_job
+from forewarn.agent.rank_state import RankView, by_job
+from forewarn.agent.ranks import RankLimits, RankTable
 from forewarn.wire import Finding, Health, StepRecord
 
 __all__ = ["RankComponent"]

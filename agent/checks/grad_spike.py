@@ -14,7 +14,7 @@ spike and skips batches). The finding holds for ``hold_steps`` steps after the s
 
 from __future__ import annotations
 
-from forewarn.agent.ranks import RankView, rank_finding
+from forewarn.agent.rank_state import RankView, rank_finding
 from forewarn.agent.state import AgentState
 from forewarn.wire import Finding, Health, SuggestedAction
 

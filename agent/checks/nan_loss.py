@@ -16,7 +16,7 @@ publishes the finding at once (sub-second), and this check keeps it current ever
 
 from __future__ import annotations
 
-from forewarn.agent.ranks import RankView, rank_finding
+from forewarn.agent.rank_state import RankView, rank_finding
 from forewarn.agent.state import AgentState
 from forewarn.wire import Finding, Health, SuggestedAction
 

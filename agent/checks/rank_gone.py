@@ -12,7 +12,7 @@ hook said it finished cleanly (``Monitor.close()``, atexit) is healthy, never go
 
 from __future__ import annotations
 
-from forewarn.agent.ranks import by_job, rank_finding
+from forewarn.agent.rank_state import by_job, rank_finding
 from forewarn.agent.state import AgentState
 from forewarn.wire import Finding, Health, SuggestedAction
 

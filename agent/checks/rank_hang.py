@@ -20,7 +20,8 @@ A rank whose beats stopped too is not hung but gone (:mod:`.rank_gone`).
 
 from __future__ import annotations
 
-from forewarn.agent.ranks import RankTable, RankView, by_job, quantile, rank_finding
+from forewarn.agent.rank_state import RankView, by_job, quantile, rank_finding
+from forewarn.agent.ranks import RankTable
 from forewarn.agent.state import AgentState
 from forewarn.wire import Finding, Health, SuggestedAction
 

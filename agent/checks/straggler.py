@@ -11,7 +11,7 @@ compares across nodes and decides.
 
 from __future__ import annotations
 
-from forewarn.agent.ranks import RankView, by_job, quantile, rank_finding
+from forewarn.agent.rank_state import RankView, by_job, quantile, rank_finding
 from forewarn.agent.state import AgentState
 from forewarn.wire import Finding, Health, SuggestedAction
 
