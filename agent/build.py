@@ -35,7 +35,8 @@ def build_backend(config: AgentConfig) -> GpuBackend:
 
         return NvmlBackend(node=config.node)
     if source == "sim":
-        from forewarn.agent.sources.sim import SimBackend, load_scenario
+        from forewarn.agent.sources.scenario import load_scenario
+        from forewarn.agent.sources.sim import SimBackend
 
         # A bad scenario file raises ScenarioError (a SourceUnavailable naming the key).
         scenario = load_scenario(config.scenario) if config.scenario is not None else None
