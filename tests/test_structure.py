@@ -14,8 +14,6 @@ MAX_COMPLEXITY = 15
 MAX_LINES = 500
 
 COMPLEX_FUNCTIONS = {
-    "agent/sources/dcgm.py:_fields",
-    "agent/sources/replay.py:_validate",
     "collector/config.py:__post_init__",
     "collector/http/app.py:create_app",
     "collector/ingest/authz.py:authorise_batch",
