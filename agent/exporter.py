@@ -410,23 +410,21 @@ def _counters(samples: list[GpuSample]) -> Iterable[Metric]:
 
 def _flags(samples: list[GpuSample]) -> Iterable[Metric]:
     """Pending retirement/remap and remap failure (0/1)."""
-    flags = {
-        "retired_pages_pending": GaugeMetricFamily(
-            "forewarn_gpu_retired_pages_pending",
-            "1 when a page retirement waits for the next reset.", labels=_BASE),
-        "remap_pending": GaugeMetricFamily(
-            "forewarn_gpu_remap_pending", "1 when a row remap waits for the next reset.",
-            labels=_BASE),
-        "remap_failure": GaugeMetricFamily(
-            "forewarn_gpu_remap_failure", "1 when a row remap failed (no spare rows).",
-            labels=_BASE),
-    }
+    retire_pending = GaugeMetricFamily(
+        "forewarn_gpu_retired_pages_pending",
+        "1 when a page retirement waits for the next reset.", labels=_BASE)
+    remap_pending = GaugeMetricFamily(
+        "forewarn_gpu_remap_pending", "1 when a row remap waits for the next reset.",
+        labels=_BASE)
+    remap_failure = GaugeMetricFamily(
+        "forewarn_gpu_remap_failure", "1 when a row remap failed (no spare rows).",
+        labels=_BASE)
     for s in samples:
-        for field, fam in flags.items():
-            flag = getattr(s, field)  # the flag named by the table's key
+        for fam, flag in ((retire_pending, s.retired_pages_pending),
+                          (remap_pending, s.remap_pending), (remap_failure, s.remap_failure)):
             if flag is not None:
                 fam.add_metric(_key(s), 1.0 if flag else 0.0)
-    yield from flags.values()
+    yield from (retire_pending, remap_pending, remap_failure)
 
 
 def _link_counters(samples: list[GpuSample]) -> Iterable[Metric]:

@@ -441,12 +441,12 @@ def sample_row(sample: GpuSample, xid: XidEvent | None = None) -> dict[str, Any]
     """Flatten a sample into one recording row (the inverse of playback): NVLink
     counters become ``nvlink<L>_<counter>`` columns, lists become ``;``-joined strings."""
     row: dict[str, Any] = {}
-    for name in sample.__struct_fields__:
-        value = getattr(sample, name)
+    for name, value in msgspec.structs.asdict(sample).items():
         if name == "nvlink":
             for c in value:
-                for counter in ("crc_flit", "crc_data", "replay", "recovery"):
-                    row[f"nvlink{c.link}_{counter}"] = getattr(c, counter)
+                for counter, n in msgspec.structs.asdict(c).items():
+                    if counter != "link":
+                        row[f"nvlink{c.link}_{counter}"] = n
         elif name in _LISTS:
             row[name] = ";".join(value)
         elif isinstance(value, GpuState):
