@@ -53,6 +53,7 @@ from prometheus_client import CollectorRegistry
 
 from forewarn import bus
 from forewarn.agent.config import AgentConfig
+from forewarn.agent.protocols import AgentHost, OrderSink, RankFeed
 from forewarn.agent.uplink import Uplink, check_uplink_config
 from forewarn.config import ConfigError
 from forewarn.wire import Command, CommandAck, WireError, decode_json, encode_json
@@ -82,13 +83,14 @@ class NatsUplink(Uplink):
         clock: Callable[[], float] = time.time,
         registry: CollectorRegistry | None = None,
         on_command: Callable[[Command], tuple[bool, str]] | None = None,
-        ranks: Any = None,
+        feed: RankFeed | None = None,
+        orders: OrderSink | None = None,
         retry_s: float = 1.0,
         publish_timeout_s: float = 5.0,
         fetch_wait_s: float = 5.0,
     ) -> None:
         super().__init__(config, clock=clock, registry=registry, on_command=on_command,
-                         ranks=ranks, retry_s=retry_s)
+                         feed=feed, orders=orders, retry_s=retry_s)
         self.publish_timeout_s = publish_timeout_s
         self.fetch_wait_s = fetch_wait_s
         self._servers = bus.servers(config.nats_url)
@@ -101,7 +103,7 @@ class NatsUplink(Uplink):
 
     # -- the event loop thread --------------------------------------------------------
 
-    def start(self, agent: Any = None) -> None:
+    def start(self, agent: AgentHost | None = None) -> None:
         """Start the NATS event loop, then the push and command threads."""
         if self._loop is None:
             loop = asyncio.new_event_loop()
@@ -252,8 +254,10 @@ async def _log_error(exc: Exception) -> None:
     log.warning("uplink: NATS: %s: %s", type(exc).__name__, exc)
 
 
-def build_nats(config: AgentConfig) -> NatsUplink:
-    """The NATS uplink for ``forewarn agent`` (``uplink = "nats"``)."""
+def build_nats(config: AgentConfig, *, feed: RankFeed | None = None,
+               orders: OrderSink | None = None) -> NatsUplink:
+    """The NATS uplink for ``forewarn agent`` (``uplink = "nats"``), fed ``feed`` and
+    ``orders`` (the rank component's table and order book)."""
     try:
         bus.check_url("nats_url", config.nats_url)
     except ValueError as exc:
@@ -261,4 +265,4 @@ def build_nats(config: AgentConfig) -> NatsUplink:
     check_uplink_config(config)
     if config.nats_ca_file is not None and not config.nats_ca_file.is_file():
         raise ConfigError(f"nats_ca_file: no such file {config.nats_ca_file}")
-    return NatsUplink(config)
+    return NatsUplink(config, feed=feed, orders=orders)

@@ -9,13 +9,18 @@ overrides the variable, which overrides the config file (``/etc/forewarn/agent.t
 from __future__ import annotations
 
 import argparse
+import logging
+import signal
 import sys
+import threading
 from typing import Any
 
 from forewarn.agent.config import DEFAULT_CONFIG_PATH, AgentConfig
 from forewarn.config import ConfigError, add_config_arguments, load_from_args
 
-__all__ = ["add_source_arguments", "config_from_args", "register"]
+__all__ = ["add_source_arguments", "config_from_args", "register", "run_agent"]
+
+log = logging.getLogger(__name__)
 
 # Short flags kept beside the generated ones (``--socket`` for ``--socket-path``): scripts,
 # units and docs have used them since the first release.
@@ -67,6 +72,58 @@ def _run(args: argparse.Namespace) -> int:
         print(f"forewarn agent: config error: {exc}", file=sys.stderr)
         return 2
     setup_logging(config.log_level, config.log_format)
-    from forewarn.agent.daemon import main
+    return run_agent(config)
 
-    return main(config)
+
+def run_agent(config: AgentConfig) -> int:
+    """Run the agent of ``config`` until SIGTERM/SIGINT. Exit 2 on a configuration error,
+    1 when the metrics port cannot be bound."""
+    # Imported here: `forewarn --help` must not load the agent's runtime.
+    from forewarn.agent.backend import SourceUnavailable
+    from forewarn.agent.build import build_backend, build_components, build_xid_sources
+    from forewarn.agent.daemon import Agent
+
+    try:
+        backend = build_backend(config)
+    except ConfigError as exc:
+        print(f"forewarn agent: config error: {exc}", file=sys.stderr)
+        return 2
+    except (SourceUnavailable, ValueError) as exc:
+        print(f"forewarn agent: {exc}", file=sys.stderr)
+        return 2
+    if config.source in ("sim", "replay"):
+        # A scenario or replay file the user named: a bad one is a config error, said now.
+        try:
+            backend.open()
+            backend.close()
+        except SourceUnavailable as exc:
+            print(f"forewarn agent: {config.source} source: {exc}", file=sys.stderr)
+            return 2
+    agent = Agent(config, backend, xid_sources=build_xid_sources(config),
+                  process_metrics=True)
+    try:
+        components = build_components(config)
+    except ConfigError as exc:
+        print(f"forewarn agent: config error: {exc}", file=sys.stderr)
+        return 2
+    for comp in components:
+        agent.add_component(comp)
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("%s: stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        agent.start()
+    except OSError as exc:
+        print(f"forewarn agent: cannot listen on {config.listen}: {exc}", file=sys.stderr)
+        agent.stop()
+        return 1
+    try:
+        agent.run(stop)
+    finally:
+        agent.stop()
+    return 0

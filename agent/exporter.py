@@ -1,4 +1,5 @@
-"""Prometheus exposition of the agent's cached state, and the tiny HTTP server for it.
+"""Prometheus exposition of the agent's cached state (served by
+:mod:`forewarn.agent.metrics_server`).
 
 The poll loop publishes an immutable :class:`Snapshot` after every cycle; a scrape renders
 that snapshot and never touches NVML (after prometheus/client_python's custom collectors
@@ -64,18 +65,9 @@ Health values (``forewarn_gpu_health``, ``forewarn_gpu_check_health``): **0 heal
 from __future__ import annotations
 
 import dataclasses
-import http.server
 import logging
-import os
-import selectors
-import threading
-import urllib.parse
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
 
-import msgspec
-from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from forewarn.agent.checks.base import CheckRun
@@ -86,7 +78,6 @@ __all__ = [
     "GPU_GAUGES",
     "HEALTH_VALUE",
     "AgentExporter",
-    "MetricsServer",
     "Snapshot",
     "SourceStatus",
 ]
@@ -230,127 +221,14 @@ class AgentExporter:
     # -- per-GPU telemetry ---------------------------------------------------------------
 
     def _gpu_metrics(self, snap: Snapshot) -> Iterable[Metric]:
-        base = ["node", "gpu", "uuid", "simulated"]
         samples = sorted(snap.samples, key=lambda s: s.gpu)
-
-        def key(s: GpuSample) -> list[str]:
-            return [s.node, str(s.gpu), s.uuid, _b(s.simulated)]
-
-        info = GaugeMetricFamily("forewarn_gpu_info", "GPU inventory (always 1).",
-                                 labels=[*base, "name", "pci_bus_id", "source"])
-        state = GaugeMetricFamily("forewarn_gpu_state",
-                                  "1 for the GPU's current state (ok, lost, reset_required).",
-                                  labels=[*base, "state"])
-        for s in samples:
-            info.add_metric([*key(s), s.name, s.pci_bus_id, s.source], 1)
-            for st in GpuState:
-                state.add_metric([*key(s), st.value], 1 if s.state == st else 0)
-        yield info
-        yield state
-
-        for field, name, help_, scale in GPU_GAUGES:
-            fam = GaugeMetricFamily(name, help_, labels=base)
-            for s in samples:
-                v = getattr(s, field)
-                if v is not None:
-                    fam.add_metric(key(s), float(v) * scale)
-            yield fam
-
-        reasons = GaugeMetricFamily("forewarn_gpu_clock_event_reason_active",
-                                    "1 when the NVML clock-event (throttle) reason is active.",
-                                    labels=[*base, "reason"])
-        ecc = CounterMetricFamily("forewarn_gpu_ecc_errors_total",
-                                  "ECC errors (NVML_MEMORY_ERROR_TYPE_*, volatile = since reset).",
-                                  labels=[*base, "type", "scope"])
-        retired = CounterMetricFamily("forewarn_gpu_retired_pages_total",
-                                      "Retired frame-buffer pages by cause.",
-                                      labels=[*base, "cause"])
-        remapped = CounterMetricFamily("forewarn_gpu_remapped_rows_total",
-                                       "Remapped memory rows by error type.",
-                                       labels=[*base, "type"])
-        flags = {
-            "retired_pages_pending": GaugeMetricFamily(
-                "forewarn_gpu_retired_pages_pending",
-                "1 when a page retirement waits for the next reset.", labels=base),
-            "remap_pending": GaugeMetricFamily(
-                "forewarn_gpu_remap_pending", "1 when a row remap waits for the next reset.",
-                labels=base),
-            "remap_failure": GaugeMetricFamily(
-                "forewarn_gpu_remap_failure", "1 when a row remap failed (no spare rows).",
-                labels=base),
-        }
-        pcie = CounterMetricFamily("forewarn_gpu_pcie_replays_total",
-                                   "PCIe replay counter (link-level retransmissions).",
-                                   labels=base)
-        energy = CounterMetricFamily("forewarn_gpu_energy_joules_total",
-                                     "Energy used since the driver loaded "
-                                     "(nvmlDeviceGetTotalEnergyConsumption).", labels=base)
-        nvlink = CounterMetricFamily("forewarn_gpu_nvlink_errors_total",
-                                     "NVLink error counters (NVML_NVLINK_ERROR_DL_*) per link.",
-                                     labels=[*base, "link", "type"])
-        supported = GaugeMetricFamily("forewarn_gpu_field_supported",
-                                      "1 when the field is read, 0 when this GPU does not "
-                                      "support it (not an error).", labels=[*base, "field"])
-        for s in samples:
-            k = key(s)
-            if s.throttle_reasons is not None:
-                for reason, bit in CLOCK_EVENT_REASONS.items():
-                    reasons.add_metric([*k, reason], 1 if s.throttle_reasons & bit else 0)
-            for kind, scope, v in (
-                ("corrected", "volatile", s.ecc_corrected_volatile),
-                ("uncorrected", "volatile", s.ecc_uncorrected_volatile),
-                ("corrected", "aggregate", s.ecc_corrected_aggregate),
-                ("uncorrected", "aggregate", s.ecc_uncorrected_aggregate),
-            ):
-                if v is not None:
-                    ecc.add_metric([*k, kind, scope], v)
-            for cause, v in (("sbe", s.retired_pages_sbe), ("dbe", s.retired_pages_dbe)):
-                if v is not None:
-                    retired.add_metric([*k, cause], v)
-            for kind, v in (("correctable", s.remapped_rows_correctable),
-                            ("uncorrectable", s.remapped_rows_uncorrectable)):
-                if v is not None:
-                    remapped.add_metric([*k, kind], v)
-            for field, fam in flags.items():
-                flag = getattr(s, field)
-                if flag is not None:
-                    fam.add_metric(k, 1.0 if flag else 0.0)
-            if s.pcie_replay_total is not None:
-                pcie.add_metric(k, s.pcie_replay_total)
-            if s.energy_mj is not None:
-                energy.add_metric(k, s.energy_mj / 1000.0)
-            for link in s.nvlink:
-                for kind in ("crc_flit", "crc_data", "replay", "recovery"):
-                    v = getattr(link, kind)
-                    if v is not None:
-                        nvlink.add_metric([*k, str(link.link), kind], v)
-            unsupported = set(s.unsupported)
-            for field in (*FIELDS, *sorted(unsupported - set(FIELDS))):
-                supported.add_metric([*k, field], 0 if field in unsupported else 1)
-        yield reasons
-        yield ecc
-        yield retired
-        yield remapped
-        yield from flags.values()
-        yield pcie
-        yield energy
-        yield nvlink
-        yield supported
-
-        errors = CounterMetricFamily("forewarn_gpu_field_errors_total",
-                                     "Field reads that failed for a reason other than "
-                                     "'not supported'.", labels=["node", "gpu", "field"])
-        for (index, field), n in sorted(snap.field_errors.items()):
-            errors.add_metric([snap.node, str(index), field], n)
-        yield errors
-
-        xids = CounterMetricFamily("forewarn_gpu_xid_errors_total",
-                                   "NVIDIA XID errors seen since the agent started, by code and "
-                                   "class (application, memory, interconnect, bus, gsp, other).",
-                                   labels=["node", "gpu", "code", "class", "simulated"])
-        for (gpu_label, code, cls), n in sorted(snap.xid_counts.items()):
-            xids.add_metric([snap.node, gpu_label, str(code), cls, _b(snap.simulated)], n)
-        yield xids
+        yield from _inventory(samples)
+        yield from _gauges(samples)
+        yield from _counters(samples)
+        yield from _flags(samples)
+        yield from _link_counters(samples)
+        yield _supported(samples)
+        yield from _error_counts(snap)
 
     # -- health and findings -------------------------------------------------------------
 
@@ -454,113 +332,151 @@ class AgentExporter:
         yield build
 
 
-_findings_encoder = msgspec.json.Encoder()
+# -- per-GPU telemetry: one function per group of families, in exposition order -----------
+
+_BASE = ["node", "gpu", "uuid", "simulated"]
+"""Labels of every per-GPU series."""
 
 
-class MetricsServer:
-    """Threaded HTTP server: ``/metrics`` (the registry), ``/healthz`` (liveness: 200 while
-    polls are fresh, else 503), ``/readyz`` (readiness: JSON ``{"ready": bool, "service":
-    "agent", "components": {name: {"ready": bool, "detail": str, ...}}}``, 503 when not
-    ready) and ``/api/v1/findings`` (current findings as JSON, for debugging).
+def _key(s: GpuSample) -> list[str]:
+    return [s.node, str(s.gpu), s.uuid, _b(s.simulated)]
 
-    ``healthy``, ``ready`` and ``findings`` are callables so the server holds no state of
-    its own.
-    """
 
-    def __init__(
-        self,
-        registry: CollectorRegistry,
-        host: str,
-        port: int,
-        *,
-        healthy: Callable[[], tuple[bool, str]],
-        findings: Callable[[], list[Finding]],
-        ready: Callable[[], dict[str, Any]] | None = None,
-    ) -> None:
-        self.registry = registry
-        server = self
+def _inventory(samples: list[GpuSample]) -> Iterable[Metric]:
+    info = GaugeMetricFamily("forewarn_gpu_info", "GPU inventory (always 1).",
+                             labels=[*_BASE, "name", "pci_bus_id", "source"])
+    state = GaugeMetricFamily("forewarn_gpu_state",
+                              "1 for the GPU's current state (ok, lost, reset_required).",
+                              labels=[*_BASE, "state"])
+    for s in samples:
+        info.add_metric([*_key(s), s.name, s.pci_bus_id, s.source], 1)
+        for st in GpuState:
+            state.add_metric([*_key(s), st.value], 1 if s.state == st else 0)
+    yield info
+    yield state
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
 
-            def do_GET(self) -> None:
-                server._handle(self)
+def _gauges(samples: list[GpuSample]) -> Iterable[Metric]:
+    """The plain gauges of :data:`GPU_GAUGES` (each a sample field read by its name)."""
+    for field, name, help_, scale in GPU_GAUGES:
+        fam = GaugeMetricFamily(name, help_, labels=_BASE)
+        for s in samples:
+            v = getattr(s, field)
+            if v is not None:
+                fam.add_metric(_key(s), float(v) * scale)
+        yield fam
 
-            def log_message(self, format: str, *args: Any) -> None:
-                log.debug("http: " + format, *args)
 
-        self._healthy = healthy
-        self._ready = ready
-        self._findings = findings
-        self._httpd = http.server.ThreadingHTTPServer((host, port), Handler)
-        self._httpd.daemon_threads = True
-        self._thread: threading.Thread | None = None
-        self._wake_r = self._wake_w = -1
+def _labelled(s: GpuSample) -> dict[str, tuple[tuple[tuple[str, ...], int | None], ...]]:
+    """The labelled counters of one sample: family name -> ((extra labels, value), ...)."""
+    return {
+        "ecc": ((("corrected", "volatile"), s.ecc_corrected_volatile),
+                (("uncorrected", "volatile"), s.ecc_uncorrected_volatile),
+                (("corrected", "aggregate"), s.ecc_corrected_aggregate),
+                (("uncorrected", "aggregate"), s.ecc_uncorrected_aggregate)),
+        "retired": ((("sbe",), s.retired_pages_sbe), (("dbe",), s.retired_pages_dbe)),
+        "remapped": ((("correctable",), s.remapped_rows_correctable),
+                     (("uncorrectable",), s.remapped_rows_uncorrectable)),
+    }
 
-    @property
-    def address(self) -> tuple[str, int]:
-        host, port = self._httpd.server_address[:2]
-        return str(host), int(port)
 
-    def start(self) -> None:
-        self._wake_r, self._wake_w = os.pipe()
-        self._thread = threading.Thread(target=self._serve, name="forewarn-metrics",
-                                        daemon=True)
-        self._thread.start()
+def _counters(samples: list[GpuSample]) -> Iterable[Metric]:
+    """Clock-event reasons, ECC errors, retired pages and remapped rows."""
+    reasons = GaugeMetricFamily("forewarn_gpu_clock_event_reason_active",
+                                "1 when the NVML clock-event (throttle) reason is active.",
+                                labels=[*_BASE, "reason"])
+    families = {
+        "ecc": CounterMetricFamily("forewarn_gpu_ecc_errors_total",
+                                   "ECC errors (NVML_MEMORY_ERROR_TYPE_*, volatile = since reset).",
+                                   labels=[*_BASE, "type", "scope"]),
+        "retired": CounterMetricFamily("forewarn_gpu_retired_pages_total",
+                                       "Retired frame-buffer pages by cause.",
+                                       labels=[*_BASE, "cause"]),
+        "remapped": CounterMetricFamily("forewarn_gpu_remapped_rows_total",
+                                        "Remapped memory rows by error type.",
+                                        labels=[*_BASE, "type"]),
+    }
+    for s in samples:
+        if s.throttle_reasons is not None:
+            for reason, bit in CLOCK_EVENT_REASONS.items():
+                reasons.add_metric([*_key(s), reason], 1 if s.throttle_reasons & bit else 0)
+        for family, values in _labelled(s).items():
+            for labels, v in values:
+                if v is not None:
+                    families[family].add_metric([*_key(s), *labels], v)
+    yield reasons
+    yield from families.values()
 
-    def _serve(self) -> None:
-        """Accept requests until :meth:`close`: blocks in select on the listening socket
-        and a wake-up pipe, so an idle agent is not woken (socketserver's serve_forever
-        polls twice a second; in a VM each wake-up costs a measurable share of the
-        agent's CPU budget, bench/agent_poll.py)."""
-        self._httpd.timeout = 0.0  # handle_request: never block on a vanished connection
-        with selectors.DefaultSelector() as sel:
-            sel.register(self._httpd, selectors.EVENT_READ)
-            sel.register(self._wake_r, selectors.EVENT_READ)
-            while True:
-                ready = sel.select()
-                if any(key.fileobj == self._wake_r for key, _ in ready):
-                    return
-                self._httpd.handle_request()
 
-    def close(self) -> None:
-        if self._thread is not None:
-            os.write(self._wake_w, b"x")
-            self._thread.join(timeout=5)
-            self._thread = None
-            os.close(self._wake_r)
-            os.close(self._wake_w)
-        self._httpd.server_close()
+def _flags(samples: list[GpuSample]) -> Iterable[Metric]:
+    """Pending retirement/remap and remap failure (0/1)."""
+    retire_pending = GaugeMetricFamily(
+        "forewarn_gpu_retired_pages_pending",
+        "1 when a page retirement waits for the next reset.", labels=_BASE)
+    remap_pending = GaugeMetricFamily(
+        "forewarn_gpu_remap_pending", "1 when a row remap waits for the next reset.",
+        labels=_BASE)
+    remap_failure = GaugeMetricFamily(
+        "forewarn_gpu_remap_failure", "1 when a row remap failed (no spare rows).",
+        labels=_BASE)
+    for s in samples:
+        for fam, flag in ((retire_pending, s.retired_pages_pending),
+                          (remap_pending, s.remap_pending), (remap_failure, s.remap_failure)):
+            if flag is not None:
+                fam.add_metric(_key(s), 1.0 if flag else 0.0)
+    yield from (retire_pending, remap_pending, remap_failure)
 
-    def _handle(self, req: http.server.BaseHTTPRequestHandler) -> None:
-        path = urllib.parse.urlsplit(req.path).path
-        status = 200
-        try:
-            if path == "/metrics":
-                encoder, ctype = choose_encoder(req.headers.get("Accept", ""))
-                body = encoder(self.registry)
-            elif path == "/healthz":
-                ok, detail = self._healthy()
-                status = 200 if ok else 503
-                body, ctype = (detail + "\n").encode(), "text/plain; charset=utf-8"
-            elif path == "/readyz" and self._ready is not None:
-                report = self._ready()
-                status = 200 if report["ready"] else 503
-                body, ctype = _findings_encoder.encode(report), "application/json"
-            elif path == "/api/v1/findings":
-                body = _findings_encoder.encode(self._findings())
-                ctype = "application/json"
-            elif path == "/":
-                body = b"forewarn agent: /metrics /healthz /readyz /api/v1/findings\n"
-                ctype = "text/plain; charset=utf-8"
-            else:
-                status, body, ctype = 404, b"not found\n", "text/plain; charset=utf-8"
-        except Exception as exc:  # a scrape must never take the agent down
-            log.exception("error serving %s", path)
-            status, body = 500, f"error: {type(exc).__name__}\n".encode()
-            ctype = "text/plain; charset=utf-8"
-        req.send_response(status)
-        req.send_header("Content-Type", ctype)
-        req.send_header("Content-Length", str(len(body)))
-        req.end_headers()
-        req.wfile.write(body)
+
+def _link_counters(samples: list[GpuSample]) -> Iterable[Metric]:
+    """PCIe replays, energy and the NVLink error counters per link."""
+    pcie = CounterMetricFamily("forewarn_gpu_pcie_replays_total",
+                               "PCIe replay counter (link-level retransmissions).",
+                               labels=_BASE)
+    energy = CounterMetricFamily("forewarn_gpu_energy_joules_total",
+                                 "Energy used since the driver loaded "
+                                 "(nvmlDeviceGetTotalEnergyConsumption).", labels=_BASE)
+    nvlink = CounterMetricFamily("forewarn_gpu_nvlink_errors_total",
+                                 "NVLink error counters (NVML_NVLINK_ERROR_DL_*) per link.",
+                                 labels=[*_BASE, "link", "type"])
+    for s in samples:
+        k = _key(s)
+        if s.pcie_replay_total is not None:
+            pcie.add_metric(k, s.pcie_replay_total)
+        if s.energy_mj is not None:
+            energy.add_metric(k, s.energy_mj / 1000.0)
+        for link in s.nvlink:
+            for kind, v in (("crc_flit", link.crc_flit), ("crc_data", link.crc_data),
+                            ("replay", link.replay), ("recovery", link.recovery)):
+                if v is not None:
+                    nvlink.add_metric([*k, str(link.link), kind], v)
+    yield pcie
+    yield energy
+    yield nvlink
+
+
+def _supported(samples: list[GpuSample]) -> Metric:
+    supported = GaugeMetricFamily("forewarn_gpu_field_supported",
+                                  "1 when the field is read, 0 when this GPU does not "
+                                  "support it (not an error).", labels=[*_BASE, "field"])
+    for s in samples:
+        unsupported = set(s.unsupported)
+        for field in (*FIELDS, *sorted(unsupported - set(FIELDS))):
+            supported.add_metric([*_key(s), field], 0 if field in unsupported else 1)
+    return supported
+
+
+def _error_counts(snap: Snapshot) -> Iterable[Metric]:
+    """Field reads that failed and XIDs seen, since the agent started."""
+    errors = CounterMetricFamily("forewarn_gpu_field_errors_total",
+                                 "Field reads that failed for a reason other than "
+                                 "'not supported'.", labels=["node", "gpu", "field"])
+    for (index, field), n in sorted(snap.field_errors.items()):
+        errors.add_metric([snap.node, str(index), field], n)
+    yield errors
+    xids = CounterMetricFamily("forewarn_gpu_xid_errors_total",
+                               "NVIDIA XID errors seen since the agent started, by code and "
+                               "class (application, memory, interconnect, bus, gsp, other).",
+                               labels=["node", "gpu", "code", "class", "simulated"])
+    for (gpu_label, code, cls), n in sorted(snap.xid_counts.items()):
+        xids.add_metric([snap.node, gpu_label, str(code), cls, _b(snap.simulated)], n)
+    yield xids

@@ -30,7 +30,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from forewarn.agent.ranks import Credentials, RankTable
+from forewarn.agent.procview import Credentials
+from forewarn.agent.ranks import RankTable
 from forewarn.errors import UnavailableError
 from forewarn.wire import Beat, CheckpointReport, StepRecord, WireError, decode_hook_message
 

@@ -1,6 +1,6 @@
 """The agent component that hears the training ranks and acts on what it hears.
 
-Plugs into :class:`forewarn.agent.daemon.Agent` (see its "Components" docstring):
+A :class:`~forewarn.agent.protocols.Component` of :class:`forewarn.agent.daemon.Agent`:
 
 * ``start``: puts its :class:`~forewarn.agent.ranks.RankTable` into ``agent.state.ranks``
   (the rank checks in ``ALL_CHECKS`` read it), registers :class:`RankCollector`, binds the
@@ -15,11 +15,10 @@ Plugs into :class:`forewarn.agent.daemon.Agent` (see its "Components" docstring)
 * ``on_poll``: the local fast path for critical GPU/node findings, hang confirmation and
   termination, order retries, eviction of silent ranks.
 
-The collector uplink reaches the order book as ``component.orders`` (find the component
-in ``agent.components`` by ``name == "ranks"``) and calls
-``orders.order_job(job, step=None, reason=..., request_id=...)``; it takes checkpoint
-reports with ``component.table.drain_reports()`` and summaries with
-``component.table.summaries(node, now)``.
+``forewarn agent`` hands the collector uplink ``component.table`` (its
+:class:`~forewarn.agent.protocols.RankFeed`: summaries and checkpoint reports going up) and
+``component.orders`` (its :class:`~forewarn.agent.protocols.OrderSink`: the collector's
+orders, holds and advice coming down): :func:`forewarn.agent.build.build_components`.
 """
 
 from __future__ import annotations
@@ -34,18 +33,22 @@ from forewarn.agent.checks.grad_spike import judge_spike
 from forewarn.agent.checks.nan_loss import judge_nan
 from forewarn.agent.checks.rank_hang import RankHangCheck, hang_deadline, hang_timeout
 from forewarn.agent.config import AgentConfig
+from forewarn.agent.hang import HangTerminator
 from forewarn.agent.ingest import RankIngest
-from forewarn.agent.orders import CheckpointOrders, HangTerminator
+from forewarn.agent.orders import CheckpointOrders
+from forewarn.agent.procview import ProcView
+from forewarn.agent.protocols import AgentHost, ComponentBase, Poll
 from forewarn.agent.rank_metrics import RankCollector
-from forewarn.agent.ranks import ProcView, RankLimits, RankTable, RankView, by_job
+from forewarn.agent.rank_state import RankView, by_job
+from forewarn.agent.ranks import RankLimits, RankTable
 from forewarn.wire import Finding, Health, StepRecord
 
-__all__ = ["RankComponent", "build"]
+__all__ = ["RankComponent"]
 
 log = logging.getLogger(__name__)
 
 
-class RankComponent:
+class RankComponent(ComponentBase):
     """Rank ingest, fast detectors, checkpoint orders and hang handling for one agent."""
 
     name = "ranks"
@@ -69,7 +72,7 @@ class RankComponent:
                                        safety_s=config.order_safety_s, clock=clock)
         self.terminator = HangTerminator(self.table, action=config.hang_action,
                                          grace_s=config.hang_grace_s)
-        self.agent: Any = None
+        self.agent: AgentHost | None = None
         self._hang = RankHangCheck()
         self._stop = threading.Event()
         self._kick = threading.Event()
@@ -80,7 +83,7 @@ class RankComponent:
         self.table.on_preempt(self._on_preempt)
 
     # -- component interface -------------------------------------------------------------
-    def start(self, agent: Any) -> None:
+    def start(self, agent: AgentHost) -> None:
         self.agent = agent
         agent.state.ranks = self.table
         agent.registry.register(RankCollector(
@@ -109,7 +112,7 @@ class RankComponent:
                 "detail": f"{'listening on' if bound else 'not listening on'} "
                           f"{self.config.socket_path}"}
 
-    def on_poll(self, poll: Any) -> None:
+    def on_poll(self, poll: Poll) -> None:
         now = poll.time
         findings: list[Finding] = [t.finding for t in poll.transitions]
         self._note(findings, now)
@@ -204,8 +207,3 @@ class RankComponent:
             except Exception:  # the watcher must outlive any bad state
                 log.exception("hang watcher iteration failed")
                 self._stop.wait(1.0)
-
-
-def build(config: AgentConfig) -> RankComponent:
-    """Factory for ``forewarn agent`` (daemon.COMPONENTS)."""
-    return RankComponent(config)

@@ -48,9 +48,11 @@ from prometheus_client.metrics_core import (
     Metric,
 )
 
+from forewarn.agent.hang import HangTerminator
 from forewarn.agent.ingest import RankIngest
-from forewarn.agent.orders import CheckpointOrders, HangTerminator
-from forewarn.agent.ranks import RankTable, quantile
+from forewarn.agent.orders import CheckpointOrders
+from forewarn.agent.rank_state import quantile
+from forewarn.agent.ranks import RankTable
 
 __all__ = ["RankCollector"]
 

@@ -1,13 +1,14 @@
 """Agent -> collector uplink: batches through an on-disk spool, and the command long poll.
 
-An agent component (see :mod:`forewarn.agent.daemon`, "Components"), enabled when
-``collector_url`` is set:
+An agent :class:`~forewarn.agent.protocols.Component`, enabled when ``collector_url`` is
+set:
 
 * ``on_poll`` gathers each cycle's GPU samples, XID events and finding *transitions*
   (new or changed findings, not the unchanged ones every cycle).
 * The push thread seals a batch every ``push_interval_s`` (at once when a transition is
   unhealthy or a checkpoint report arrived: ``urgent``), adding the ranks' summaries and
-  checkpoint reports from the ``ranks`` component, and sends it.
+  checkpoint reports from its ``feed`` (:class:`~forewarn.agent.protocols.RankFeed`, the
+  rank table), and sends it.
 * **Spool, write-ahead.** Every sealed batch is written to ``spool_dir`` (one file per
   batch named by its ``seq``, fsync'd, renamed into place) *before* it is sent, and
   deleted only when the collector answered ``stored`` or ``duplicate``. So a batch
@@ -26,8 +27,9 @@ An agent component (see :mod:`forewarn.agent.daemon`, "Components"), enabled whe
 * Every upload carries the agent's clock (header ``Forewarn-Sent-At``): the collector
   reports each agent's clock skew.
 * The command thread holds ``GET /api/v1/commands?wait=25`` open; a ``checkpoint``
-  command goes to the ranks component's ``orders.order_job(job, step, reason,
-  request_id)``, then is acknowledged. Commands are deduplicated by id (the collector
+  command goes to its ``orders`` (:class:`~forewarn.agent.protocols.OrderSink`, the rank
+  component's order book: ``order_job(job, step, reason, request_id)``), then is
+  acknowledged. Commands are deduplicated by id (the collector
   redelivers what was not acknowledged).
 
 Metrics: ``forewarn_uplink_spool_bytes``, ``forewarn_uplink_spool_batches``,
@@ -44,24 +46,21 @@ Transport (``httpx.BaseTransport``) and clock are injectable for tests.
 from __future__ import annotations
 
 import collections
-import json
 import logging
-import os
-import re
 import ssl
 import threading
 import time
-import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from forewarn.agent.commands import carry_out
 from forewarn.agent.config import AgentConfig
+from forewarn.agent.protocols import AgentHost, ComponentBase, OrderSink, Poll, RankFeed
+from forewarn.agent.spool import Spool
 from forewarn.config import ConfigError
-from forewarn.files import fsync_dir
 from forewarn.wire import (
     SENT_AT_HEADER,
     AgentBatch,
@@ -75,15 +74,13 @@ from forewarn.wire import (
     WireError,
     XidEvent,
     decode_json,
-    encode,
     encode_json,
 )
 
-__all__ = ["Spool", "Uplink", "build", "check_uplink_config", "read_token"]
+__all__ = ["Uplink", "check_uplink_config", "read_token"]
 
 log = logging.getLogger(__name__)
 
-_NAME = re.compile(r"^(\d{20})\.(u|n)\.msgpack$")
 MAX_BUFFERED_SAMPLES = 100_000
 """Samples kept in memory while the spool cannot be written (disk full); the oldest
 beyond this are dropped and counted (``forewarn_uplink_dropped_samples_total``)."""
@@ -92,125 +89,6 @@ MAX_SAMPLES_PER_BATCH = 10_000
 _RETRY_4XX = frozenset({401, 408, 429})
 """Client errors that may pass later (a fixed token, a less busy collector); every other
 4xx means this batch will never be accepted: move it aside rather than block the spool."""
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-
-
-class Spool:
-    """Sealed batches on disk, one file each, oldest first; see the module docstring.
-
-    Not thread-safe by itself: the uplink's push thread is its only user.
-    """
-
-    def __init__(self, root: Path, max_bytes: int) -> None:
-        self.root = Path(root)
-        self.max_bytes = max_bytes
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self.dropped = 0
-        for tmp in self.root.glob("*.tmp"):
-            tmp.unlink(missing_ok=True)
-        self._files: dict[int, tuple[Path, int, bool]] = {}
-        for path in self.root.iterdir():
-            m = _NAME.match(path.name)
-            if m:
-                self._files[int(m.group(1))] = (path, path.stat().st_size, m.group(2) == "u")
-        state = self._read_state()
-        self.agent_id: str = state.get("agent_id") or f"{uuid.uuid4().hex}"
-        self.next_seq: int = max([int(state.get("next_seq", 0)),
-                                  *(s + 1 for s in self._files)])
-        self._write_state()
-
-    def _read_state(self) -> dict[str, Any]:
-        try:
-            data = json.loads((self.root / "state.json").read_text())
-        except (OSError, ValueError):
-            return {}
-        if not isinstance(data, dict):
-            return {}
-        ok_id = isinstance(data.get("agent_id"), str) and 0 < len(data["agent_id"]) <= 256
-        ok_seq = isinstance(data.get("next_seq"), int) and data["next_seq"] >= 0
-        return {"agent_id": data["agent_id"] if ok_id else None,
-                "next_seq": data["next_seq"] if ok_seq else 0}
-
-    def _write_state(self) -> None:
-        _write_atomic(self.root / "state.json",
-                      json.dumps({"agent_id": self.agent_id, "next_seq": self.next_seq}).encode())
-        fsync_dir(self.root)
-
-    @property
-    def bytes(self) -> int:
-        return sum(size for _p, size, _u in self._files.values())
-
-    def __len__(self) -> int:
-        return len(self._files)
-
-    def append(self, make: Callable[[str, int], AgentBatch]) -> AgentBatch:
-        """Seal ``make(agent_id, seq)`` under the next seq: durable when this returns."""
-        seq = self.next_seq
-        batch = make(self.agent_id, seq)
-        data = encode(batch)
-        path = self.root / f"{seq:020d}.{'u' if batch.urgent else 'n'}.msgpack"
-        _write_atomic(path, data)
-        self.next_seq = seq + 1
-        self._write_state()
-        self._files[seq] = (path, len(data), batch.urgent)
-        self._enforce_bound()
-        return batch
-
-    def _enforce_bound(self) -> None:
-        total = self.bytes
-        # Keep at least the newest batch, even when it alone is over the bound.
-        for seq in sorted(self._files)[:-1]:
-            if total <= self.max_bytes:
-                break
-            total -= self._files[seq][1]
-            self.remove(seq)
-            self.dropped += 1
-            log.warning("spool over %d bytes: dropped batch seq %d", self.max_bytes, seq)
-
-    def pending(self) -> list[tuple[int, Path]]:
-        """Batches to send: urgent ones first, each group in seq order."""
-        order = sorted(self._files, key=lambda s: (not self._files[s][2], s))
-        return [(s, self._files[s][0]) for s in order]
-
-    def remove(self, seq: int) -> None:
-        entry = self._files.pop(seq, None)
-        if entry is not None:
-            entry[0].unlink(missing_ok=True)
-
-    def reject(self, seq: int, why: str) -> Path | None:
-        """Move batch ``seq`` to ``rejected/`` with ``why`` beside it, out of the queue;
-        ``rejected/`` keeps at most ``max_bytes`` (oldest dropped). Returns where it went."""
-        entry = self._files.pop(seq, None)
-        if entry is None:
-            return None
-        folder = self.root / "rejected"
-        target = folder / entry[0].name
-        try:
-            folder.mkdir(exist_ok=True, mode=0o700)
-            os.replace(entry[0], target)
-            _write_atomic(target.with_suffix(".txt"), why.encode())
-        except OSError as exc:
-            log.error("uplink: cannot move batch %d aside (%s); deleting it", seq, exc)
-            entry[0].unlink(missing_ok=True)
-            return None
-        kept = sorted(folder.iterdir())
-        total = sum(p.stat().st_size for p in kept)
-        for old in kept:
-            if total <= self.max_bytes or old == target or old == target.with_suffix(".txt"):
-                continue
-            total -= old.stat().st_size
-            old.unlink(missing_ok=True)
-        return target
 
 
 class _Metrics:
@@ -255,7 +133,7 @@ def read_token(config: AgentConfig) -> str:
     return ""
 
 
-class Uplink:
+class Uplink(ComponentBase):
     """The agent's collector uplink component (see the module docstring)."""
 
     name = "uplink"
@@ -270,7 +148,8 @@ class Uplink:
         clock: Callable[[], float] = time.time,
         registry: CollectorRegistry | None = None,
         on_command: Callable[[Command], tuple[bool, str]] | None = None,
-        ranks: Any = None,
+        feed: RankFeed | None = None,
+        orders: OrderSink | None = None,
         poll_wait_s: float = 25.0,
         retry_s: float = 1.0,
     ) -> None:
@@ -283,7 +162,8 @@ class Uplink:
         self.poll_wait_s = poll_wait_s
         self.retry_s = retry_s
         self.on_command = on_command
-        self.ranks = ranks
+        self.feed = feed
+        self.orders = orders
         self._registry = registry
         self.metrics: _Metrics | None = None
         self._lock = threading.Lock()
@@ -304,17 +184,15 @@ class Uplink:
 
     # -- component interface --------------------------------------------------------
 
-    def start(self, agent: Any = None) -> None:
-        """Register metrics, find the ranks component, start the push and poll threads."""
+    def start(self, agent: AgentHost | None = None) -> None:
+        """Register metrics (in the agent's registry, unless one was given), start the push
+        and poll threads. Without an agent (tests, tools) a registry of its own."""
         if self.metrics is None:  # a restarted uplink keeps its metrics
             registry = self._registry
             if registry is None:
-                registry = getattr(agent, "registry", None) or CollectorRegistry()
+                registry = agent.registry if agent is not None else CollectorRegistry()
             self.metrics = _Metrics(registry)
         self._stop.clear()
-        if self.ranks is None and agent is not None:
-            self.ranks = next((c for c in getattr(agent, "components", ())
-                               if getattr(c, "name", "") == "ranks"), None)
         self._update_gauges()
         for target, name in ((self._push_loop, "forewarn-uplink-push"),
                              (self._command_loop, "forewarn-uplink-commands")):
@@ -322,9 +200,9 @@ class Uplink:
             t.start()
             self._threads.append(t)
 
-    def on_poll(self, poll: Any) -> None:
+    def on_poll(self, poll: Poll) -> None:
         """Take this cycle's samples, XIDs and finding transitions (poll thread; no I/O)."""
-        findings = [t.finding for t in getattr(poll, "transitions", ())]
+        findings = [t.finding for t in poll.transitions]
         self.add(samples=poll.samples, xids=poll.xids, findings=findings)
 
     def stop(self) -> None:
@@ -353,12 +231,11 @@ class Uplink:
             self._wake.set()
 
     def _ranks_data(self) -> tuple[list[RankSummary], list[CheckpointReport]]:
-        table = getattr(self.ranks, "table", None)
-        if table is None:
+        if self.feed is None:
             return [], []
         try:
-            return (list(table.summaries(self.node, self.clock())),
-                    list(table.drain_reports()))
+            return (list(self.feed.summaries(self.node, self.clock())),
+                    list(self.feed.drain_reports()))
         except Exception:
             log.exception("uplink: reading rank summaries failed")
             return [], []
@@ -530,26 +407,6 @@ class Uplink:
 
     # -- commands ---------------------------------------------------------------------
 
-    def _to_ranks(self, command: Command) -> tuple[bool, str]:
-        """Pass a checkpoint order, interval advice or a save hold to this node's ranks of
-        the job."""
-        orders = getattr(self.ranks, "orders", None)
-        if orders is None:
-            return False, "no ranks component on this agent"
-        if command.kind == "checkpoint":
-            o = command.order
-            assert o is not None
-            sent = orders.order_job(o.job, o.step, o.reason, o.request_id)
-            return True, (f"ordered step {o.step}" if sent is not None
-                          else f"no live rank of job {o.job!r} on this node")
-        if command.kind == "hold":
-            assert command.hold is not None
-            reached = orders.hold_job(command.hold)
-            return True, f"save hold passed to {reached} rank(s) of {command.hold.job!r}"
-        assert command.advice is not None
-        reached = orders.advise_job(command.advice)
-        return True, f"advice passed to {reached} rank(s) of {command.advice.job!r}"
-
     def handle(self, command: Command) -> tuple[bool, str]:
         """Carry out ``command`` once (a redelivered id gets the first answer again)."""
         done = self._seen_commands.get(command.id)
@@ -557,14 +414,8 @@ class Uplink:
             return done
         if self.on_command is not None:
             result = self.on_command(command)
-        elif command.kind == "probe":
-            result = (True, "alive")
-        elif (command.kind == "checkpoint" and command.order is not None) or (
-                command.kind == "advice" and command.advice is not None) or (
-                command.kind == "hold" and command.hold is not None):
-            result = self._to_ranks(command)
         else:
-            result = (False, f"unknown command kind {command.kind!r}")
+            result = carry_out(command, self.orders)
         self._seen_commands[command.id] = result
         while len(self._seen_commands) > 1000:
             self._seen_commands.popitem(last=False)
@@ -623,24 +474,6 @@ def _log_refused(seq: int, r: httpx.Response) -> None:
         log.warning("uplink: collector left %d record(s) out of batch %d: %s", len(refused),
                     seq, "; ".join(str(x.get("error", x)) if isinstance(x, dict) else str(x)
                                    for x in refused[:5]))
-
-
-def build(config: AgentConfig) -> Uplink | None:
-    """The uplink for ``forewarn agent``: over HTTP when ``collector_url`` is set, over
-    NATS when ``uplink = "nats"`` (:mod:`forewarn.agent.bus`); None when standalone."""
-    if config.uplink == "nats":
-        from forewarn.agent.bus import build_nats  # nats-py only where it is used
-
-        return build_nats(config)
-    if not config.collector_url:
-        return None
-    if not config.collector_url.startswith(("http://", "https://")):
-        raise ConfigError(f"collector_url: expected http(s)://host:port, got "
-                          f"{config.collector_url!r}")
-    check_uplink_config(config)
-    if config.collector_ca_file is not None and not config.collector_ca_file.is_file():
-        raise ConfigError(f"collector_ca_file: no such file {config.collector_ca_file}")
-    return Uplink(config)
 
 
 def check_uplink_config(config: AgentConfig) -> None:

@@ -53,7 +53,7 @@ def test_agent_and_collector_choose_the_same_step_for_the_same_job() -> None:
     import dataclasses
 
     from forewarn.agent.orders import choose_step as agent_choose
-    from forewarn.agent.ranks import RankView
+    from forewarn.agent.rank_state import RankView
     from forewarn.collector.decide.orders import OrderSettings
     from forewarn.collector.decide.orders import choose_step as collector_choose
     from forewarn.collector.jobs.jobview import JobInfo

@@ -1,5 +1,5 @@
 """Small helpers the checks share: building findings, counter deltas and flag fractions
-over a window of a GPU's recent samples."""
+over a window of a GPU's recent samples, and the base of the checks over training ranks."""
 
 from __future__ import annotations
 
@@ -12,7 +12,18 @@ from collections.abc import Callable, Iterator
 from forewarn.agent.state import AgentState, GpuHistory
 from forewarn.wire import Evidence, Finding, GpuSample, GpuState, Health, Subject, SuggestedAction
 
-__all__ = ["WindowFraction", "counter_delta", "gpu_finding", "live_gpus", "window_start"]
+__all__ = ["RankCheck", "WindowFraction", "counter_delta", "gpu_finding", "live_gpus",
+           "window_start"]
+
+
+class RankCheck:
+    """Base of the checks over the training ranks (``AgentState.ranks``, filled by the rank
+    component): they apply once ``min_ranks`` ranks have reported."""
+
+    min_ranks = 1
+
+    def applies(self, state: AgentState) -> bool:
+        return state.ranks is not None and len(state.ranks) >= self.min_ranks
 
 
 def gpu_finding(

@@ -14,7 +14,8 @@ spike and skips batches). The finding holds for ``hold_steps`` steps after the s
 
 from __future__ import annotations
 
-from forewarn.agent.ranks import RankView, rank_finding
+from forewarn.agent.checks.common import RankCheck
+from forewarn.agent.rank_state import RankView, rank_finding
 from forewarn.agent.state import AgentState
 from forewarn.wire import Finding, Health, SuggestedAction
 
@@ -44,16 +45,13 @@ def judge_spike(view: RankView, node: str, now: float, factor: float, hold_steps
                         evidence={"median": view.grad_norm_median})
 
 
-class GradSpikeCheck:
+class GradSpikeCheck(RankCheck):
     """Grad norm above ``factor`` × rolling median (factor from the rank table)."""
 
     name = "grad_spike"
 
     def __init__(self, *, hold_steps: int = 50) -> None:
         self.hold_steps = hold_steps
-
-    def applies(self, state: AgentState) -> bool:
-        return state.ranks is not None and len(state.ranks) > 0
 
     def run(self, state: AgentState, now: float) -> list[Finding]:
         table = state.ranks

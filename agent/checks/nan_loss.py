@@ -16,7 +16,8 @@ publishes the finding at once (sub-second), and this check keeps it current ever
 
 from __future__ import annotations
 
-from forewarn.agent.ranks import RankView, rank_finding
+from forewarn.agent.checks.common import RankCheck
+from forewarn.agent.rank_state import RankView, rank_finding
 from forewarn.agent.state import AgentState
 from forewarn.wire import Finding, Health, SuggestedAction
 
@@ -50,16 +51,13 @@ def judge_nan(view: RankView, node: str, now: float, grad_streak: int = 3) -> Fi
                         f"rank {view.rank} of job {view.job}: loss finite")
 
 
-class NanLossCheck:
+class NanLossCheck(RankCheck):
     """Non-finite loss (unhealthy) or grad norm (degraded, unhealthy when it persists)."""
 
     name = "nan_loss"
 
     def __init__(self, *, grad_streak: int = 3) -> None:
         self.grad_streak = grad_streak
-
-    def applies(self, state: AgentState) -> bool:
-        return state.ranks is not None and len(state.ranks) > 0
 
     def run(self, state: AgentState, now: float) -> list[Finding]:
         if state.ranks is None:

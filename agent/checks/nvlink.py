@@ -28,8 +28,7 @@ def _value(c: NvlinkCounters, kind: str) -> int | None:
         if c.crc_flit is None and c.crc_data is None:
             return None
         return (c.crc_flit or 0) + (c.crc_data or 0)
-    v: int | None = getattr(c, kind)
-    return v
+    return c.replay if kind == "replay" else c.recovery
 
 
 def _reader(link: int, kind: str) -> Callable[[GpuSample], int | None]:

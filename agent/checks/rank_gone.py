@@ -12,14 +12,15 @@ hook said it finished cleanly (``Monitor.close()``, atexit) is healthy, never go
 
 from __future__ import annotations
 
-from forewarn.agent.ranks import by_job, rank_finding
+from forewarn.agent.checks.common import RankCheck
+from forewarn.agent.rank_state import by_job, rank_finding
 from forewarn.agent.state import AgentState
 from forewarn.wire import Finding, Health, SuggestedAction
 
 __all__ = ["RankGoneCheck"]
 
 
-class RankGoneCheck:
+class RankGoneCheck(RankCheck):
     """Beats stopped or the process is gone."""
 
     name = "rank_gone"
@@ -27,9 +28,6 @@ class RankGoneCheck:
     def __init__(self, *, grace_s: float = 3.0) -> None:
         self.grace_s = grace_s
         self._gone_since: dict[tuple[str, int], float] = {}
-
-    def applies(self, state: AgentState) -> bool:
-        return state.ranks is not None and len(state.ranks) > 0
 
     def run(self, state: AgentState, now: float) -> list[Finding]:
         table = state.ranks

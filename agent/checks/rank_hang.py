@@ -20,7 +20,9 @@ A rank whose beats stopped too is not hung but gone (:mod:`.rank_gone`).
 
 from __future__ import annotations
 
-from forewarn.agent.ranks import RankTable, RankView, by_job, quantile, rank_finding
+from forewarn.agent.checks.common import RankCheck
+from forewarn.agent.rank_state import RankView, by_job, quantile, rank_finding
+from forewarn.agent.ranks import RankTable
 from forewarn.agent.state import AgentState
 from forewarn.wire import Finding, Health, SuggestedAction
 
@@ -60,13 +62,10 @@ def hang_deadline(table: RankTable, job_views: list[RankView], v: RankView,
     return since, limit
 
 
-class RankHangCheck:
+class RankHangCheck(RankCheck):
     """No step progress for longer than the job's learned timeout while beats arrive."""
 
     name = "rank_hang"
-
-    def applies(self, state: AgentState) -> bool:
-        return state.ranks is not None and len(state.ranks) > 0
 
     def run(self, state: AgentState, now: float) -> list[Finding]:
         table = state.ranks

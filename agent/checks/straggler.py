@@ -11,26 +11,25 @@ compares across nodes and decides.
 
 from __future__ import annotations
 
-from forewarn.agent.ranks import RankView, by_job, quantile, rank_finding
+from forewarn.agent.checks.common import RankCheck
+from forewarn.agent.rank_state import RankView, by_job, quantile, rank_finding
 from forewarn.agent.state import AgentState
 from forewarn.wire import Finding, Health, SuggestedAction
 
 __all__ = ["StragglerCheck"]
 
 
-class StragglerCheck:
+class StragglerCheck(RankCheck):
     """A rank's step (or compute) time above ``factor`` × its node peers' median."""
 
     name = "straggler"
+    min_ranks = 2
 
     def __init__(self, *, factor: float = 1.5, window: int = 8, continuity: int = 3) -> None:
         self.factor = factor
         self.window = window
         self.continuity = continuity
         self._streak: dict[tuple[str, int], int] = {}
-
-    def applies(self, state: AgentState) -> bool:
-        return state.ranks is not None and len(state.ranks) > 1
 
     def _pace(self, v: RankView) -> float | None:
         series = v.compute_seconds if len(v.compute_seconds) >= self.window else v.step_seconds

@@ -339,17 +339,10 @@ def _fields(values: dict[str, float]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for metric, value in values.items():
         fld = FIELD_MAP.get(metric)
-        if fld is None:
-            continue
-        if fld in _FLOAT_FIELDS:
-            out[fld] = float(value)
-        elif fld in _RATIO_FIELDS or fld in _RATE_FIELDS:
-            if value >= 0 and (value <= 1 or fld in _RATE_FIELDS):
-                out[fld] = float(value)
-        elif fld in _BOOL_FIELDS:
-            out[fld] = value > 0
-        elif value >= 0:
-            out[fld] = int(value)
+        if fld is not None:
+            converted = _convert(fld, value)
+            if converted is not None:
+                out[fld] = converted
     used, total = _fb_bytes(values)
     if used is not None:
         out["memory_used_bytes"] = used
@@ -359,6 +352,28 @@ def _fields(values: dict[str, float]) -> dict[str, Any]:
     temp = values.get("DCGM_FI_DEV_GPU_TEMP")
     if slowdown is not None and temp is not None and slowdown > 0:
         out["slowdown_margin_c"] = float(slowdown - temp)
+    nvlink = _nvlink(values)
+    if nvlink:
+        out["nvlink"] = nvlink
+    return out
+
+
+def _convert(fld: str, value: float) -> float | int | bool | None:
+    """``value`` as sample field ``fld`` holds it; None when impossible (a negative
+    counter, a ratio over 1)."""
+    if fld in _FLOAT_FIELDS:
+        return float(value)
+    if fld in _RATIO_FIELDS or fld in _RATE_FIELDS:
+        ok = value >= 0 and (value <= 1 or fld in _RATE_FIELDS)
+        return float(value) if ok else None
+    if fld in _BOOL_FIELDS:
+        return value > 0
+    return int(value) if value >= 0 else None
+
+
+def _nvlink(values: dict[str, float]) -> tuple[NvlinkCounters, ...]:
+    """The NVLink counters per link; the node-wide totals as link 0 where the exporter
+    has no per-link series."""
     per_link: dict[int, dict[str, int]] = {}
     totals: dict[str, int] = {}
     for metric, value in values.items():
@@ -371,7 +386,5 @@ def _fields(values: dict[str, float]) -> dict[str, Any]:
         else:
             totals[counter] = int(value)
     if per_link:
-        out["nvlink"] = tuple(NvlinkCounters(link=k, **v) for k, v in sorted(per_link.items()))
-    elif totals:
-        out["nvlink"] = (NvlinkCounters(link=0, **totals),)
-    return out
+        return tuple(NvlinkCounters(link=k, **v) for k, v in sorted(per_link.items()))
+    return (NvlinkCounters(link=0, **totals),) if totals else ()

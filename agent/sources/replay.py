@@ -128,109 +128,121 @@ def _row_label(path: Path, index: int, csv: bool) -> str:
 
 def _validate(df: Any, path: Path, origin_csv: bool, *, gpu_optional: bool = False) -> _Table:
     """Check types and units column by column; build plain lists."""
-    import pandas as pd
-
-    def fail(column: str, mask: Any, why: str) -> None:
-        idx = int(mask.to_numpy().nonzero()[0][0])
-        value = df[column].iloc[idx]
-        raise ReplayError(f"replay {path}: column {column!r}, {_row_label(path, idx, origin_csv)}:"
-                          f" {why} (got {value!r}; {int(mask.sum())} bad row(s))")
-
-    out: dict[str, list[Any]] = {}
-    n = len(df)
-    if n == 0:
+    if len(df) == 0:
         raise ReplayError(f"replay {path}: no rows")
-
-    # time: numbers, datetimes or ISO strings -> Unix seconds.
-    t = df["time"]
-    epoch = pd.Timestamp(0, tz="UTC")
-    if pd.api.types.is_datetime64_any_dtype(t):
-        aware = t.dt.tz_localize("UTC") if t.dt.tz is None else t
-        secs = (aware - epoch).dt.total_seconds()
-    else:
-        secs = pd.to_numeric(t, errors="coerce")
-        if secs.isna().any() and not pd.api.types.is_numeric_dtype(t):
-            parsed = pd.to_datetime(t, errors="coerce", utc=True, format="ISO8601")
-            secs = secs.fillna((parsed - epoch).dt.total_seconds())
-    if secs.isna().any():
-        fail("time", secs.isna(), "Unix seconds or an ISO 8601 timestamp expected")
-    if (secs < 0).any():
-        fail("time", secs < 0, "must not be negative")
-    if (secs > 1e11).any():
-        fail("time", secs > 1e11, "Unix seconds expected; this looks like milliseconds")
-    order = secs.to_numpy().argsort(kind="stable")
-    df = df.iloc[order].reset_index(drop=True)
-    secs = secs.iloc[order].reset_index(drop=True)
-    out["time"] = secs.astype(float).tolist()
-
-    node = df["node"]
-    bad = node.isna() | (node.astype(str).str.strip() == "")
-    if bad.any():
-        fail("node", bad, "a node name expected")
-    out["node"] = node.astype(str).tolist()
-    if "gpu" in df.columns:
-        raw = df["gpu"]
-        gpu = pd.to_numeric(raw, errors="coerce")
-        bad = raw.notna() & (gpu.isna() | (gpu < 0) | (gpu != gpu.round()))
-        if not gpu_optional:
-            bad |= raw.isna()
-        if bad.any():
-            fail("gpu", bad, "a GPU index (integer >= 0) expected")
-        out["gpu"] = [None if math.isnan(x) else int(x) for x in gpu.tolist()]
-    else:
-        out["gpu"] = [None] * n
-
+    check = _Columns(df, path, origin_csv)
+    check.sort_by_time()
+    out: dict[str, list[Any]] = {"time": check.times, "node": check.node()}
+    out["gpu"] = check.gpu(gpu_optional) if "gpu" in df.columns else [None] * len(df)
     ignored = []
-    for column in df.columns:
+    for column in check.df.columns:
         if column in REQUIRED:
             continue
-        col = df[column]
-        present = col.notna()
-        if column in _FLOATS or column in _COUNTERS or NVLINK_COLUMN.match(column):
-            num = pd.to_numeric(col, errors="coerce")
-            bad = present & num.isna()
-            if bad.any():
-                fail(column, bad, "a number expected")
-            if column in _RANGES:
-                lo, hi, hint = _RANGES[column]
-                bad = present & ((num < lo) | (num > hi))
-                if bad.any():
-                    fail(column, bad, f"out of range {lo}..{hi}: {hint}")
-                out[column] = [None if math.isnan(x) else float(x) for x in num.tolist()]
-            else:
-                bad = present & (num < 0)
-                if bad.any():
-                    fail(column, bad, "a counter must not be negative")
-                bad = present & (num != num.round())
-                if bad.any():
-                    fail(column, bad, "an integer expected")
-                out[column] = [None if math.isnan(x) else int(x) for x in num.tolist()]
-        elif column in _BOOLS:
-            text = col.astype(str).str.strip().str.lower()
-            bad = present & ~text.isin(_TRUE | _FALSE)
-            if bad.any():
-                fail(column, bad, "true or false expected")
-            out[column] = [None if not p else s in _TRUE
-                           for p, s in zip(present.tolist(), text.tolist(), strict=True)]
-        elif column == "state":
-            text = col.astype(str).str.strip().str.lower()
-            bad = present & ~text.isin(_STATES)
-            if bad.any():
-                fail(column, bad, f"one of {', '.join(sorted(_STATES))} expected")
-            out[column] = [s if p else None
-                           for p, s in zip(present.tolist(), text.tolist(), strict=True)]
-        elif column == "xid":
-            num = pd.to_numeric(col, errors="coerce")
-            bad = present & (num.isna() | (num < 0) | (num > 100_000) | (num != num.round()))
-            if bad.any():
-                fail(column, bad, "an XID code (integer 0..100000) expected")
-            out[column] = [None if math.isnan(x) else int(x) for x in num.tolist()]
-        elif column in _STRINGS or column in _LISTS or column == "xid_text":
-            out[column] = [str(x) if p else None
-                           for p, x in zip(present.tolist(), col.tolist(), strict=True)]
+        values = check.column(column)
+        if values is not None:
+            out[column] = values
         elif column not in _IGNORED_QUIETLY:
             ignored.append(column)
     return _Table(out, ignored)
+
+
+class _Columns:
+    """Validates a recording's columns one by one; the first bad value raises a
+    :class:`ReplayError` naming the column, its row and how many rows are bad."""
+
+    def __init__(self, df: Any, path: Path, origin_csv: bool) -> None:
+        import pandas as pd
+
+        self.pd = pd
+        self.df = df
+        self.path = path
+        self.origin_csv = origin_csv
+        self.times: list[float] = []
+
+    def fail(self, column: str, mask: Any, why: str) -> None:
+        """Raise for the first row of ``mask`` (when any)."""
+        if not mask.any():
+            return
+        idx = int(mask.to_numpy().nonzero()[0][0])
+        value = self.df[column].iloc[idx]
+        raise ReplayError(f"replay {self.path}: column {column!r}, "
+                          f"{_row_label(self.path, idx, self.origin_csv)}:"
+                          f" {why} (got {value!r}; {int(mask.sum())} bad row(s))")
+
+    def sort_by_time(self) -> None:
+        """time: numbers, datetimes or ISO strings -> Unix seconds; rows sorted by it."""
+        pd = self.pd
+        t = self.df["time"]
+        epoch = pd.Timestamp(0, tz="UTC")
+        if pd.api.types.is_datetime64_any_dtype(t):
+            aware = t.dt.tz_localize("UTC") if t.dt.tz is None else t
+            secs = (aware - epoch).dt.total_seconds()
+        else:
+            secs = pd.to_numeric(t, errors="coerce")
+            if secs.isna().any() and not pd.api.types.is_numeric_dtype(t):
+                parsed = pd.to_datetime(t, errors="coerce", utc=True, format="ISO8601")
+                secs = secs.fillna((parsed - epoch).dt.total_seconds())
+        self.fail("time", secs.isna(), "Unix seconds or an ISO 8601 timestamp expected")
+        self.fail("time", secs < 0, "must not be negative")
+        self.fail("time", secs > 1e11, "Unix seconds expected; this looks like milliseconds")
+        order = secs.to_numpy().argsort(kind="stable")
+        self.df = self.df.iloc[order].reset_index(drop=True)
+        self.times = secs.iloc[order].reset_index(drop=True).astype(float).tolist()
+
+    def node(self) -> list[str]:
+        node = self.df["node"]
+        self.fail("node", node.isna() | (node.astype(str).str.strip() == ""),
+                  "a node name expected")
+        return [str(x) for x in node.astype(str).tolist()]
+
+    def gpu(self, optional: bool) -> list[int | None]:
+        raw = self.df["gpu"]
+        gpu = self.pd.to_numeric(raw, errors="coerce")
+        bad = raw.notna() & (gpu.isna() | (gpu < 0) | (gpu != gpu.round()))
+        if not optional:
+            bad |= raw.isna()
+        self.fail("gpu", bad, "a GPU index (integer >= 0) expected")
+        return [None if math.isnan(x) else int(x) for x in gpu.tolist()]
+
+    def column(self, column: str) -> list[Any] | None:
+        """The values of an optional column; None for a column of no known kind."""
+        col = self.df[column]
+        present = col.notna()
+        if column in _FLOATS or column in _COUNTERS or NVLINK_COLUMN.match(column):
+            return self._numbers(column, col, present)
+        if column in _BOOLS:
+            text = col.astype(str).str.strip().str.lower()
+            self.fail(column, present & ~text.isin(_TRUE | _FALSE), "true or false expected")
+            return [None if not p else s in _TRUE
+                    for p, s in zip(present.tolist(), text.tolist(), strict=True)]
+        if column == "state":
+            text = col.astype(str).str.strip().str.lower()
+            self.fail(column, present & ~text.isin(_STATES),
+                      f"one of {', '.join(sorted(_STATES))} expected")
+            return [s if p else None for p, s in zip(present.tolist(), text.tolist(), strict=True)]
+        if column == "xid":
+            num = self.pd.to_numeric(col, errors="coerce")
+            self.fail(column, present & (num.isna() | (num < 0) | (num > 100_000)
+                                         | (num != num.round())),
+                      "an XID code (integer 0..100000) expected")
+            return [None if math.isnan(x) else int(x) for x in num.tolist()]
+        if column in _STRINGS or column in _LISTS or column == "xid_text":
+            return [str(x) if p else None
+                    for p, x in zip(present.tolist(), col.tolist(), strict=True)]
+        return None
+
+    def _numbers(self, column: str, col: Any, present: Any) -> list[Any]:
+        """A measurement within its range (floats) or a counter (integers >= 0)."""
+        num = self.pd.to_numeric(col, errors="coerce")
+        self.fail(column, present & num.isna(), "a number expected")
+        if column in _RANGES:
+            lo, hi, hint = _RANGES[column]
+            self.fail(column, present & ((num < lo) | (num > hi)),
+                      f"out of range {lo}..{hi}: {hint}")
+            return [None if math.isnan(x) else float(x) for x in num.tolist()]
+        self.fail(column, present & (num < 0), "a counter must not be negative")
+        self.fail(column, present & (num != num.round()), "an integer expected")
+        return [None if math.isnan(x) else int(x) for x in num.tolist()]
 
 
 class ReplayBackend:
@@ -429,12 +441,12 @@ def sample_row(sample: GpuSample, xid: XidEvent | None = None) -> dict[str, Any]
     """Flatten a sample into one recording row (the inverse of playback): NVLink
     counters become ``nvlink<L>_<counter>`` columns, lists become ``;``-joined strings."""
     row: dict[str, Any] = {}
-    for name in sample.__struct_fields__:
-        value = getattr(sample, name)
+    for name, value in msgspec.structs.asdict(sample).items():
         if name == "nvlink":
             for c in value:
-                for counter in ("crc_flit", "crc_data", "replay", "recovery"):
-                    row[f"nvlink{c.link}_{counter}"] = getattr(c, counter)
+                for counter, n in msgspec.structs.asdict(c).items():
+                    if counter != "link":
+                        row[f"nvlink{c.link}_{counter}"] = n
         elif name in _LISTS:
             row[name] = ";".join(value)
         elif isinstance(value, GpuState):

@@ -49,8 +49,9 @@ def register(sub: Any) -> None:
 def run_check(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run the checks once with the agent's settings from ``args``; return the exit code."""
     from forewarn.agent.backend import SourceUnavailable
+    from forewarn.agent.build import build_backend
     from forewarn.agent.cli import config_from_args
-    from forewarn.agent.daemon import Agent, build_backend
+    from forewarn.agent.daemon import Agent
     from forewarn.agent.sdnotify import Notifier
     from forewarn.config import ConfigError
 

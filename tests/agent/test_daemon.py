@@ -16,7 +16,8 @@ import pytest
 
 from forewarn.agent.checks.xid import XidCheck
 from forewarn.agent.config import AgentConfig
-from forewarn.agent.daemon import Agent, Poll
+from forewarn.agent.daemon import Agent
+from forewarn.agent.protocols import AgentHost, ComponentBase, Poll
 from forewarn.agent.testing import FakeClock, ScriptedBackend, ScriptedXidSource
 from forewarn.wire import Finding, Health, Subject, SuggestedAction, XidEvent
 
@@ -35,17 +36,17 @@ def make_agent(backend: ScriptedBackend | None = None, **kw: Any) -> tuple[Agent
     return agent, clock
 
 
-class Recorder:
+class Recorder(ComponentBase):
     """A component that records what the agent hands it."""
 
     name = "recorder"
 
     def __init__(self) -> None:
-        self.agent: Agent | None = None
+        self.agent: AgentHost | None = None
         self.polls: list[Poll] = []
         self.stopped = False
 
-    def start(self, agent: Agent) -> None:
+    def start(self, agent: AgentHost) -> None:
         self.agent = agent
 
     def on_poll(self, poll: Poll) -> None:
@@ -103,7 +104,7 @@ def test_growing_evidence_under_an_unchanged_finding_is_reported_again() -> None
 
 
 def test_component_failure_is_contained() -> None:
-    class Broken:
+    class Broken(ComponentBase):
         name = "broken"
 
         def on_poll(self, poll: Poll) -> None:
@@ -272,10 +273,10 @@ def test_components_can_register_collectors() -> None:
     from prometheus_client.metrics_core import GaugeMetricFamily
 
     @dataclasses.dataclass(eq=False)
-    class RankCollector:
+    class RankCollector(ComponentBase):
         name: str = "ranks"
 
-        def start(self, agent: Agent) -> None:
+        def start(self, agent: AgentHost) -> None:
             agent.registry.register(self)
 
         def describe(self) -> list[Any]:
@@ -298,7 +299,7 @@ def test_components_can_register_collectors() -> None:
 
 
 def test_unreadable_kmsg_is_a_warning_not_an_error(tmp_path: Any, caplog: Any) -> None:
-    from forewarn.agent.daemon import build_xid_sources
+    from forewarn.agent.build import build_xid_sources
 
     config = AgentConfig(node="n", source="nvml", kmsg_path=tmp_path / "no-kmsg")
     assert build_xid_sources(config) == []
@@ -310,7 +311,7 @@ def test_unreadable_kmsg_is_a_warning_not_an_error(tmp_path: Any, caplog: Any) -
 
 def test_build_backend_errors_name_the_problem(tmp_path: Any) -> None:
     from forewarn.agent.backend import SourceUnavailable
-    from forewarn.agent.daemon import build_backend
+    from forewarn.agent.build import build_backend
     from forewarn.config import ConfigError
 
     with pytest.raises(ConfigError, match="replay_path"):

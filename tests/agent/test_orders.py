@@ -18,8 +18,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from forewarn.agent.orders import CheckpointOrders, HangTerminator, choose_step
-from forewarn.agent.ranks import Credentials, ProcView, RankTable
+from forewarn.agent.hang import HangTerminator
+from forewarn.agent.orders import CheckpointOrders, choose_step
+from forewarn.agent.procview import Credentials, ProcView
+from forewarn.agent.ranks import RankTable
 from forewarn.wire import (
     Beat,
     CheckpointOrder,

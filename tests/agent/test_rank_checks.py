@@ -16,7 +16,8 @@ from forewarn.agent.checks.nan_loss import NanLossCheck
 from forewarn.agent.checks.rank_gone import RankGoneCheck
 from forewarn.agent.checks.rank_hang import RankHangCheck
 from forewarn.agent.checks.straggler import StragglerCheck
-from forewarn.agent.ranks import Credentials, ProcView, RankLimits, RankTable
+from forewarn.agent.procview import Credentials, ProcView
+from forewarn.agent.ranks import RankLimits, RankTable
 from forewarn.agent.state import AgentState
 from forewarn.wire import Beat, CheckpointReport, Finding, Health, StepRecord, SuggestedAction
 

@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 
-from forewarn.agent.ranks import Credentials, ProcView, RankLimits, RankTable, quantile
+from forewarn.agent.procview import Credentials, ProcView
+from forewarn.agent.rank_state import quantile
+from forewarn.agent.ranks import RankLimits, RankTable
 from forewarn.wire import Beat, CheckpointReport, StepRecord
 
 T0 = 1_700_000_000.0

@@ -16,6 +16,7 @@ import pytest
 from forewarn.agent.checks.xid import XidCheck
 from forewarn.agent.config import AgentConfig
 from forewarn.agent.daemon import Agent
+from forewarn.agent.protocols import ComponentBase, Poll
 from forewarn.agent.sdnotify import Notifier
 from forewarn.agent.testing import ScriptedBackend
 
@@ -83,10 +84,10 @@ def test_agent_sends_ready_after_first_poll_then_pings_at_half_watchdog(
     sock, path = notify_socket
     polls: list[float] = []
 
-    class Counter:
+    class Counter(ComponentBase):
         name = "counter"
 
-        def on_poll(self, poll: object) -> None:
+        def on_poll(self, poll: Poll) -> None:
             polls.append(time.monotonic())
 
     # Poll rarely (2 s) with a 0.4 s watchdog: pings must come from the wait, every 0.2 s.

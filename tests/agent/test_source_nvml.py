@@ -22,8 +22,8 @@ import pytest
 
 from forewarn import wire
 from forewarn.agent.backend import SourceUnavailable
-from forewarn.agent.sources import nvml as nvml_source
 from forewarn.agent.sources.nvml import NvmlBackend
+from forewarn.agent.sources.nvml import fields as nvml_fields
 from forewarn.wire import GpuSample, GpuState, NvlinkCounters
 
 from support.paths import TESTS
@@ -221,7 +221,7 @@ def test_reused_field_request_reads_fresh_values_like_the_public_call(
     reused = backend.sample(1001.0)[0]
     assert (first.ecc_corrected_volatile, reused.ecc_corrected_volatile) == (7, 8)
     assert (first.nvlink[2].crc_flit, reused.nvlink[2].crc_flit) == (99, 100)
-    monkeypatch.setattr(nvml_source, "_DIRECT_FIELDS", False)
+    monkeypatch.setattr(nvml_fields, "_DIRECT_FIELDS", False)
     public = backend.sample(1001.0)[0]
     assert public == reused
 

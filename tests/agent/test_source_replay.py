@@ -11,7 +11,8 @@ import pytest
 
 from forewarn.agent.backend import SourceUnavailable
 from forewarn.agent.sources.replay import ReplayBackend, ReplayError, sample_row
-from forewarn.agent.sources.sim import SimBackend, parse_scenario
+from forewarn.agent.sources.scenario import parse_scenario
+from forewarn.agent.sources.sim import SimBackend
 from forewarn.wire import GpuSample, GpuState, XidEvent
 
 REC0 = 1_650_000_000.0  # recording time base

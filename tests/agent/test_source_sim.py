@@ -9,16 +9,18 @@ from pathlib import Path
 import pytest
 
 from forewarn.agent.backend import SourceUnavailable
-from forewarn.agent.sources.sim import (
+from forewarn.agent.sources.scenario import (
+    ScenarioError,
+    default_scenario,
+    load_scenario,
+    parse_scenario,
+)
+from forewarn.agent.sources.sim import SimBackend
+from forewarn.gpu import (
     HW_POWER_BRAKE_SLOWDOWN,
     HW_SLOWDOWN,
     HW_THERMAL_SLOWDOWN,
     SW_THERMAL_SLOWDOWN,
-    ScenarioError,
-    SimBackend,
-    default_scenario,
-    load_scenario,
-    parse_scenario,
 )
 from forewarn.wire import GpuSample, GpuState
 

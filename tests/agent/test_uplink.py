@@ -13,8 +13,10 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
+from forewarn.agent.build import build_uplink
 from forewarn.agent.config import AgentConfig
-from forewarn.agent.uplink import Spool, Uplink, build
+from forewarn.agent.spool import Spool
+from forewarn.agent.uplink import Uplink
 from forewarn.collector.cli import ServerThread
 from forewarn.collector.config import CollectorConfig
 from forewarn.collector.http.app import create_app
@@ -181,19 +183,13 @@ class FakeOrders:
                                issued=time.time())
 
 
-@dataclasses.dataclass
-class FakeRanks:
-    orders: FakeOrders
-    name: str = "ranks"
-
-
 def test_checkpoint_command_reaches_order_job_and_is_acked_once(tmp_path: Path) -> None:
     col = Collector(tmp_path)
     col.start()
     reg = CollectorRegistry()
     orders = FakeOrders()
     up = Uplink(agent_config(tmp_path, col.port), registry=reg, poll_wait_s=2.0,
-                ranks=FakeRanks(orders))
+                orders=orders)
     up.start()
     try:
         order = CheckpointOrder(request_id="req-9", job="jobA", step=120, reason="ecc",
@@ -303,17 +299,17 @@ def test_uploads_carry_the_agent_clock_for_the_skew_metric(tmp_path: Path) -> No
 
 
 def test_build_is_off_without_collector_url_and_checks_config(tmp_path: Path) -> None:
-    assert build(AgentConfig(node="a", spool_dir=tmp_path)) is None
+    assert build_uplink(AgentConfig(node="a", spool_dir=tmp_path)) is None
     with pytest.raises(ConfigError, match="collector_url"):
-        build(AgentConfig(node="a", collector_url="ftp://x", spool_dir=tmp_path))
+        build_uplink(AgentConfig(node="a", collector_url="ftp://x", spool_dir=tmp_path))
     with pytest.raises(ConfigError, match="token"):
-        build(AgentConfig(node="a", collector_url="http://127.0.0.1:1", spool_dir=tmp_path))
+        build_uplink(AgentConfig(node="a", collector_url="http://127.0.0.1:1", spool_dir=tmp_path))
     with pytest.raises(ConfigError, match="token_file"):
-        build(AgentConfig(node="a", collector_url="http://127.0.0.1:1", spool_dir=tmp_path,
+        build_uplink(AgentConfig(node="a", collector_url="http://127.0.0.1:1", spool_dir=tmp_path,
                           token_file=tmp_path / "missing"))
     token_file = tmp_path / "tok"
     token_file.write_text("  secret-token\n")
-    up = build(AgentConfig(node="a", collector_url="http://127.0.0.1:1", spool_dir=tmp_path,
+    up = build_uplink(AgentConfig(node="a", collector_url="http://127.0.0.1:1", spool_dir=tmp_path,
                            token_file=token_file))
     assert up is not None and up.token == "secret-token"
     assert threading.active_count() >= 1

@@ -17,9 +17,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from forewarn import bus
+from forewarn.agent.build import build_uplink
 from forewarn.agent.bus import NatsUplink
 from forewarn.agent.config import AgentConfig
-from forewarn.agent.uplink import build
 from forewarn.collector.cli import ServerThread
 from forewarn.collector.config import CollectorConfig
 from forewarn.collector.http.app import CollectorContext, create_app
@@ -94,11 +94,11 @@ def test_agent_config_picks_the_nats_transport_and_names_bad_keys(tmp_path: Path
     with pytest.raises(ConfigError, match="uplink"):
         AgentConfig(uplink="kafka", **base)
     with pytest.raises(ConfigError, match="nats_url"):
-        build(AgentConfig(uplink="nats", nats_url="http://x:1", **base))
-    up = build(AgentConfig(uplink="nats", nats_url="nats://127.0.0.1:4222", **base))
+        build_uplink(AgentConfig(uplink="nats", nats_url="http://x:1", **base))
+    up = build_uplink(AgentConfig(uplink="nats", nats_url="nats://127.0.0.1:4222", **base))
     assert isinstance(up, NatsUplink)
     # HTTP stays the default and is unchanged.
-    assert build(AgentConfig(**base)) is None
+    assert build_uplink(AgentConfig(**base)) is None
     with pytest.raises(ConfigError, match="bus_url"):
         CollectorConfig(bus_url="localhost")
 

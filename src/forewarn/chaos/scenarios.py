@@ -402,7 +402,8 @@ def row_remap_failure(lab: Lab, out: Outcome) -> None:
 def thermal_runaway(lab: Lab, out: Outcome) -> None:
     """No XID ends a thermal runaway: the event is the slowdown margin falling under
     5 °C (SW thermal slowdown starts), found from the scenario itself."""
-    from forewarn.agent.sources.sim import SimBackend, parse_scenario
+    from forewarn.agent.sources.scenario import parse_scenario
+    from forewarn.agent.sources.sim import SimBackend
 
     hw = lab.hardware()
     o = lab.options

@@ -1,0 +1,148 @@
+"""The uplink's write-ahead spool: sealed batches on disk, one file each, replayed in order.
+
+Every sealed batch is written to the spool directory (one file per batch named by its
+``seq``, fsync'd, renamed into place) *before* it is sent, and deleted only when the
+collector stored it; urgent batches jump the queue. Above ``max_bytes`` the oldest batches
+are dropped and counted. A batch refused for good is moved to ``rejected/`` with the answer
+beside it. ``agent_id`` and the next ``seq`` live in ``state.json``. See
+:mod:`forewarn.agent.uplink` for how the uplink uses it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from forewarn.files import fsync_dir
+from forewarn.wire import AgentBatch, encode
+
+__all__ = ["Spool"]
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^(\d{20})\.(u|n)\.msgpack$")
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+class Spool:
+    """Sealed batches on disk, one file each, oldest first; see the module docstring.
+
+    Not thread-safe by itself: the uplink's push thread is its only user.
+    """
+
+    def __init__(self, root: Path, max_bytes: int) -> None:
+        self.root = Path(root)
+        self.max_bytes = max_bytes
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.dropped = 0
+        for tmp in self.root.glob("*.tmp"):
+            tmp.unlink(missing_ok=True)
+        self._files: dict[int, tuple[Path, int, bool]] = {}
+        for path in self.root.iterdir():
+            m = _NAME.match(path.name)
+            if m:
+                self._files[int(m.group(1))] = (path, path.stat().st_size, m.group(2) == "u")
+        state = self._read_state()
+        self.agent_id: str = state.get("agent_id") or f"{uuid.uuid4().hex}"
+        self.next_seq: int = max([int(state.get("next_seq", 0)),
+                                  *(s + 1 for s in self._files)])
+        self._write_state()
+
+    def _read_state(self) -> dict[str, Any]:
+        try:
+            data = json.loads((self.root / "state.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(data, dict):
+            return {}
+        ok_id = isinstance(data.get("agent_id"), str) and 0 < len(data["agent_id"]) <= 256
+        ok_seq = isinstance(data.get("next_seq"), int) and data["next_seq"] >= 0
+        return {"agent_id": data["agent_id"] if ok_id else None,
+                "next_seq": data["next_seq"] if ok_seq else 0}
+
+    def _write_state(self) -> None:
+        _write_atomic(self.root / "state.json",
+                      json.dumps({"agent_id": self.agent_id, "next_seq": self.next_seq}).encode())
+        fsync_dir(self.root)
+
+    @property
+    def bytes(self) -> int:
+        return sum(size for _p, size, _u in self._files.values())
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def append(self, make: Callable[[str, int], AgentBatch]) -> AgentBatch:
+        """Seal ``make(agent_id, seq)`` under the next seq: durable when this returns."""
+        seq = self.next_seq
+        batch = make(self.agent_id, seq)
+        data = encode(batch)
+        path = self.root / f"{seq:020d}.{'u' if batch.urgent else 'n'}.msgpack"
+        _write_atomic(path, data)
+        self.next_seq = seq + 1
+        self._write_state()
+        self._files[seq] = (path, len(data), batch.urgent)
+        self._enforce_bound()
+        return batch
+
+    def _enforce_bound(self) -> None:
+        total = self.bytes
+        # Keep at least the newest batch, even when it alone is over the bound.
+        for seq in sorted(self._files)[:-1]:
+            if total <= self.max_bytes:
+                break
+            total -= self._files[seq][1]
+            self.remove(seq)
+            self.dropped += 1
+            log.warning("spool over %d bytes: dropped batch seq %d", self.max_bytes, seq)
+
+    def pending(self) -> list[tuple[int, Path]]:
+        """Batches to send: urgent ones first, each group in seq order."""
+        order = sorted(self._files, key=lambda s: (not self._files[s][2], s))
+        return [(s, self._files[s][0]) for s in order]
+
+    def remove(self, seq: int) -> None:
+        entry = self._files.pop(seq, None)
+        if entry is not None:
+            entry[0].unlink(missing_ok=True)
+
+    def reject(self, seq: int, why: str) -> Path | None:
+        """Move batch ``seq`` to ``rejected/`` with ``why`` beside it, out of the queue;
+        ``rejected/`` keeps at most ``max_bytes`` (oldest dropped). Returns where it went."""
+        entry = self._files.pop(seq, None)
+        if entry is None:
+            return None
+        folder = self.root / "rejected"
+        target = folder / entry[0].name
+        try:
+            folder.mkdir(exist_ok=True, mode=0o700)
+            os.replace(entry[0], target)
+            _write_atomic(target.with_suffix(".txt"), why.encode())
+        except OSError as exc:
+            log.error("uplink: cannot move batch %d aside (%s); deleting it", seq, exc)
+            entry[0].unlink(missing_ok=True)
+            return None
+        kept = sorted(folder.iterdir())
+        total = sum(p.stat().st_size for p in kept)
+        for old in kept:
+            if total <= self.max_bytes or old == target or old == target.with_suffix(".txt"):
+                continue
+            total -= old.stat().st_size
+            old.unlink(missing_ok=True)
+        return target
