@@ -16,6 +16,7 @@ from forewarn.collector.storage.history import read_history
 from forewarn.collector.storage.state import StateStore, open_state
 from forewarn.collector.storage.telemetry import TelemetryWriter
 from forewarn.models.labels import labels_from_telemetry
+
 from support.history import record_drains, store_fleet
 
 T0 = 1_767_225_600.0
