@@ -40,8 +40,9 @@ def _sample(row: dict[str, Any]) -> GpuSample:
     return msgspec.convert({"source": "sim", **fields}, GpuSample)
 
 
-def _batches(samples: pd.DataFrame, xids: pd.DataFrame, hours: float
-             ) -> Iterator[AgentBatch]:
+def fleet_batches(samples: pd.DataFrame, xids: pd.DataFrame, hours: float
+                  ) -> Iterator[AgentBatch]:
+    """The fleet's samples and XIDs as agent batches, one per node per ``hours``."""
     span = hours * 3600.0
     x = xids.rename(columns={"xid": "code"})
     seqs: dict[str, int] = {}
@@ -67,7 +68,8 @@ def store_fleet(store: StateStore, telemetry: TelemetryWriter, samples: pd.DataF
                           staging=telemetry.staging, clock=lambda: float(samples["time"].max()))
     writer.start()
     try:
-        futures = [writer.submit(b, encode(b)) for b in _batches(samples, xids, hours_per_batch)]
+        futures = [writer.submit(b, encode(b))
+                   for b in fleet_batches(samples, xids, hours_per_batch)]
         for f in futures:
             f.result(60)
     finally:
