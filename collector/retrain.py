@@ -132,7 +132,7 @@ def _retrain(args: argparse.Namespace) -> int:
     from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
 
     from forewarn.errors import InputError
-    from forewarn.models.retrain import RetrainError, retrain
+    from forewarn.models.retrain import retrain
 
     try:
         registry = _registry(args)
@@ -142,7 +142,7 @@ def _retrain(args: argparse.Namespace) -> int:
                           min_failures=args.min_failures, threshold=args.threshold,
                           target_false_alarms=args.target_false_alarms,
                           max_iter=args.max_iter)
-    except (InputError, RetrainError, OSError) as exc:
+    except (InputError, OSError) as exc:  # RetrainError, DataError, ModelError, ...
         return _fail("retrain", exc)
     v = res.verdict
     print(f"candidate version {res.version}: {'PROMOTED' if v.promote else 'REFUSED'} "

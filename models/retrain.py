@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from forewarn.errors import InputError
 from forewarn.models.drift import psi, reference
 from forewarn.models.features import gpu_features
 from forewarn.models.gate import MIN_FAILURES, Verdict, judge, shadow_score
@@ -36,7 +37,7 @@ from forewarn.models.registry import ModelRegistry
 __all__ = ["RetrainError", "RetrainResult", "retrain"]
 
 
-class RetrainError(ValueError):
+class RetrainError(InputError, ValueError):
     """No candidate could be trained (too little history or too few failures before the
     shadow window); the message says what is missing."""
 
