@@ -106,6 +106,16 @@ def test_retrain_says_what_is_missing_on_a_short_store(
     assert main(["models", "retrain", "--data-dir", str(tmp_path)]) == 2
     assert "too short for a 7-day shadow window" in capsys.readouterr().err
     assert ModelRegistry(tmp_path / "models").versions() == [0]
+    # The same from an export in the replay format, with a registry of its own.
+    export = tmp_path / "export"
+    export.mkdir()
+    samples.to_parquet(export / "samples.parquet", index=False)
+    assert main(["models", "retrain", "--data", str(export), "--registry",
+                 str(tmp_path / "reg")]) == 2
+    assert "too short for a 7-day shadow window" in capsys.readouterr().err
+    assert main(["models", "drift", "--data", str(export), "--registry",
+                 str(tmp_path / "reg")]) == 1
+    assert "carries no training distribution" in capsys.readouterr().err
 
 
 def test_live_drift_shows_a_shifted_feature_and_forgets_old_rows() -> None:
