@@ -9,9 +9,9 @@ Version 0 is the model shipped with forewarn (:func:`~.persist.load_default_mode
 empty or missing registry runs it, so a new deployment starts from the shipped model and
 adapts as promoted versions replace it. Each decision records the time, the version, the
 version that ran before, ``promoted``/``refused``/``rolled_back``, the reason and the
-shadow scores. ``registry.json`` is replaced atomically (temp file, fsync, rename) under an
-exclusive lock, so a crash or a second writer never leaves it half written; a model file is
-written before the decision that names it.
+shadow scores. ``registry.json`` and each model file are written aside, fsynced and renamed,
+under an exclusive lock, so a crash or a second writer never leaves either half written; a
+model file is in place before the decision that names it.
 """
 
 from __future__ import annotations
@@ -119,7 +119,11 @@ class ModelRegistry:
         from now on when ``promote``. Returns its version."""
         with self._locked() as index:
             version = max(self.versions()) + 1
-            save_model(model, self.path(version))
+            # Written aside and renamed: a crash never leaves a half-written version.
+            tmp = save_model(model, self.root / f".v{version:04d}.skops.tmp")
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path(version))
             fsync_dir(self.root)
             self._decide(index, version, "promoted" if promote else "refused", reason,
                          scores, now)
