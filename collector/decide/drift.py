@@ -4,7 +4,8 @@ The collector's model, when retrained (``forewarn models retrain``), carries its
 distribution (:func:`forewarn.models.drift.reference`). :class:`LiveDrift` takes a sample
 of the feature rows of every scoring (at most ``rows_per_scoring``, drawn at random, so
 it costs microseconds at any fleet size), counts them into the reference's bins with a
-decay (half-life ``half_life_s``: the drift of the last day or so, not of all time), and
+decay (half-life ``half_life_s``: the drift of the last day or so, not of all time; only
+rows of GPUs whose own baseline is learned, as in the reference), and
 renders ``forewarn_collector_model_feature_drift{feature}`` (PSI) and
 ``forewarn_collector_model_drifted_features`` (how many are above
 :data:`~forewarn.models.drift.DRIFTED`) at scrape time. The shipped model carries no
@@ -37,6 +38,9 @@ class LiveDrift:
                            np.asarray(ref[n]["shares"], dtype=np.float64))
                           for i, n in enumerate(feature_names) if n in ref]
         self._counts = [np.zeros(len(e) + 1) for _i, _n, e, _s in self._features]
+        # Rows of GPUs whose own baseline is learned, as in the reference (drift.steady_rows).
+        names = list(feature_names)
+        self._steady = names.index("baseline_hours") if "baseline_hours" in names else None
         self.rows_per_scoring = rows_per_scoring
         self.half_life_s = half_life_s
         self._rng = np.random.default_rng(seed)
@@ -46,6 +50,8 @@ class LiveDrift:
     def update(self, x: np.ndarray, now: float) -> None:
         """Count a sample of the rows of feature matrix ``x`` (columns in the model's
         feature order), decaying the counts so far by the time since the last update."""
+        if self._steady is not None:
+            x = x[x[:, self._steady] > 0]
         if len(x) > self.rows_per_scoring:
             x = x[self._rng.choice(len(x), self.rows_per_scoring, replace=False)]
         decay = 1.0 if self._last is None else 0.5 ** (max(0.0, now - self._last)

@@ -66,8 +66,9 @@ def test_retrain_promotes_a_better_candidate_refuses_a_worse_one_and_rolls_back(
     assert svc.predictor is not None and svc.predictor.source == "registry v2"
     assert svc.predictor.model is not None
     assert svc.predictor.model.threshold == promoted.threshold
-    last = fleet.samples[fleet.samples["time"] >= fleet.samples["time"].max() - 5400]
-    svc.predictor.observe(list(fleet_batches(last, xids.iloc[:0], 0.5)))
+    # Drift counts GPUs whose own baseline is learned: 12 hours of telemetry.
+    last = fleet.samples[fleet.samples["time"] >= fleet.samples["time"].max() - 12 * 3600]
+    svc.predictor.observe(list(fleet_batches(last, xids.iloc[:0], 1.0)))
     svc.predictor.score(float(last["time"].max()))
     metrics = CollectorRegistry()
     svc.predictor.register(metrics)

@@ -81,3 +81,19 @@ def test_drift_shows_a_shifted_feature_and_not_an_unshifted_one() -> None:
     d = psi(ref, now)
     assert d["steady"] < 0.05
     assert d["shifted"] > DRIFTED and d["mostly_zero"] > DRIFTED
+
+
+def test_drift_compares_gpus_with_a_learned_baseline_and_not_their_age() -> None:
+    # Training saw the store's first days: young GPUs (no baseline yet: zero against their
+    # own level, baseline_hours 0) and older ones. Later every GPU is two days old.
+    rng = np.random.default_rng(2)
+    n = 20_000
+    age = rng.uniform(0, 60, n)
+    learned = age >= 2
+    train = pd.DataFrame({"baseline_hours": np.where(learned, np.minimum(age, 48), 0.0),
+                          "temp_vs_own": np.where(learned, rng.normal(0, 1, n), 0.0)})
+    ref = reference(train, list(train.columns))
+    later = pd.DataFrame({"baseline_hours": np.full(5000, 48.0),
+                          "temp_vs_own": rng.normal(0, 1, 5000)})
+    d = psi(ref, later)
+    assert "baseline_hours" not in d and d["temp_vs_own"] < 0.1
