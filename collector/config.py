@@ -201,7 +201,9 @@ class CollectorConfig:
     predictor_enabled: bool = True
     """Run the failure predictor on live telemetry (the model loads at start)."""
     model_path: Path | None = None
-    """A retrained model (skops file from ``forewarn models train``) instead of the shipped one."""
+    """A model file (skops, from ``forewarn models train``) instead of the current version
+    of the model registry ``<data_dir>/models`` (``forewarn models retrain``; none yet: the
+    shipped model)."""
     predict_interval_s: float = 10.0
     """Score every GPU (and refresh goodput advice) this often."""
     predict_sample_s: float = 10.0

@@ -6,6 +6,8 @@
 ``backtest``        run a model over replay files; list alarms (and judge them if labelled)
 ``rank``            rank GPUs and nodes by risk from an event-history CSV ("lemons")
 ``rank-backtest``   judge the ranking against baselines at rolling cuts of an event history
+``retrain``, ``drift``, ``versions``, ``rollback``: learn from the collector's own store
+(added by forewarn.collector.retrain, which may read the store)
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-__all__ = ["register"]
+__all__ = ["load_dir", "register"]
 
 
-def register(sub: Any) -> None:
+def register(sub: Any) -> Any:
+    """Add ``models`` to the ``forewarn`` command; returns its actions' subparsers (the
+    collector adds ``retrain``, ``drift``, ``versions``, ``rollback`` to them:
+    :mod:`forewarn.collector.retrain`)."""
     p: argparse.ArgumentParser = sub.add_parser(
         "models", help="failure-prediction models: simulate, train, eval, backtest, ranking",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -105,9 +110,11 @@ def register(sub: Any) -> None:
     ef.add_argument("--markdown", help="replace the table in this Markdown file (between "
                     "its eval-families markers)")
     ef.set_defaults(func=_eval_families)
+    return ms
 
 
-def _load_dir(d: str) -> tuple[Any, Any, Any]:
+def load_dir(d: str) -> tuple[Any, Any, Any]:
+    """(samples, xids or None, labels or None) of a data directory in the replay format."""
     from forewarn.models.schema import DataError, read_table, validate_labels
 
     p = Path(d)
@@ -143,7 +150,7 @@ def _features_from_dirs(dirs: list[str]) -> list[tuple[str, Any, Any]]:
 
     out = []
     for d in dirs:
-        samples, xids, labels = _load_dir(d)
+        samples, xids, labels = load_dir(d)
         labels = _labels_or_derived(d, samples, xids, labels)
         out.append((d, gpu_features(samples, xids), labels))
     return out

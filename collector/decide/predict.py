@@ -50,6 +50,7 @@ from forewarn.config import ConfigError
 from forewarn.wire import AgentBatch, Finding, GpuState, Health
 
 from ..http.read_routes import float_param, int_param, policy_read_route
+from .drift import LiveDrift
 
 if TYPE_CHECKING:
     from forewarn.models.live import ShadowStats
@@ -101,13 +102,21 @@ def _empty_scores(now: float) -> RiskScores:
     return RiskScores(now, np.zeros(0, dtype=object), np.zeros(0, np.int64), np.zeros(0))
 
 
-def load_predictor_model(model_path: Path | None) -> FailurePredictor:
-    """The operator's model (``model_path``) or the shipped default; raises
-    :class:`~forewarn.models.persist.ModelError` (untrusted types, not a model) or
-    ``OSError``."""
-    from forewarn.models.persist import load_default_model, load_model
+def load_predictor_model(model_path: Path | None, registry: Path
+                         ) -> tuple[FailurePredictor, str]:
+    """The operator's model (``model_path``), else the current version of the model
+    registry in ``registry`` (:mod:`forewarn.models.registry`; none yet: the shipped
+    model), and where it came from (``default``, ``registry vN``, the path). Raises
+    :class:`~forewarn.models.persist.ModelError` (untrusted types, not a model),
+    :class:`~forewarn.models.registry.RegistryError` or ``OSError``."""
+    from forewarn.models.persist import load_model
+    from forewarn.models.registry import SHIPPED, ModelRegistry
 
-    return load_model(model_path) if model_path is not None else load_default_model()
+    if model_path is not None:
+        return load_model(model_path), str(model_path)
+    reg = ModelRegistry(registry)
+    version = reg.current()
+    return reg.load(version), "default" if version == SHIPPED else f"registry v{version}"
 
 
 @dataclasses.dataclass
@@ -115,6 +124,8 @@ class _Recorder:
     """The probabilities of every live GPU of the last scoring."""
 
     last: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    features: np.ndarray | None = None
+    """The feature matrix of the last scoring (for drift)."""
 
 
 def _recording(model: FailurePredictor, rec: _Recorder) -> FailurePredictor:
@@ -123,6 +134,11 @@ def _recording(model: FailurePredictor, rec: _Recorder) -> FailurePredictor:
     from forewarn.models.predictor import FailurePredictor
 
     class RecordingPredictor(FailurePredictor):
+        def predict_proba(self, features: Any) -> np.ndarray:
+            if isinstance(features, np.ndarray):
+                rec.features = features
+            return super().predict_proba(features)
+
         def findings(self, nodes: np.ndarray, gpus: np.ndarray, probs: np.ndarray,
                      now: float, evidence: dict[str, np.ndarray] | None = None,
                      alarm: np.ndarray | None = None) -> list[Finding]:
@@ -160,6 +176,8 @@ class PredictorService:
         self._rec = _Recorder()
         self.model = _recording(model, self._rec) if model is not None else None
         self.scorer = LiveScorer(self.model) if self.model is not None else None
+        ref = model.metadata.get("reference") if model is not None else None
+        self.drift = LiveDrift(ref, model.feature_names) if model is not None and ref else None
         self.scores = _empty_scores(0.0)
         self.shadow_stats: ShadowStats | None = None
         self.last_score: float | None = None
@@ -183,15 +201,15 @@ class PredictorService:
                               "refresh_s": config.predict_refresh_s,
                               "gpu_mtbf_h": config.goodput_gpu_mtbf_h}
         from forewarn.models.persist import ModelError
+        from forewarn.models.registry import RegistryError
 
         try:
-            model = load_predictor_model(config.model_path)
-        except (ModelError, OSError) as exc:
+            model, source = load_predictor_model(config.model_path, config.data_dir / "models")
+        except (ModelError, RegistryError, OSError) as exc:
             if config.model_path is not None:
                 raise ConfigError(f"model_path: {exc}") from None
-            log.error("failure predictor off: the shipped model could not be loaded: %s", exc)
+            log.error("failure predictor off: the model could not be loaded: %s", exc)
             return cls(None, error=str(exc), **kw)
-        source = str(config.model_path) if config.model_path is not None else "default"
         log.info("failure predictor: model %s (horizon %.0f s, threshold %.2f)", source,
                  model.horizon_s, model.threshold)
         return cls(model, source=source, **kw)
@@ -238,9 +256,11 @@ class PredictorService:
         if scorer is None or model is None:
             return []
         started = time.perf_counter()
-        self._rec.last = None
+        self._rec.last = self._rec.features = None
         findings = scorer.score(now)
         last = self._rec.last
+        if self.drift is not None and self._rec.features is not None:
+            self.drift.update(self._rec.features, now)
         scores = RiskScores(now, *last) if last is not None else _empty_scores(now)
         if self.last_score is not None and now > self.last_score:
             # exposure for the fleet's failure rate; a long pause counts as one stale window
@@ -376,6 +396,8 @@ class _PredictorMetrics:
                                     value=svc.model.threshold)
             yield GaugeMetricFamily(q + "horizon_seconds", "Prediction horizon of the model.",
                                     value=svc.model.horizon_s)
+        if svc.drift is not None:
+            yield from svc.drift.collect()
         samples = CounterMetricFamily(q + "samples", "Samples offered to the predictor.",
                                       labels=["result"])
         for k, v in svc.samples.items():

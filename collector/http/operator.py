@@ -43,10 +43,13 @@ MAX_BODY = 64 * 1024
 
 
 class OperatorRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """The body of an operator action: the job (orders) or node (drains) and why."""
+    """The body of an operator action: the job (orders) or node (drains) and why. A drain
+    may name the GPU that is pulled (``gpu``, its index): the drain is then about that GPU,
+    and once it ran, retraining reads it as that GPU's failure (docs/models.md)."""
 
     job: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
     node: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
+    gpu: Annotated[int, msgspec.Meta(ge=0, le=1024)] | None = None
     reason: Annotated[str, msgspec.Meta(max_length=1024)] = ""
 
 
@@ -74,12 +77,15 @@ def _finding(kind: str, body: OperatorRequest, now: float) -> Finding:
     if kind == "order":
         if body.job is None or body.node is not None:
             raise IngestError(400, "decode", "$.job: an order names one job (and no node)")
+        if body.gpu is not None:
+            raise IngestError(400, "decode", "$.gpu: an order names a job, not a GPU")
         subject = Subject(kind="job", job=body.job)
         action = SuggestedAction.CHECKPOINT
     else:
         if body.node is None or body.job is not None:
             raise IngestError(400, "decode", "$.node: a drain names one node (and no job)")
-        subject = Subject(kind="node", node=body.node)
+        subject = (Subject(kind="node", node=body.node) if body.gpu is None
+                   else Subject(kind="gpu", node=body.node, gpu=body.gpu))
         action = SuggestedAction.DRAIN
     reason = f"operator {kind}: {body.reason}".strip().rstrip(":")
     return Finding(check=f"operator:{kind}", health=Health.UNHEALTHY, subject=subject,

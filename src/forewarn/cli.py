@@ -26,6 +26,13 @@ SUBCOMMANDS: tuple[tuple[str, str], ...] = (
     ("deploy", "forewarn.deploy.cli"),
 )
 
+# Actions a part adds to another part's command: (command, module exposing
+# ``register_actions(actions)``). ``forewarn models retrain`` reads the collector's store,
+# which forewarn.models may not import.
+EXTRA_ACTIONS: tuple[tuple[str, str], ...] = (
+    ("models", "forewarn.collector.retrain"),
+)
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -37,8 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"forewarn {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for _name, module in SUBCOMMANDS:
-        importlib.import_module(module).register(sub)
+    actions = {name: importlib.import_module(module).register(sub)
+               for name, module in SUBCOMMANDS}
+    for name, module in EXTRA_ACTIONS:
+        importlib.import_module(module).register_actions(actions[name])
     return parser
 
 

@@ -213,3 +213,29 @@ def test_operator_actions_refused_without_a_token_and_tokens_stay_distinct(
         overrides: dict[str, Any] = {other: "same-secret"}
         with pytest.raises(ConfigError, match=other):
             CollectorConfig(operator_token="same-secret", **overrides)
+
+
+def test_an_operator_drain_may_name_the_gpu_pulled_and_then_labels_it(tmp_path: Path) -> None:
+    # A GPU pulled for repair is an outcome retraining learns from (docs/models.md): the
+    # drain that ran names it, so the fleet's history reads it as that GPU's failure.
+    from forewarn.collector.metrics import CollectorMetrics
+    from forewarn.collector.storage.history import read_history
+    from forewarn.collector.storage.telemetry import TelemetryWriter
+
+    svc = start_service(tmp_path, operator_token=OPERATOR, drain_enabled=True,
+                        drain_command=("true", "{node}"))
+    try:
+        op = {"authorization": f"Bearer {OPERATOR}"}
+        assert post(svc, "node1")[0] == 200
+        bad = svc.client.post("/api/v1/orders", json={"job": "train-1", "gpu": 3}, headers=op)
+        assert bad.status_code == 400 and "$.gpu" in bad.json()["error"]
+        r = svc.client.post("/api/v1/drains", json={"node": "node1", "gpu": 3,
+                                                    "reason": "HBM errors"}, headers=op)
+        assert r.status_code == 200, r.text
+        assert {d["action"]: d["outcome"] for d in r.json()["decisions"]}["drain"] == "act"
+        tel = TelemetryWriter(svc.store, tmp_path / "data" / "telemetry", CollectorMetrics())
+        drains = poll(lambda: read_history(svc.store, tel).drains[
+            ["node", "gpu", "cause"]].to_dict("records"))
+        assert drains == [{"node": "node1", "gpu": 3, "cause": "drain"}]
+    finally:
+        stop_service(svc)

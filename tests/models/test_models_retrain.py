@@ -1,0 +1,99 @@
+"""Learning from the fleet's own history: the promotion gate, the model registry, drift."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from forewarn.models.drift import DRIFTED, psi, reference
+from forewarn.models.evaluate import EvalResult
+from forewarn.models.gate import judge
+from forewarn.models.persist import load_default_model
+from forewarn.models.registry import SHIPPED, ModelRegistry, RegistryError
+
+RESULT = EvalResult(threshold=0.5, episodes=4, true_episodes=3, false_episodes=1,
+                    precision=0.75, failures=5, failures_with_precursor=4, caught=3,
+                    caught_with_precursor=3, recall=0.6, recall_precursor=0.75,
+                    lead_times_s=(600.0,) * 3, lead_times_precursor_s=(600.0,) * 3,
+                    gpu_days=1000.0, false_alarms_per_1000_gpu_days=1.0)
+
+
+def _with(**kw: float | int) -> EvalResult:
+    return dataclasses.replace(RESULT, **kw)
+
+
+def test_the_gate_promotes_only_a_candidate_better_at_no_more_false_alarms() -> None:
+    running = RESULT
+    v = judge(_with(recall_precursor=1.0, caught_with_precursor=4), running)
+    assert v.promote and v.reason.startswith("better: recall 1.00 >= 0.75 at 1.00 <= 1.00")
+    assert judge(_with(false_alarms_per_1000_gpu_days=0.5), running).promote
+    worse = judge(_with(recall_precursor=0.5), running)
+    assert not worse.promote and "worse recall" in worse.reason
+    noisier = judge(_with(recall_precursor=1.0, false_alarms_per_1000_gpu_days=1.5), running)
+    assert not noisier.promote and "more false alarms" in noisier.reason
+    same = judge(RESULT, running)
+    assert not same.promote and "no better" in same.reason
+    few = judge(_with(recall_precursor=1.0), running, min_failures=5)
+    assert not few.promote and "too few failures" in few.reason
+    assert worse.scores()["candidate"]["recall_precursor"] == 0.5
+
+
+def test_registry_records_every_decision_and_rolls_back_by_version(tmp_path: Path) -> None:
+    reg = ModelRegistry(tmp_path / "models")
+    assert reg.current() == SHIPPED and reg.versions() == [0] and reg.decisions() == []
+    first = load_default_model()
+    first.threshold = 0.61
+    assert reg.add(first, promote=True, reason="better", scores={"x": 1}, now=10.0) == 1
+    second = load_default_model()
+    second.threshold = 0.62
+    assert reg.add(second, promote=False, reason="worse", now=20.0) == 2
+    assert reg.current() == 1 and reg.load().threshold == 0.61
+    assert reg.load(2).threshold == 0.62 and reg.versions() == [0, 1, 2]
+    reg.rollback(0, now=30.0)
+    assert reg.current() == 0
+    assert reg.load().threshold == load_default_model().threshold
+    reg.rollback(1, reason="the shipped one alarms too often", now=40.0)
+    assert reg.current() == 1
+    assert [(d["version"], d["previous"], d["decision"]) for d in reg.decisions()] == [
+        (1, 0, "promoted"), (2, 1, "refused"), (0, 1, "rolled_back"), (1, 0, "rolled_back")]
+    assert reg.decisions()[0]["scores"] == {"x": 1}
+    with pytest.raises(RegistryError, match="no model version 7"):
+        reg.rollback(7)
+    (tmp_path / "models" / "registry.json").write_text("{")
+    with pytest.raises(RegistryError, match="not valid JSON"):
+        reg.current()
+
+
+def test_drift_shows_a_shifted_feature_and_not_an_unshifted_one() -> None:
+    rng = np.random.default_rng(0)
+    n = 20_000
+    train = pd.DataFrame({"steady": rng.normal(0, 1, n), "shifted": rng.normal(0, 1, n),
+                          "mostly_zero": np.where(rng.random(n) < 0.9, 0.0,
+                                                  rng.exponential(1.0, n))})
+    ref = reference(train, list(train.columns))
+    now = pd.DataFrame({"steady": rng.normal(0, 1, 5000), "shifted": rng.normal(1.0, 1, 5000),
+                        "mostly_zero": np.where(rng.random(5000) < 0.6, 0.0,
+                                                rng.exponential(1.0, 5000))})
+    d = psi(ref, now)
+    assert d["steady"] < 0.05
+    assert d["shifted"] > DRIFTED and d["mostly_zero"] > DRIFTED
+
+
+def test_drift_compares_gpus_with_a_learned_baseline_and_not_their_age() -> None:
+    # Training saw the store's first days: young GPUs (no baseline yet: zero against their
+    # own level, baseline_hours 0) and older ones. Later every GPU is two days old.
+    rng = np.random.default_rng(2)
+    n = 20_000
+    age = rng.uniform(0, 60, n)
+    learned = age >= 2
+    train = pd.DataFrame({"baseline_hours": np.where(learned, np.minimum(age, 48), 0.0),
+                          "temp_vs_own": np.where(learned, rng.normal(0, 1, n), 0.0)})
+    ref = reference(train, list(train.columns))
+    later = pd.DataFrame({"baseline_hours": np.full(5000, 48.0),
+                          "temp_vs_own": rng.normal(0, 1, 5000)})
+    d = psi(ref, later)
+    assert "baseline_hours" not in d and d["temp_vs_own"] < 0.1
