@@ -22,7 +22,7 @@ from typing import Final
 
 import numpy as np
 
-__all__ = ["BENIGN", "PRECURSORS", "NodeArrays", "growth"]
+__all__ = ["BENIGN", "PRECURSORS", "NodeArrays", "PrecursorFamily", "growth"]
 
 N_LINKS: Final = 4
 
@@ -93,9 +93,9 @@ def _counter_rise(a: NodeArrays, g: int, s: int, f: int, base: float, gain: floa
     return a.poisson(rate, (f - s,))
 
 
-# -- precursors: (arrays, gpu, start step, failure step, strength) -> final XID ---------
+# -- precursors: (arrays, gpu, start step, failure step, strength) -> None -------------
 
-def _ecc_accel(a: NodeArrays, g: int, s: int, f: int, k: float) -> int:
+def _ecc_accel(a: NodeArrays, g: int, s: int, f: int, k: float) -> None:
     """HBM: correctable ECC accelerating from ~30/h to ~1,000/h, rows remapped (XID 63)
     on the way, XID 92, ending in a double-bit error (XID 48)."""
     a.ecc[g, s:f] += _counter_rise(a, g, s, f, 30.0 * k, a.rng.uniform(10, 50))
@@ -105,17 +105,15 @@ def _ecc_accel(a: NodeArrays, g: int, s: int, f: int, k: float) -> int:
         a.remap_pending[g, step:step + 5 * a.minute] = True
         a.xid(g, int(step), 63)
     a.xid(g, int(a.rng.integers(s + int(0.6 * n), f)), 92)
-    return 48
 
 
-def _ecc_drift_days(a: NodeArrays, g: int, s: int, f: int, k: float) -> int:
+def _ecc_drift_days(a: NodeArrays, g: int, s: int, f: int, k: float) -> None:
     """HBM wearing out over days: correctable ECC drifting from a few an hour to tens,
     ending in XID 48."""
     a.ecc[g, s:f] += _counter_rise(a, g, s, f, 3.0 * k, a.rng.uniform(8, 40))
-    return 48
 
 
-def _pending_remaps(a: NodeArrays, g: int, s: int, f: int, k: float) -> int:
+def _pending_remaps(a: NodeArrays, g: int, s: int, f: int, k: float) -> None:
     """Rows remapped one after another with the remap left pending (needs a reset that
     never comes), little correctable ECC, ending in a remap failure (XID 64)."""
     n = f - s
@@ -125,40 +123,35 @@ def _pending_remaps(a: NodeArrays, g: int, s: int, f: int, k: float) -> int:
         a.xid(g, int(step), 63)
     a.remap_pending[g, steps[0]:f] = True
     a.ecc[g, s:f] += a.poisson(2.0 * k, (n,))
-    return 64
 
 
-def _sram_bursts(a: NodeArrays, g: int, s: int, f: int, k: float) -> int:
+def _sram_bursts(a: NodeArrays, g: int, s: int, f: int, k: float) -> None:
     """SRAM: growing correctable bursts, contained errors (XID 94), ending in XID 95."""
     a.ecc[g, s:f] += _counter_rise(a, g, s, f, 40.0 * k, a.rng.uniform(5, 15), "power")
     for step in a.rng.integers(s + (f - s) // 2, f, 1 + a.rng.poisson(1)):
         a.xid(g, int(step), 94)
-    return 95
 
 
-def _pcie_accel(a: NodeArrays, g: int, s: int, f: int, k: float) -> int:
+def _pcie_accel(a: NodeArrays, g: int, s: int, f: int, k: float) -> None:
     """PCIe replays accelerating, the link dropping to x8 in half the cases, ending off
     the bus (XID 79)."""
     a.pcie[g, s:f] += _counter_rise(a, g, s, f, 60.0 * k, a.rng.uniform(8, 30))
     if a.rng.random() < 0.5:
         a.width_drop[g, s + int(0.7 * (f - s)):f + 1] = True
-    return 79
 
 
-def _pcie_steps(a: NodeArrays, g: int, s: int, f: int, k: float) -> int:
+def _pcie_steps(a: NodeArrays, g: int, s: int, f: int, k: float) -> None:
     """PCIe replay rate rising in steps (each a link retrain at a worse level), off the
     bus at the end."""
     a.pcie[g, s:f] += _counter_rise(a, g, s, f, 20.0 * k, a.rng.uniform(10, 60), "steps")
-    return 79
 
 
-def _sample_thinning(a: NodeArrays, g: int, s: int, f: int, k: float) -> int:
+def _sample_thinning(a: NodeArrays, g: int, s: int, f: int, k: float) -> None:
     """The GPU goes quiet before it falls off the bus: NVML calls time out, so ever more
     samples are missing (up to 60-95 %)."""
     prog = np.linspace(0.0, 1.0, f - s, endpoint=False)
     miss = a.rng.uniform(0.6, 0.95) * growth(a.rng, prog)
     a.keep[g, s:f] &= a.rng.random(f - s) >= miss
-    return 79
 
 
 def _nvlink(a: NodeArrays, g: int, s: int, f: int, k: float, links: int) -> None:
@@ -168,54 +161,78 @@ def _nvlink(a: NodeArrays, g: int, s: int, f: int, k: float, links: int) -> None
         a.nvl_replay[g, link, s:f] += a.rng.binomial(crc, 0.1)
 
 
-def _nvlink_one(a: NodeArrays, g: int, s: int, f: int, k: float) -> int:
+def _nvlink_one(a: NodeArrays, g: int, s: int, f: int, k: float) -> None:
     """CRC errors growing on one NVLink (with replays), ending in XID 74."""
     _nvlink(a, g, s, f, k, 1)
-    return 74
 
 
-def _nvlink_multi(a: NodeArrays, g: int, s: int, f: int, k: float) -> int:
+def _nvlink_multi(a: NodeArrays, g: int, s: int, f: int, k: float) -> None:
     """CRC errors growing across 2-4 NVLinks at once (a failing NVSwitch side or the
     GPU's own SerDes), each slower than one bad link, ending in XID 74."""
     _nvlink(a, g, s, f, k, int(a.rng.integers(2, N_LINKS + 1)))
-    return 74
 
 
-def _thermal_creep(a: NodeArrays, g: int, s: int, f: int, k: float) -> int:
+def _thermal_creep(a: NodeArrays, g: int, s: int, f: int, k: float) -> None:
     """Thermal interface failing: temperature creeping up by ~10-25 C, off the bus."""
     prog = np.linspace(0.0, 1.0, f - s, endpoint=False)
     a.temp_target[g, s:f] += k * a.rng.uniform(10, 25) * growth(a.rng, prog, "power")
-    return 79
 
 
-def _thermal_oscillation(a: NodeArrays, g: int, s: int, f: int, k: float) -> int:
+def _thermal_oscillation(a: NodeArrays, g: int, s: int, f: int, k: float) -> None:
     """A fan or its controller hunting: temperature oscillating with a period of 4-15
     minutes and a growing amplitude (up to 4-12 C), off the bus at the end."""
     prog = np.linspace(0.0, 1.0, f - s, endpoint=False)
     period = a.rng.uniform(4, 15) * 60 / a.dt
     amp = k * a.rng.uniform(4, 12) * growth(a.rng, prog, "power")
     a.temp_target[g, s:f] += amp * (1 + np.sin(2 * np.pi * np.arange(f - s) / period))
-    return 79
 
 
-def _gsp_power(a: NodeArrays, g: int, s: int, f: int, k: float) -> int:
+def _gsp_power(a: NodeArrays, g: int, s: int, f: int, k: float) -> None:
     """GSP firmware failing: power hiccups, ending in XID 119."""
     prog = np.linspace(0.0, 1.0, f - s, endpoint=False)
     a.power_extra_sd[g, s:f] += 0.08 * k * (0.3 + growth(a.rng, prog))
-    return 119
 
 
-Precursor = Callable[[NodeArrays, int, int, int, float], int]
+Precursor = Callable[[NodeArrays, int, int, int, float], None]
 
-PRECURSORS: Final[dict[str, Precursor]] = {
-    "ecc_accel": _ecc_accel, "ecc_drift_days": _ecc_drift_days,
-    "pending_remaps": _pending_remaps, "sram_bursts": _sram_bursts,
-    "pcie_accel": _pcie_accel, "pcie_steps": _pcie_steps,
-    "sample_thinning": _sample_thinning, "nvlink_one": _nvlink_one,
-    "nvlink_multi": _nvlink_multi, "thermal_creep": _thermal_creep,
-    "thermal_oscillation": _thermal_oscillation, "gsp_power": _gsp_power,
+
+@dataclasses.dataclass(frozen=True)
+class PrecursorFamily:
+    """One kind of failure with a precursor: everything the simulator and the labels need
+    to know about it. What the failure does to the GPU's samples (lost, double-bit error)
+    follows from ``xid`` and its class in :data:`forewarn.gpu.XID_CATALOG`."""
+
+    cause: str
+    """The failure's ``cause`` label; the cause's weight in the mix and its share of
+    failures with a precursor are ``[causes.<cause>]`` in the parameter file."""
+    xid: int
+    """The XID the failure raises."""
+    median_min: float
+    """Median precursor duration in minutes (lognormal)."""
+    sigma: float
+    """Sigma of the log of the duration."""
+    write: Precursor
+    """Writes the precursor over the steps ``[s, f)`` before the failure step ``f``."""
+
+
+PRECURSORS: Final[dict[str, PrecursorFamily]] = {
+    # Durations: ASSUMPTIONS, from minutes (GSP, SRAM) to days (HBM wearing out). A cause
+    # draws among its families in this order (equally likely).
+    "ecc_accel": PrecursorFamily("hbm3", 48, 70.0, 0.7, _ecc_accel),
+    "ecc_drift_days": PrecursorFamily("hbm3", 48, 1800.0, 0.5, _ecc_drift_days),
+    "pending_remaps": PrecursorFamily("hbm3", 64, 180.0, 0.8, _pending_remaps),
+    "sram_bursts": PrecursorFamily("sram", 95, 35.0, 0.6, _sram_bursts),
+    "pcie_accel": PrecursorFamily("faulty_gpu", 79, 50.0, 0.7, _pcie_accel),
+    "pcie_steps": PrecursorFamily("faulty_gpu", 79, 120.0, 0.8, _pcie_steps),
+    "sample_thinning": PrecursorFamily("faulty_gpu", 79, 30.0, 0.6, _sample_thinning),
+    "nvlink_one": PrecursorFamily("network", 74, 45.0, 0.7, _nvlink_one),
+    "nvlink_multi": PrecursorFamily("network", 74, 60.0, 0.7, _nvlink_multi),
+    "thermal_creep": PrecursorFamily("thermal", 79, 45.0, 0.7, _thermal_creep),
+    "thermal_oscillation": PrecursorFamily("thermal", 79, 60.0, 0.7, _thermal_oscillation),
+    "gsp_power": PrecursorFamily("gsp", 119, 25.0, 0.5, _gsp_power),
 }
-"""Precursor families by name; each returns the XID the failure raises."""
+"""Precursor families by name: the one table of the simulator's failure kinds (adding a
+kind is its ``write`` function and one entry here)."""
 
 
 # -- benign: (arrays, share or rate, node is capped) -> None; tags the GPUs it touches ---

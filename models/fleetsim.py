@@ -19,9 +19,11 @@ Model of a GPU (all vectorised with numpy over GPUs x time, one node at a time):
   rate, ``real_per_1000_node_days`` -- with the cause from the Llama 3 mix
   (docs/reference.md, table 5); with probability ``precursor_share`` (per cause, an
   assumption) one of the cause's precursor families
-  (:data:`forewarn.models.families.PRECURSORS`) precedes it, with a lognormal duration
-  (minutes to days), amplitude and a randomly drawn growth shape. After its failure a GPU
-  writes one last sample and then nothing (it is out for repair).
+  (:data:`forewarn.models.families.PRECURSORS`, the one table of failure kinds: cause,
+  final XID, duration, shape) precedes it, with a lognormal duration (minutes to days),
+  amplitude and a randomly drawn growth shape. After its failure a GPU writes one last
+  sample and then nothing (it is out for repair); a fatal bus or GSP XID leaves it lost, a
+  fatal memory XID with an uncorrectable ECC error (classes from :mod:`forewarn.gpu`).
 """
 
 from __future__ import annotations
@@ -42,12 +44,12 @@ from forewarn.gpu import (
     HW_THERMAL_SLOWDOWN,
     SW_POWER_CAP,
     SW_THERMAL_SLOWDOWN,
+    classify_xid,
 )
 from forewarn.models.families import BENIGN, N_LINKS, PRECURSORS, NodeArrays
 
 __all__ = [
     "CauseParams",
-    "FamilyParams",
     "FleetData",
     "FleetParams",
     "load_params",
@@ -63,21 +65,15 @@ HW_THERMAL = HW_THERMAL_SLOWDOWN
 @dataclasses.dataclass(frozen=True)
 class CauseParams:
     """One failure cause: its weight in the mix, the share of its failures with a
-    precursor, the precursor families it draws from, and its XID without one."""
+    precursor, the precursor families it draws from (those of
+    :data:`~forewarn.models.families.PRECURSORS` with this cause, in table order), and its
+    XID without one."""
 
     name: str
     weight: float
     precursor_share: float
     final_xid: int = 0
     families: tuple[str, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class FamilyParams:
-    """A precursor family's duration: lognormal, median and sigma (of the log)."""
-
-    median_min: float
-    sigma: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +89,6 @@ class FleetParams:
     rate_per_1000_gpu_days: float
     real_per_1000_node_days: float
     causes: tuple[CauseParams, ...]
-    families: dict[str, FamilyParams]
     precursor_scale: float
     strength_sigma: float
     min_minutes: float
@@ -132,19 +127,9 @@ def load_params(path: str | Path | None = None) -> FleetParams:
     raw = tomllib.loads(text)
     try:
         fleet, fail, pre, noise = raw["fleet"], raw["failures"], raw["precursor"], raw["noise"]
-        causes = tuple(
-            CauseParams(name=name, weight=float(c["weight"]),
-                        precursor_share=float(c["precursor_share"]),
-                        final_xid=int(c.get("final_xid", 0)),
-                        families=tuple(c.get("families", ())))
-            for name, c in raw["causes"].items()
-        )
-        families = {name: FamilyParams(float(f["median_min"]), float(f["sigma"]))
-                    for name, f in raw["families"].items()}
-        unknown = sorted({f for c in causes for f in c.families} - set(PRECURSORS)
-                         | set(families) - set(PRECURSORS))
-        if unknown:
-            raise ValueError(f"fleet parameters: unknown precursor family {unknown[0]!r}")
+        causes = tuple(_cause(name, c) for name, c in raw["causes"].items())
+        if "families" in raw:
+            raise ValueError(f"fleet parameters: families: {_FAMILIES_MOVED}")
         return FleetParams(
             nodes=int(fleet["nodes"]),
             gpus_per_node=int(fleet["gpus_per_node"]),
@@ -155,7 +140,6 @@ def load_params(path: str | Path | None = None) -> FleetParams:
             rate_per_1000_gpu_days=float(fail["rate_per_1000_gpu_days"]),
             real_per_1000_node_days=float(fail["real_per_1000_node_days"]),
             causes=causes,
-            families=families,
             precursor_scale=float(pre["scale"]),
             strength_sigma=float(pre["strength_sigma"]),
             min_minutes=float(pre["min_minutes"]),
@@ -169,6 +153,19 @@ def load_params(path: str | Path | None = None) -> FleetParams:
         )
     except (KeyError, TypeError) as exc:
         raise ValueError(f"fleet parameters: missing or bad key {exc}") from None
+
+
+_FAMILIES_MOVED: Final = ("precursor families, their causes and durations are "
+                          "forewarn.models.families.PRECURSORS, not parameters")
+
+
+def _cause(name: str, raw: dict[str, Any]) -> CauseParams:
+    if "families" in raw:
+        raise ValueError(f"fleet parameters: causes.{name}.families: {_FAMILIES_MOVED}")
+    return CauseParams(name=name, weight=float(raw["weight"]),
+                       precursor_share=float(raw["precursor_share"]),
+                       final_xid=int(raw.get("final_xid", 0)),
+                       families=tuple(f for f, fam in PRECURSORS.items() if fam.cause == name))
 
 
 @dataclasses.dataclass
@@ -261,24 +258,33 @@ def _failures(p: FleetParams, a: NodeArrays, node: str, node_idx: int
             share, choices = 0.8, tuple(PRECURSORS)
         if choices and rng.random() < share:
             family = str(rng.choice(choices))
-            fp = p.families[family]
-            minutes = max(p.min_minutes, float(rng.lognormal(np.log(fp.median_min), fp.sigma))
+            kind = PRECURSORS[family]
+            minutes = max(p.min_minutes,
+                          float(rng.lognormal(np.log(kind.median_min), kind.sigma))
                           ) * p.precursor_scale
             strength = float(rng.lognormal(0.0, p.strength_sigma))
             s = max(0, f_step - max(1, round(minutes * 60 / dt)))
-            xid = PRECURSORS[family](a, g, s, f_step, strength)
+            kind.write(a, g, s, f_step, strength)
+            xid = kind.xid
         end_step[g] = f_step + 1
         a.keep[g, f_step] = True  # the failure itself is recorded
         if xid:
             a.xid(g, f_step, xid)
-        state_lost[g] = xid in (79, 119)
-        dbe[g] = xid in (48, 64, 95)
+        state_lost[g], dbe[g] = _failure_effect(xid)
         labels.append({
             "node": node, "gpu": g, "uuid": f"GPU-{node_idx:04d}-{g}",
             "time": float(a.times[f_step]), "cause": cause.name, "had_precursor": minutes > 0,
             "precursor_minutes": minutes, "family": family,
         })
     return labels, end_step, state_lost, dbe
+
+
+def _failure_effect(xid: int) -> tuple[bool, bool]:
+    """(the GPU is lost, it has a double-bit error) after a failure raising ``xid``: a
+    fatal bus or GSP XID leaves a GPU that no longer answers (``state = lost``), a fatal
+    memory XID an uncorrectable ECC error; others (NVLink, none) neither."""
+    c = classify_xid(xid)
+    return c.fatal and c.cls in ("bus", "gsp"), c.fatal and c.cls == "memory"
 
 
 def _simulate_node(p: FleetParams, node_idx: int) -> tuple[

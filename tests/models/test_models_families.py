@@ -11,6 +11,8 @@ from forewarn.cli import main
 from forewarn.models.families import BENIGN, PRECURSORS
 from forewarn.models.fleetsim import load_params, simulate_fleet
 
+from support.paths import REPO
+
 pytestmark = pytest.mark.timeout(900)
 
 
@@ -18,9 +20,10 @@ def test_families_have_random_shapes_durations_and_realistic_prevalence() -> Non
     p = load_params()
     assert p.real_per_1000_node_days == 6.5 and p.real_per_1000_gpu_days == 6.5 / 8
     # Durations from minutes to days.
-    medians = [f.median_min for f in p.families.values()]
+    medians = [f.median_min for f in PRECURSORS.values()]
     assert min(medians) < 60 and max(medians) > 24 * 60
-    assert set(p.families) == set(PRECURSORS)
+    # Every family belongs to a cause of the mix.
+    assert {f.cause for f in PRECURSORS.values()} <= {c.name for c in p.causes}
     for name in ("nvlink_multi", "pcie_steps", "thermal_oscillation", "pending_remaps",
                  "ecc_drift_days", "sample_thinning"):
         assert name in PRECURSORS
@@ -58,3 +61,18 @@ def test_eval_families_writes_the_per_family_table(tmp_path: Path,
         assert f"| thermal_oscillation | precursor | {who} |" in text
     assert "| hot_spells | benign | model |" in text
     assert "precision (real rate)" in text and "Best on leave-family-out" in text
+
+
+def test_a_parameter_file_cannot_redefine_the_families(tmp_path: Path) -> None:
+    """Families, their causes and durations are one table (families.PRECURSORS): a
+    parameter file that still lists them is refused, naming the key, not half-applied."""
+    shipped = (REPO / "models/data/fleet_params.toml").read_text()
+    for extra, key in (('families = ["ecc_accel"]\n', "causes.hbm3.families"),
+                       ("", "families")):
+        text = shipped.replace("[causes.hbm3]", f"[causes.hbm3]\n{extra}", 1)
+        if not extra:
+            text += "\n[families.ecc_accel]\nmedian_min = 5.0\nsigma = 0.1\n"
+        path = tmp_path / "fleet.toml"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=rf"fleet parameters: {key}: .*PRECURSORS"):
+            load_params(path)
