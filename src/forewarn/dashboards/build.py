@@ -4,7 +4,8 @@
 regenerating changes nothing, and another runs every panel's query against a real Prometheus
 scraping a real agent and collector (a panel that can never show data is a bug).
 
-Every query filters on the template variables ``$cluster`` (all = ``.*``, so it matches
+Panels and queries are built with :mod:`forewarn.dashboards.panels`. Every query filters
+on the template variables ``$cluster`` (all = ``.*``, so it matches
 series without a cluster label too), ``$node``, ``$gpu`` and ``$job``.
 """
 
@@ -14,212 +15,106 @@ import json
 from collections.abc import Callable
 from typing import Any
 
-from grafana_foundation_sdk.builders import common, heatmap, prometheus, stat, table, timeseries
 from grafana_foundation_sdk.builders import dashboard as db
-from grafana_foundation_sdk.cog.encoder import JSONEncoder
-from grafana_foundation_sdk.models import common as cm
-from grafana_foundation_sdk.models import dashboard as dm
-from grafana_foundation_sdk.models import prometheus as pm
+from grafana_foundation_sdk.builders import timeseries
+
+from .panels import (
+    DS,
+    GPU,
+    JOB,
+    OK_WARN_BAD,
+    RANK_LEGEND,
+    G,
+    dashboard,
+    hm,
+    new_or_increase,
+    on_node,
+    q,
+    st,
+    tb,
+    threshold_steps,
+    ts,
+)
 
 __all__ = ["DASHBOARDS", "render"]
 
-DS = dm.DataSourceRef(type_val="prometheus", uid="${datasource}")
-G = 'cluster=~"$cluster", node=~"$node"'
-"""Selector every GPU/node series carries."""
-GPU = G + ', gpu=~"$gpu"'
-JOB = 'cluster=~"$cluster", training_job=~"$job"'
-# Training jobs carry forewarn's own ``training_job`` label, never Prometheus' scrape ``job``.
-RANK_LEGEND = "{{training_job}} rank {{rank}}"
-
-Panel = Any
-
-
-def _on_node(expr: str) -> str:
-    """``expr`` (an agent self-metric, which carries no ``node`` label) with the ``node`` of
-    the agent that exported it, found through ``forewarn_gpu_info`` of the same scrape
-    target (``instance``), and filtered by ``$node``."""
-    if "{" not in expr:
-        expr += '{cluster=~"$cluster"}'
-    return (f"{expr} * on (instance) group_left(node) "
-            "max by (instance, node) (forewarn_gpu_info{" + G + "})")
-
-
-def _new_or_increase(counter: str) -> str:
-    """Increase of ``counter`` over ``$__rate_interval``, counting a series born inside the
-    interval at its value: Prometheus has no sample before a counter's first one, so
-    ``increase()`` alone reads a first XID (a new ``code`` series at 1) as no increase."""
-    return (f"(increase({counter}[$__rate_interval]) > 0) or "
-            f"({counter} unless {counter} offset $__rate_interval)")
-
-
-def _q(expr: str, legend: str = "", instant: bool = False) -> prometheus.Dataquery:
-    q = prometheus.Dataquery().expr(expr).datasource(DS)
-    if legend:
-        q = q.legend_format(legend)
-    return q.instant() if instant else q.range()
-
-
-def _thresholds(*steps: tuple[float | None, str]) -> db.ThresholdsConfig:
-    return db.ThresholdsConfig().mode(dm.ThresholdsMode.ABSOLUTE).steps(
-        [dm.Threshold(value=v, color=c) for v, c in steps]
-    )
-
-
-OK_WARN_BAD = _thresholds((None, "green"), (1, "orange"), (2, "red"))
-
-
-def ts(title: str, desc: str, unit: str, *queries: prometheus.Dataquery,
-       thresholds: db.ThresholdsConfig | None = None, w: int = 12, h: int = 8,
-       stack: bool = False) -> timeseries.Panel:
-    p = (timeseries.Panel().title(title).description(desc).datasource(DS).unit(unit)
-         .span(w).height(h).line_width(1).fill_opacity(10))
-    for ref, q in zip("ABCDEFGH", queries, strict=False):
-        p = p.with_target(q.ref_id(ref))
-    if thresholds is not None:
-        p = p.thresholds(thresholds)
-    else:
-        p = p.thresholds(_thresholds((None, "green")))
-    if stack:
-        p = p.stacking(common.StackingConfig().mode(cm.StackingMode.NORMAL))
-    return p
-
-
-def st(title: str, desc: str, unit: str, query: prometheus.Dataquery,
-       thresholds: db.ThresholdsConfig, w: int = 6, h: int = 4) -> stat.Panel:
-    return (stat.Panel().title(title).description(desc).datasource(DS).unit(unit)
-            .span(w).height(h).with_target(query.ref_id("A")).thresholds(thresholds)
-            .reduce_options(common.ReduceDataOptions().calcs(["lastNotNull"]))
-            .color_mode(cm.BigValueColorMode.BACKGROUND))
-
-
-def tb(title: str, desc: str, unit: str, query: prometheus.Dataquery, w: int = 12,
-       h: int = 8) -> table.Panel:
-    return (table.Panel().title(title).description(desc).datasource(DS).unit(unit)
-            .span(w).height(h).with_target(query.ref_id("A").format(pm.PromQueryFormat.TABLE))
-            .thresholds(_thresholds((None, "green"))))
-
-
-def hm(title: str, desc: str, unit: str, query: prometheus.Dataquery, w: int = 12,
-       h: int = 8) -> heatmap.Panel:
-    return (heatmap.Panel().title(title).description(desc).datasource(DS).unit(unit)
-            .span(w).height(h).with_target(query.ref_id("A")).calculate(False)
-            .thresholds(_thresholds((None, "green"), (80, "orange"), (90, "red"))))
-
-
-def _variables(*names: str) -> list[Any]:
-    out: list[Any] = [
-        db.DatasourceVariable("datasource").label("Data source").type("prometheus"),
-    ]
-    sources = {
-        "cluster": "label_values(forewarn_agent_build_info, cluster)",
-        "node": 'label_values(forewarn_gpu_info{cluster=~"$cluster"}, node)',
-        "gpu": 'label_values(forewarn_gpu_info{cluster=~"$cluster", node=~"$node"}, gpu)',
-        "job": 'label_values(forewarn_rank_step{cluster=~"$cluster"}, training_job)',
-    }
-    for name in ("cluster", *names):
-        out.append(
-            db.QueryVariable(name).label(name.capitalize()).datasource(DS)
-            .query(sources[name]).multi(True).include_all(True).all_value(".*")
-            .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED).sort(dm.VariableSort.ALPHABETICAL_ASC)
-            .current(dm.VariableOption(selected=True, text="All", value="$__all"))
-        )
-    return out
-
-
-def _dashboard(uid: str, title: str, desc: str, tags: list[str], variables: list[str],
-               rows: list[tuple[str, list[Panel]]],
-               annotations: list[db.AnnotationQuery] | None = None) -> dict[str, Any]:
-    d = (db.Dashboard(title).uid(uid).description(desc).tags(["forewarn", *tags])
-         .refresh("30s").time("now-6h", "now").timezone("browser").editable())
-    for v in _variables(*variables):
-        d = d.with_variable(v)
-    for a in annotations or []:
-        d = d.annotation(a)
-    for row_title, panels in rows:
-        d = d.with_row(db.Row(row_title))
-        for p in panels:
-            d = d.with_panel(p)
-    out: dict[str, Any] = json.loads(json.dumps(d.build(), cls=JSONEncoder))
-    return out
-
-
 def fleet() -> dict[str, Any]:
     health = "forewarn_gpu_health{" + G + "}"
-    return _dashboard(
+    return dashboard(
         "forewarn-fleet", "forewarn / Fleet overview",
         "GPU health across the fleet: what is unhealthy, XIDs by class, ECC and remap trends, "
         "thermals, and the predictor's top risks.", ["fleet"], ["node"],
         [
             ("Health", [
                 st("Healthy GPUs", "GPUs every check judges healthy.", "none",
-                   _q(f"count({health} == 0) or vector(0)", instant=True),
-                   _thresholds((None, "green"))),
+                   q(f"count({health} == 0) or vector(0)", instant=True),
+                   threshold_steps((None, "green"))),
                 st("Degraded GPUs", "GPUs with at least one degraded finding.", "none",
-                   _q(f"count({health} == 1) or vector(0)", instant=True),
-                   _thresholds((None, "green"), (1, "orange"))),
+                   q(f"count({health} == 1) or vector(0)", instant=True),
+                   threshold_steps((None, "green"), (1, "orange"))),
                 st("Unhealthy GPUs", "GPUs with at least one unhealthy finding.", "none",
-                   _q(f"count({health} == 2) or vector(0)", instant=True),
-                   _thresholds((None, "green"), (1, "red"))),
+                   q(f"count({health} == 2) or vector(0)", instant=True),
+                   threshold_steps((None, "green"), (1, "red"))),
                 st("Nodes with an unhealthy GPU", "Nodes to drain or inspect.", "none",
-                   _q(f"count(count by (node) ({health} == 2)) or vector(0)", instant=True),
-                   _thresholds((None, "green"), (1, "red"))),
+                   q(f"count(count by (node) ({health} == 2)) or vector(0)", instant=True),
+                   threshold_steps((None, "green"), (1, "red"))),
                 tb("GPUs not healthy", "Every GPU whose worst health is above healthy: "
                    "1 degraded, 2 unhealthy, 3 unknown.", "none",
-                   _q(f"{health} > 0", instant=True), w=12),
+                   q(f"{health} > 0", instant=True), w=12),
                 tb("Active findings", "Current non-healthy findings with their suggested action.",
-                   "none", _q('forewarn_finding_active{' + G + '}', instant=True), w=12),
+                   "none", q('forewarn_finding_active{' + G + '}', instant=True), w=12),
                 st("Open incidents", "Incidents with a finding still firing (the collector "
                    "groups correlated findings about one GPU, node or job into one).", "none",
-                   _q('sum(forewarn_collector_incidents_open{cluster=~"$cluster"})',
-                      instant=True), _thresholds((None, "green"), (1, "orange"))),
+                   q('sum(forewarn_collector_incidents_open{cluster=~"$cluster"})',
+                      instant=True), threshold_steps((None, "green"), (1, "orange"))),
                 ts("Incidents over time", "Incidents opened per interval by scope (gpu, node, "
                    "job): the findings one fault raises count once; a fleet-wide rise is a "
                    "shared cause (power, network, a bad driver).", "short",
-                   _q("sum by (kind) (" + _new_or_increase(
+                   q("sum by (kind) (" + new_or_increase(
                        'forewarn_collector_incidents_total{cluster=~"$cluster"}') + ")",
                       "{{kind}}"), stack=True),
             ]),
             ("Errors", [
                 ts("XIDs by class", "XID errors per class over the interval; application "
                    "classes (13, 31, 43, 45) are the program's, not the GPU's.", "short",
-                   _q("sum by (class) (" + _new_or_increase(
+                   q("sum by (class) (" + new_or_increase(
                        "forewarn_gpu_xid_errors_total{" + G + "}") + ")", "{{class}}"),
                    stack=True),
                 ts("Correctable ECC rate", "Corrected ECC errors per second per GPU: a rising "
                    "rate precedes uncorrectable errors (SC20 DRAM study).", "cps",
-                   _q("sum by (node, gpu) (rate(forewarn_gpu_ecc_errors_total{" + G
+                   q("sum by (node, gpu) (rate(forewarn_gpu_ecc_errors_total{" + G
                       + ', type="corrected", scope="volatile"}[$__rate_interval]))',
-                      "{{node}}/{{gpu}}"), thresholds=_thresholds((None, "green"), (1, "red"))),
+                      "{{node}}/{{gpu}}"), thresholds=threshold_steps((None, "green"), (1, "red"))),
                 ts("Remapped rows", "Rows remapped per GPU; pending remaps need a GPU reset.",
-                   "short", _q("sum by (node, gpu) (forewarn_gpu_remapped_rows_total{" + G + "})",
+                   "short", q("sum by (node, gpu) (forewarn_gpu_remapped_rows_total{" + G + "})",
                                "{{node}}/{{gpu}}")),
                 ts("Uncorrectable ECC errors", "Volatile uncorrectable (double-bit) ECC errors.",
-                   "short", _q("sum by (node, gpu) (forewarn_gpu_ecc_errors_total{" + G
+                   "short", q("sum by (node, gpu) (forewarn_gpu_ecc_errors_total{" + G
                                + ', type="uncorrected", scope="volatile"})', "{{node}}/{{gpu}}"),
-                   thresholds=_thresholds((None, "green"), (1, "red"))),
+                   thresholds=threshold_steps((None, "green"), (1, "red"))),
             ]),
             ("Thermals and risk", [
                 hm("GPU temperature", "Core temperature of every GPU over time.", "celsius",
-                   _q("forewarn_gpu_temperature_celsius{" + G + "}", "{{node}}/{{gpu}}")),
+                   q("forewarn_gpu_temperature_celsius{" + G + "}", "{{node}}/{{gpu}}")),
                 ts("Thermal throttling", "GPUs slowed by HW/SW thermal slowdown (NVML clock "
                    "event reasons).", "short",
-                   _q("sum by (node, gpu) (forewarn_gpu_clock_event_reason_active{" + G
+                   q("sum by (node, gpu) (forewarn_gpu_clock_event_reason_active{" + G
                       + ', reason=~".*thermal.*"})', "{{node}}/{{gpu}}"),
-                   thresholds=_thresholds((None, "green"), (1, "orange"))),
+                   thresholds=threshold_steps((None, "green"), (1, "orange"))),
                 tb("Top risk scores", "GPUs the predictor rates most likely to fail within its "
                    "horizon.", "percentunit",
-                   _q("topk(10, forewarn_gpu_failure_probability{" + G + "})", instant=True)),
+                   q("topk(10, forewarn_gpu_failure_probability{" + G + "})", instant=True)),
             ]),
             ("Power and energy", [
                 ts("Power against limit per node", "Power drawn by each node's GPUs over the "
                    "sum of their enforced limits: near 1, the GPUs are capped (SW power cap).",
                    "percentunit",
-                   _q("sum by (node) (forewarn_gpu_power_watts{" + G + "}) / sum by (node) "
+                   q("sum by (node) (forewarn_gpu_power_watts{" + G + "}) / sum by (node) "
                       "(forewarn_gpu_power_limit_watts{" + G + "})", "{{node}}"),
-                   thresholds=_thresholds((None, "green"), (0.9, "orange"), (0.98, "red"))),
+                   thresholds=threshold_steps((None, "green"), (0.9, "orange"), (0.98, "red"))),
                 ts("Energy per node", "Joules used by each node's GPUs per interval (NVML total "
                    "energy consumption).", "joule",
-                   _q("sum by (node) (increase(forewarn_gpu_energy_joules_total{" + G
+                   q("sum by (node) (increase(forewarn_gpu_energy_joules_total{" + G
                       + "}[$__rate_interval]))", "{{node}}"), stack=True),
             ]),
         ],
@@ -230,27 +125,27 @@ def node_detail() -> dict[str, Any]:
     def gpu_ts(title: str, desc: str, unit: str, metric: str, legend: str = "{{node}}/{{gpu}}",
                extra: str = "", agg: str = "") -> timeseries.Panel:
         sel = metric + "{" + GPU + extra + "}"
-        return ts(title, desc, unit, _q(agg.format(sel) if agg else sel, legend))
+        return ts(title, desc, unit, q(agg.format(sel) if agg else sel, legend))
 
     findings = (db.AnnotationQuery().name("Findings").datasource(DS).enable(True)
                 .icon_color("red").expr("max by (node, gpu, check, health, action) "
                                         "(forewarn_finding_active{" + G + "})"))
-    return _dashboard(
+    return dashboard(
         "forewarn-node", "forewarn / Node and GPU detail",
         "Every agent metric for one node or GPU, with its findings as annotations.",
         ["node", "gpu"], ["node", "gpu"],
         [
             ("State", [
                 ts("Health", "0 healthy, 1 degraded, 2 unhealthy, 3 unknown.", "none",
-                   _q("forewarn_gpu_health{" + GPU + "}", "{{node}}/{{gpu}}"),
+                   q("forewarn_gpu_health{" + GPU + "}", "{{node}}/{{gpu}}"),
                    thresholds=OK_WARN_BAD),
                 ts("Health by check", "Each check's judgement of the GPU.", "none",
-                   _q("forewarn_gpu_check_health{" + GPU + "}", "{{gpu}} {{check}}"),
+                   q("forewarn_gpu_check_health{" + GPU + "}", "{{gpu}} {{check}}"),
                    thresholds=OK_WARN_BAD),
                 gpu_ts("Performance state", "P-state; 0 is fastest.", "none",
                        "forewarn_gpu_performance_state"),
                 tb("Fields not supported", "Fields this GPU does not report (not an error).",
-                   "none", _q("forewarn_gpu_field_supported{" + GPU + "} == 0 or "
+                   "none", q("forewarn_gpu_field_supported{" + GPU + "} == 0 or "
                               "forewarn_gpu_field_supported{" + GPU + "}", instant=True)),
             ]),
             ("Thermals and power", [
@@ -268,10 +163,10 @@ def node_detail() -> dict[str, Any]:
                        agg="increase({}[$__rate_interval])"),
                 tb("Energy over the time range", "Joules each GPU used over the dashboard's "
                    "time range.", "joule",
-                   _q("increase(forewarn_gpu_energy_joules_total{" + GPU + "}[$__range])",
+                   q("increase(forewarn_gpu_energy_joules_total{" + GPU + "}[$__range])",
                       instant=True)),
                 ts("Clock event reasons", "Active throttle reasons.", "short",
-                   _q("forewarn_gpu_clock_event_reason_active{" + GPU + "} == 1",
+                   q("forewarn_gpu_clock_event_reason_active{" + GPU + "} == 1",
                       "{{gpu}} {{reason}}")),
             ]),
             ("Clocks and utilization", [
@@ -299,23 +194,23 @@ def node_detail() -> dict[str, Any]:
                        "forewarn_gpu_dram_active_ratio"),
                 ts("PCIe bandwidth", "PCIe bytes per second sent and received "
                    "(DCGM_FI_PROF_PCIE_TX_BYTES / RX_BYTES).", "Bps",
-                   _q("forewarn_gpu_pcie_tx_bytes_per_second{" + GPU + "}", "{{gpu}} tx"),
-                   _q("forewarn_gpu_pcie_rx_bytes_per_second{" + GPU + "}", "{{gpu}} rx")),
+                   q("forewarn_gpu_pcie_tx_bytes_per_second{" + GPU + "}", "{{gpu}} tx"),
+                   q("forewarn_gpu_pcie_rx_bytes_per_second{" + GPU + "}", "{{gpu}} rx")),
                 ts("NVLink bandwidth", "NVLink bytes per second sent and received, all links "
                    "(DCGM_FI_PROF_NVLINK_TX_BYTES / RX_BYTES).", "Bps",
-                   _q("forewarn_gpu_nvlink_tx_bytes_per_second{" + GPU + "}", "{{gpu}} tx"),
-                   _q("forewarn_gpu_nvlink_rx_bytes_per_second{" + GPU + "}", "{{gpu}} rx")),
+                   q("forewarn_gpu_nvlink_tx_bytes_per_second{" + GPU + "}", "{{gpu}} tx"),
+                   q("forewarn_gpu_nvlink_rx_bytes_per_second{" + GPU + "}", "{{gpu}} rx")),
             ]),
             ("Memory errors", [
                 ts("ECC errors", "Corrected and uncorrected, volatile and aggregate.", "short",
-                   _q("forewarn_gpu_ecc_errors_total{" + GPU + "}",
+                   q("forewarn_gpu_ecc_errors_total{" + GPU + "}",
                       "{{gpu}} {{type}} {{scope}}")),
                 ts("Retired pages", "Pages retired for single- and double-bit errors.", "short",
-                   _q("forewarn_gpu_retired_pages_total{" + GPU + "}", "{{gpu}} {{cause}}")),
+                   q("forewarn_gpu_retired_pages_total{" + GPU + "}", "{{gpu}} {{cause}}")),
                 gpu_ts("Retirement pending", "1 when a page retirement waits for a reset.",
                        "bool", "forewarn_gpu_retired_pages_pending"),
                 ts("Remapped rows", "Rows remapped for correctable and uncorrectable errors.",
-                   "short", _q("forewarn_gpu_remapped_rows_total{" + GPU + "}",
+                   "short", q("forewarn_gpu_remapped_rows_total{" + GPU + "}",
                                "{{gpu}} {{type}}")),
                 gpu_ts("Remap pending", "1 when a remap waits for a GPU reset.", "bool",
                        "forewarn_gpu_remap_pending"),
@@ -325,32 +220,32 @@ def node_detail() -> dict[str, Any]:
             ("Interconnect", [
                 ts("PCIe replay rate", "PCIe replays per second: a rising rate precedes links "
                    "downgrading and GPUs falling off the bus.", "cps",
-                   _q("rate(forewarn_gpu_pcie_replays_total{" + GPU + "}[$__rate_interval])",
+                   q("rate(forewarn_gpu_pcie_replays_total{" + GPU + "}[$__rate_interval])",
                       "{{node}}/{{gpu}}")),
                 ts("PCIe link width", "Current and maximum link width.", "short",
-                   _q("forewarn_gpu_pcie_link_width{" + GPU + "}", "{{gpu}} width"),
-                   _q("forewarn_gpu_pcie_link_width_max{" + GPU + "}", "{{gpu}} max")),
+                   q("forewarn_gpu_pcie_link_width{" + GPU + "}", "{{gpu}} width"),
+                   q("forewarn_gpu_pcie_link_width_max{" + GPU + "}", "{{gpu}} max")),
                 ts("PCIe link generation", "Current and maximum link generation.", "short",
-                   _q("forewarn_gpu_pcie_link_generation{" + GPU + "}", "{{gpu}} gen"),
-                   _q("forewarn_gpu_pcie_link_generation_max{" + GPU + "}", "{{gpu}} max")),
+                   q("forewarn_gpu_pcie_link_generation{" + GPU + "}", "{{gpu}} gen"),
+                   q("forewarn_gpu_pcie_link_generation_max{" + GPU + "}", "{{gpu}} max")),
                 ts("NVLink errors", "NVLink CRC, replay and recovery errors per second by link.",
-                   "cps", _q("rate(forewarn_gpu_nvlink_errors_total{" + GPU
+                   "cps", q("rate(forewarn_gpu_nvlink_errors_total{" + GPU
                              + "}[$__rate_interval])", "{{gpu}} link {{link}} {{type}}")),
                 ts("XIDs", "XID errors by code.", "short",
-                   _q(_new_or_increase("forewarn_gpu_xid_errors_total{" + GPU + "}"),
+                   q(new_or_increase("forewarn_gpu_xid_errors_total{" + GPU + "}"),
                       "{{gpu}} xid {{code}} ({{class}})")),
             ]),
             ("Agent", [
                 ts("Check duration", "Seconds each check took per poll.", "s",
-                   _q(_on_node("forewarn_agent_check_duration_seconds"), "{{node}} {{check}}")),
+                   q(on_node("forewarn_agent_check_duration_seconds"), "{{node}} {{check}}")),
                 ts("Check success", "1 when the check ran without raising.", "bool",
-                   _q(_on_node("forewarn_agent_check_success"), "{{node}} {{check}}"),
-                   thresholds=_thresholds((None, "red"), (1, "green"))),
+                   q(on_node("forewarn_agent_check_success"), "{{node}} {{check}}"),
+                   thresholds=threshold_steps((None, "red"), (1, "green"))),
                 ts("Source poll duration", "Seconds one poll of the GPU source took.", "s",
-                   _q(_on_node("forewarn_agent_source_poll_duration_seconds"),
+                   q(on_node("forewarn_agent_source_poll_duration_seconds"),
                       "{{node}} {{source}}")),
                 ts("Source errors", "Failed polls or opens of the GPU source.", "short",
-                   _q(_on_node("increase(forewarn_agent_source_errors_total{"
+                   q(on_node("increase(forewarn_agent_source_errors_total{"
                                'cluster=~"$cluster"}[$__rate_interval])'),
                       "{{node}} {{source}}")),
             ]),
@@ -361,7 +256,7 @@ def node_detail() -> dict[str, Any]:
 
 def training() -> dict[str, Any]:
     r = "{" + JOB + "}"
-    return _dashboard(
+    return dashboard(
         "forewarn-training", "forewarn / Training jobs",
         "Per-rank progress, loss, grad norm and heartbeats, hang and NaN findings and "
         "checkpoints, next to the hardware of the GPUs the job runs on.", ["training"],
@@ -369,46 +264,46 @@ def training() -> dict[str, Any]:
         [
             ("Progress", [
                 ts("Step", "Last step each rank reported.", "short",
-                   _q("forewarn_rank_step" + r, RANK_LEGEND)),
+                   q("forewarn_rank_step" + r, RANK_LEGEND)),
                 ts("Step time p50", "Median step time per rank; a straggler stands out.", "s",
-                   _q("forewarn_rank_step_seconds{" + JOB + ', quantile="0.5"}',
+                   q("forewarn_rank_step_seconds{" + JOB + ', quantile="0.5"}',
                       RANK_LEGEND)),
                 ts("Loss", "Training loss per rank.", "none",
-                   _q("forewarn_rank_loss" + r, RANK_LEGEND)),
+                   q("forewarn_rank_loss" + r, RANK_LEGEND)),
                 ts("Grad norm", "Gradient norm per rank; a 10x spike over the rolling median "
-                   "is flagged.", "none", _q("forewarn_rank_grad_norm" + r,
+                   "is flagged.", "none", q("forewarn_rank_grad_norm" + r,
                                              RANK_LEGEND)),
                 ts("Heartbeat age", "Seconds since each rank's last liveness beat.", "s",
-                   _q("forewarn_rank_heartbeat_age_seconds" + r, RANK_LEGEND),
-                   thresholds=_thresholds((None, "green"), (5, "orange"), (30, "red"))),
+                   q("forewarn_rank_heartbeat_age_seconds" + r, RANK_LEGEND),
+                   thresholds=threshold_steps((None, "green"), (5, "orange"), (30, "red"))),
                 tb("Hang, NaN and straggler findings", "Current training findings.", "none",
-                   _q('forewarn_finding_active{cluster=~"$cluster", training_job=~"$job", '
+                   q('forewarn_finding_active{cluster=~"$cluster", training_job=~"$job", '
                       'check=~"rank_hang|rank_gone|nan_loss|grad_spike|straggler"}',
                       instant=True)),
             ]),
             ("Checkpoints", [
                 ts("Checkpoint orders", "Orders issued, by reason.", "short",
-                   _q("sum by (training_job, reason) (increase(forewarn_checkpoint_orders_total" + r
+                   q("sum by (training_job, reason) (increase(forewarn_checkpoint_orders_total" + r
                       + "[$__rate_interval]))", "{{training_job}} {{reason}}")),
                 ts("Checkpoint duration", "Seconds the last checkpoint took per rank.", "s",
-                   _q("forewarn_checkpoint_duration_seconds" + r, RANK_LEGEND)),
+                   q("forewarn_checkpoint_duration_seconds" + r, RANK_LEGEND)),
                 ts("Checkpoint size", "Bytes the last checkpoint wrote per rank.", "bytes",
-                   _q("forewarn_checkpoint_bytes" + r, RANK_LEGEND)),
+                   q("forewarn_checkpoint_bytes" + r, RANK_LEGEND)),
             ]),
             ("Hardware under the job", [
                 ts("Health of the job's GPUs", "0 healthy, 1 degraded, 2 unhealthy.", "none",
-                   _q(_under_ranks("forewarn_gpu_health"),
+                   q(_under_ranks("forewarn_gpu_health"),
                       "{{training_job}} rank {{rank}} ({{node}}/{{gpu}})"), thresholds=OK_WARN_BAD),
                 ts("Temperature of the job's GPUs", "Core temperature of the GPUs under ranks.",
-                   "celsius", _q(_under_ranks("forewarn_gpu_temperature_celsius"),
+                   "celsius", q(_under_ranks("forewarn_gpu_temperature_celsius"),
                                  "{{training_job}} rank {{rank}} ({{node}}/{{gpu}})")),
                 ts("Energy per job", "Joules the GPUs under the job's ranks used per "
                    "interval.", "joule",
-                   _q(_job_energy("$__rate_interval"), "{{training_job}}"), stack=True),
+                   q(_job_energy("$__rate_interval"), "{{training_job}}"), stack=True),
                 st("Job energy over the time range", "Joules the job's GPUs used over the "
                    "dashboard's time range.", "joule",
-                   _q(_job_energy("$__range"), "{{training_job}}", instant=True),
-                   _thresholds((None, "green"))),
+                   q(_job_energy("$__range"), "{{training_job}}", instant=True),
+                   threshold_steps((None, "green"))),
             ]),
         ],
     )
@@ -433,7 +328,7 @@ def _job_energy(window: str) -> str:
 
 def predictions() -> dict[str, Any]:
     c = '{cluster=~"$cluster"}'
-    return _dashboard(
+    return dashboard(
         "forewarn-predictions", "forewarn / Predictions and actions",
         "Risk scores and predictions with their lead time, the predictor's shadow-scored "
         "precision and recall, actions taken or withheld, and webhook deliveries.",
@@ -441,27 +336,27 @@ def predictions() -> dict[str, Any]:
         [
             ("Predictions", [
                 ts("Failure probability", "P(GPU fails within the model's horizon).",
-                   "percentunit", _q("forewarn_gpu_failure_probability{" + G + "}",
+                   "percentunit", q("forewarn_gpu_failure_probability{" + G + "}",
                                      "{{node}}/{{gpu}}"),
-                   thresholds=_thresholds((None, "green"), (0.5, "red"))),
+                   thresholds=threshold_steps((None, "green"), (0.5, "red"))),
                 ts("Shadow-scored precision and recall", "The predictor judged against what "
                    "later happened.", "percentunit",
-                   _q("forewarn_collector_prediction_precision" + c, "precision"),
-                   _q("forewarn_collector_prediction_recall" + c, "recall")),
+                   q("forewarn_collector_prediction_precision" + c, "precision"),
+                   q("forewarn_collector_prediction_recall" + c, "recall")),
                 ts("Prediction lead time", "Median time from prediction to failure.", "s",
-                   _q("forewarn_collector_prediction_lead_seconds" + c, "median lead")),
+                   q("forewarn_collector_prediction_lead_seconds" + c, "median lead")),
             ]),
             ("Actions", [
                 ts("Decisions", "Policy decisions by action and outcome (taken, shadow, "
                    "refused by the circuit breaker, rate limited, cooled down).", "short",
-                   _q("sum by (action, outcome) (increase(forewarn_collector_decisions_total"
+                   q("sum by (action, outcome) (increase(forewarn_collector_decisions_total"
                       + c + "[$__rate_interval]))", "{{action}} {{outcome}}"), stack=True),
                 ts("Webhook deliveries", "Outbound webhook deliveries by status.", "short",
-                   _q("sum by (status) (increase(forewarn_collector_webhook_deliveries_total"
+                   q("sum by (status) (increase(forewarn_collector_webhook_deliveries_total"
                       + c + "[$__rate_interval]))", "{{status}}"), stack=True),
                 ts("Checkpoint orders from the collector", "Job-wide orders by event (issued, "
                    "reissued, done, failed).", "short",
-                   _q("sum by (event) (increase(forewarn_collector_checkpoint_orders_total"
+                   q("sum by (event) (increase(forewarn_collector_checkpoint_orders_total"
                       + c + "[$__rate_interval]))", "{{event}}")),
             ]),
         ],
@@ -470,21 +365,21 @@ def predictions() -> dict[str, Any]:
 
 def goodput() -> dict[str, Any]:
     r = "{" + JOB + "}"
-    return _dashboard(
+    return dashboard(
         "forewarn-goodput", "forewarn / Goodput",
         "Effective training time per job and where the rest went.", ["goodput"], ["job"],
         [
             ("Goodput", [
                 ts("Effective training time", "Share of wall time spent on new progress.",
-                   "percentunit", _q("forewarn_job_goodput_ratio" + r, "{{training_job}}"),
-                   thresholds=_thresholds((None, "red"), (0.9, "orange"), (0.95, "green"))),
+                   "percentunit", q("forewarn_job_goodput_ratio" + r, "{{training_job}}"),
+                   thresholds=threshold_steps((None, "red"), (0.9, "orange"), (0.95, "green"))),
                 ts("Lost time by cause", "Checkpoint overhead, work redone after failures, "
                    "detection delay and restart downtime.", "s",
-                   _q("sum by (training_job, cause) (forewarn_job_lost_seconds_total" + r + ")",
+                   q("sum by (training_job, cause) (forewarn_job_lost_seconds_total" + r + ")",
                       "{{training_job}} {{cause}}"), stack=True),
                 ts("Advised checkpoint interval", "Young's interval from the job's measured "
                    "checkpoint cost, the fleet's failure rate and current risk.", "s",
-                   _q("forewarn_job_checkpoint_interval_advice_seconds" + r, "{{training_job}}")),
+                   q("forewarn_job_checkpoint_interval_advice_seconds" + r, "{{training_job}}")),
             ]),
         ],
     )
