@@ -45,18 +45,17 @@ monitor holds saves (:meth:`~forewarn.hook.Monitor.saves_held`), ``save`` and
 ``save_async`` refuse (nothing is written; the result's ``refused`` says why and the
 monitor hears ``checkpoint_failed``) unless ``allow_suspect=True``.
 
-torch is imported lazily, on the first save or load.
+torch is imported lazily, on the first save or load. The files on disk (layout, manifest,
+commit, markers, pruning, verification) are ``_ckpt_disk.py``; the torch side (process
+group, staging copy, loading) ``_ckpt_torch.py``.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import threading
 import time
@@ -65,48 +64,17 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import _ckpt_disk as disk
+from ._ckpt_disk import MANIFEST, SUSPECT
+from ._ckpt_results import CheckpointResult, LoadedCheckpoint
+from ._ckpt_torch import distributed, load_dcp, load_torch, require_numpy, stage
+
 if TYPE_CHECKING:
     from .monitor import Monitor
 
 __all__ = ["CheckpointResult", "CheckpointWriter", "LoadedCheckpoint", "PendingCheckpoint"]
 
 _log = logging.getLogger("forewarn.hook")
-
-_STEP_DIR = re.compile(r"^step-(\d{9,})$")
-MANIFEST = "manifest.json"
-SUSPECT = "suspect.json"
-"""Marker of a checkpoint written from a suspect training state (outside the manifest, so
-a committed checkpoint can be marked later)."""
-_FORMAT = "forewarn-checkpoint"
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointResult:
-    """What a save cost: pass ``seconds`` and ``bytes`` to ``Monitor.checkpoint_done``."""
-
-    step: int
-    path: str
-    seconds: float
-    bytes: int
-    """Bytes this rank wrote (rank 0 includes the metadata and manifest)."""
-    suspect: bool = False
-    """Saved from a suspect training state (marked; ``load_latest`` skips it by default)."""
-    refused: str = ""
-    """Why nothing was saved (the monitor holds saves); empty when the save happened."""
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadedCheckpoint:
-    """A verified checkpoint and the state read from it."""
-
-    step: int
-    path: str
-    state: dict[str, Any]
-    skipped: tuple[tuple[str, str], ...] = ()
-    """Newer checkpoints that failed verification or are suspect: ``(path, reason)``."""
-    suspect: bool = False
-    """The loaded checkpoint is marked suspect (only with ``allow_suspect=True``)."""
-
 
 class PendingCheckpoint:
     """A save in flight; :meth:`wait` returns its :class:`CheckpointResult`.
@@ -162,167 +130,6 @@ def _done(result: CheckpointResult) -> Future[CheckpointResult]:
     return f
 
 
-def _step_name(step: int) -> str:
-    return f"step-{step:09d}"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _dist() -> Any:
-    """``torch.distributed`` if a process group is initialised, else None."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist
-    return None
-
-
-def _require_numpy() -> None:
-    """torch.distributed.checkpoint saves with numpy: checked when the writer is built,
-    where the user can act, not at the first ordered save, which would fail every rank."""
-    try:
-        import numpy  # noqa: F401
-    except ImportError:
-        raise ModuleNotFoundError(
-            "forewarn.hook.CheckpointWriter needs numpy (torch.distributed.checkpoint saves "
-            "with it): pip install 'forewarn[hook]'", name="numpy") from None
-
-
-def _stage(obj: Any, previous: Any = None) -> Any:
-    """A host-memory copy of ``obj`` that later training steps cannot change.
-
-    Tensors are copied into ``previous``'s buffers where shape and dtype match (the last
-    save's staging copy, whose write has finished): filling fresh memory costs its page
-    faults, about 6x the copy itself (``bench/RESULTS.md``)."""
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        src = obj.detach()
-        if (isinstance(previous, torch.Tensor) and previous.shape == src.shape
-                and previous.dtype == src.dtype and previous.layout == src.layout):
-            return previous.copy_(src)
-        return src.to("cpu", copy=True)
-    if isinstance(obj, dict):
-        old = previous if isinstance(previous, dict) else {}
-        return {k: _stage(v, old.get(k)) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        prev = previous if isinstance(previous, list | tuple) else ()
-        return type(obj)(_stage(v, prev[i] if i < len(prev) else None)
-                         for i, v in enumerate(obj))
-    return copy.deepcopy(obj)
-
-
-def _remove_temps(directory: Path) -> None:
-    for p in directory.iterdir():
-        if p.name.startswith((".tmp-step-", ".old-step-")) and p.is_dir():
-            _log.info("forewarn: removing incomplete checkpoint %s", p)
-            shutil.rmtree(p, ignore_errors=True)
-
-
-def _list_checkpoints(directory: Path | None) -> list[tuple[int, Path]]:
-    if directory is None or not directory.is_dir():
-        return []
-    found = []
-    for p in directory.iterdir():
-        m = _STEP_DIR.match(p.name)
-        if m and p.is_dir():
-            found.append((int(m.group(1)), p))
-    return sorted(found)
-
-
-def _commit(directory: Path, step: int, tmp: Path, phase: Callable[[str, Path], None]) -> Path:
-    """Make the complete ``tmp`` the checkpoint of ``step`` in ``directory``."""
-    _fsync_dir(tmp)
-    phase("manifest", tmp)
-    final = directory / _step_name(step)
-    trash = None
-    if final.exists():  # the same step saved again (e.g. after a resume)
-        trash = directory / (".old-" + _step_name(step))
-        shutil.rmtree(trash, ignore_errors=True)
-        final.rename(trash)
-    tmp.rename(final)
-    phase("renamed", final)
-    _fsync_dir(directory)
-    if trash is not None:
-        shutil.rmtree(trash, ignore_errors=True)
-    return final
-
-
-def suspect_mark(path: Path) -> dict[str, Any] | None:
-    """The suspect marker of the checkpoint at ``path``, or None when it is not suspect (an
-    unreadable marker counts as suspect)."""
-    try:
-        mark = json.loads((path / SUSPECT).read_bytes())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        return {"reason": f"unreadable {SUSPECT}: {exc}"}
-    return mark if isinstance(mark, dict) else {"reason": f"malformed {SUSPECT}"}
-
-
-def _write_mark(path: Path, onset: int) -> None:
-    """Mark the checkpoint at ``path`` suspect since ``onset`` (atomic, fsynced)."""
-    data = json.dumps({"onset_step": onset, "marked": time.time(),
-                       "reason": f"training state suspect since step {onset}"}).encode()
-    tmp = path / f".{SUSPECT}.{os.getpid()}.{threading.get_ident()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.rename(path / SUSPECT)
-    _fsync_dir(path)
-
-
-def _prune(directory: Path, keep_last: int, keep: set[int] | None = None) -> None:
-    found = _list_checkpoints(directory)
-    # the newest checkpoint that is not suspect stays whatever came after it
-    good = [step for step, p in found if suspect_mark(p) is None]
-    newest_good = good[-1] if good else None
-    for step, p in found[:-keep_last]:
-        if (keep is None or step not in keep) and step != newest_good:
-            shutil.rmtree(p, ignore_errors=True)
-
-
-def _copy_file(src: Path, dst: Path, phase: Callable[[str, Path], None]) -> str:
-    """Copy ``src`` to ``dst`` and fsync it; returns the sha256 of what was copied."""
-    h = hashlib.sha256()
-    with open(src, "rb") as fin, open(dst, "wb") as fout:
-        for block in iter(lambda: fin.read(8 << 20), b""):
-            fout.write(block)
-            h.update(block)
-            phase("copy", dst)
-            phase = _no_phase
-        fout.flush()
-        os.fsync(fout.fileno())
-    return h.hexdigest()
-
-
-def _no_phase(phase: str, path: Path) -> None:
-    pass
-
-
 def _no_report(result: CheckpointResult) -> None:
     pass
 
@@ -353,7 +160,7 @@ class CheckpointWriter:
     ) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-        _require_numpy()
+        require_numpy()
         self.directory = Path(directory)
         self.durable = Path(durable) if durable is not None else None
         if self.durable is not None and self.durable.resolve() == self.directory.resolve():
@@ -361,7 +168,7 @@ class CheckpointWriter:
         self.keep_last = keep_last
         self.monitor = monitor
         self._clock = clock
-        self._phase = on_phase or _no_phase
+        self._phase = on_phase or disk.no_phase
         self._pending: PendingCheckpoint | None = None
         self._async_group: Any = None
         self._worker: ThreadPoolExecutor | None = None
@@ -425,11 +232,11 @@ class CheckpointWriter:
             pending._settle()
         t0 = self._clock()
         self.directory.mkdir(parents=True, exist_ok=True)
-        dist = _dist()
+        dist = distributed()
         rank = dist.get_rank() if dist is not None else 0
-        tmp = self.directory / (".tmp-" + _step_name(step))
+        tmp = self.directory / (".tmp-" + disk.step_name(step))
         if rank == 0:
-            _remove_temps(self.directory)
+            disk.remove_temps(self.directory)
             tmp.mkdir()
             self._phase("begin", tmp)
         if dist is None:
@@ -438,7 +245,7 @@ class CheckpointWriter:
                                             self._report)
             else:
                 # the previous save has finished (waited above): its buffers are free
-                staged = self._staged = _stage(state, self._staged)
+                staged = self._staged = stage(state, self._staged)
                 pending = PendingCheckpoint(self._background().submit(
                     _logged, lambda: self._write_torch(step, tmp, staged, t0)), self._report)
         else:
@@ -492,7 +299,7 @@ class CheckpointWriter:
             result = self._finish(step, tmp, t0, "dcp", files, world)
         else:
             # FileSystemWriter names each rank's shard files __<rank>_<n>.distcp
-            final = self.directory / _step_name(step)
+            final = self.directory / disk.step_name(step)
             where = tmp if tmp.exists() else final  # rank 0 may have renamed it already
             nbytes = sum(
                 (where / n).stat().st_size for n in os.listdir(where) if n.startswith(f"__{rank}_")
@@ -508,31 +315,14 @@ class CheckpointWriter:
         self, step: int, tmp: Path, t0: float, kind: str, files: list[str], world: int,
     ) -> CheckpointResult:
         self._phase("written", tmp)
-        entries: dict[str, dict[str, Any]] = {}
-        total = 0
-        for name in files:
-            p = tmp / name
-            _fsync_file(p)
-            size = p.stat().st_size
-            total += size
-            entries[name] = {"bytes": size, "sha256": _sha256(p)}
-        manifest = {
-            "format": _FORMAT, "version": 1, "step": step, "kind": kind,
-            "world_size": world, "created": time.time(), "files": entries,
-        }
-        data = json.dumps(manifest, indent=1, sort_keys=True).encode()
-        with open(tmp / MANIFEST, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        total += len(data)
+        total = disk.write_manifest(tmp, step, kind, world, files)
         with self._mark_lock:
             onset = self.monitor.suspect_since if self.monitor is not None else None
             suspect = onset is not None and step >= onset
             if suspect:
                 assert onset is not None
-                _write_mark(tmp, onset)
-            final = _commit(self.directory, step, tmp, self._phase)
+                disk.write_mark(tmp, onset)
+            final = disk.commit(self.directory, step, tmp, self._phase)
         if self.durable is not None:
             with self._lock:
                 self._to_copy.add(step)
@@ -547,24 +337,16 @@ class CheckpointWriter:
         assert self.durable is not None
         try:
             self.durable.mkdir(parents=True, exist_ok=True)
-            _remove_temps(self.durable)
-            tmp = self.durable / (".tmp-" + _step_name(step))
+            disk.remove_temps(self.durable)
+            tmp = self.durable / (".tmp-" + disk.step_name(step))
             tmp.mkdir()
-            manifest = json.loads((src / MANIFEST).read_bytes())
-            first = True
-            for name, entry in sorted(manifest["files"].items()):
-                if _copy_file(src / name, tmp / name, self._phase if first else _no_phase
-                              ) != entry["sha256"]:
-                    raise OSError(f"{src / name} changed while it was copied")
-                first = False
-            shutil.copyfile(src / MANIFEST, tmp / MANIFEST)
-            _fsync_file(tmp / MANIFEST)
+            disk.copy_files(src, tmp, self._phase)
             with self._mark_lock:  # a mark made while copying comes along
                 if (src / SUSPECT).exists():
                     shutil.copyfile(src / SUSPECT, tmp / SUSPECT)
-                    _fsync_file(tmp / SUSPECT)
-                _commit(self.durable, step, tmp, self._phase)
-            _prune(self.durable, self.keep_last)
+                    disk.fsync_file(tmp / SUSPECT)
+                disk.commit(self.durable, step, tmp, self._phase)
+            disk.prune(self.durable, self.keep_last)
         except Exception as exc:
             self.copy_failures += 1
             _log.error("forewarn: copying checkpoint %s to %s failed: %r", src, self.durable, exc)
@@ -575,7 +357,7 @@ class CheckpointWriter:
     def _prune_fast(self) -> None:
         # a checkpoint waiting for its copy to the durable tier stays until copied
         with self._lock:
-            _prune(self.directory, self.keep_last, keep=self._to_copy)
+            disk.prune(self.directory, self.keep_last, keep=self._to_copy)
 
     def mark_suspect(self, onset: int) -> list[Path]:
         """Mark every committed checkpoint of step ``onset`` or later, in both tiers,
@@ -584,11 +366,11 @@ class CheckpointWriter:
         marked = []
         with self._mark_lock:
             for directory in (self.directory, self.durable):
-                for step, p in _list_checkpoints(directory):
-                    if step < onset or suspect_mark(p) is not None:
+                for step, p in disk.list_checkpoints(directory):
+                    if step < onset or disk.suspect_mark(p) is not None:
                         continue
                     try:
-                        _write_mark(p, onset)
+                        disk.write_mark(p, onset)
                     except OSError as exc:
                         _log.warning("forewarn: could not mark %s suspect: %r", p, exc)
                         continue
@@ -622,51 +404,25 @@ class CheckpointWriter:
             self._worker = None
         self._staged = None
         if self._async_group is not None:
-            dist = _dist()
+            dist = distributed()
             if dist is not None:
                 dist.destroy_process_group(self._async_group)
             self._async_group = None
 
     def checkpoints(self) -> list[tuple[int, Path]]:
         """Complete checkpoint directories of the fast tier, oldest first (not verified)."""
-        return _list_checkpoints(self.directory)
+        return disk.list_checkpoints(self.directory)
 
     # ------------------------------------------------------------------ load
 
     def verify(self, path: str | os.PathLike[str]) -> str | None:
         """``None`` if the checkpoint at ``path`` is intact, else why it is not."""
-        p = Path(path)
-        try:
-            manifest = json.loads((p / MANIFEST).read_bytes())
-        except FileNotFoundError:
-            return "manifest.json missing"
-        except (OSError, ValueError) as exc:
-            return f"manifest.json unreadable: {exc}"
-        if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT:
-            return "manifest.json is not a forewarn checkpoint manifest"
-        files = manifest.get("files")
-        if not isinstance(files, dict) or not files:
-            return "manifest.json lists no files"
-        if manifest.get("kind") not in ("torch", "dcp"):
-            return f"unknown checkpoint kind {manifest.get('kind')!r}"
-        for name, entry in files.items():
-            f = p / name
-            if "/" in name or name.startswith(".."):
-                return f"manifest names a file outside the checkpoint: {name!r}"
-            if not f.is_file():
-                return f"{name} missing"
-            if not isinstance(entry, dict):
-                return f"manifest entry for {name} is malformed"
-            if f.stat().st_size != entry.get("bytes"):
-                return f"{name} is {f.stat().st_size} bytes, manifest says {entry.get('bytes')}"
-            if _sha256(f) != entry.get("sha256"):
-                return f"{name} sha256 mismatch"
-        return None
+        return disk.verify(path)
 
     def _candidates(self) -> list[tuple[int, Path]]:
         """Checkpoints of both tiers, newest first; at the same step the fast tier first."""
         both = [(step, 0, p) for step, p in self.checkpoints()]
-        both += [(step, 1, p) for step, p in _list_checkpoints(self.durable)]
+        both += [(step, 1, p) for step, p in disk.list_checkpoints(self.durable)]
         return [(step, p) for step, _, p in sorted(both, key=lambda c: (-c[0], c[1]))]
 
     def _intact(self, step: int) -> tuple[int, Path]:
@@ -674,7 +430,7 @@ class CheckpointWriter:
         reasons = []
         for s, p in self._candidates():
             if s == step:
-                reason = self.verify(p)
+                reason = disk.verify(p)
                 if reason is None:
                     return (step, p)
                 reasons.append(f"{p}: {reason}")
@@ -694,19 +450,19 @@ class CheckpointWriter:
         skipped: list[tuple[str, str]] = []
         chosen: tuple[int, Path] | None = None
         for step, p in self._candidates():
-            mark = None if allow_suspect else suspect_mark(p)
+            mark = None if allow_suspect else disk.suspect_mark(p)
             if mark is not None:
                 _log.warning("forewarn: skipping suspect checkpoint %s: %s", p,
                              mark.get("reason", ""))
                 skipped.append((str(p), f"suspect: {mark.get('reason', '')}"))
                 continue
-            reason = self.verify(p)
+            reason = disk.verify(p)
             if reason is None:
                 chosen = (step, p)
                 break
             _log.warning("forewarn: skipping checkpoint %s: %s", p, reason)
             skipped.append((str(p), reason))
-        dist = _dist()
+        dist = distributed()
         if dist is not None:
             import torch
 
@@ -723,40 +479,6 @@ class CheckpointWriter:
             return None
         step, path = chosen
         kind = json.loads((path / MANIFEST).read_bytes())["kind"]
-        loaded = self._load_dcp(path, state) if kind == "dcp" else self._load_torch(path)
+        loaded = load_dcp(path, state) if kind == "dcp" else load_torch(path)
         return LoadedCheckpoint(step=step, path=str(path), state=loaded, skipped=tuple(skipped),
-                                suspect=suspect_mark(path) is not None)
-
-    @staticmethod
-    def _load_torch(path: Path) -> dict[str, Any]:
-        import torch
-
-        obj = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
-        if not isinstance(obj, dict):
-            raise ValueError(f"{path}/state.pt holds {type(obj).__name__}, not a dict")
-        return obj
-
-    @staticmethod
-    def _load_dcp(path: Path, state: dict[str, Any] | None) -> dict[str, Any]:
-        import torch
-        from torch.distributed.checkpoint import state_dict_loader
-        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-        if state is None:
-            raise ValueError("loading a DCP checkpoint needs the state dict to load into")
-
-        class _WeightsOnlyPlanner(DefaultLoadPlanner):
-            """DefaultLoadPlanner with ``torch.load(weights_only=True)`` for non-tensors."""
-
-            def load_bytes(self, read_item: Any, value: Any) -> None:
-                obj = torch.load(value, weights_only=True)
-                if self.flatten_state_dict:
-                    from torch.distributed.checkpoint._traverse import set_element
-
-                    fqn = self.mappings[read_item.dest_index.fqn]
-                    set_element(self.original_state_dict, fqn, obj)
-                else:
-                    self.state_dict[read_item.dest_index.fqn] = obj
-
-        state_dict_loader.load(state, checkpoint_id=str(path), planner=_WeightsOnlyPlanner())
-        return state
+                                suspect=disk.suspect_mark(path) is not None)

@@ -58,9 +58,9 @@ class Stateful(Protocol):
 
 
 def _rank() -> int:
-    from .checkpoint import _dist
+    from ._ckpt_torch import distributed
 
-    dist = _dist()
+    dist = distributed()
     return int(dist.get_rank()) if dist is not None else 0
 
 
@@ -143,12 +143,12 @@ class TrainingState:
         """Load the newest intact checkpoint of ``writer`` into this state; returns the
         first step to run (0 when there is none). Every rank must call it. Checkpoints
         marked suspect (bad numerics) are skipped unless ``allow_suspect``."""
-        from .checkpoint import _dist
+        from ._ckpt_torch import distributed
 
         fresh = self.optimizer is not None and not self.optimizer.state
         # a DCP load fills a template in place; get_state_dict builds a fresh optimizer's
         # state by a zero-lr step (torch's _init_optim_state), undone below if unused
-        template = self.state_dict(-1) if _dist() is not None else None
+        template = self.state_dict(-1) if distributed() is not None else None
         loaded = writer.load_latest(template, allow_suspect=allow_suspect)
         if loaded is None:
             if fresh:
@@ -244,9 +244,9 @@ class ResumableSampler:
         if length < 0:
             raise ValueError(f"length must be >= 0, got {length}")
         if num_replicas is None or rank is None:
-            from .checkpoint import _dist
+            from ._ckpt_torch import distributed
 
-            dist = _dist()
+            dist = distributed()
             num_replicas = num_replicas if num_replicas is not None else (
                 dist.get_world_size() if dist is not None else 1)
             rank = rank if rank is not None else (dist.get_rank() if dist is not None else 0)

@@ -27,7 +27,6 @@ LONG_MODULES = {
     "collector/http/app.py",
     "collector/ingest/batch.py",
     "collector/storage/telemetry.py",
-    "hook/checkpoint.py",
     "hook/monitor.py",
     "src/forewarn/chaos/lab.py",
     "src/forewarn/chaos/scenarios.py",
