@@ -8,28 +8,15 @@ from typing import Any, Final, TypeVar
 import msgspec
 
 from .base import WireError
-from .training import (
-    AgentMessage,
-    Beat,
-    CheckpointOrder,
-    CheckpointReport,
-    HookMessage,
-    IntervalAdvice,
-    SaveHold,
-    StepRecord,
-)
+from .training import AgentMessage, CheckpointOrder, HookMessage
 
 T = TypeVar("T")
 
 _msgpack_encoder = msgspec.msgpack.Encoder()
 _json_encoder = msgspec.json.Encoder()
-_hook_decoder: msgspec.msgpack.Decoder[StepRecord | Beat | CheckpointReport] = (
-    msgspec.msgpack.Decoder(HookMessage)
-)
+_hook_decoder: msgspec.msgpack.Decoder[HookMessage] = msgspec.msgpack.Decoder(HookMessage)
 _order_decoder = msgspec.msgpack.Decoder(CheckpointOrder)
-_agent_decoder: msgspec.msgpack.Decoder[CheckpointOrder | IntervalAdvice | SaveHold] = (
-    msgspec.msgpack.Decoder(AgentMessage)
-)
+_agent_decoder: msgspec.msgpack.Decoder[AgentMessage] = msgspec.msgpack.Decoder(AgentMessage)
 
 
 def encode(record: Any) -> bytes:
@@ -80,7 +67,7 @@ def decode_json(data: bytes | str, type: type[T]) -> T:
         raise _wrap(exc, type.__name__) from None
 
 
-def decode_hook_message(data: bytes) -> StepRecord | Beat | CheckpointReport:
+def decode_hook_message(data: bytes) -> HookMessage:
     """Decode one hook datagram."""
     try:
         return _hook_decoder.decode(data)
@@ -88,7 +75,7 @@ def decode_hook_message(data: bytes) -> StepRecord | Beat | CheckpointReport:
         raise _wrap(exc, "hook message") from None
 
 
-def decode_agent_message(data: bytes) -> CheckpointOrder | IntervalAdvice | SaveHold:
+def decode_agent_message(data: bytes) -> AgentMessage:
     """Decode one agent -> hook datagram (an order, interval advice or a save hold)."""
     try:
         return _agent_decoder.decode(data)

@@ -21,8 +21,9 @@ from .base import (
 )
 
 
-class StepRecord(Struct, frozen=True, kw_only=True, tag="step"):
-    """hook -> agent: one training step of one rank. ``loss`` may be NaN or Inf."""
+class _FromRank(Struct, frozen=True, kw_only=True):
+    """Who sent a hook -> agent datagram: the first fields of each, in this order (the
+    hook's hand-rolled step encoding, ``hook/_pack.py``, relies on it)."""
 
     v: Version = WIRE_VERSION
     job: Name
@@ -31,6 +32,11 @@ class StepRecord(Struct, frozen=True, kw_only=True, tag="step"):
     world_size: Annotated[int, Meta(ge=1, le=1_000_000)] = 1
     pid: Annotated[int, Meta(ge=1, le=INT64_MAX)]
     host: Name
+
+
+class StepRecord(_FromRank, frozen=True, kw_only=True, tag="step"):
+    """hook -> agent: one training step of one rank. ``loss`` may be NaN or Inf."""
+
     step: NonNegInt
     time: UnixTime
     step_seconds: Seconds | None = None
@@ -39,16 +45,9 @@ class StepRecord(Struct, frozen=True, kw_only=True, tag="step"):
     extras: dict[Annotated[str, Meta(max_length=64)], float] = field(default_factory=dict)
 
 
-class Beat(Struct, frozen=True, kw_only=True, tag="beat"):
+class Beat(_FromRank, frozen=True, kw_only=True, tag="beat"):
     """hook -> agent: liveness from the rank's background thread, sent even when stuck."""
 
-    v: Version = WIRE_VERSION
-    job: Name
-    rank: Rank
-    local_rank: Rank = 0
-    world_size: Annotated[int, Meta(ge=1, le=1_000_000)] = 1
-    pid: Annotated[int, Meta(ge=1, le=INT64_MAX)]
-    host: Name
     time: UnixTime
     last_step: NonNegInt | None = None
     dropped: NonNegInt = 0
