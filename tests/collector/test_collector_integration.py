@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from forewarn.collector.storage.store import Store
 from forewarn.wire import CheckpointOrder, GpuSample
 
 from support.polling import wait_for
+from support.stack import agent_command
 
 TOKEN = "sim-node-token-0123456789"
 
@@ -42,10 +42,9 @@ def test_sim_agent_process_reports_to_the_collector_and_acks_orders(tmp_path: Pa
                "FOREWARN_AGENT_PUSH_INTERVAL_S": "0.5", "FOREWARN_AGENT_WATCHDOG": "false"}
         env.pop("NOTIFY_SOCKET", None)
         agent = subprocess.Popen(
-            [sys.executable, "-m", "forewarn", "agent", "--config", "/dev/null", "--source",
-             "sim", "--sim-gpus", "4", "--interval", "0.2", "--listen", "127.0.0.1:0",
-             "--no-kmsg", "--socket", str(tmp_path / "agent.sock"), "--collector",
-             server.url, "--token-file", str(token_file), "--node", "simnode"],
+            agent_command("simnode", socket=tmp_path / "agent.sock", interval=0.2,
+                          config=Path("/dev/null"), collector=server.url,
+                          token_file=token_file, extra=("--sim-gpus", "4")),
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         try:
             wait_for(lambda: (store.scalar("SELECT COUNT(*) FROM gpus") or 0) >= 4

@@ -24,10 +24,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from forewarn.collector.http.auth import add_token
-
 from support.paths import REPO
 from support.polling import free_port, poll, wait_for
+from support.stack import agent_command, enroll
 
 NOFILE = 1024
 ATTACK_SOCKETS = 1100
@@ -43,8 +42,7 @@ def collector(tmp_path: Path, **keys: str) -> Iterator[tuple[str, Path, Path]]:
     port = free_port()
     tokens = tmp_path / "tokens.toml"
     token_file = tmp_path / "node.token"
-    token_file.write_text(add_token(tokens, "n1") + "\n")
-    token_file.chmod(0o600)
+    enroll(tokens, "n1", token_file)
     config = tmp_path / "collector.toml"
     config.write_text(
         f'listen = "127.0.0.1:{port}"\ndata_dir = "{tmp_path / "data"}"\n'
@@ -158,10 +156,8 @@ def test_agent_batch_is_stored_while_1100_idle_sockets_are_open(tmp_path: Path) 
             lines_before_agent = len(log.read_text().splitlines())
             agent_log = (tmp_path / "agent.log").open("wb")
             agent = subprocess.Popen(
-                [sys.executable, "-m", "forewarn", "agent", "--source", "sim", "--node", "n1",
-                 "--socket", str(tmp_path / "agent.sock"), "--collector", url,
-                 "--token-file", str(token_file), "--listen", "127.0.0.1:0", "--no-kmsg",
-                 "--interval", "0.25"],
+                agent_command("n1", socket=tmp_path / "agent.sock", collector=url,
+                              token_file=token_file),
                 stdout=agent_log, stderr=subprocess.STDOUT,
                 env={**os.environ, "FOREWARN_AGENT_SPOOL_DIR": str(tmp_path / "spool"),
                      "FOREWARN_AGENT_PUSH_INTERVAL_S": "0.5", "FOREWARN_AGENT_WATCHDOG": "0"})

@@ -10,9 +10,6 @@ webhook reaches a test receiver and its signature verifies.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,9 +18,9 @@ import httpx
 import pytest
 
 from forewarn.collector.decide.webhooks import WebhookVerifier
-from forewarn.collector.http.auth import add_token
 
-from support.polling import free_port, wait_for
+from support.polling import wait_for
+from support.stack import Processes, enroll, start_agent, start_collector
 from support.webhooks import Receiver
 
 SECRET = "e2e-webhook-secret"
@@ -62,62 +59,22 @@ FAILING = ('name = "gpu1-off-the-bus"\ngpus = 2\nseed = 2\n\n[[faults]]\ngpu = 1
 @pytest.mark.timeout(180)
 def test_failure_on_node2_gpu1_checkpoints_every_rank_at_one_step(tmp_path: Path) -> None:
     receiver = Receiver()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
+    procs = Processes(tmp_path)
     tokens = tmp_path / "tokens.toml"
-    token_files = {}
-    for node in NODES:
-        token_files[node] = tmp_path / f"{node}.token"
-        token_files[node].write_text(add_token(tokens, node) + "\n")
-        token_files[node].chmod(0o600)
-    config = tmp_path / "collector.toml"
-    # checkpoint_default_s: the job has run for seconds only; with the 60 s default the
-    # cost model would (rightly) not find a few seconds of work worth a checkpoint.
-    config.write_text(
-        f'listen = "127.0.0.1:{port}"\ndata_dir = "{tmp_path / "data"}"\n'
-        f'tokens_file = "{tokens}"\nlog_level = "warning"\n'
-        f'webhook_urls = ["{receiver.url}"]\nwebhook_secret = "{SECRET}"\n'
-        'checkpoint_default_s = 0.5\norder_safety_s = 2.0\n')
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    procs: list[subprocess.Popen[bytes]] = []
-    logs = []
-
-    def spawn(args: list[str], name: str, extra_env: dict[str, str] | None = None
-              ) -> subprocess.Popen[bytes]:
-        log = (tmp_path / f"{name}.log").open("wb")
-        logs.append(log)
-        p = subprocess.Popen(args, env={**env, **(extra_env or {})}, stdout=log,
-                             stderr=subprocess.STDOUT)
-        procs.append(p)
-        return p
-
+    token_files = {node: enroll(tokens, node, tmp_path / f"{node}.token") for node in NODES}
     try:
-        collector = spawn([sys.executable, "-m", "forewarn", "collector", "--config",
-                           str(config)], "collector")
-
-        def collector_up() -> bool:
-            assert collector.poll() is None, (tmp_path / "collector.log").read_text()
-            try:
-                return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_for(collector_up, 30, "collector start")
-
+        # checkpoint_default_s: the job has run for seconds only; with the 60 s default the
+        # cost model would (rightly) not find a few seconds of work worth a checkpoint.
+        url = start_collector(procs, tokens, webhook_urls=[receiver.url],
+                              webhook_secret=SECRET, checkpoint_default_s=0.5,
+                              order_safety_s=2.0)
         sockets = {}
         for i, node in enumerate(NODES):
-            scenario = tmp_path / f"{node}.toml"
-            scenario.write_text(FAILING.format(start=12) if node == "node2"
-                                else HEALTHY.format(seed=i))
             sockets[node] = tmp_path / f"{node}.sock"
-            spawn([sys.executable, "-m", "forewarn", "agent", "--source", "sim",
-                   "--scenario", str(scenario), "--node", node, "--socket", str(sockets[node]),
-                   "--collector", url, "--token-file", str(token_files[node]),
-                   "--listen", "127.0.0.1:0", "--no-kmsg", "--interval", "0.25"],
-                  f"agent-{node}",
-                  {"FOREWARN_AGENT_SPOOL_DIR": str(tmp_path / f"spool-{node}"),
-                   "FOREWARN_AGENT_PUSH_INTERVAL_S": "0.5", "FOREWARN_AGENT_WATCHDOG": "0"})
-        wait_for(lambda: all(s.exists() for s in sockets.values()), 30, "agent sockets")
+            start_agent(procs, node, FAILING.format(start=12) if node == "node2"
+                        else HEALTHY.format(seed=i), socket=sockets[node], collector=url,
+                        token_file=token_files[node], wait=False)
+        procs.wait_for("agent sockets", lambda: all(s.exists() for s in sockets.values()), 30)
 
         rank_script = tmp_path / "rank.py"
         rank_script.write_text(RANK)
@@ -125,8 +82,8 @@ def test_failure_on_node2_gpu1_checkpoints_every_rank_at_one_step(tmp_path: Path
         for rank in range(6):
             node = NODES[rank // 2]
             outs[rank] = tmp_path / f"rank{rank}.out"
-            spawn([sys.executable, str(rank_script), JOB, str(rank), str(rank % 2), "6",
-                   str(sockets[node]), str(outs[rank])], f"rank{rank}")
+            procs.spawn(f"rank{rank}", [sys.executable, str(rank_script), JOB, str(rank),
+                                        str(rank % 2), "6", str(sockets[node]), str(outs[rank])])
 
         def job_known() -> bool:
             r = httpx.get(f"{url}/api/v1/jobs/{JOB}", timeout=2)
@@ -186,15 +143,5 @@ def test_failure_on_node2_gpu1_checkpoints_every_rank_at_one_step(tmp_path: Path
     finally:
         for rank in range(6):
             (tmp_path / f"rank{rank}.stop").touch()
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
+        procs.close()
         receiver.close()

@@ -1,5 +1,7 @@
 """A real ``forewarn agent --source sim`` subprocess on a Unix socket, for end-to-end tests
-of training ranks (tests/e2e/test_training_e2e.py, tests/hook/test_preemption.py)."""
+of training ranks (tests/e2e/test_training_e2e.py, tests/hook/test_preemption.py): the
+agent of :mod:`support.stack` (its command line) as one object with its metrics and
+findings, its settings as ``FOREWARN_AGENT_*`` variables."""
 
 from __future__ import annotations
 
@@ -7,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from support.polling import free_port, wait_for
+from support.stack import agent_command
 
 __all__ = ["AgentProc"]
 
@@ -29,15 +31,14 @@ class AgentProc:
         self.port = free_port()
         scenario = workdir / "quiet.toml"
         scenario.write_text(QUIET_SCENARIO)
+        config = workdir / "none.toml"
+        config.touch()
         self.log = workdir / f"agent-{name}.log"
         full_env = {**os.environ, **{f"FOREWARN_AGENT_{k.upper()}": v for k, v in env.items()}}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "forewarn", "agent", "--source", "sim", "--scenario",
-             str(scenario), "--socket", str(sock), "--listen", f"127.0.0.1:{self.port}",
-             "--no-kmsg", "--interval", "0.2", "--node", node, "--config",
-             str(workdir / "none.toml")],
+            agent_command(node, scenario=scenario, socket=sock, listen=f"127.0.0.1:{self.port}",
+                          interval=0.2, config=config),
             env=full_env, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
-        (workdir / "none.toml").touch()
         try:
             wait_for(self._ready, 60, f"agent {name} to serve (see {self.log})")
             wait_for(sock.exists, 30, "the agent socket")

@@ -18,6 +18,7 @@ from forewarn.wire import AgentBatch, encode
 
 from support.collector import TOKENS, poll_commands
 from support.polling import free_port, wait_for
+from support.stack import write_config
 
 __all__ = ["Replica", "write_tokens"]
 
@@ -42,7 +43,7 @@ class Replica:
                     "log_level": "warning", "advise_hooks": False, "predictor_enabled": False,
                     **keys}
         self.config = self.dir / "collector.toml"
-        self.config.write_text("".join(f"{k} = {_toml(v)}\n" for k, v in settings.items()))
+        write_config(self.config, **settings)
         self.log = (self.dir / "log").open("ab")
         self.proc: subprocess.Popen[bytes] | None = None
         self.client = httpx.Client(base_url=self.url, timeout=30)
@@ -110,11 +111,3 @@ class Replica:
                 self.kill()
         self.client.close()
         self.log.close()
-
-
-def _toml(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -1,12 +1,24 @@
-"""A real forewarn stack on loopback for tests: ``forewarn collector run`` (tmp data dir,
-enrolled token), a real ``forewarn agent --source sim`` on one simulated node whose scenario
-plays ECC, thermal, PCIe (ending in XID 79), row-remap and NVLink faults within seconds, a
-small training job of rank processes using :class:`forewarn.hook.Monitor` (one may report a
-NaN loss, one may hang) and, when asked, Prometheus (Debian package) scraping the agent and
-the collector every second with ``dashboards/rules/forewarn.rules.yml`` loaded.
+"""The one harness that starts a real forewarn stack on loopback for tests.
 
-Used by tests/dashboards/test_dashboards_prometheus.py and
-tests/collector/test_status_page_browser.py."""
+Building blocks, used by every test that starts the product's processes:
+
+* :class:`Processes`: named real processes of one test, each logging to
+  ``<tmp>/<name>.log``, polled with a check that none died (naming it, with its log), and
+  stopped together in reverse start order;
+* :func:`start_collector` (``forewarn collector run`` from a written config, waiting for
+  ``/healthz``), :func:`enroll` (a node's token), :func:`start_agent` (``forewarn agent
+  --source sim`` on a scenario, waiting for ``/healthz`` and its socket),
+  :func:`agent_command` (the agent's command line, for tests that run it themselves),
+  :func:`start_prometheus` (Debian's Prometheus scraping given targets);
+* :class:`Stack`: all of them at once -- a collector, one simulated node whose scenario
+  plays ECC, thermal, PCIe (ending in XID 79), row-remap and NVLink faults within seconds,
+  a small training job of rank processes using :class:`forewarn.hook.Monitor` (one may
+  report a NaN loss, one may hang) and, when asked, Prometheus with
+  ``dashboards/rules/forewarn.rules.yml`` loaded (tests/dashboards/test_dashboards_prometheus.py,
+  tests/collector/test_status_page_browser.py).
+
+The in-process collector (no subprocess) is :mod:`support.collector`.
+"""
 
 from __future__ import annotations
 
@@ -26,12 +38,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from forewarn.collector.http.auth import add_token
-
 from support.polling import free_port, wait_for
 
-__all__ = ["CLUSTER", "DASHBOARDS", "JOB", "NODE", "RULES", "PromError", "Stack",
-           "http_get", "running_stack", "stop"]
+__all__ = ["CLUSTER", "DASHBOARDS", "JOB", "NODE", "RULES", "Processes", "PromError", "Stack",
+           "agent_command", "enroll", "http_get", "running_stack", "start_agent",
+           "start_collector", "start_prometheus", "stop", "toml_value"]
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = ROOT / "dashboards"
@@ -134,38 +145,67 @@ def stop(proc: subprocess.Popen[bytes], timeout: float = 30) -> int:
     return int(proc.returncode)
 
 
-class _Sink(http.server.BaseHTTPRequestHandler):
-    """Webhook receiver: answers 204 to everything (so deliveries are counted)."""
+def toml_value(value: Any) -> str:
+    """``value`` (bool, number, string or list of them) as a TOML value."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
-    def do_POST(self) -> None:
-        self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        self.send_response(204)
-        self.end_headers()
 
-    def log_message(self, *args: Any) -> None:
-        pass
+def write_config(path: Path, **keys: Any) -> Path:
+    """A flat TOML config file of ``keys``."""
+    path.write_text("".join(f"{k} = {toml_value(v)}\n" for k, v in keys.items()))
+    return path
 
 
-class Stack:
-    """Collector + sim agent + toy job (+ Prometheus when asked), all real processes."""
+def enroll(tokens: Path, node: str, token_file: Path) -> Path:
+    """Enroll ``node`` in the collector's ``tokens`` file; its token goes to
+    ``token_file`` (mode 0600), as ``forewarn collector token add`` would hand it out."""
+    from forewarn.collector.http.auth import add_token  # only tests that enroll need it
 
-    def __init__(self, tmp: Path, *, ranks: int = 3, nan_rank: int | None = 1,
-                 hang_rank: int | None = 2, sim_speed: float = 2.0) -> None:
+    token_file.write_text(add_token(tokens, node) + "\n")
+    token_file.chmod(0o600)
+    return token_file
+
+
+def agent_command(node: str, *, scenario: Path | None = None, socket: Path | None = None,
+                  listen: str = "127.0.0.1:0", interval: float = 0.25,
+                  config: Path | None = None, collector: str = "",
+                  token_file: Path | None = None, sim_speed: float | None = None,
+                  extra: tuple[str, ...] = ()) -> list[str]:
+    """``forewarn agent --source sim`` for a simulated ``node`` (without ``scenario``: the
+    embedded one), listening on ``listen``, polling every ``interval`` s, without the
+    kernel log; reporting to ``collector`` with ``token_file`` when given."""
+    args = [sys.executable, "-m", "forewarn", "agent"]
+    if config is not None:
+        args += ["--config", str(config)]
+    args += ["--source", "sim", "--node", node, "--listen", listen, "--no-kmsg",
+             "--interval", f"{interval:g}"]
+    if scenario is not None:
+        args += ["--scenario", str(scenario)]
+    if sim_speed is not None:
+        args += ["--sim-speed", f"{sim_speed:g}"]
+    if socket is not None:
+        args += ["--socket", str(socket)]
+    if collector:
+        assert token_file is not None, "an agent reporting to a collector needs its token"
+        args += ["--collector", collector, "--token-file", str(token_file)]
+    return [*args, *extra]
+
+
+class Processes:
+    """Named real processes of one test, logging to ``<tmp>/<name>.log``. Children get the
+    test's environment without ``FOREWARN_*`` settings and ``NOTIFY_SOCKET`` (a developer's
+    or CI's own must not leak in), unbuffered."""
+
+    def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.logs: list[Any] = []
-        self.ranks, self.nan_rank, self.hang_rank, self.sim_speed = (
-            ranks, nan_rank, hang_rank, sim_speed)
-        self.collector_url = f"http://127.0.0.1:{free_port()}"
-        self.agent_address = f"127.0.0.1:{free_port()}"
-        self.socket = tmp / "agent.sock"
-        self.prometheus_url = ""
-        self.started = time.time()
-        """Wall time the stack started (range queries start here)."""
-        self.sink = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Sink)
-        threading.Thread(target=self.sink.serve_forever, daemon=True).start()
-
-    # -- processes ---------------------------------------------------------------------
 
     def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None,
               cwd: Path | None = None) -> subprocess.Popen[bytes]:
@@ -185,7 +225,7 @@ class Stack:
     def wait_for(self, what: str, probe: Callable[[], Any], timeout: float = 60,
                  every: float = 0.25) -> Any:
         """Poll ``probe`` until it returns something truthy; fail naming ``what`` (and
-        any stack process that died, with its log)."""
+        any process that died, with its log)."""
         def alive_and_probe() -> Any:
             for name, proc in self.procs.items():
                 if proc.poll() is not None:
@@ -195,48 +235,152 @@ class Stack:
 
         return wait_for(alive_and_probe, timeout, what, every)
 
-    def start(self) -> None:
-        """Collector, agent and the job's ranks (started, not yet heard)."""
+    def close(self) -> dict[str, int]:
+        """Stop every process, the last started first; exit status per process."""
+        codes = {name: stop(proc) for name, proc in reversed(self.procs.items())}
+        for log in self.logs:
+            log.close()
+        return codes
+
+
+def start_collector(procs: Processes, tokens: Path, name: str = "collector",
+                    timeout: float = 120, **keys: Any) -> str:
+    """``forewarn collector run`` on a free loopback port with its data under
+    ``<tmp>/data``, the nodes of ``tokens`` enrolled, warnings only, and ``keys`` as
+    further config; its URL once ``/healthz`` answers (its imports take half a minute on
+    a loaded machine)."""
+    url = f"http://127.0.0.1:{free_port()}"
+    config = write_config(procs.tmp / f"{name}.toml", **{
+        "listen": url.removeprefix("http://"), "data_dir": str(procs.tmp / "data"),
+        "tokens_file": str(tokens), "log_level": "warning", **keys})
+    procs.spawn(name, [sys.executable, "-m", "forewarn", "collector", "--config", str(config),
+                       "run"])
+    procs.wait_for(f"{name} /healthz", lambda: http_get(f"{url}/healthz")[0] == 200, timeout)
+    return url
+
+
+def start_agent(procs: Processes, node: str, scenario: str, *, name: str = "",
+                address: str = "", socket: Path | None = None, config: str = "",
+                collector: str = "",
+                token_file: Path | None = None, timeout: float = 60, wait: bool = True,
+                **kw: Any) -> str:
+    """``forewarn agent --source sim`` of ``node`` playing the ``scenario`` (TOML text), its
+    config file holding ``config``; with a ``collector`` it pushes every 0.5 s from a
+    spool of its own. It listens on ``address`` (default: a free loopback port) and returns
+    that ``host:port`` once ``/healthz`` answers (and its
+    ``socket`` exists; at once without ``wait``, for agents started side by side).
+    ``kw``: further :func:`agent_command` arguments."""
+    name = name or f"agent-{node}"
+    address = address or f"127.0.0.1:{free_port()}"
+    scenario_file = procs.tmp / f"{name}-scenario.toml"
+    scenario_file.write_text(scenario)
+    config_file = procs.tmp / f"{name}.toml"
+    config_file.write_text(config)
+    env = {"FOREWARN_AGENT_WATCHDOG": "0"}
+    if collector:
+        env |= {"FOREWARN_AGENT_SPOOL_DIR": str(procs.tmp / f"spool-{name}"),
+                "FOREWARN_AGENT_PUSH_INTERVAL_S": "0.5"}
+    procs.spawn(name, agent_command(node, scenario=scenario_file, socket=socket,
+                                    listen=address, config=config_file, collector=collector,
+                                    token_file=token_file, **kw), env=env)
+    if not wait:
+        return address
+    procs.wait_for(f"{name} /healthz" + (" and socket" if socket else ""),
+                   lambda: http_get(f"http://{address}/healthz")[0] == 200
+                   and (socket is None or socket.exists()), timeout)
+    return address
+
+
+def start_prometheus(procs: Processes, binary: str, targets: dict[str, str], *,
+                     rules: Path | None = None, labels: dict[str, str] | None = None,
+                     honor_labels: bool = False, extra: tuple[str, ...] = ()) -> str:
+    """Prometheus scraping (and evaluating ``rules``) every second: one scrape job per
+    ``targets`` entry (job name -> ``host:port``), each target carrying ``labels``.
+    Returns its URL once ready."""
+    lines = ["global:", "  scrape_interval: 1s", "  evaluation_interval: 1s"]
+    if rules is not None:
+        lines += ["rule_files:", f"  - {rules}"]
+    lines.append("scrape_configs:")
+    for job, address in targets.items():
+        lines.append(f"  - job_name: {job}")
+        if honor_labels:
+            lines.append("    honor_labels: true")
+        lines += ["    static_configs:", f"      - targets: ['{address}']"]
+        if labels:
+            lines.append("        labels: {" + ", ".join(f"{k}: {v}" for k, v in labels.items())
+                         + "}")
+    config = procs.tmp / "prometheus.yml"
+    config.write_text("\n".join(lines) + "\n")
+    port = free_port()
+    procs.spawn("prometheus", [
+        binary, f"--config.file={config}", f"--storage.tsdb.path={procs.tmp / 'tsdb'}",
+        f"--web.listen-address=127.0.0.1:{port}", *extra], cwd=procs.tmp)
+    url = f"http://127.0.0.1:{port}"
+    procs.wait_for("prometheus ready", lambda: http_get(f"{url}/-/ready")[0] == 200)
+    return url
+
+
+class _Sink(http.server.BaseHTTPRequestHandler):
+    """Webhook receiver: answers 204 to everything (so deliveries are counted)."""
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.send_response(204)
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+class Stack:
+    """Collector + sim agent + toy job (+ Prometheus when asked), all real processes."""
+
+    def __init__(self, tmp: Path, *, ranks: int = 3, nan_rank: int | None = 1,
+                 hang_rank: int | None = 2, sim_speed: float = 2.0) -> None:
+        self.tmp = tmp
+        self.procs = Processes(tmp)
+        self.ranks, self.nan_rank, self.hang_rank, self.sim_speed = (
+            ranks, nan_rank, hang_rank, sim_speed)
+        self.collector_url = ""
+        self.agent_address = f"127.0.0.1:{free_port()}"
+        self.socket = tmp / "agent.sock"
+        self.prometheus_url = ""
+        self.started = time.time()
+        """Wall time the stack started (range queries start here)."""
+        self.sink = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Sink)
+        threading.Thread(target=self.sink.serve_forever, daemon=True).start()
+
+    def wait_for(self, what: str, probe: Callable[[], Any], timeout: float = 60,
+                 every: float = 0.25) -> Any:
+        """:meth:`Processes.wait_for` of the stack's processes."""
+        return self.procs.wait_for(what, probe, timeout, every)
+
+    def start(self, prometheus: str | None = None) -> None:
+        """Collector, (Prometheus, given its binary,) agent and the job's ranks (started,
+        not yet heard). Prometheus comes before the agent: its rules see every counter from
+        the agent's first sample on (the scenario's faults end seconds after its start)."""
         self.started = time.time()
         tokens = self.tmp / "tokens.toml"
-        token_file = self.tmp / f"{NODE}.token"
-        token_file.write_text(add_token(tokens, NODE) + "\n")
-        token_file.chmod(0o600)
-        config = self.tmp / "collector.toml"
+        token_file = enroll(tokens, NODE, self.tmp / f"{NODE}.token")
         # checkpoint_default_s: the job has run for seconds only; with the 60 s default the
         # cost model would (rightly) find a few seconds of work not worth a checkpoint.
-        config.write_text(
-            f'listen = "{self.collector_url.removeprefix("http://")}"\n'
-            f'data_dir = "{self.tmp / "data"}"\ntokens_file = "{tokens}"\n'
-            'log_level = "warning"\n'
-            f'webhook_urls = ["http://127.0.0.1:{self.sink.server_address[1]}/hook"]\n'
-            'checkpoint_default_s = 0.5\norder_safety_s = 2.0\n'
-            # score every second, on every sample: risk panels fill within the test
-            'predict_interval_s = 1.0\npredict_sample_s = 0\n')
-        self.spawn("collector", [sys.executable, "-m", "forewarn", "collector", "--config",
-                                 str(config), "run"])
-        self.wait_for("collector /healthz",
-                      lambda: http_get(f"{self.collector_url}/healthz")[0] == 200)
-        scenario = self.tmp / "scenario.toml"
-        scenario.write_text(SCENARIO)
-        self.spawn("agent", [
-            sys.executable, "-m", "forewarn", "agent", "--source", "sim",
-            "--scenario", str(scenario), "--sim-speed", str(self.sim_speed),
-            "--interval", "0.5", "--node", NODE, "--listen", self.agent_address,
-            "--socket", str(self.socket), "--no-kmsg", "--collector", self.collector_url,
-            "--token-file", str(token_file), "--log-level", "warning"],
-            env={"FOREWARN_AGENT_SPOOL_DIR": str(self.tmp / "spool"),
-                 "FOREWARN_AGENT_PUSH_INTERVAL_S": "0.5", "FOREWARN_AGENT_WATCHDOG": "0"})
-        self.wait_for("agent /healthz and socket",
-                      lambda: http_get(f"http://{self.agent_address}/healthz")[0] == 200
-                      and self.socket.exists())
+        # predict_*: score every second, on every sample: risk panels fill within the test.
+        sink = f"http://127.0.0.1:{self.sink.server_address[1]}/hook"
+        self.collector_url = start_collector(
+            self.procs, tokens, webhook_urls=[sink], checkpoint_default_s=0.5,
+            order_safety_s=2.0, predict_interval_s=1.0, predict_sample_s=0)
+        if prometheus:
+            self.start_prometheus(prometheus)
+        start_agent(self.procs, NODE, SCENARIO, name="agent", address=self.agent_address,
+                    socket=self.socket, collector=self.collector_url, token_file=token_file,
+                    sim_speed=self.sim_speed, interval=0.5, extra=("--log-level", "warning"))
         script = self.tmp / "rank.py"
         script.write_text(RANK)
         out = self.tmp / "ckpt"
         out.mkdir()
         for rank in range(self.ranks):
             # local_rank == GPU index: rank r runs on GPU r of the node
-            self.spawn(f"rank{rank}", [
+            self.procs.spawn(f"rank{rank}", [
                 sys.executable, str(script), JOB, str(rank), str(rank), str(self.ranks),
                 str(self.socket), str(out),
                 str(60 if rank == self.nan_rank else -1),
@@ -248,31 +392,15 @@ class Stack:
         ``honor_labels`` as deploy/prometheus.yml: the agent's ``node``/``gpu`` labels are kept;
         training jobs are ``training_job``, so the scrape ``job`` label is never overwritten.
         """
-        config = self.tmp / "prometheus.yml"
-        config.write_text(
-            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-            f"rule_files:\n  - {RULES}\n"
-            "scrape_configs:\n"
-            "  - job_name: forewarn-agent\n    honor_labels: true\n    static_configs:\n"
-            f"      - targets: ['{self.agent_address}']\n"
-            f"        labels: {{cluster: {CLUSTER}}}\n"
-            "  - job_name: forewarn-collector\n    honor_labels: true\n    static_configs:\n"
-            f"      - targets: ['{self.collector_url.removeprefix('http://')}']\n"
-            f"        labels: {{cluster: {CLUSTER}}}\n")
-        port = free_port()
-        self.spawn("prometheus", [
-            binary, f"--config.file={config}", f"--storage.tsdb.path={self.tmp / 'tsdb'}",
-            f"--web.listen-address=127.0.0.1:{port}", "--rules.alert.resend-delay=1s"],
-            cwd=self.tmp)
-        self.prometheus_url = f"http://127.0.0.1:{port}"
-        self.wait_for("prometheus ready",
-                      lambda: http_get(f"{self.prometheus_url}/-/ready")[0] == 200)
+        self.prometheus_url = start_prometheus(
+            self.procs, binary, {"forewarn-agent": self.agent_address,
+                                 "forewarn-collector": self.collector_url.removeprefix("http://")},
+            rules=RULES, labels={"cluster": CLUSTER}, honor_labels=True,
+            extra=("--rules.alert.resend-delay=1s",))
 
     def close(self) -> dict[str, int]:
         """Stop everything (ranks first); exit status per process."""
-        codes = {name: stop(proc) for name, proc in reversed(self.procs.items())}
-        for log in self.logs:
-            log.close()
+        codes = self.procs.close()
         self.sink.shutdown()
         self.sink.server_close()
         return codes
@@ -312,13 +440,11 @@ def running_stack(tmp: Path, prometheus: str | None = None,
                   **kw: Any) -> Iterator[Stack]:
     stack = Stack(tmp, **kw)
     try:
-        stack.start()
-        if prometheus:
-            stack.start_prometheus(prometheus)
+        stack.start(prometheus)
         yield stack
     finally:
         codes = stack.close()
     # uvicorn re-raises the SIGTERM it handled after a clean shutdown: -15 is a clean exit.
     for name, ok in (("collector", (0, -signal.SIGTERM)), ("agent", (0,))):
         assert name not in codes or codes[name] in ok, (
-            f"{name} exited with {codes[name]}\n{stack.log_tail(name)}")
+            f"{name} exited with {codes[name]}\n{stack.procs.log_tail(name)}")
