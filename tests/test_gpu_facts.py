@@ -11,7 +11,8 @@ from forewarn.wire import Health
 ROOT = Path(__file__).resolve().parent.parent
 CODE = [p for d in ("agent", "collector", "models", "src", "hook")
         for p in (ROOT / d).rglob("*.py")
-        if p.relative_to(ROOT).as_posix() not in ("src/forewarn/gpu.py", "src/forewarn/wire/base.py")]
+        if p.relative_to(ROOT).as_posix() not in ("src/forewarn/gpu.py",
+                                                  "src/forewarn/wire/base.py")]
 
 
 def test_nvml_sentinels_match_the_binding() -> None:
