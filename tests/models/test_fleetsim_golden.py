@@ -1,4 +1,4 @@
-"""The fleet simulator's output for fixed seeds, against a golden file.
+"""The simulators' output for fixed seeds, against golden files.
 
 Every table a seeded fleet writes (samples, XID events, failure labels, behaviours) is
 reduced to a SHA-256 of its CSV; a refactoring of the simulator must leave every digest as
@@ -7,6 +7,8 @@ and every failure effect (GPU lost, double-bit error) appears. Regenerate the go
 only on purpose (a change of what the simulator writes):
 
     FOREWARN_REGEN_GOLDEN=1 python -m pytest -q tests/models/test_fleetsim_golden.py
+
+The job simulator's tables (one per fault kind, and none) are pinned the same way.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import pandas as pd
 
 from forewarn.models.families import PRECURSORS
 from forewarn.models.fleetsim import FleetData, FleetParams, load_params, simulate_fleet
+from forewarn.models.jobsim import FAULTS, simulate_job
 from forewarn.models.suites import classic
 
 from support.paths import TESTS
 
 GOLDEN = TESTS / "golden" / "fleet_seeded.json"
+JOB_GOLDEN = TESTS / "golden" / "job_seeded.json"
 
 
 def _fleets() -> dict[str, FleetParams]:
@@ -64,3 +68,15 @@ def test_seeded_fleets_are_what_they_always_were() -> None:
     for name in want:
         assert got[name] == want[name], f"fleet {name!r} differs from {GOLDEN.name}"
     assert set(got) == set(want)
+
+
+def test_seeded_jobs_are_what_they_always_were() -> None:
+    """The job simulator (peer comparison's data) likewise: every fault kind and none."""
+    got = {}
+    for seed, fault in enumerate((*FAULTS, None)):
+        df, victim = simulate_job(nodes=2, gpus_per_node=4, duration_s=120.0, fault=fault,
+                                  onset_s=60.0, seed=seed)
+        got[f"job_{fault}"] = {"victim": victim, "rows": len(df), "table": _digest(df)}
+    if os.environ.get("FOREWARN_REGEN_GOLDEN"):
+        JOB_GOLDEN.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+    assert got == json.loads(JOB_GOLDEN.read_text())
