@@ -60,7 +60,6 @@ __all__ = [
     "TokenBucket",
     "actions_for",
     "onset_step",
-    "service_policy",
 ]
 
 
@@ -641,11 +640,3 @@ def onset_step(finding: Finding, job: JobInfo, now: float) -> int:
     if isinstance(bad, int) and not isinstance(bad, bool) and bad >= 0:
         return bad
     return job.estimated_step(now) or 0
-
-
-def service_policy(config: Any) -> Any:
-    """The policy wired into the collector service (``forewarn collector`` looks this up):
-    a :class:`forewarn.collector.decide.policy_service.PolicyService` built from ``config``."""
-    from .policy_service import PolicyService
-
-    return PolicyService.from_config(config)

@@ -44,15 +44,11 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 from prometheus_client import Counter, Gauge
-from starlette.requests import Request
-from starlette.routing import BaseRoute
 
 from forewarn.config import ConfigError
 from forewarn.wire import AgentBatch, CommandAck, Finding, Health, SuggestedAction
 
-from ..http.operator import operator_routes
 from ..ingest.alert_book import AlertBook
-from ..ingest.alerts import AlertPayload, alert_routes
 from ..ingest.batch import store_findings
 from .actions import ActionPipeline, store_decisions
 from .costmodel import CheckpointCostTracker
@@ -62,12 +58,13 @@ from .incidents import IncidentBook, TrackedFinding, save_incidents
 from .orders import OrderBook, OrderSettings
 from .policy import Decision, Policy, PolicySettings
 from .predict import PredictorService
+from .seam import DecideContext, PolicyApi
 from .stragglers import StragglerService
 from .webhooks import Delivery, WebhookEndpoint, WebhookSender
 
 if TYPE_CHECKING:
     from ..config import CollectorConfig
-    from ..http.app import CollectorContext
+    from ..ingest.alerts import AlertPayload
 
 __all__ = ["PolicyService", "settings_from_config"]
 
@@ -171,7 +168,7 @@ class PolicyService:
         self.checkpoint_default_s = checkpoint_default_s
         self.pipeline: ActionPipeline | None = None
         self.sender: WebhookSender | None = None
-        self._ctx: CollectorContext | None = None
+        self._ctx: DecideContext | None = None
         self._drain_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="drain")
         self._incident_settings = (finding_ttl_s, incident_window_s)
         self.incidents: IncidentBook | None = None
@@ -235,7 +232,7 @@ class PolicyService:
 
     # -- the app's hooks (policy thread) ------------------------------------------------
 
-    def start(self, ctx: CollectorContext) -> None:
+    def start(self, ctx: DecideContext) -> None:
         """Build the pieces against the running service."""
         self._ctx = ctx
         registry = ctx.metrics.registry
@@ -351,17 +348,20 @@ class PolicyService:
         if self.pipeline is not None:
             self.pipeline.on_ack(ack)
 
-    def routes(self) -> list[BaseRoute]:
-        """``POST /api/v1/alerts/alertmanager`` and ``/api/v1/alerts/grafana``; the
-        operator's ``POST /api/v1/orders`` and ``/api/v1/drains``; with the predictor
+    def api(self) -> PolicyApi:
+        """The alert webhooks and the operator's orders and drains; with the predictor
         ``GET /api/v1/risk``, with goodput ``GET /api/v1/goodput``."""
-        out: list[BaseRoute] = list(alert_routes(self._handle_alert, self.alert_token))
-        out += operator_routes(self._submit_forced, self.operator_token)
-        if self.predictor is not None:
-            out += self.predictor.routes()
-        if self.goodput is not None:
-            out += self.goodput.routes(self.refresh_goodput)
-        return out
+        return PolicyApi(
+            alert_token=self.alert_token, alerts=self._handle_alert,
+            operator_token=self.operator_token, operator=self._submit_forced,
+            risk=self.predictor.risk if self.predictor is not None else None,
+            goodput=self._goodput_report if self.goodput is not None else None,
+        )
+
+    def _goodput_report(self, job: str | None, now: float) -> list[dict[str, Any]]:
+        """Policy thread: goodput refreshed now, of ``job`` or of every job."""
+        self.refresh_goodput(now)
+        return self.goodput.report_for(job) if self.goodput is not None else []
 
     def tick(self, now: float) -> None:
         """Score the fleet when due; predictions through the policy; goodput advice."""
@@ -427,11 +427,10 @@ class PolicyService:
     # -- helpers ------------------------------------------------------------------------
 
     async def _handle_alert(
-        self, request: Request, payload: AlertPayload, source: str
+        self, ctx: DecideContext, payload: AlertPayload, source: str
     ) -> dict[str, Any]:
         """Sort the alerts (off the loop), queue the new ones for the policy, answer at
         once: the policy's decisions are in ``GET /api/v1/decisions``."""
-        ctx: CollectorContext = request.app.state.ctx
         book = self.alert_book
         if book is None:
             raise RuntimeError("alert webhook before the policy service started")
@@ -449,7 +448,7 @@ class PolicyService:
         return {"findings": len(intake.findings), "duplicates": intake.duplicates,
                 "resolved": intake.resolved, "skipped": intake.skipped}
 
-    def _queue_alerts(self, findings: list[Finding], source: str, ctx: CollectorContext
+    def _queue_alerts(self, findings: list[Finding], source: str, ctx: DecideContext
                       ) -> int:
         """Coalesce new alert findings (and the healthy ones of resolved alerts) by check,
         subject and health for the bulk lane; returns how many were dropped because the
@@ -472,7 +471,7 @@ class PolicyService:
             ctx.submit_bulk(self._alert_turn, ctx)
         return dropped
 
-    def _alert_turn(self, ctx: CollectorContext) -> None:
+    def _alert_turn(self, ctx: DecideContext) -> None:
         """Bulk lane: run up to :data:`ALERT_CHUNK` alert findings through the policy,
         then queue the next turn behind any decision work that arrived meanwhile."""
         with self._alert_lock:
@@ -507,12 +506,11 @@ class PolicyService:
                 self.incidents.refresh(f, source, now)
 
     async def _submit_forced(
-        self, request: Request, findings: list[Finding], source: str
+        self, ctx: DecideContext, findings: list[Finding], source: str
     ) -> dict[str, Any]:
         """Store ``findings`` and run them through the policy with the cost model bypassed
         (an operator asked), on the decision lane; the decisions taken. (Alerts take the
         alert book and the bulk lane instead: :meth:`_handle_alert`.)"""
-        ctx: CollectorContext = request.app.state.ctx
         await asyncio.to_thread(_record_findings, ctx, findings, source, ctx.clock())
         taken = await ctx.run_policy(self._forced_findings, findings, source)
         decisions = [{"id": d.id, "action": d.action, "target": d.target,
@@ -545,7 +543,7 @@ class PolicyService:
             record()
 
 
-def _record_findings(ctx: CollectorContext, findings: Sequence[Finding], origin: str,
+def _record_findings(ctx: DecideContext, findings: Sequence[Finding], origin: str,
                      now: float) -> None:
     """Store findings made in the collector and count them (``origin`` labels both)."""
     with ctx.store.write() as conn:
@@ -554,7 +552,7 @@ def _record_findings(ctx: CollectorContext, findings: Sequence[Finding], origin:
         ctx.metrics.findings.labels(f.health.value, origin).inc()
 
 
-async def _flush_alerts(book: AlertBook, ctx: CollectorContext) -> None:
+async def _flush_alerts(book: AlertBook, ctx: DecideContext) -> None:
     """Store the alert book's rows and new findings every :data:`ALERT_FLUSH_S`."""
     while True:
         await asyncio.sleep(ALERT_FLUSH_S)
@@ -564,7 +562,7 @@ async def _flush_alerts(book: AlertBook, ctx: CollectorContext) -> None:
             log.exception("storing alerts failed; they are kept for the next try")
 
 
-async def _every(interval_s: float, ctx: CollectorContext, fn: Callable[[float], object]
+async def _every(interval_s: float, ctx: DecideContext, fn: Callable[[float], object]
                  ) -> None:
     """Run ``fn(now)`` on the policy thread every ``interval_s`` until cancelled."""
     while True:

@@ -37,11 +37,12 @@ The seam for the policy and actions (``policy=``)
     policy may also queue itself through ``ctx.commands`` (a ``CommandSink``:
     ``order_checkpoint(nodes, order)``).
 
-and optionally any of these (each its own small Protocol, :class:`StartHook`,
-:class:`StopHook`, :class:`BatchHook`, :class:`AckHook`, :class:`RouteHook`: a policy
-implements the ones it needs, and :func:`create_app` calls what it implements):
+and optionally any of these (each its own small Protocol in
+:mod:`forewarn.collector.decide.seam`, ``StartHook``, ``StopHook``, ``BatchHook``,
+``AckHook``, ``ApiHook``: a policy implements the ones it needs, and :func:`create_app`
+calls what it implements):
 
-``start(ctx: CollectorContext) -> None`` / ``stop() -> None``
+``start(ctx: DecideContext) -> None`` / ``stop() -> None``
     At app start-up / shutdown. ``ctx`` holds ``config``, ``store``, ``commands``,
     ``jobs`` (a :class:`~forewarn.collector.jobs.jobmap.StoreJobView`, the ``JobView`` protocol),
     ``metrics`` (``metrics.registry`` for the policy's own metrics), ``outbound`` (the
@@ -50,18 +51,21 @@ implements the ones it needs, and :func:`create_app` calls what it implements):
     Every newly stored batch (rank summaries, checkpoint reports for the order book).
 ``on_ack(ack: CommandAck, node: str) -> None``
     Every acknowledgement an agent sends.
-``routes() -> Sequence[starlette.routing.BaseRoute]``
-    Extra routes mounted on the app (inbound Alertmanager/Grafana webhooks); handlers
-    reach the context as ``request.app.state.ctx``.
+``api() -> PolicyApi``
+    What the policy answers over HTTP (alert webhooks, operator actions, risk, goodput):
+    plain callables for which the HTTP layer builds the routes
+    (:mod:`forewarn.collector.http.policy_routes`); nothing in the decide layer imports
+    this one.
 
 All hook calls run one at a time on a single dedicated thread ("forewarn-policy"), in the
 order events arrived, so a policy need not be thread-safe and never blocks ingest (bulk
 work queued with ``ctx.submit_bulk(fn, *args)`` runs only while no other hook call
 waits: :mod:`forewarn.collector.decide.policy_thread`); a hook
 that raises is logged and counted (``forewarn_collector_policy_errors_total``), never
-fatal. Routes added by the policy should pass findings through
-``await ctx.submit_findings(findings, origin=...)`` (stores them, then runs the hook on
-the same thread) or run their own calls with ``await ctx.run_policy(fn, *args)``.
+fatal. Handlers of the policy's API run their calls with ``await ctx.run_policy(fn,
+*args)``; other collector code passes findings through ``await
+ctx.submit_findings(findings, origin=...)`` (stores them, then runs the hook on the same
+thread).
 """
 
 from __future__ import annotations
@@ -76,7 +80,7 @@ import math
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -96,6 +100,15 @@ from forewarn.wire import (
 
 from ..config import CollectorConfig
 from ..decide.policy_thread import PolicyThread
+from ..decide.seam import (
+    AckHook,
+    ApiHook,
+    BatchHook,
+    DecideContext,
+    FindingsPolicy,
+    StartHook,
+    StopHook,
+)
 from ..ingest.batch import (
     IngestError,
     IngestWriter,
@@ -131,6 +144,7 @@ from .api import (
     read_routes,
 )
 from .auth import TokenRegistry
+from .policy_routes import policy_routes
 from .readiness import readyz
 
 if TYPE_CHECKING:
@@ -138,10 +152,7 @@ if TYPE_CHECKING:
 
     from ..ingest.bus import BusConsumer
 
-__all__ = [
-    "AckHook", "BatchHook", "CollectorContext", "FindingsPolicy", "RouteHook", "StartHook",
-    "StopHook", "create_app",
-]
+__all__ = ["CollectorContext", "create_app"]
 
 log = logging.getLogger(__name__)
 
@@ -151,59 +162,6 @@ POLICY_BACKLOG_MAX = 20_000
 """Batches waiting for the policy thread beyond which sample-only batches skip it."""
 
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
-
-
-class FindingsPolicy(Protocol):
-    """What :func:`create_app` needs of a policy (see the module docstring)."""
-
-    def on_findings(
-        self, findings: Sequence[Finding], store: StateStore, now: float
-    ) -> Sequence[NodeCommand] | None:
-        """Newly stored findings; the commands returned are queued for their agents."""
-
-
-# The optional hooks: runtime_checkable so that create_app tells which ones a policy has
-# by isinstance (a method set to None counts as absent), and mypy checks each signature.
-
-
-@runtime_checkable
-class StartHook(Protocol):
-    """A policy started with the app."""
-
-    def start(self, ctx: CollectorContext) -> None:
-        """At app start-up, on the policy thread, before any other hook call."""
-
-
-@runtime_checkable
-class StopHook(Protocol):
-    """A policy stopped with the app."""
-
-    def stop(self) -> None:
-        """At app shutdown, on the policy thread; an exception is ignored."""
-
-
-@runtime_checkable
-class BatchHook(Protocol):
-    """A policy that hears every stored batch."""
-
-    def on_batches(self, batches: Sequence[AgentBatch], now: float) -> None:
-        """Newly stored batches (leader only), before their findings reach ``on_findings``."""
-
-
-@runtime_checkable
-class AckHook(Protocol):
-    """A policy that hears the agents' acknowledgements."""
-
-    def on_ack(self, ack: CommandAck, node: str) -> None:
-        """An acknowledgement from ``node``'s agent (leader only)."""
-
-
-@runtime_checkable
-class RouteHook(Protocol):
-    """A policy with routes of its own."""
-
-    def routes(self) -> Sequence[BaseRoute]:
-        """Routes mounted on the app once, when it is built."""
 
 
 @dataclasses.dataclass
@@ -554,7 +512,8 @@ def create_app(
             await consumer.start()
             ctx.bus = consumer
         if isinstance(policy, StartHook):
-            await ctx.run_policy(policy.start, ctx)
+            decide_ctx: DecideContext = ctx  # mypy checks that the context fits the seam
+            await ctx.run_policy(policy.start, decide_ctx)
         ctx.leader.start()
         if ctx.series is not None:
             ctx.series.start()
@@ -599,8 +558,8 @@ def create_app(
         *statuspage.routes(),
         *extra_routes,
     ]
-    if isinstance(policy, RouteHook):
-        routes.extend(policy.routes())
+    if isinstance(policy, ApiHook):
+        routes.extend(policy_routes(policy.api()))
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.ctx = ctx
     return app

@@ -1,5 +1,5 @@
-"""Read-API routes mounted through the policy seam (``GET /api/v1/risk``,
-``GET /api/v1/goodput``): the same bearer-token rule as the app's own read API
+"""Read-API routes answered by the policy (``GET /api/v1/risk``, ``GET /api/v1/goodput``,
+built by :mod:`.policy_routes`): the same bearer-token rule as the app's own read API
 (``api_token`` when configured) and JSON answers encoded with msgspec. The query-parameter
 and read-token helpers here serve the app's own read API too (:mod:`forewarn.collector.http.api`).
 
