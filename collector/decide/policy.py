@@ -7,7 +7,8 @@ For each finding that is not healthy:
    finding calls for, from its health and suggested action. Bad numerics (a NaN/Inf
    loss; a grad-norm spike when configured: ``PolicySettings.hold_checks``) call for a
    **hold**: the job's ranks stop saving (no ordered or periodic save of the poisoned
-   state) from one step, and mark checkpoints since the onset suspect (:class:`~forewarn.wire.SaveHold`).
+   state) from one step, and mark checkpoints since the onset suspect
+   (:class:`~forewarn.wire.SaveHold`).
 2. **Incident**: the finding joins its incident (:mod:`.incidents`: correlated findings about
    one GPU, node or job); a healthy finding resolves its tracked finding.
 3. **Dedup**: the same check about the same subject within ``dedup_s`` is dropped (counted in

@@ -31,12 +31,12 @@ from starlette.routing import Route
 from forewarn.wire import Finding, Health, Subject, SuggestedAction
 
 from ..decide.seam import ForcedHandler
-from ..ingest.batch import IngestError
+from ..ingest.validate import IngestError
 from .api import read_limited
 from .auth import parse_bearer
 
 if TYPE_CHECKING:
-    from .app import CollectorContext
+    from .context import CollectorContext
 
 __all__ = ["MAX_BODY", "OperatorRequest", "check_operator", "operator_routes"]
 

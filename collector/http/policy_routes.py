@@ -27,7 +27,7 @@ from .operator import operator_routes
 from .read_routes import float_param, int_param, policy_read_route
 
 if TYPE_CHECKING:
-    from .app import CollectorContext
+    from .context import CollectorContext
 
 __all__ = ["alert_routes", "policy_routes"]
 

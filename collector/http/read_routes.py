@@ -18,11 +18,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..ingest.batch import IngestError
+from ..ingest.validate import IngestError
 from .auth import parse_bearer
 
 if TYPE_CHECKING:
-    from .app import CollectorContext
+    from .context import CollectorContext
 
 __all__ = ["QueryError", "check_reader", "float_param", "int_param", "policy_read_route"]
 
