@@ -10,6 +10,7 @@ Runs on the policy thread only.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -30,22 +31,18 @@ TICK_WITHOUT_PREDICTOR_S = 10.0
 """How often goodput advice is refreshed when no predictor sets the pace."""
 
 
+@dataclasses.dataclass
 class Advisors:
     """Any of the predictor, the straggler detector and goodput (``None``: off);
     ``advice`` sends goodput's interval advice to the ranks (``None``: shadow mode or
     ``advise_hooks`` off); ``tracker``: the measured checkpoint costs the policy keeps."""
 
-    def __init__(self, *, tracker: CheckpointCostTracker,
-                 predictor: PredictorService | None = None,
-                 goodput: GoodputService | None = None,
-                 stragglers: StragglerService | None = None,
-                 advice: AdviceSender | None = None) -> None:
-        self.tracker = tracker
-        self.predictor = predictor
-        self.goodput = goodput
-        self.stragglers = stragglers
-        self.advice = advice
-        self._ctx: DecideContext | None = None
+    tracker: CheckpointCostTracker
+    predictor: PredictorService | None = None
+    goodput: GoodputService | None = None
+    stragglers: StragglerService | None = None
+    advice: AdviceSender | None = None
+    _ctx: DecideContext | None = dataclasses.field(default=None, init=False)
 
     @property
     def tick_s(self) -> float | None:
