@@ -18,7 +18,6 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -208,6 +207,7 @@ def _run(args: argparse.Namespace) -> int:
     from forewarn.config import ConfigError
     from forewarn.logs import setup_logging
 
+    from .decide.policy_service import PolicyService
     from .http.app import create_app
     from .http.auth import AuthError
     from .storage.state import open_state
@@ -221,7 +221,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"forewarn collector: {exc}", file=sys.stderr)
         return 2
     try:
-        app = create_app(config, store, policy=_default_policy(config))
+        app = create_app(config, store, policy=PolicyService.from_config(config))
     # ConfigError: e.g. model_path unusable; StoreError: a database not this data's.
     except (AuthError, ConfigError, StoreError) as exc:
         print(f"forewarn collector: {exc}", file=sys.stderr)
@@ -236,17 +236,6 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         store.close()
     return 0
-
-
-def _default_policy(config: CollectorConfig) -> Any:
-    """The policy engine, when the policy package provides a factory for it."""
-    try:
-        from .decide import policy as policy_module
-    except ImportError:
-        return None
-    factory: Callable[[CollectorConfig], Any] | None = getattr(
-        policy_module, "service_policy", None)
-    return factory(config) if factory is not None else None
 
 
 class ServerThread:

@@ -7,6 +7,7 @@ the TOML keys. Unknown keys and bad values raise :class:`~forewarn.config.Config
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 from forewarn.config import ConfigError, check_logging
@@ -247,74 +248,24 @@ class CollectorConfig:
     """Batches one replica takes from the stream at a time."""
 
     def __post_init__(self) -> None:
+        # Types are msgspec.convert's (forewarn.config); ranges and choices are the tables
+        # below, checked in one place; the checks that relate keys follow.
         host, sep, port = self.listen.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
             raise ConfigError(f"listen: expected host:port, got {self.listen!r}")
         if (self.certfile is None) != (self.keyfile is None):
             raise ConfigError("certfile, keyfile: set both for TLS, or neither")
-        if not 1024 <= self.max_body_bytes <= 1024**3:
-            raise ConfigError(
-                f"max_body_bytes: must be within 1024..2**30, got {self.max_body_bytes}")
-        if not 1 <= self.max_batch_items <= 10_000_000:
-            raise ConfigError(
-                f"max_batch_items: must be within 1..10^7, got {self.max_batch_items}")
-        for key in ("long_poll_max_s", "command_redeliver_s", "command_ttl_s", "flush_interval_s",
-                    "retention_interval_s", "scrub_interval_s", "ingest_max_age_s",
-                    "ingest_max_future_s"):
-            if getattr(self, key) <= 0:
-                raise ConfigError(f"{key}: must be positive, got {getattr(self, key)}")
-        if self.retention_days < 1:
-            raise ConfigError(f"retention_days: must be at least 1, got {self.retention_days}")
-        if self.flush_samples < 1:
-            raise ConfigError(f"flush_samples: must be at least 1, got {self.flush_samples}")
-        if self.group_commit_max < 1:
-            raise ConfigError(f"group_commit_max: must be at least 1, got {self.group_commit_max}")
-        if self.sqlite_synchronous.upper() not in SYNCHRONOUS:
-            raise ConfigError(
-                f"sqlite_synchronous: must be one of {', '.join(SYNCHRONOUS)}, "
-                f"got {self.sqlite_synchronous!r}"
-            )
-        if self.state not in STATES:
-            raise ConfigError(f"state: must be one of {', '.join(STATES)}, got {self.state!r}")
+        _check_ranges(self)
         if self.state == "postgresql" and not self.postgres_dsn:
             raise ConfigError('postgres_dsn: required with state = "postgresql"')
-        if not 1 <= self.postgres_pool_max <= 1000:
-            raise ConfigError(
-                f"postgres_pool_max: must be within 1..1000, got {self.postgres_pool_max}")
         if self.remote_write_url and not self.remote_write_url.startswith(("http://",
                                                                           "https://")):
             raise ConfigError(f"remote_write_url: expected an http(s) URL, got "
                               f"{self.remote_write_url!r}")
-        if not 1 <= self.remote_write_queue_samples <= 100_000_000:
-            raise ConfigError(f"remote_write_queue_samples: must be within 1..10^8, got "
-                              f"{self.remote_write_queue_samples}")
-        if not 1 <= self.max_connections <= 1_000_000:
-            raise ConfigError(
-                f"max_connections: must be within 1..10^6, got {self.max_connections}")
-        for key in ("header_timeout_s", "body_timeout_s"):
-            if not 0 < getattr(self, key) <= 3600:
-                raise ConfigError(f"{key}: must be within (0, 3600], got {getattr(self, key)}")
-        if not 0 <= self.log_every_s <= 3600:
-            raise ConfigError(f"log_every_s: must be within 0..3600, got {self.log_every_s}")
-        if self.http not in ("auto", "httptools", "h11"):
-            raise ConfigError(f"http: must be auto, httptools or h11, got {self.http!r}")
         check_logging(self.log_level, self.log_format)
         _check_policy_keys(self)
         _check_tokens_distinct(self)
-        for key in ("finding_ttl_s", "incident_window_s"):
-            if not getattr(self, key) > 0:
-                raise ConfigError(f"{key}: must be positive, got {getattr(self, key)}")
         _check_bus_keys(self)
-        if not self.alert_ttl_s > 0 or not 1 <= self.alert_max_rows <= 10_000_000:
-            raise ConfigError(f"alert_ttl_s (> 0), alert_max_rows (1..10^7): got "
-                              f"{self.alert_ttl_s}, {self.alert_max_rows}")
-        for key in ("predict_interval_s", "predict_refresh_s", "goodput_gpu_mtbf_h",
-                    "straggler_bucket_s"):
-            if not getattr(self, key) > 0:
-                raise ConfigError(f"{key}: must be positive, got {getattr(self, key)}")
-        if not self.predict_sample_s >= 0:
-            raise ConfigError(
-                f"predict_sample_s: must not be negative, got {self.predict_sample_s}")
 
     @property
     def host(self) -> str:
@@ -348,6 +299,57 @@ def bus_password(c: CollectorConfig) -> str:
     except OSError as exc:
         raise ConfigError(f"bus_password_file: cannot read {c.bus_password_file}:"
                           f" {exc.strerror or exc}") from None
+
+
+_POSITIVE = (
+    "long_poll_max_s", "command_redeliver_s", "command_ttl_s", "flush_interval_s",
+    "retention_interval_s", "scrub_interval_s", "ingest_max_age_s", "ingest_max_future_s",
+    "finding_ttl_s", "incident_window_s", "alert_ttl_s", "predict_interval_s",
+    "predict_refresh_s", "goodput_gpu_mtbf_h", "straggler_bucket_s",
+)
+"""Keys that must be above 0."""
+
+_WITHIN: dict[str, tuple[float, float, str]] = {
+    "max_body_bytes": (1024, 1024**3, "within 1024..2**30"),
+    "max_batch_items": (1, 10_000_000, "within 1..10^7"),
+    "retention_days": (1, math.inf, "at least 1"),
+    "flush_samples": (1, math.inf, "at least 1"),
+    "group_commit_max": (1, math.inf, "at least 1"),
+    "postgres_pool_max": (1, 1000, "within 1..1000"),
+    "remote_write_queue_samples": (1, 100_000_000, "within 1..10^8"),
+    "max_connections": (1, 1_000_000, "within 1..10^6"),
+    "log_every_s": (0, 3600, "within 0..3600"),
+    "alert_max_rows": (1, 10_000_000, "within 1..10^7"),
+    "predict_sample_s": (0, math.inf, "at least 0"),
+}
+"""Keys within ``lo..hi`` (inclusive), and how the error says it."""
+
+_AT_MOST_AN_HOUR = ("header_timeout_s", "body_timeout_s")
+"""Keys within (0, 3600] seconds."""
+
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "sqlite_synchronous": SYNCHRONOUS,
+    "state": STATES,
+    "http": ("auto", "httptools", "h11"),
+}
+"""Keys that name one of a few choices (``sqlite_synchronous`` in any case)."""
+
+
+def _check_ranges(c: CollectorConfig) -> None:
+    """The tables above, the first bad key named in the error."""
+    for key in _POSITIVE:
+        if not getattr(c, key) > 0:
+            raise ConfigError(f"{key}: must be positive, got {getattr(c, key)}")
+    for key, (lo, hi, reads) in _WITHIN.items():
+        if not lo <= getattr(c, key) <= hi:
+            raise ConfigError(f"{key}: must be {reads}, got {getattr(c, key)}")
+    for key in _AT_MOST_AN_HOUR:
+        if not 0 < getattr(c, key) <= 3600:
+            raise ConfigError(f"{key}: must be within (0, 3600], got {getattr(c, key)}")
+    for key, choices in _CHOICES.items():
+        value = getattr(c, key)
+        if (value.upper() if key == "sqlite_synchronous" else value) not in choices:
+            raise ConfigError(f"{key}: must be one of {', '.join(choices)}, got {value!r}")
 
 
 def _check_bus_keys(c: CollectorConfig) -> None:

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from forewarn.collector.ingest.batch import IngestError, check_batch
+from forewarn.collector.ingest.validate import IngestError, check_batch
 from forewarn.wire import (
     AgentBatch,
     Beat,

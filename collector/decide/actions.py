@@ -24,7 +24,8 @@ from forewarn.wire import CheckpointReport, CommandAck, Finding
 
 from .drain import DrainError, DrainRunner
 from .orders import JobOrder, OrderBook
-from .policy import ActionKind, Decision, Outcome, PlannedAction, Policy
+from .policy import Decision, PlannedAction, Policy
+from .severity import ActionKind, Outcome
 
 __all__ = ["ActionLog", "ActionPipeline", "event_for", "store_decisions"]
 

@@ -40,12 +40,9 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import CollectorRegistry
-from starlette.requests import Request
-from starlette.routing import BaseRoute
 
 from forewarn.wire import AgentBatch, Command, Finding, Health, IntervalAdvice, RankSummary
 
-from ..http.read_routes import policy_read_route
 from ..jobs.goodput import (
     DEFAULT_GPU_MTBF_H,
     DEFAULT_RESTART_S,
@@ -58,7 +55,6 @@ from ..storage.commands import NodeCommand
 from .orders import OrderSettings, choose_step
 
 if TYPE_CHECKING:
-    from ..http.app import CollectorContext
     from ..jobs.jobview import JobInfo, JobView
     from .costmodel import CheckpointCostTracker
 
@@ -272,16 +268,9 @@ class GoodputService:
 
     # -- API and metrics ---------------------------------------------------------------
 
-    def routes(self, refresh: Callable[[float], None]) -> list[BaseRoute]:
-        """``GET /api/v1/goodput`` (``refresh(now)`` runs first, on the policy thread)."""
-
-        def goodput(ctx: CollectorContext, request: Request, now: float) -> Any:
-            """Per job goodput, lost time by cause and checkpoint interval advice."""
-            refresh(now)
-            job = request.query_params.get("job")
-            return [row for row in self.report() if job is None or row["job"] == job]
-
-        return [policy_read_route("/api/v1/goodput", goodput)]
+    def report_for(self, job: str | None) -> list[dict[str, Any]]:
+        """:meth:`report`, of one job only unless ``job`` is ``None``."""
+        return [row for row in self.report() if job is None or row["job"] == job]
 
     def register(self, registry: CollectorRegistry) -> None:
         """Add the goodput metrics to ``registry``."""

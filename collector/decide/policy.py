@@ -3,11 +3,12 @@ detectors and from alert webhooks.
 
 For each finding that is not healthy:
 
-1. **Severity rules** (:data:`SEVERITY_RULES`) say which action kinds the finding calls for,
-   from its health and suggested action. Bad numerics (a NaN/Inf loss; a grad-norm spike
-   when configured: ``PolicySettings.hold_checks``) call for a **hold**: the job's ranks
-   stop saving (no ordered or periodic save of the poisoned state) from one step, and
-   mark checkpoints since the onset suspect (:class:`~forewarn.wire.SaveHold`).
+1. **Severity rules** (:data:`~.severity.SEVERITY_RULES`) say which action kinds the
+   finding calls for, from its health and suggested action. Bad numerics (a NaN/Inf
+   loss; a grad-norm spike when configured: ``PolicySettings.hold_checks``) call for a
+   **hold**: the job's ranks stop saving (no ordered or periodic save of the poisoned
+   state) from one step, and mark checkpoints since the onset suspect
+   (:class:`~forewarn.wire.SaveHold`).
 2. **Incident**: the finding joins its incident (:mod:`.incidents`: correlated findings about
    one GPU, node or job); a healthy finding resolves its tracked finding.
 3. **Dedup**: the same check about the same subject within ``dedup_s`` is dropped (counted in
@@ -30,8 +31,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
-import math
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -41,105 +40,15 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
 from forewarn.escalation import escalates
-from forewarn.wire import Finding, Health, Subject, SuggestedAction
+from forewarn.wire import Finding, Health, Subject
 
 from ..jobs.jobview import JobInfo, JobView
 from .costmodel import CheckpointCostTracker, decide_checkpoint
 from .incidents import IncidentBook, Observation
+from .limits import CircuitBreaker, TokenBucket
+from .severity import HOLD_CHECKS, ActionKind, Outcome, actions_for
 
-__all__ = [
-    "HOLD_CHECKS",
-    "SEVERITY_RULES",
-    "ActionKind",
-    "CircuitBreaker",
-    "Decision",
-    "Outcome",
-    "PlannedAction",
-    "Policy",
-    "PolicySettings",
-    "TokenBucket",
-    "actions_for",
-    "onset_step",
-    "service_policy",
-]
-
-
-class ActionKind(enum.StrEnum):
-    """What the collector can do about a finding."""
-
-    CHECKPOINT = "checkpoint"
-    WEBHOOK = "webhook"
-    DRAIN = "drain"
-    HOLD = "hold"
-    """Stop the job's saves: its training state is suspect (bad numerics)."""
-
-
-class Outcome(enum.StrEnum):
-    """What the policy decided for one action on one target."""
-
-    ACT = "act"
-    SHADOW = "shadow"
-    """Would have acted; shadow mode recorded it instead."""
-    SUPPRESSED = "suppressed"
-    """Not needed or not allowed now: no job, below cost, cooldown, rate limit."""
-    REFUSED = "refused"
-    """The circuit breaker refused a mass action."""
-
-
-_ACTIVE = frozenset(
-    {
-        SuggestedAction.CHECKPOINT,
-        SuggestedAction.RESTART_JOB,
-        SuggestedAction.RESET_GPU,
-        SuggestedAction.REBOOT,
-        SuggestedAction.DRAIN,
-        SuggestedAction.INSPECT_HARDWARE,
-    }
-)
-_DRAIN = frozenset({SuggestedAction.DRAIN, SuggestedAction.INSPECT_HARDWARE})
-
-HOLD_CHECKS: frozenset[str] = frozenset({"nan_loss"})
-"""Checks whose unhealthy findings hold the job's saves by default (``policy_hold_checks``;
-add ``grad_spike`` to roll back past spikes PaLM-style: the hook then saves nothing after
-a spike until the user calls ``Monitor.release_hold()``)."""
-
-SEVERITY_RULES: Mapping[str, str] = {
-    "healthy": "nothing (clears dedup for the subject)",
-    "unhealthy + check in policy_hold_checks (nan_loss by default)":
-        "hold the job's saves (state suspect since the finding's bad_step) + webhook",
-    "unknown": "nothing (the check could not tell; its own metrics show it)",
-    "degraded + none/watch": "webhook",
-    "degraded + any other action": "checkpoint (cost-aware) + webhook",
-    "unhealthy + none/watch": "checkpoint (cost-aware) + webhook",
-    "unhealthy + restart_job": "webhook (a hung, dead or diverged job cannot save usefully)",
-    "unhealthy + checkpoint/reset_gpu/reboot": "checkpoint (cost-aware) + webhook",
-    "unhealthy + drain/inspect_hardware": "checkpoint (cost-aware) + webhook + drain",
-}
-"""The severity rules as :func:`actions_for` applies them (documentation and the API)."""
-
-
-def actions_for(finding: Finding, hold_checks: frozenset[str] = HOLD_CHECKS
-                ) -> tuple[ActionKind, ...]:
-    """The action kinds :data:`SEVERITY_RULES` give ``finding``."""
-    if finding.health == Health.UNHEALTHY and finding.check in hold_checks:
-        # the state is poisoned (or suspect): saving it is useless and would rotate a
-        # good checkpoint out; the ranks stop saving and mark what they saved since
-        return (ActionKind.HOLD, ActionKind.WEBHOOK)
-    if finding.action == SuggestedAction.RESTART_JOB:
-        # Hang, dead rank, NaN loss: the job cannot write a checkpoint worth keeping (a
-        # hung rank never reaches the step, a dead one blocks its peers, a NaN state is
-        # poison that would rotate a good checkpoint out). The agent ends or flags it.
-        return (ActionKind.WEBHOOK,)
-    if finding.health == Health.UNHEALTHY:
-        kinds = [ActionKind.CHECKPOINT, ActionKind.WEBHOOK]
-        if finding.action in _DRAIN:
-            kinds.append(ActionKind.DRAIN)
-        return tuple(kinds)
-    if finding.health == Health.DEGRADED:
-        if finding.action in _ACTIVE:
-            return (ActionKind.CHECKPOINT, ActionKind.WEBHOOK)
-        return (ActionKind.WEBHOOK,)
-    return ()
+__all__ = ["Decision", "PlannedAction", "Policy", "PolicySettings", "onset_step"]
 
 
 class Decision(msgspec.Struct, frozen=True, kw_only=True):
@@ -209,72 +118,6 @@ class PolicySettings:
     def is_shadow(self, kind: ActionKind) -> bool:
         """Whether ``kind`` is recorded only."""
         return self.shadow or kind.value in self.shadow_actions
-
-
-class TokenBucket:
-    """A token bucket: ``rate`` tokens per second up to ``burst``; one token per action."""
-
-    def __init__(self, rate: float, burst: float, now: float) -> None:
-        self.rate = rate
-        self.burst = max(1.0, burst)
-        self.tokens = self.burst
-        self.updated = now
-
-    def take(self, now: float) -> bool:
-        """Take a token if one is there."""
-        self.tokens = min(self.burst, self.tokens + max(0.0, now - self.updated) * self.rate)
-        self.updated = now
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
-            return True
-        return False
-
-
-class CircuitBreaker:
-    """Refuses acting on more than ``share`` of a population of targets within ``window_s``.
-
-    ``check`` answers whether a new target fits; ``note`` counts an action. A target already
-    acted on within the window is not counted twice. The breaker is *tripped* from its
-    first refusal until the window holds no refusal any more; :meth:`check` says when a
-    refusal is the first of a trip, so the caller alerts once.
-    """
-
-    def __init__(self, share: float, window_s: float, minimum: int = 1) -> None:
-        self.share = share
-        self.window_s = window_s
-        self.minimum = minimum
-        self._acted: collections.deque[tuple[float, str]] = collections.deque()
-        self._last_refusal: float | None = None
-
-    def _prune(self, now: float) -> None:
-        while self._acted and self._acted[0][0] < now - self.window_s:
-            self._acted.popleft()
-
-    def limit(self, population: int) -> int:
-        """Most distinct targets allowed within the window."""
-        return max(self.minimum, math.floor(self.share * population))
-
-    def check(self, target: str, population: int, now: float) -> tuple[bool, bool, dict[str, Any]]:
-        """(allowed, first refusal of this trip, inputs)."""
-        self._prune(now)
-        targets = {t for _, t in self._acted}
-        limit = self.limit(population)
-        inputs = {
-            "breaker_targets_in_window": len(targets),
-            "breaker_limit": limit,
-            "breaker_population": population,
-            "breaker_share": self.share,
-            "breaker_window_s": self.window_s,
-        }
-        if target in targets or len(targets) < limit:
-            return True, False, inputs
-        first = self._last_refusal is None or self._last_refusal < now - self.window_s
-        self._last_refusal = now
-        return False, first, inputs
-
-    def note(self, target: str, now: float) -> None:
-        """Count an action on ``target``."""
-        self._acted.append((now, target))
 
 
 def _new_id() -> str:
@@ -641,11 +484,3 @@ def onset_step(finding: Finding, job: JobInfo, now: float) -> int:
     if isinstance(bad, int) and not isinstance(bad, bool) and bad >= 0:
         return bad
     return job.estimated_step(now) or 0
-
-
-def service_policy(config: Any) -> Any:
-    """The policy wired into the collector service (``forewarn collector`` looks this up):
-    a :class:`forewarn.collector.decide.policy_service.PolicyService` built from ``config``."""
-    from .policy_service import PolicyService
-
-    return PolicyService.from_config(config)

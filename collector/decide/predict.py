@@ -43,13 +43,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import CollectorRegistry
-from starlette.requests import Request
-from starlette.routing import BaseRoute
 
 from forewarn.config import ConfigError
 from forewarn.wire import AgentBatch, Finding, GpuState, Health
 
-from ..http.read_routes import float_param, int_param, policy_read_route
 from .drift import LiveDrift
 
 if TYPE_CHECKING:
@@ -57,8 +54,8 @@ if TYPE_CHECKING:
     from forewarn.models.predictor import FailurePredictor
 
     from ..config import CollectorConfig
-    from ..http.app import CollectorContext
     from ..jobs.jobview import JobInfo
+    from .seam import DecideContext, RiskQuery
 
 __all__ = ["PredictorService", "RiskScores", "load_predictor_model"]
 
@@ -297,10 +294,6 @@ class PredictorService:
 
     # -- API ---------------------------------------------------------------------------
 
-    def routes(self) -> list[BaseRoute]:
-        """``GET /api/v1/risk``."""
-        return [policy_read_route("/api/v1/risk", self._risk)]
-
     def model_info(self) -> dict[str, Any]:
         """What the API says about the model."""
         m = self.model
@@ -310,17 +303,14 @@ class PredictorService:
                 "threshold": m.threshold, "check": m.check_name,
                 "trained_at": m.metadata.get("trained_at")}
 
-    def _risk(self, ctx: CollectorContext, request: Request, now: float) -> dict[str, Any]:
-        """Latest failure probability per GPU and per job."""
-        node = request.query_params.get("node")
-        floor = float_param(request, "min") or 0.0
-        limit = int_param(request, "limit", 1000, 1, 100_000)
+    def risk(self, ctx: DecideContext, query: RiskQuery, now: float) -> dict[str, Any]:
+        """Latest failure probability per GPU and per job (``GET /api/v1/risk``)."""
         sc = self.scores
-        sel = sc.probs >= floor
-        if node is not None:
-            sel &= sc.nodes == node
+        sel = sc.probs >= query.floor
+        if query.node is not None:
+            sel &= sc.nodes == query.node
         idx = np.nonzero(sel)[0]
-        idx = idx[np.argsort(-sc.probs[idx], kind="stable")][:limit]
+        idx = idx[np.argsort(-sc.probs[idx], kind="stable")][:query.limit]
         gpus = [{"node": str(sc.nodes[i]), "gpu": int(sc.gpus[i]),
                  "probability": round(float(sc.probs[i]), 6)} for i in idx]
         jobs = []

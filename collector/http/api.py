@@ -16,12 +16,13 @@ from starlette.routing import Route
 
 from forewarn.wire import AgentBatch, Command, CommandAck, Finding
 
-from ..ingest.batch import IngestError, count_rejection, finding_rows_json
+from ..ingest.batch import finding_rows_json
+from ..ingest.validate import IngestError, count_rejection
 from ..jobs.jobmap import job_detail, list_jobs
 from .read_routes import QueryError, check_reader, float_param, int_param
 
 if TYPE_CHECKING:
-    from .app import CollectorContext
+    from .context import CollectorContext
 
 __all__ = [
     "agent_node",

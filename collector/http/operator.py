@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import msgspec
 from starlette.requests import Request
@@ -30,12 +30,13 @@ from starlette.routing import Route
 
 from forewarn.wire import Finding, Health, Subject, SuggestedAction
 
-from ..ingest.batch import IngestError
+from ..decide.seam import ForcedHandler
+from ..ingest.validate import IngestError
 from .api import read_limited
 from .auth import parse_bearer
 
 if TYPE_CHECKING:
-    from .app import CollectorContext
+    from .context import CollectorContext
 
 __all__ = ["MAX_BODY", "OperatorRequest", "check_operator", "operator_routes"]
 
@@ -51,10 +52,6 @@ class OperatorRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     node: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
     gpu: Annotated[int, msgspec.Meta(ge=0, le=1024)] | None = None
     reason: Annotated[str, msgspec.Meta(max_length=1024)] = ""
-
-
-Submit = Callable[[Request, list[Finding], str], Awaitable[dict[str, Any]]]
-"""Runs findings through the policy with the cost model bypassed; the JSON answer."""
 
 
 def check_operator(ctx: CollectorContext, request: Request, token: str) -> None:
@@ -92,7 +89,7 @@ def _finding(kind: str, body: OperatorRequest, now: float) -> Finding:
                    reason=reason, action=action, time=now)
 
 
-def operator_routes(submit: Submit, token: str) -> list[Route]:
+def operator_routes(submit: ForcedHandler, token: str) -> list[Route]:
     """``POST /api/v1/orders`` and ``POST /api/v1/drains``, authorised with ``token``."""
     def endpoint(kind: str) -> Callable[[Request], Awaitable[Response]]:
         async def handle(request: Request) -> Response:
@@ -108,7 +105,7 @@ def operator_routes(submit: Submit, token: str) -> list[Route]:
             except IngestError as exc:
                 ctx.metrics.rejected.labels(exc.reason).inc()
                 return JSONResponse({"error": str(exc)}, status_code=exc.status)
-            return JSONResponse(await submit(request, [finding], "operator"))
+            return JSONResponse(await submit(ctx, [finding], "operator"))
 
         return handle
 

@@ -1,5 +1,5 @@
-"""Read-API routes mounted through the policy seam (``GET /api/v1/risk``,
-``GET /api/v1/goodput``): the same bearer-token rule as the app's own read API
+"""Read-API routes answered by the policy (``GET /api/v1/risk``, ``GET /api/v1/goodput``,
+built by :mod:`.policy_routes`): the same bearer-token rule as the app's own read API
 (``api_token`` when configured) and JSON answers encoded with msgspec. The query-parameter
 and read-token helpers here serve the app's own read API too (:mod:`forewarn.collector.http.api`).
 
@@ -18,11 +18,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..ingest.batch import IngestError
+from ..ingest.validate import IngestError
 from .auth import parse_bearer
 
 if TYPE_CHECKING:
-    from .app import CollectorContext
+    from .context import CollectorContext
 
 __all__ = ["QueryError", "check_reader", "float_param", "int_param", "policy_read_route"]
 

@@ -35,7 +35,7 @@ from ..storage.remote_write import status as remote_write_status
 from .api import ctx_of, json_response
 
 if TYPE_CHECKING:
-    from .app import CollectorContext
+    from .context import CollectorContext
 
 __all__ = ["collector_readiness", "readyz"]
 

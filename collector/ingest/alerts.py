@@ -24,7 +24,8 @@ re-sends at every group and repeat interval) only update the alert's row
 "skipped": [why, ...]}`` at once; the policy's decisions follow on its thread
 (``GET /api/v1/decisions``).
 
-Routes ``POST /api/v1/alerts/alertmanager`` and ``POST /api/v1/alerts/grafana`` require
+The routes ``POST /api/v1/alerts/alertmanager`` and ``POST /api/v1/alerts/grafana``
+(:mod:`forewarn.collector.http.policy_routes`) require
 ``Authorization: Bearer <alert_token>`` (Alertmanager: ``http_config.authorization``;
 Grafana: the webhook contact point's authorization header). With no token configured the
 routes refuse every request (403): security by default.
@@ -33,15 +34,9 @@ routes refuse every request (403): security by default.
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import logging
-from collections.abc import Awaitable, Callable
-from typing import Any
 
 import msgspec
-from starlette.requests import Request
-from starlette.responses import JSONResponse
-from starlette.routing import Route
 
 from forewarn.wire import (
     DECODE_ERRORS,
@@ -57,13 +52,11 @@ from ..jobs.jobview import JobView, node_of_instance
 __all__ = [
     "MAX_ALERT_BODY",
     "Alert",
-    "AlertHandler",
     "AlertPayload",
     "AlertTarget",
     "alert_finding",
     "alert_findings",
     "alert_labels",
-    "alert_routes",
     "parse_alerts",
 ]
 
@@ -197,54 +190,3 @@ def alert_findings(
         else:
             findings.append(found)
     return findings, skipped
-
-
-AlertHandler = Callable[[Request, AlertPayload, str], Awaitable[dict[str, Any]]]
-"""Handles one authenticated, decoded webhook: ``(request, payload, source)`` -> the JSON
-answer (the service turns it into findings with :func:`alert_findings` and runs them
-through the policy)."""
-
-
-def _authorized(request: Request, token: str) -> bool:
-    given = request.headers.get("authorization", "")
-    scheme, _, value = given.partition(" ")
-    return bool(token) and scheme.lower() == "bearer" and hmac.compare_digest(
-        value.strip().encode(), token.encode()
-    )
-
-
-def alert_routes(handler: AlertHandler, token: str) -> list[Route]:
-    """The two alert webhook routes, authenticated with ``token``."""
-
-    def endpoint(source: str) -> Callable[[Request], Awaitable[JSONResponse]]:
-        async def handle(request: Request) -> JSONResponse:
-            if not token:
-                return JSONResponse(
-                    {"error": "alert webhooks are disabled: set alert_token"}, status_code=403
-                )
-            if not _authorized(request, token):
-                return JSONResponse(
-                    {"error": "missing or wrong bearer token"},
-                    status_code=401,
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-            length = request.headers.get("content-length", "")
-            if length.isdigit() and int(length) > MAX_ALERT_BODY:
-                return JSONResponse({"error": "body too large"}, status_code=413)
-            body = b""
-            async for chunk in request.stream():
-                body += chunk
-                if len(body) > MAX_ALERT_BODY:
-                    return JSONResponse({"error": "body too large"}, status_code=413)
-            try:
-                payload = parse_alerts(body)
-            except ValueError as exc:
-                return JSONResponse({"error": str(exc)}, status_code=400)
-            return JSONResponse(await handler(request, payload, source))
-
-        return handle
-
-    return [
-        Route("/api/v1/alerts/alertmanager", endpoint("alertmanager"), methods=["POST"]),
-        Route("/api/v1/alerts/grafana", endpoint("grafana"), methods=["POST"]),
-    ]

@@ -37,7 +37,7 @@ import collections
 import msgspec
 
 from forewarn.errors import InputError
-from forewarn.wire import AgentBatch, Health, RankSummary
+from forewarn.wire import AgentBatch, CheckpointReport, Finding, Health, RankSummary
 
 from ..storage.state import Transaction
 
@@ -83,60 +83,83 @@ def authorise_batch(conn: Transaction, batch: AgentBatch, now: float
     jobs = {r.job for r in batch.ranks} | {c.job for c in batch.checkpoints} | named
     if not jobs:
         return batch, {}
-    node = batch.node
-    held = _holders(conn, jobs)
-    ignored: collections.Counter[str] = collections.Counter()
-    ranks: list[RankSummary] = []
-    waiting: set[tuple[str, int]] = set()
-    mine = {key for key, h in held.items() if h[0] == node}
-    for r in batch.ranks:
-        verdict = _claim(r, held.get((r.job, r.rank)), node, now)
-        if verdict == "apply":
-            ranks.append(r)
-            mine.add((r.job, r.rank))
-        else:
-            ignored[verdict] += 1
-            if verdict == "rank_held":
-                waiting.add((r.job, r.rank))
-    mine_jobs = {job for job, _ in mine}
-    waiting_jobs = {job for job, _ in waiting}
-
-    def where(job: str, rank: int | None) -> str:
-        nodes = sorted({h[0] for (j, r), h in held.items()
-                        if j == job and (rank is None or r == rank)})
-        return f"on {', '.join(map(repr, nodes))}" if nodes else "unknown to the job map"
-
-    checkpoints = []
-    for i, c in enumerate(batch.checkpoints):
-        if (c.job, c.rank) in mine:
-            checkpoints.append(c)
-        elif (c.job, c.rank) in waiting:
-            ignored["rank_held"] += 1
-        else:
-            raise NotYourJob(f"$.checkpoints[{i}]: job {c.job!r} rank {c.rank} does not run on "
-                             f"node {node!r} ({where(c.job, c.rank)})")
-    findings = []
-    for i, f in enumerate(batch.findings):
-        s = f.subject
-        if not s.job:
-            findings.append(f)
-            continue
-        if s.kind == "rank" and s.rank is not None:
-            ok, wait = (s.job, s.rank) in mine, (s.job, s.rank) in waiting
-        else:
-            ok, wait = s.job in mine_jobs, s.job in waiting_jobs
-        if ok:
-            findings.append(f)
-        elif wait:
-            ignored["rank_held"] += 1
-        elif f.health in (Health.HEALTHY, Health.UNKNOWN):
-            ignored["other_node"] += 1  # asks for nothing: never worth the batch
-        else:
-            rank = s.rank if s.kind == "rank" else None
-            what = f"job {s.job!r}" + ("" if rank is None else f" rank {rank}")
-            raise NotYourJob(f"$.findings[{i}].subject: {what} does not run on node "
-                             f"{node!r} ({where(s.job, rank)})")
-    if not ignored:
+    claims = _Claims(batch.node, _holders(conn, jobs))
+    ranks = claims.take_ranks(batch.ranks, now)
+    checkpoints = claims.checkpoints(batch.checkpoints)
+    findings = claims.findings(batch.findings)
+    if not claims.ignored:
         return batch, {}
     return msgspec.structs.replace(batch, ranks=ranks, checkpoints=checkpoints,
-                                   findings=findings), dict(ignored)
+                                   findings=findings), dict(claims.ignored)
+
+
+class _Claims:
+    """Which ranks of the batch's jobs ``node`` holds (``mine``) or waits for while
+    another live node holds them (``waiting``), and what was ignored by reason."""
+
+    def __init__(self, node: str, held: dict[tuple[str, int], _Holder]) -> None:
+        self.node = node
+        self.held = held
+        self.mine = {key for key, h in held.items() if h[0] == node}
+        self.waiting: set[tuple[str, int]] = set()
+        self.ignored: collections.Counter[str] = collections.Counter()
+
+    def take_ranks(self, ranks: list[RankSummary], now: float) -> list[RankSummary]:
+        """The rank summaries ``node`` may apply (it then holds those ranks)."""
+        out = []
+        for r in ranks:
+            verdict = _claim(r, self.held.get((r.job, r.rank)), self.node, now)
+            if verdict == "apply":
+                out.append(r)
+                self.mine.add((r.job, r.rank))
+            else:
+                self.ignored[verdict] += 1
+                if verdict == "rank_held":
+                    self.waiting.add((r.job, r.rank))
+        return out
+
+    def checkpoints(self, reports: list[CheckpointReport]) -> list[CheckpointReport]:
+        """The checkpoint reports of ranks ``node`` holds."""
+        out = []
+        for i, c in enumerate(reports):
+            if (c.job, c.rank) in self.mine:
+                out.append(c)
+            elif (c.job, c.rank) in self.waiting:
+                self.ignored["rank_held"] += 1
+            else:
+                raise NotYourJob(f"$.checkpoints[{i}]: job {c.job!r} rank {c.rank} does not "
+                                 f"run on node {self.node!r} ({self._where(c.job, c.rank)})")
+        return out
+
+    def findings(self, findings: list[Finding]) -> list[Finding]:
+        """Findings about no job, or about a job (rank) ``node`` runs; a healthy or unknown
+        finding about another node's job is ignored (it asks for nothing)."""
+        out = []
+        mine_jobs = {job for job, _ in self.mine}
+        waiting_jobs = {job for job, _ in self.waiting}
+        for i, f in enumerate(findings):
+            s = f.subject
+            if not s.job:
+                out.append(f)
+                continue
+            if s.kind == "rank" and s.rank is not None:
+                ok, wait = (s.job, s.rank) in self.mine, (s.job, s.rank) in self.waiting
+            else:
+                ok, wait = s.job in mine_jobs, s.job in waiting_jobs
+            if ok:
+                out.append(f)
+            elif wait:
+                self.ignored["rank_held"] += 1
+            elif f.health in (Health.HEALTHY, Health.UNKNOWN):
+                self.ignored["other_node"] += 1  # asks for nothing: never worth the batch
+            else:
+                rank = s.rank if s.kind == "rank" else None
+                what = f"job {s.job!r}" + ("" if rank is None else f" rank {rank}")
+                raise NotYourJob(f"$.findings[{i}].subject: {what} does not run on node "
+                                 f"{self.node!r} ({self._where(s.job, rank)})")
+        return out
+
+    def _where(self, job: str, rank: int | None) -> str:
+        nodes = sorted({h[0] for (j, r), h in self.held.items()
+                        if j == job and (rank is None or r == rank)})
+        return f"on {', '.join(map(repr, nodes))}" if nodes else "unknown to the job map"

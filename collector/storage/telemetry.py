@@ -27,9 +27,6 @@ damaged or missing file and returns the rest.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import datetime as dt
-import functools
 import logging
 import os
 import shutil
@@ -39,207 +36,32 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
-from forewarn.errors import StorageError
-from forewarn.wire import DECODE_ERRORS, INT64_MAX, GpuSample, encode
+from forewarn.wire import DECODE_ERRORS, GpuSample
 
 from ..metrics import CollectorMetrics
 from .datadir import Quarantine
+from .parquet_layout import (
+    COLUMNS,
+    WRITE_OPTIONS,
+    TelemetryError,
+    day_of_time,
+    decode_samples,
+    load_checked,
+    samples_to_columns,
+    scan_checked,
+    verify_parquet,
+    writable,
+)
 from .staging import StagingError, StagingLog
 from .state import StateStore
+from .telemetry_recovery import Recovered, TelemetryRecovery
 
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["COLUMNS", "Recovered", "TelemetryError", "TelemetryWriter", "samples_to_columns",
-           "verify_parquet"]
+__all__ = ["Recovered", "TelemetryWriter"]
 
 log = logging.getLogger(__name__)
-
-
-class _SamplesOnly(msgspec.Struct):
-    samples: list[GpuSample] = msgspec.field(default_factory=list)
-
-
-class _RawSamples(msgspec.Struct):
-    samples: list[msgspec.Raw] = msgspec.field(default_factory=list)
-
-
-_staged_decoder = msgspec.msgpack.Decoder(_SamplesOnly)
-_raw_samples_decoder = msgspec.msgpack.Decoder(_RawSamples)
-_sample_decoder = msgspec.msgpack.Decoder(GpuSample)
-
-
-def _decode_samples(body: bytes) -> tuple[list[GpuSample], list[str]]:
-    """The samples of a staged body, and why any were left out: one bad sample (staged
-    before ingest refused such values) costs only itself, never its batch or the flush."""
-    try:
-        return _staged_decoder.decode(body).samples, []
-    except msgspec.ValidationError:
-        pass
-    good, bad = [], []
-    for i, raw in enumerate(_raw_samples_decoder.decode(body).samples):
-        try:
-            good.append(_sample_decoder.decode(raw))
-        except DECODE_ERRORS as exc:
-            bad.append(f"samples[{i}]: {exc}")
-    return good, bad
-
-
-def _writable(sample: GpuSample) -> bool:
-    """Whether ``sample`` passes the wire decoder's checks (ranges, finite values)."""
-    try:
-        _sample_decoder.decode(encode(sample))
-    except DECODE_ERRORS:
-        return False
-    return True
-
-
-_FLOAT = ("temperature_c", "memory_temperature_c", "slowdown_margin_c", "power_w",
-          "power_limit_w", "sm_clock_mhz", "mem_clock_mhz", "gpu_util_pct", "mem_util_pct")
-_INT = ("memory_used_bytes", "memory_total_bytes", "throttle_reasons",
-        "ecc_corrected_volatile", "ecc_uncorrected_volatile", "ecc_corrected_aggregate",
-        "ecc_uncorrected_aggregate", "retired_pages_sbe", "retired_pages_dbe",
-        "remapped_rows_correctable", "remapped_rows_uncorrectable", "pcie_replay_total",
-        "pcie_link_gen", "pcie_link_gen_max", "pcie_link_width", "pcie_link_width_max",
-        "pstate")
-_BOOL = ("retired_pages_pending", "remap_pending", "remap_failure")
-_STR = ("node", "uuid", "pci_bus_id", "name", "source")
-_NVLINK = ("crc_flit", "crc_data", "replay", "recovery")
-
-COLUMNS: tuple[tuple[str, str], ...] = (
-    ("time", "float64"), ("node", "string"), ("gpu", "int64"), ("uuid", "string"),
-    ("pci_bus_id", "string"), ("name", "string"), ("source", "string"),
-    ("simulated", "bool"), ("state", "string"),
-    *((c, "float64") for c in _FLOAT), *((c, "int64") for c in _INT),
-    *((c, "bool") for c in _BOOL),
-    *((f"nvlink_{c}", "int64") for c in _NVLINK),
-    ("unsupported", "string"), ("errors", "string"),
-    ("agent_id", "string"), ("seq", "int64"),
-)
-"""Parquet columns and their Arrow types. ``unsupported``/``errors`` are comma-joined."""
-
-_WRITE_OPTIONS: dict[str, Any] = {"compression": "zstd", "write_page_checksum": True}
-"""How every Parquet file is written: page CRCs let a read or the scrub detect damage."""
-
-
-class TelemetryError(StorageError, OSError):
-    """A Parquet file is damaged or not what was written; the message names the file."""
-
-
-def verify_parquet(path: Path, rows: int) -> None:
-    """Read back the footer of a written file: it must parse, hold ``rows`` rows and the
-    :data:`COLUMNS`. Raises :class:`TelemetryError` naming the file."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        meta = pq.ParquetFile(path).metadata
-    except (OSError, pa.ArrowException) as exc:
-        raise TelemetryError(f"{path.name}: footer unreadable: {exc}") from None
-    if meta.num_rows != rows:
-        raise TelemetryError(f"{path.name}: {meta.num_rows} rows, {rows} written")
-    names = [meta.schema.column(i).name for i in range(meta.num_columns)]
-    if names != [name for name, _kind in COLUMNS]:
-        raise TelemetryError(f"{path.name}: columns {names} are not the telemetry columns")
-
-
-def _load_checked(path: Path, rows: int, schema: Any = None) -> Any:
-    """The whole table of ``path`` (every page's CRC checked); raises
-    :class:`TelemetryError` when it cannot be read or does not hold ``rows`` rows."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.read_table(path, schema=schema, page_checksum_verification=True)
-    except (OSError, pa.ArrowException) as exc:
-        raise TelemetryError(f"{path.name}: {exc}") from None
-    if table.num_rows != rows:
-        raise TelemetryError(f"{path.name}: {table.num_rows} rows, {rows} recorded")
-    return table
-
-
-def _scan_checked(path: Path, rows: int) -> None:
-    """Read every page of ``path`` (CRCs checked) in batches, so a whole compacted day
-    never sits in memory; raises like :func:`_load_checked`."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        got = sum(b.num_rows for b in pq.ParquetFile(
-            path, page_checksum_verification=True).iter_batches(batch_size=65_536))
-    except (OSError, pa.ArrowException) as exc:
-        raise TelemetryError(f"{path.name}: {exc}") from None
-    if got != rows:
-        raise TelemetryError(f"{path.name}: {got} rows, {rows} recorded")
-
-
-@dataclasses.dataclass
-class Recovered:
-    """What start-up recovery did (:meth:`TelemetryWriter.recover`)."""
-
-    removed: list[Path] = dataclasses.field(default_factory=list)
-    """Temp files, and Parquet files whose every row is held elsewhere."""
-    quarantined: list[Path] = dataclasses.field(default_factory=list)
-    """Files held nowhere else, moved to the quarantine (their original paths)."""
-
-
-_NO_SUMS: tuple[None, None, None, None] = (None, None, None, None)
-
-
-def _nvlink_sums(links: Sequence[Any]) -> tuple[int | None, ...]:
-    """Sums over links of (crc_flit, crc_data, replay, recovery), at most ``INT64_MAX``; None
-    where no link has it."""
-    a = b = c = d = 0
-    na = nb = nc = nd = False
-    for link in links:
-        if link.crc_flit is not None:
-            a += link.crc_flit
-            na = True
-        if link.crc_data is not None:
-            b += link.crc_data
-            nb = True
-        if link.replay is not None:
-            c += link.replay
-            nc = True
-        if link.recovery is not None:
-            d += link.recovery
-            nd = True
-    # Each link's counter fits int64 (the wire checks it); their sum need not: saturate.
-    return (min(a, INT64_MAX) if na else None, min(b, INT64_MAX) if nb else None,
-            min(c, INT64_MAX) if nc else None, min(d, INT64_MAX) if nd else None)
-
-
-def samples_to_columns(samples: Sequence[GpuSample], agent_ids: Sequence[str],
-                       seqs: Sequence[int]) -> dict[str, list[Any]]:
-    """Column lists for :data:`COLUMNS` (built per field: far cheaper than per-row dicts)."""
-    cols: dict[str, list[Any]] = {
-        "time": [s.time for s in samples],
-        "gpu": [s.gpu for s in samples],
-        "simulated": [s.simulated for s in samples],
-        "state": [s.state.value for s in samples],
-    }
-    for name in (*_STR, *_FLOAT, *_INT, *_BOOL):
-        cols[name] = [getattr(s, name) for s in samples]
-    sums = [_nvlink_sums(s.nvlink) if s.nvlink else _NO_SUMS for s in samples]
-    for i, key in enumerate(_NVLINK):
-        cols[f"nvlink_{key}"] = [row[i] for row in sums]
-    cols["unsupported"] = [",".join(s.unsupported) for s in samples]
-    cols["errors"] = [",".join(s.errors) for s in samples]
-    cols["agent_id"] = list(agent_ids)
-    cols["seq"] = list(seqs)
-    return cols
-
-
-@functools.lru_cache(maxsize=64)
-def _day_of(day_number: int) -> str:
-    return dt.datetime.fromtimestamp(day_number * 86400, dt.UTC).strftime("%Y-%m-%d")
-
-
-def _day(t: float) -> str:
-    """UTC date of Unix time ``t`` (``YYYY-MM-DD``), cached per day number."""
-    return _day_of(int(t // 86400))
 
 
 class TelemetryWriter:
@@ -295,7 +117,7 @@ class TelemetryWriter:
         else:
             body = self.staging.read(int(row["segment"]), int(row["offset"]),
                                      int(row["length"]))
-        samples, bad = _decode_samples(body)
+        samples, bad = decode_samples(body)
         for why in bad:
             self._bad_row(row["agent_id"], row["seq"], why)
         return samples
@@ -316,105 +138,10 @@ class TelemetryWriter:
 
     def recover(self) -> Recovered:
         """Start-up: account for every file the database does not name (left by a crash,
-        or newer than a restored database). Never deletes data on a guess:
-
-        * ``*.tmp`` files are deleted: never renamed, so never data of record (their rows
-          are still staged, or still in the files a compaction was merging);
-        * an unrecorded Parquet file is deleted when every batch it holds on its day is
-          still staged or in a recorded file of that day (a flush or compaction cut short),
-          otherwise moved to the quarantine;
-        * a staging segment no staged row refers to is deleted when a recorded flush
-          came after its last write (so its bodies were flushed), otherwise quarantined.
-        """
-        recovered = Recovered()
+        or newer than a restored database); see :mod:`.telemetry_recovery`."""
         with self._flush_lock:
-            known = {r["name"] for r in self.store.query("SELECT name FROM telemetry_files")}
-            staged = self._readable_staged()
-            for path in sorted(self.root.glob("date=*/*")):
-                rel = path.relative_to(self.root).as_posix()
-                if path.suffix == ".tmp":
-                    path.unlink(missing_ok=True)
-                    recovered.removed.append(path)
-                elif path.suffix == ".parquet" and rel not in known:
-                    self._account(recovered, path, f"telemetry/{rel}",
-                                  redundant=self._held_elsewhere(path, staged),
-                                  why="the database does not name it and holds its rows "
-                                      "nowhere else (a database older than the data?)")
-            self._recover_segments(recovered)
-        if recovered.removed:
-            log.info("recovery removed %d files whose rows are held elsewhere: %s",
-                     len(recovered.removed), ", ".join(p.name for p in recovered.removed))
-        return recovered
-
-    def _readable_staged(self) -> set[tuple[str, int]]:
-        """The staged batches whose bodies can still be read: in SQLite, or in a staging
-        segment that exists and is long enough. A database older than the data can name
-        batches staged in a segment a later flush deleted; those hold their rows nowhere."""
-        out: set[tuple[str, int]] = set()
-        sizes: dict[int, int] = {}
-        for r in self.store.query(
-                "SELECT agent_id, seq, segment, \"offset\", length FROM staged_samples"):
-            segment = r["segment"]
-            if segment is not None:
-                if self.staging is None:
-                    continue
-                if segment not in sizes:
-                    path = self.staging.path(segment)
-                    sizes[segment] = path.stat().st_size if path.exists() else -1
-                if sizes[segment] < int(r["offset"] or 0) + int(r["length"] or 0):
-                    continue
-            out.add((r["agent_id"], int(r["seq"])))
-        return out
-
-    def _batches_in(self, path: Path) -> set[tuple[str, int]]:
-        """The (agent_id, seq) pairs of the rows of a Parquet file."""
-        import pyarrow.parquet as pq
-
-        table = pq.read_table(path, columns=["agent_id", "seq"])
-        return set(zip(table["agent_id"].to_pylist(), table["seq"].to_pylist(), strict=True))
-
-    def _held_elsewhere(self, path: Path, staged: set[tuple[str, int]]) -> bool:
-        """Whether every batch in ``path`` is staged or in a recorded file of its day (a
-        flush writes all of a batch's rows of one day to one file; compaction keeps
-        files whole)."""
-        import pyarrow as pa
-
-        try:
-            wanted = self._batches_in(path) - staged
-            day = path.parent.name.removeprefix("date=")
-            for row in self.store.query("SELECT name FROM telemetry_files WHERE day = ?",
-                                        (day,)):
-                if not wanted:
-                    break
-                wanted -= self._batches_in(self.root / row["name"])
-        except (OSError, pa.ArrowException):
-            return False  # unreadable: nothing proves it redundant
-        return not wanted
-
-    def _recover_segments(self, recovered: Recovered) -> None:
-        if self.staging is None:
-            return
-        referenced = {r["segment"] for r in self.store.query(
-            "SELECT DISTINCT segment FROM staged_samples WHERE segment IS NOT NULL")}
-        flushed = float(self.store.scalar("SELECT MAX(created) FROM telemetry_files") or 0)
-        for segment in self.staging.segments():
-            if segment in referenced:
-                continue
-            path = self.staging.path(segment)
-            self._account(recovered, path, f"staging/{path.name}",
-                          redundant=path.stat().st_mtime <= flushed,
-                          why="no staged row refers to it and no recorded flush came after "
-                              "its last write (a database older than the data?)")
-
-    def _account(self, recovered: Recovered, path: Path, relative: str, *, redundant: bool,
-                 why: str) -> None:
-        """Delete ``path`` when ``redundant`` (held elsewhere), else quarantine it."""
-        if redundant:
-            path.unlink(missing_ok=True)
-            recovered.removed.append(path)
-        else:
-            self.quarantine.move(path, relative, reason="unrecorded", why=why)
-            recovered.quarantined.append(path)
+            return TelemetryRecovery(self.store, self.root, self.staging,
+                                     self.quarantine).run()
 
     def staged_samples(self) -> int:
         """Samples waiting in SQLite staging."""
@@ -471,7 +198,7 @@ class TelemetryWriter:
             agent_id, seq, samples = entry_
             for s in samples:
                 try:
-                    day = _day(s.time)
+                    day = day_of_time(s.time)
                 except (ValueError, OverflowError, OSError):  # not Unix seconds
                     self._bad_row(agent_id, seq, f"time {s.time!r}")
                     continue
@@ -488,7 +215,7 @@ class TelemetryWriter:
                                                  schema=schema)
                 except (pa.ArrowException, OverflowError, TypeError, ValueError):
                     # A value Arrow cannot hold: leave out the rows that cause it.
-                    keep = [i for i, s in enumerate(samples) if _writable(s)]
+                    keep = [i for i, s in enumerate(samples) if writable(s)]
                     for i in sorted(set(range(len(samples))) - set(keep)):
                         self._bad_row(agents[i], seqs[i], f"gpu {samples[i].gpu}: a value"
                                       " out of range")
@@ -499,7 +226,7 @@ class TelemetryWriter:
                 folder.mkdir(parents=True, exist_ok=True)
                 name = f"part-{first:012d}-{last:012d}.parquet"
                 tmp = folder / (name + ".tmp")
-                pq.write_table(table, tmp, **_WRITE_OPTIONS)
+                pq.write_table(table, tmp, **WRITE_OPTIONS)
                 with open(tmp, "rb") as fh:
                     os.fsync(fh.fileno())
                 verify_parquet(tmp, table.num_rows)
@@ -532,7 +259,7 @@ class TelemetryWriter:
     def prune(self, now: float | None = None) -> list[str]:
         """Delete day partitions older than ``retention_days``; returns the days removed."""
         now = self.clock() if now is None else now
-        cutoff = _day(now - self.retention_days * 86400.0)
+        cutoff = day_of_time(now - self.retention_days * 86400.0)
         removed = []
         with self._flush_lock:
             for folder in sorted(self.root.glob("date=*")):
@@ -569,10 +296,10 @@ class TelemetryWriter:
             tmp = target.with_name(target.name + ".tmp")
             schema = self._schema()
             total = sum(int(r["rows"]) for r in rows)
-            with pq.ParquetWriter(tmp, schema, **_WRITE_OPTIONS) as out:
+            with pq.ParquetWriter(tmp, schema, **WRITE_OPTIONS) as out:
                 for r in rows:
                     try:
-                        table = _load_checked(self.root / r["name"], int(r["rows"]), schema)
+                        table = load_checked(self.root / r["name"], int(r["rows"]), schema)
                     except TelemetryError as exc:
                         # A damaged source: set it aside, merge the rest next time.
                         out.close()
@@ -597,7 +324,7 @@ class TelemetryWriter:
 
     def compact_old_days(self, now: float | None = None) -> dict[str, int]:
         """:meth:`compact` every day before today that has more than one file."""
-        today = _day(self.clock() if now is None else now)
+        today = day_of_time(self.clock() if now is None else now)
         days = [r["day"] for r in self.store.query(
             "SELECT day FROM telemetry_files WHERE day < ? GROUP BY day HAVING COUNT(*) > 1"
             " ORDER BY day", (today,))]
@@ -621,7 +348,7 @@ class TelemetryWriter:
                 log.error("telemetry file %s is recorded but missing", path)
                 continue
             try:
-                _scan_checked(path, int(row["rows"]))
+                scan_checked(path, int(row["rows"]))
             except TelemetryError:
                 with self._flush_lock:
                     still = self.store.scalar("SELECT rows FROM telemetry_files WHERE name = ?",
@@ -629,7 +356,7 @@ class TelemetryWriter:
                     if still is None or not path.exists():
                         continue  # compacted away meanwhile
                     try:
-                        _scan_checked(path, int(still))
+                        scan_checked(path, int(still))
                     except TelemetryError as exc:
                         self._quarantine_damaged(row["name"], exc)
                         damaged.append(row["name"])

@@ -22,8 +22,9 @@ from forewarn.agent.bus import NatsUplink
 from forewarn.agent.config import AgentConfig
 from forewarn.collector.cli import ServerThread
 from forewarn.collector.config import CollectorConfig
-from forewarn.collector.http.app import CollectorContext, create_app
+from forewarn.collector.http.app import create_app
 from forewarn.collector.http.auth import TokenRegistry, hash_token
+from forewarn.collector.http.context import CollectorContext
 from forewarn.collector.storage.store import Store
 from forewarn.config import ConfigError
 from forewarn.wire import AgentBatch, CheckpointOrder, Command, GpuSample, encode

@@ -391,9 +391,9 @@ class FailingPolicy:
 
 def test_a_failing_or_slow_policy_never_blocks_ingest(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    import forewarn.collector.http.app as app_module
+    import forewarn.collector.http.context as context_module
 
-    monkeypatch.setattr(app_module, "POLICY_BACKLOG_MAX", 2)
+    monkeypatch.setattr(context_module, "POLICY_BACKLOG_MAX", 2)
     policy = FailingPolicy()
     server, svc = start(tmp_path, policy=policy)
     try:

@@ -356,7 +356,7 @@ def test_the_running_collector_scrubs_periodically(tmp_path: Path) -> None:
 
 
 def test_a_written_file_is_verified_by_reading_its_footer_back(tmp_path: Path) -> None:
-    from forewarn.collector.storage.telemetry import TelemetryError, verify_parquet
+    from forewarn.collector.storage.parquet_layout import TelemetryError, verify_parquet
 
     data = tmp_path / "data"
     history_in(data, 1)

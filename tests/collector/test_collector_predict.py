@@ -265,15 +265,15 @@ def test_bad_model_path_is_a_config_error_naming_the_key(tmp_path: Path) -> None
 
 def test_predictor_can_be_turned_off(tmp_path: Path) -> None:
     svc = PolicyService.from_config(CollectorConfig(data_dir=tmp_path, predictor_enabled=False))
-    assert svc.predictor is None and svc.goodput is not None
+    assert svc.advisors.predictor is None and svc.advisors.goodput is not None
 
 
 @pytest.mark.skipif(not default_model_path().exists(), reason="no shipped default model yet")
 def test_shipped_model_loads_by_default(tmp_path: Path) -> None:
     svc = PolicyService.from_config(CollectorConfig(data_dir=tmp_path))
-    assert svc.predictor is not None and svc.predictor.model is not None
-    assert svc.predictor.source == "default"
+    assert svc.advisors.predictor is not None and svc.advisors.predictor.model is not None
+    assert svc.advisors.predictor.source == "default"
     shipped = load_model(default_model_path())
-    assert svc.predictor.model.threshold == shipped.threshold
-    probs = svc.predictor.model.predict_proba(np.zeros((1, len(shipped.feature_names))))
+    assert svc.advisors.predictor.model.threshold == shipped.threshold
+    probs = svc.advisors.predictor.model.predict_proba(np.zeros((1, len(shipped.feature_names))))
     assert probs.shape == (1,)

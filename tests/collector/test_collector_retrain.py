@@ -27,7 +27,7 @@ FAST = ["--shadow-days", "1", "--min-failures", "1", "--max-iter", "20"]
 
 def _service(data_dir: Path) -> PolicyService:
     svc = PolicyService.from_config(CollectorConfig(data_dir=data_dir))
-    assert svc.predictor is not None
+    assert svc.advisors.predictor is not None
     return svc
 
 
@@ -62,16 +62,16 @@ def test_retrain_promotes_a_better_candidate_refuses_a_worse_one_and_rolls_back(
     promoted = registry.load(2)
     assert promoted.metadata["reference"]["features"]  # its training distribution
 
-    svc = _service(tmp_path)
-    assert svc.predictor is not None and svc.predictor.source == "registry v2"
-    assert svc.predictor.model is not None
-    assert svc.predictor.model.threshold == promoted.threshold
+    predictor = _service(tmp_path).advisors.predictor
+    assert predictor is not None and predictor.source == "registry v2"
+    assert predictor.model is not None
+    assert predictor.model.threshold == promoted.threshold
     # Drift counts GPUs whose own baseline is learned: 12 hours of telemetry.
     last = fleet.samples[fleet.samples["time"] >= fleet.samples["time"].max() - 12 * 3600]
-    svc.predictor.observe(list(fleet_batches(last, xids.iloc[:0], 1.0)))
-    svc.predictor.score(float(last["time"].max()))
+    predictor.observe(list(fleet_batches(last, xids.iloc[:0], 1.0)))
+    predictor.score(float(last["time"].max()))
     metrics = CollectorRegistry()
-    svc.predictor.register(metrics)
+    predictor.register(metrics)
     text = generate_latest(metrics).decode()
     assert 'forewarn_collector_model_feature_drift{feature="ecc_d15"}' in text
     assert "forewarn_collector_model_drifted_features " in text
@@ -82,10 +82,10 @@ def test_retrain_promotes_a_better_candidate_refuses_a_worse_one_and_rolls_back(
     assert main(["models", "rollback", "1", *store_args, "--reason", "test"]) == 0
     assert "running version 1" in capsys.readouterr().out
     assert registry.current() == 1
-    svc = _service(tmp_path)
-    assert svc.predictor is not None and svc.predictor.source == "registry v1"
-    assert svc.predictor.model is not None and svc.predictor.model.threshold == 1.01
-    assert svc.predictor.drift is None  # the shipped model carries no training distribution
+    predictor = _service(tmp_path).advisors.predictor
+    assert predictor is not None and predictor.source == "registry v1"
+    assert predictor.model is not None and predictor.model.threshold == 1.01
+    assert predictor.drift is None  # the shipped model carries no training distribution
     assert main(["models", "versions", *store_args]) == 0
     out = capsys.readouterr().out
     assert "running version 1; versions 0, 1, 2, 3" in out

@@ -15,10 +15,11 @@ import pytest
 from forewarn.collector.config import CollectorConfig
 from forewarn.collector.ingest.batch import IngestResult, IngestWriter
 from forewarn.collector.metrics import CollectorMetrics
+from forewarn.collector.storage.parquet_layout import COLUMNS
 from forewarn.collector.storage.staging import StagingLog
 from forewarn.collector.storage.state import StateStore, open_state
 from forewarn.collector.storage.store import MIGRATIONS, Store, StoreError
-from forewarn.collector.storage.telemetry import COLUMNS, TelemetryWriter
+from forewarn.collector.storage.telemetry import TelemetryWriter
 from forewarn.wire import AgentBatch, GpuSample, NvlinkCounters
 
 DAY = 86400.0

@@ -10,7 +10,8 @@ import msgspec
 from prometheus_client import CollectorRegistry
 
 from forewarn.collector.decide.incidents import FindingState, IncidentBook
-from forewarn.collector.decide.policy import ActionKind, PlannedAction, Policy, PolicySettings
+from forewarn.collector.decide.policy import PlannedAction, Policy, PolicySettings
+from forewarn.collector.decide.severity import ActionKind
 from forewarn.escalation import escalates
 from forewarn.wire import Finding, GpuSample, Health, Subject, SuggestedAction
 

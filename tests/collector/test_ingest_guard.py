@@ -17,7 +17,8 @@ import httpx
 import msgspec
 import pytest
 
-from forewarn.collector.ingest.batch import IngestError, IngestResult, IngestWriter
+from forewarn.collector.ingest.batch import IngestResult, IngestWriter
+from forewarn.collector.ingest.validate import IngestError
 from forewarn.collector.metrics import CollectorMetrics
 from forewarn.collector.storage.staging import StagingLog
 from forewarn.collector.storage.store import Store

@@ -6,16 +6,9 @@ from __future__ import annotations
 import msgspec
 from prometheus_client import CollectorRegistry
 
-from forewarn.collector.decide.policy import (
-    ActionKind,
-    CircuitBreaker,
-    Decision,
-    Outcome,
-    Policy,
-    PolicySettings,
-    TokenBucket,
-    actions_for,
-)
+from forewarn.collector.decide.limits import CircuitBreaker, TokenBucket
+from forewarn.collector.decide.policy import Decision, Policy, PolicySettings
+from forewarn.collector.decide.severity import ActionKind, Outcome, actions_for
 from forewarn.collector.jobs.jobview import RankTable
 from forewarn.wire import Finding, Health, Subject, SuggestedAction
 

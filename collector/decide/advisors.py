@@ -1,0 +1,107 @@
+"""The collector's own detectors and advice, fed from the stored batches: the live failure
+predictor (:mod:`.predict`: its findings go through the policy, so the cost-aware
+checkpoint decision uses the predicted probability), peer comparison of the ranks of every
+job across its nodes (:mod:`.stragglers`) and goodput accounting with checkpoint-interval
+advice (:mod:`.goodput_service`). The service runs their findings through the policy;
+:meth:`Advisors.refresh_goodput` sends the advice to the hooks that follow it.
+
+Runs on the policy thread only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from forewarn.wire import AgentBatch, Finding
+
+from .costmodel import CheckpointCostTracker
+from .goodput_service import AdviceSender, GoodputService
+from .predict import PredictorService
+from .stragglers import StragglerService
+
+if TYPE_CHECKING:
+    from ..jobs.jobview import JobView
+    from .seam import DecideContext
+
+__all__ = ["Advisors"]
+
+TICK_WITHOUT_PREDICTOR_S = 10.0
+"""How often goodput advice is refreshed when no predictor sets the pace."""
+
+
+@dataclasses.dataclass
+class Advisors:
+    """Any of the predictor, the straggler detector and goodput (``None``: off);
+    ``advice`` sends goodput's interval advice to the ranks (``None``: shadow mode or
+    ``advise_hooks`` off); ``tracker``: the measured checkpoint costs the policy keeps."""
+
+    tracker: CheckpointCostTracker
+    predictor: PredictorService | None = None
+    goodput: GoodputService | None = None
+    stragglers: StragglerService | None = None
+    advice: AdviceSender | None = None
+    _ctx: DecideContext | None = dataclasses.field(default=None, init=False)
+
+    @property
+    def tick_s(self) -> float | None:
+        """How often :meth:`due` work is checked (``None``: nothing to tick)."""
+        if self.predictor is not None:
+            return self.predictor.interval_s
+        return TICK_WITHOUT_PREDICTOR_S if self.goodput is not None else None
+
+    def start(self, ctx: DecideContext) -> None:
+        """Register the predictor's and goodput's metrics."""
+        self._ctx = ctx
+        for part in (self.predictor, self.goodput):
+            if part is not None:
+                part.register(ctx.metrics.registry)
+
+    def observe(self, batches: Sequence[AgentBatch], now: float) -> list[Finding]:
+        """Samples and XIDs to the predictor, rank summaries to goodput and the peer
+        comparison; the straggler findings when a comparison is due."""
+        if self.predictor is not None:
+            self.predictor.observe(batches)
+        if self.goodput is not None:
+            self.goodput.on_batches(batches)
+        if self.stragglers is None:
+            return []
+        self.stragglers.observe(batches)
+        return self.stragglers.findings(now) if self.stragglers.due(now) else []
+
+    def on_findings(self, findings: Sequence[Finding], jobs: JobView) -> None:
+        """Findings the policy sees: goodput notes when a job stopped."""
+        if self.goodput is not None:
+            self.goodput.on_findings(findings, jobs)
+
+    def scoring_due(self, now: float) -> bool:
+        """Whether the predictor should score the fleet now."""
+        return self.predictor is not None and self.predictor.due(now)
+
+    def score(self, now: float) -> list[Finding]:
+        """The predictor's findings when a scoring is due (else none)."""
+        if self.predictor is None or not self.predictor.due(now):
+            return []
+        return self.predictor.score(now)
+
+    def refresh_goodput(self, now: float) -> None:
+        """Recompute goodput advice with the job's cost, risk and the fleet failure rate;
+        tell the job's agents when the advice changed."""
+        ctx, goodput, predictor = self._ctx, self.goodput, self.predictor
+        if ctx is None or goodput is None:
+            return
+        goodput.refresh(
+            now, ctx.jobs, self.tracker,
+            risk=predictor.scores.job_risk if predictor is not None else None,
+            gpu_mtbf_h=predictor.fleet_gpu_mtbf_h() if predictor is not None else None,
+            horizon_s=predictor.horizon_s if predictor is not None else 3600.0,
+        )
+        if self.advice is not None:
+            # Hooks that follow the advice save at the advised steps: tell the job's agents.
+            ctx.commands.enqueue_many(self.advice.due(goodput.advice, ctx.jobs, now))
+
+    def goodput_report(self, job: str | None, now: float) -> list[dict[str, Any]]:
+        """``GET /api/v1/goodput``: goodput refreshed now, of ``job`` or of every job."""
+        self.refresh_goodput(now)
+        return self.goodput.report_for(job) if self.goodput is not None else []

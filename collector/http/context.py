@@ -1,0 +1,243 @@
+"""The running service as routes and the policy see it: :class:`CollectorContext`
+(``request.app.state.ctx``; the policy sees it through
+:class:`~forewarn.collector.decide.seam.DecideContext`), and how stored batches, findings and
+acknowledgements reach the policy thread."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from forewarn.wire import AgentBatch, CommandAck, Finding
+
+from ..config import CollectorConfig
+from ..decide.policy_thread import PolicyThread
+from ..decide.seam import AckHook, BatchHook, FindingsPolicy
+from ..ingest.batch import IngestWriter, store_findings
+from ..jobs.jobmap import StoreJobView
+from ..metrics import CollectorMetrics
+from ..storage.commands import CommandQueue, NodeCommand
+from ..storage.leader import LOCAL_ORIGINS, FindingsFeed, Leadership, SoleLeader
+from ..storage.remote_write import RemoteWriter
+from ..storage.state import StateStore
+from ..storage.telemetry import TelemetryWriter
+from .auth import TokenRegistry
+
+if TYPE_CHECKING:
+    import httpx
+
+    from ..ingest.bus import BusConsumer
+
+__all__ = ["FEED_INTERVAL_S", "POLICY_BACKLOG_MAX", "CollectorContext"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+FEED_INTERVAL_S = 0.2
+"""How often the leader reads new findings from shared state (adds at most this to the
+latency of a decision in the scale-out mode)."""
+
+POLICY_BACKLOG_MAX = 20_000
+"""Batches waiting for the policy thread beyond which sample-only batches skip it."""
+
+
+@dataclasses.dataclass
+class CollectorContext:
+    """Everything a route or the policy needs; ``request.app.state.ctx``."""
+
+    config: CollectorConfig
+    store: StateStore
+    metrics: CollectorMetrics
+    commands: CommandQueue
+    jobs: StoreJobView
+    telemetry: TelemetryWriter
+    writer: IngestWriter
+    tokens: TokenRegistry
+    outbound: httpx.AsyncClient | None
+    policy: FindingsPolicy | None
+    clock: Callable[[], float]
+    loop: asyncio.AbstractEventLoop | None = None
+    series: RemoteWriter | None = None
+    """Remote write of the GPU series, when ``remote_write_url`` is set."""
+    leader: Leadership = dataclasses.field(default_factory=SoleLeader)
+    """Whether this replica decides (always, with embedded state; see
+    :mod:`~forewarn.collector.storage.leader`)."""
+    bus: BusConsumer | None = None
+    """The NATS bus side of this replica (``bus_url`` set), once started."""
+    _policy_pool: PolicyThread = dataclasses.field(default_factory=PolicyThread)
+    _flush_wanted: asyncio.Event | None = None
+    flush_error: str = ""
+    """Why the last telemetry flush failed ("" when it worked), for /readyz."""
+    flush_time: float = 0.0
+    """When the last telemetry flush ended (Unix time; 0 before the first)."""
+    _staged: int = 0
+    _policy_backlog: int = 0
+    _backlog_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    async def run_policy(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` on the policy thread (serialised with every hook call)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._policy_pool, fn, *args)
+
+    def submit_bulk(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        """Queue ``fn(*args)`` on the policy thread's bulk lane: it runs only while no
+        decision work (agent batches, acks, timers) waits (alert storms)."""
+        return self._policy_pool.submit_bulk(fn, *args)
+
+    async def submit_findings(self, findings: Sequence[Finding], *, origin: str = "collector",
+                              node: str = "") -> None:
+        """Store findings produced inside the collector (detectors, alert webhooks) and
+        pass them to the policy."""
+        if not findings:
+            return
+        now = self.clock()
+
+        def write() -> None:
+            with self.store.write() as conn:
+                store_findings(conn, findings, node=node, origin=origin, received=now)
+
+        await asyncio.to_thread(write)
+        for f in findings:
+            self.metrics.findings.labels(f.health.value, origin.split(":")[0]).inc()
+        local = self.leader.shared and origin in LOCAL_ORIGINS
+        await self.run_policy(self._decide if local else self._policy_findings, list(findings))
+
+    def accept_ack(self, ack: CommandAck, node: str) -> str:
+        """Record ``node``'s answer to a command (HTTP or the bus) and tell the policy;
+        returns :meth:`CommandQueue.ack`'s ``acked``, ``already`` or ``unknown``."""
+        state = self.commands.ack(ack, node)
+        if state != "unknown" and self.policy is not None:
+            self._policy_pool.submit(self._policy_ack, ack, node)
+        return state
+
+    # -- runs on the policy thread ----------------------------------------------------
+
+    def _policy_findings(self, findings: list[Finding]) -> None:
+        if self.leader.shared:
+            return  # with shared state the leader reads every finding from the feed
+        self._decide(findings)
+
+    def _decide(self, findings: list[Finding]) -> None:
+        """Run findings through the policy and queue the commands it returns."""
+        if self.policy is None or not findings or not self.leader.is_leader:
+            return
+        try:
+            out = self.policy.on_findings(findings, self.store, self.clock())
+        except Exception:
+            self.metrics.policy_errors.inc()
+            log.exception("policy.on_findings failed on %d findings", len(findings))
+            return
+        for item in out or ():
+            if isinstance(item, NodeCommand):
+                self.commands.enqueue(item.node, item.command)
+
+    def _policy_batches(self, batches: list[AgentBatch]) -> None:
+        with self._backlog_lock:
+            self._policy_backlog -= len(batches)
+            self.metrics.policy_backlog.set(self._policy_backlog)
+        policy = self.policy
+        if isinstance(policy, BatchHook) and self.leader.is_leader:
+            try:
+                policy.on_batches(batches, self.clock())
+            except Exception:
+                self.metrics.policy_errors.inc()
+                log.exception("policy.on_batches failed")
+        self._policy_findings([f for b in batches for f in b.findings])
+
+    def _policy_ack(self, ack: CommandAck, node: str) -> None:
+        policy = self.policy
+        if isinstance(policy, AckHook) and self.leader.is_leader:
+            try:
+                policy.on_ack(ack, node)
+            except Exception:
+                self.metrics.policy_errors.inc()
+                log.exception("policy.on_ack failed")
+
+    def on_stored(self, batches: list[AgentBatch]) -> None:
+        """Writer thread: hand stored batches to the policy thread; maybe wake the flush."""
+        if self.policy is not None:
+            if self._policy_backlog > POLICY_BACKLOG_MAX:
+                # The policy thread is behind: keep what it must see (findings, ranks,
+                # checkpoint reports), skip batches that carry only samples (counted).
+                kept = [b for b in batches if b.findings or b.ranks or b.checkpoints or b.xids]
+                self.metrics.policy_skipped.inc(len(batches) - len(kept))
+                batches_for_policy = kept
+            else:
+                batches_for_policy = batches
+            if batches_for_policy:
+                with self._backlog_lock:
+                    self._policy_backlog += len(batches_for_policy)
+                self._policy_pool.submit(self._policy_batches, batches_for_policy)
+        loop, event = self.loop, self._flush_wanted
+        if loop is not None and event is not None and not loop.is_closed():
+            self._staged += sum(len(b.samples) for b in batches)
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(self._maybe_flush)
+
+    def _maybe_flush(self) -> None:
+        if self._flush_wanted is not None and self._staged >= self.config.flush_samples:
+            self._flush_wanted.set()
+
+    # -- the service's loops and start/stop steps (lifespan, :mod:`.lifespan`) -----------
+
+    def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The app's event loop, once it runs."""
+        self.loop = loop
+        self._flush_wanted = asyncio.Event()
+        self.commands.bind_loop(loop)
+
+    def stop_policy_thread(self) -> None:
+        """Wait for the hook calls queued on the policy thread, then end it."""
+        self._policy_pool.shutdown(wait=True)
+
+    async def leader_feed(self, feed: FindingsFeed) -> None:
+        """Shared state: while this replica leads, every finding any replica stored goes
+        through the policy (once; the cursor is saved after each group)."""
+        leading = False
+        while True:
+            await asyncio.sleep(FEED_INTERVAL_S)
+            try:
+                if not self.leader.is_leader:
+                    leading = False
+                    continue
+                if not leading:
+                    await asyncio.to_thread(feed.resume)
+                    leading = True
+                findings = await asyncio.to_thread(feed.take)
+                if findings:
+                    await self.run_policy(self._decide, findings)
+                await asyncio.to_thread(feed.save)
+            except Exception:
+                leading = False  # resume from the saved cursor once the store answers
+                log.exception("leader feed failed; retried in %.1f s", FEED_INTERVAL_S)
+
+    async def periodic_flush(self) -> None:
+        """Write staged telemetry to Parquet every ``flush_interval_s``, or sooner when
+        ``flush_samples`` are staged (leader only)."""
+        assert self._flush_wanted is not None, "bind_loop first"
+        event = self._flush_wanted
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), self.config.flush_interval_s)
+            event.clear()
+            if not self.leader.is_leader:
+                continue  # shared state: the leader alone writes the Parquet export
+            try:
+                self._staged = 0
+                try:
+                    await asyncio.to_thread(self.telemetry.flush, max_rows=10**9)
+                except Exception as exc:
+                    self.flush_error = f"{type(exc).__name__}: {exc}"[:1000]
+                    raise
+                finally:
+                    self.flush_time = self.clock()
+                self.flush_error = ""
+            except Exception:
+                log.exception("telemetry flush failed; staged samples are kept and retried")
