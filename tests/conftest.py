@@ -10,8 +10,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from support.postgres import PostgresServer, find_postgres_bin
+
+# Property tests assert properties, never speed: on a loaded machine (CI's two workers on
+# two cores) a slow example is not a failure.
+settings.register_profile("forewarn", deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("forewarn")
 
 
 @pytest.fixture(scope="session")
