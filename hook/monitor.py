@@ -15,10 +15,10 @@ Call order in a loop::
                 res = writer.save(step, state)
                 mon.checkpoint_done(step, res.seconds, res.bytes, res.path)
 
-**Transport.** ``step()`` encodes the record (hand-rolled msgpack, :mod:`._pack`) and
-appends it to a deque; the rank's background thread sends queued records to the agent's
-Unix datagram socket every ``flush_interval_s`` (10 ms; at once for NaN/Inf values and
-checkpoint reports), sends a :class:`~forewarn.wire.Beat` every ``beat_interval_s``
+**Transport.** ``step()`` appends the step's values to a deque; the rank's background
+thread encodes them (hand-rolled msgpack, :mod:`._pack`) and sends queued records to the
+agent's Unix datagram socket every ``flush_interval_s`` (10 ms; at once for NaN/Inf values
+and checkpoint reports), sends a :class:`~forewarn.wire.Beat` every ``beat_interval_s``
 (the first at construction) and receives orders (:mod:`._reporter`, :mod:`._sender`,
 :mod:`._channel`). The training thread makes no syscall per step.
 
@@ -107,6 +107,7 @@ from forewarn import wire
 
 from ._channel import AgentChannel, resolve_socket_path
 from ._identity import RankIdentity, identity_from_env
+from ._pack import build_step_packer
 from ._preempt import PREEMPT_REQUEST, SignalExit, is_preemption, parse_signals
 from ._preempt_state import NONE, PENDING, SAVING, PreemptState
 from ._reporter import Reporter, checked_step
@@ -286,12 +287,17 @@ class Monitor:
             self._signals.install(self._pre.on_signal)
         self._sender = Sender(
             self._ch, self._make_beat, self._on_datagram, self._on_thread_error,
-            beat_interval_s=beat_interval_s, flush_interval_s=flush_interval_s,
-            queue_limit=queue_limit, name=f"forewarn-hook-r{self.rank}",
+            build_step_packer(self.identity), beat_interval_s=beat_interval_s,
+            flush_interval_s=flush_interval_s, queue_limit=queue_limit,
+            name=f"forewarn-hook-r{self.rank}",
         )
         self._out = Reporter(self.identity, self._ch, self._sender, clock=clock,
                              queue_limit=queue_limit, cuda_depth=cuda_depth,
                              on_nonfinite_loss=self._nonfinite_loss)
+        # the fast path's state on the Monitor itself: one object to touch per step
+        self._queue = self._sender.queue
+        self._queue_limit = queue_limit
+        self._tensors = False  # CUDA values are in flight: step() takes the general path
         self._sender.start()  # the first beat goes out at construction
         atexit.register(self._at_exit)
 
@@ -312,35 +318,36 @@ class Monitor:
             self._steps += 1
             if self._special:
                 self._special_step(step)
-            out = self._out
             if (
                 type(loss) is float
                 and type(grad_norm) is float
                 and prev is not None
                 and not extras
-                and out.deferred is None
+                and not self._tensors
             ):
-                data = out.pack(step, now, mono - prev, loss, grad_norm)
-            else:
-                ss = None if prev is None else mono - prev
-                slow = self._record(step, now, ss, loss, grad_norm, extras)
-                if slow is None:
-                    return  # sent by a later step() once the CUDA copy has landed
-                data = slow
-            bad = type(loss) is float and loss - loss != 0.0
-            if bad:
-                self._nonfinite_loss(step)  # with or without an agent
-            # out.send(data, urgent=bad), inlined: the hot path spares a call
-            if not self._ch.up:
-                out.dropped += 1  # no agent: the background thread reconnects
+                if loss - loss != 0.0:  # NaN/Inf: suspect now, with or without an agent
+                    self._nonfinite_loss(step)
+                    self._out.send(self._out.pack(step, now, mono - prev, loss, grad_norm),
+                                   urgent=True)  # the agent's NaN detector wants it now
+                    return
+                # Reporter.send, inlined and packed later by the background thread: the
+                # hot path spares a call and the encoding
+                if not self._ch.up:
+                    self._out.dropped += 1  # no agent: the background thread reconnects
+                    return
+                q = self._queue
+                if len(q) >= self._queue_limit:
+                    self._out.dropped += 1
+                    return
+                q.append((step, now, mono - prev, loss, grad_norm))
                 return
-            q = out.queue
-            if len(q) >= out.queue_limit:
-                out.dropped += 1
-                return
-            q.append(data)
-            if bad:
-                self._sender.kick()  # NaN/Inf: the agent's NaN detector wants it now
+            data = self._record(step, now, None if prev is None else mono - prev, loss,
+                                grad_norm, extras)
+            bad = not _finite(loss)
+            if bad:  # at once, even when a CUDA grad norm defers the record
+                self._nonfinite_loss(checked_step(step))
+            if data is not None:  # else sent by a later step() once the CUDA copy landed
+                self._out.send(data, urgent=bad)
         except Exception as exc:
             self._failures += 1
             self._log.warning("step", "step() failed and was skipped: %r", exc)
@@ -368,7 +375,10 @@ class Monitor:
         """The slow path's record (see :meth:`._reporter.Reporter.record`)."""
         step = checked_step(step)
         self._last_step = step
-        return self._out.record(step, now, ss, loss, grad_norm, extras)
+        try:
+            return self._out.record(step, now, ss, loss, grad_norm, extras)
+        finally:
+            self._tensors = self._out.deferred is not None
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -713,7 +723,8 @@ class Monitor:
     def stats(self) -> MonitorStats:
         """A snapshot of the counters."""
         return MonitorStats(
-            steps=self._steps, dropped=self.dropped, failures=self._failures,
+            steps=self._steps, dropped=self.dropped,
+            failures=self._failures + self._sender.bad_records,
             beats=self._sender.beats, orders=self._orders, orders_ignored=self._orders_ignored,
             orders_invalid=self._orders_invalid, missed=self._missed,
             checkpoints=self._checkpoints, values_skipped=self._out.values_skipped,
