@@ -28,7 +28,6 @@ LONG_MODULES = {
     "collector/ingest/batch.py",
     "collector/storage/telemetry.py",
     "hook/checkpoint.py",
-    "hook/monitor.py",
     "src/forewarn/chaos/lab.py",
     "src/forewarn/chaos/scenarios.py",
     "src/forewarn/dashboards/build.py",
