@@ -62,7 +62,9 @@ save) and a gone rank (its peers will block in the next collective). A NaN/Inf l
 *holds* the job's saves (:class:`forewarn.wire.SaveHold`, as the collector's policy does,
 so even with the collector down): the state is suspect since the finding's ``bad_step``,
 and every local rank stops saving at one step chosen as an order's S. Jobs spanning nodes
-are left to the collector here too.
+are left to the collector here too. A rank that had already passed that step reports
+``missed`` (its current step) and the hold goes again to every local rank, past that step,
+``replaces`` naming the missed one (:class:`forewarn.wire.SaveHold`).
 
 Preemption
 ----------
@@ -89,6 +91,8 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
+
+import msgspec
 
 from forewarn.agent.rank_state import RankView, quantile
 from forewarn.agent.ranks import RankTable
@@ -242,6 +246,8 @@ class CheckpointOrders:
         self.monotonic = monotonic
         self._lock = threading.RLock()
         self._orders: dict[str, OrderStatus] = {}
+        self._holds: dict[str, tuple[SaveHold, int]] = {}
+        """Holds this agent issued (request id -> hold, re-issues so far)."""
         self._fired: dict[str, tuple[float, dict[str, Finding]]] = {}
         """Subject -> (when the fast path last ordered for it, check -> finding it saw)."""
         self.orders_total: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -303,10 +309,37 @@ class CheckpointOrders:
         hold = SaveHold(request_id=f"fw-{uuid.uuid4().hex[:16]}", job=job, onset_step=onset,
                         step=max(step, onset), reason=f"{f.check}: {f.reason}"[:4000],
                         issued=now)
-        reached = self.hold_job(hold)
+        reached = self._send_hold(hold, 0)
         log.warning("save hold %s: job %s is suspect since step %d, saves stop at step %d "
                     "(%d local rank(s))", hold.request_id, job, onset, hold.step, reached)
         return hold
+
+    def _send_hold(self, hold: SaveHold, reissues: int) -> int:
+        self._holds[hold.request_id] = (hold, reissues)
+        while len(self._holds) > 64:
+            self._holds.pop(next(iter(self._holds)))
+        return self.hold_job(hold)
+
+    def _hold_missed(self, rep: CheckpointReport) -> None:
+        """A rank had passed the step of this agent's hold: the hold again, for every local
+        rank, past the step it reported (``floor``), replacing the missed one (caller holds
+        the lock). A collector's hold is the collector's to re-issue."""
+        hold, reissues = self._holds.pop(rep.request_id)
+        if reissues >= self.max_reissues:
+            log.error("save hold %s: rank %d missed it; gave up after %d reissues",
+                      hold.request_id, rep.rank, reissues)
+            return
+        now = self.clock()
+        views = [v for v in self.table.job_views(hold.job) if self.table.alive(v, now)]
+        step = choose_step(views, now, delivery_latency_s=self.delivery_latency_s,
+                           safety_s=self.safety_s, margin_scale=2.0 ** (reissues + 1),
+                           floor=rep.step)
+        new = msgspec.structs.replace(
+            hold, request_id=f"{hold.request_id.split('-r')[0]}-r{reissues + 1}",
+            step=max(step, hold.onset_step), issued=now, replaces=hold.request_id)
+        log.warning("save hold %s missed by rank %d at step %d: saves stop at step %d instead",
+                    hold.request_id, rep.rank, rep.step, new.step)
+        self._send_hold(new, reissues + 1)
 
     def preempt_job(self, view: RankView) -> CheckpointOrder | None:
         """A rank of ``view.job`` got a preemption notice (table listener, ingest thread):
@@ -374,6 +407,9 @@ class CheckpointOrders:
     def on_report(self, view: RankView | None, rep: CheckpointReport) -> None:
         """Table listener: a rank reported progress on an order (ingest thread)."""
         with self._lock:
+            if rep.phase == "missed" and rep.request_id in self._holds:
+                self._hold_missed(rep)
+                return
             st = self._orders.get(rep.request_id)
             if st is None:
                 return
