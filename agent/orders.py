@@ -92,8 +92,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 
-import msgspec
-
+from forewarn.agent.holds import LocalHolds
 from forewarn.agent.rank_state import RankView, quantile
 from forewarn.agent.ranks import RankTable
 from forewarn.escalation import escalates
@@ -246,8 +245,10 @@ class CheckpointOrders:
         self.monotonic = monotonic
         self._lock = threading.RLock()
         self._orders: dict[str, OrderStatus] = {}
-        self._holds: dict[str, tuple[SaveHold, int]] = {}
-        """Holds this agent issued (request id -> hold, re-issues so far)."""
+        self.holds = LocalHolds(
+            table, send, clock, lambda views, now, scale, floor: choose_step(
+                views, now, delivery_latency_s=self.delivery_latency_s, safety_s=self.safety_s,
+                margin_scale=scale, floor=floor), max_reissues)
         self._fired: dict[str, tuple[float, dict[str, Finding]]] = {}
         """Subject -> (when the fast path last ordered for it, check -> finding it saw)."""
         self.orders_total: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -290,56 +291,7 @@ class CheckpointOrders:
         """Pass the collector's save hold (the job's state is suspect: stop saving) to every
         live local rank of its job; returns how many ranks it reached."""
         with self._lock:
-            now = self.clock()
-            data = encode(hold)
-            views = [v for v in self.table.job_views(hold.job) if self.table.alive(v, now)]
-            return sum(1 for v in views if self.send(v.reply_to, data))
-
-    def _hold(self, job: str, f: Finding) -> SaveHold | None:
-        """Hold the local job's saves for a poisoned state (caller holds the lock)."""
-        now = self.clock()
-        views = [v for v in self.table.job_views(job) if self.table.alive(v, now)]
-        if not views:
-            return None
-        bad = f.evidence.get("bad_step")
-        onset = bad if isinstance(bad, int) and not isinstance(bad, bool) and bad >= 0 else \
-            max((v.last_step or 0 for v in views), default=0)
-        step = choose_step(views, now, delivery_latency_s=self.delivery_latency_s,
-                           safety_s=self.safety_s)
-        hold = SaveHold(request_id=f"fw-{uuid.uuid4().hex[:16]}", job=job, onset_step=onset,
-                        step=max(step, onset), reason=f"{f.check}: {f.reason}"[:4000],
-                        issued=now)
-        reached = self._send_hold(hold, 0)
-        log.warning("save hold %s: job %s is suspect since step %d, saves stop at step %d "
-                    "(%d local rank(s))", hold.request_id, job, onset, hold.step, reached)
-        return hold
-
-    def _send_hold(self, hold: SaveHold, reissues: int) -> int:
-        self._holds[hold.request_id] = (hold, reissues)
-        while len(self._holds) > 64:
-            self._holds.pop(next(iter(self._holds)))
-        return self.hold_job(hold)
-
-    def _hold_missed(self, rep: CheckpointReport) -> None:
-        """A rank had passed the step of this agent's hold: the hold again, for every local
-        rank, past the step it reported (``floor``), replacing the missed one (caller holds
-        the lock). A collector's hold is the collector's to re-issue."""
-        hold, reissues = self._holds.pop(rep.request_id)
-        if reissues >= self.max_reissues:
-            log.error("save hold %s: rank %d missed it; gave up after %d reissues",
-                      hold.request_id, rep.rank, reissues)
-            return
-        now = self.clock()
-        views = [v for v in self.table.job_views(hold.job) if self.table.alive(v, now)]
-        step = choose_step(views, now, delivery_latency_s=self.delivery_latency_s,
-                           safety_s=self.safety_s, margin_scale=2.0 ** (reissues + 1),
-                           floor=rep.step)
-        new = msgspec.structs.replace(
-            hold, request_id=f"{hold.request_id.split('-r')[0]}-r{reissues + 1}",
-            step=max(step, hold.onset_step), issued=now, replaces=hold.request_id)
-        log.warning("save hold %s missed by rank %d at step %d: saves stop at step %d instead",
-                    hold.request_id, rep.rank, rep.step, new.step)
-        self._send_hold(new, reissues + 1)
+            return self.holds.send_hold(hold)
 
     def preempt_job(self, view: RankView) -> CheckpointOrder | None:
         """A rank of ``view.job`` got a preemption notice (table listener, ingest thread):
@@ -407,8 +359,7 @@ class CheckpointOrders:
     def on_report(self, view: RankView | None, rep: CheckpointReport) -> None:
         """Table listener: a rank reported progress on an order (ingest thread)."""
         with self._lock:
-            if rep.phase == "missed" and rep.request_id in self._holds:
-                self._hold_missed(rep)
+            if self.holds.on_report(rep):
                 return
             st = self._orders.get(rep.request_id)
             if st is None:
@@ -520,7 +471,7 @@ class CheckpointOrders:
                                     len(views), world)
                         continue
                     if f.check in RANK_HOLD_CHECKS:
-                        self._hold(job, f)
+                        self.holds.hold(job, f)
                         continue
                     order = self._issue(job, None, f"{f.check}: {f.reason}"[:4000], None,
                                         "local", None, 0)
