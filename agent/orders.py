@@ -62,7 +62,9 @@ save) and a gone rank (its peers will block in the next collective). A NaN/Inf l
 *holds* the job's saves (:class:`forewarn.wire.SaveHold`, as the collector's policy does,
 so even with the collector down): the state is suspect since the finding's ``bad_step``,
 and every local rank stops saving at one step chosen as an order's S. Jobs spanning nodes
-are left to the collector here too.
+are left to the collector here too. A rank that had already passed that step reports
+``missed`` (its current step) and the hold goes again to every local rank, past that step,
+``replaces`` naming the missed one (:class:`forewarn.wire.SaveHold`).
 
 Preemption
 ----------
@@ -90,6 +92,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 
+from forewarn.agent.holds import LocalHolds
 from forewarn.agent.rank_state import RankView, quantile
 from forewarn.agent.ranks import RankTable
 from forewarn.escalation import escalates
@@ -242,6 +245,10 @@ class CheckpointOrders:
         self.monotonic = monotonic
         self._lock = threading.RLock()
         self._orders: dict[str, OrderStatus] = {}
+        self.holds = LocalHolds(
+            table, send, clock, lambda views, now, scale, floor: choose_step(
+                views, now, delivery_latency_s=self.delivery_latency_s, safety_s=self.safety_s,
+                margin_scale=scale, floor=floor), max_reissues)
         self._fired: dict[str, tuple[float, dict[str, Finding]]] = {}
         """Subject -> (when the fast path last ordered for it, check -> finding it saw)."""
         self.orders_total: collections.Counter[tuple[str, str]] = collections.Counter()
@@ -284,29 +291,7 @@ class CheckpointOrders:
         """Pass the collector's save hold (the job's state is suspect: stop saving) to every
         live local rank of its job; returns how many ranks it reached."""
         with self._lock:
-            now = self.clock()
-            data = encode(hold)
-            views = [v for v in self.table.job_views(hold.job) if self.table.alive(v, now)]
-            return sum(1 for v in views if self.send(v.reply_to, data))
-
-    def _hold(self, job: str, f: Finding) -> SaveHold | None:
-        """Hold the local job's saves for a poisoned state (caller holds the lock)."""
-        now = self.clock()
-        views = [v for v in self.table.job_views(job) if self.table.alive(v, now)]
-        if not views:
-            return None
-        bad = f.evidence.get("bad_step")
-        onset = bad if isinstance(bad, int) and not isinstance(bad, bool) and bad >= 0 else \
-            max((v.last_step or 0 for v in views), default=0)
-        step = choose_step(views, now, delivery_latency_s=self.delivery_latency_s,
-                           safety_s=self.safety_s)
-        hold = SaveHold(request_id=f"fw-{uuid.uuid4().hex[:16]}", job=job, onset_step=onset,
-                        step=max(step, onset), reason=f"{f.check}: {f.reason}"[:4000],
-                        issued=now)
-        reached = self.hold_job(hold)
-        log.warning("save hold %s: job %s is suspect since step %d, saves stop at step %d "
-                    "(%d local rank(s))", hold.request_id, job, onset, hold.step, reached)
-        return hold
+            return self.holds.send_hold(hold)
 
     def preempt_job(self, view: RankView) -> CheckpointOrder | None:
         """A rank of ``view.job`` got a preemption notice (table listener, ingest thread):
@@ -374,6 +359,8 @@ class CheckpointOrders:
     def on_report(self, view: RankView | None, rep: CheckpointReport) -> None:
         """Table listener: a rank reported progress on an order (ingest thread)."""
         with self._lock:
+            if self.holds.on_report(rep):
+                return
             st = self._orders.get(rep.request_id)
             if st is None:
                 return
@@ -484,7 +471,7 @@ class CheckpointOrders:
                                     len(views), world)
                         continue
                     if f.check in RANK_HOLD_CHECKS:
-                        self._hold(job, f)
+                        self.holds.hold(job, f)
                         continue
                     order = self._issue(job, None, f"{f.check}: {f.reason}"[:4000], None,
                                         "local", None, 0)

@@ -71,7 +71,7 @@ def bench_monitor(
     socket_path: str, calls: int, pace_s: float = 0.0, label: str = ""
 ) -> tuple[list[int], int]:
     """Time each ``step()``; also record process CPU time per call (main thread plus the
-    hook's background sender, which does the actual ``send`` syscalls)."""
+    hook's background sender, which packs the records and does the ``send`` syscalls)."""
     mon = Monitor(job="bench", rank=0, world_size=1, socket_path=socket_path,
                   handle_sigterm=False)
     step = mon.step
@@ -160,7 +160,7 @@ def main() -> None:
     pace = args.pace_us / 1e6
     sender = CPU_PER_CALL[f"agent-{pace}"] - CPU_PER_CALL[f"none-{pace}"]
     print(f"process CPU per paced step, agent minus no agent (the background sender's "
-          f"send syscalls, amortized): {sender:.2f} µs")
+          f"packing and send syscalls, amortized): {sender:.2f} µs")
 
 
 if __name__ == "__main__":

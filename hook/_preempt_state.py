@@ -15,6 +15,35 @@ keeps the checkpoint orders; this module keeps what a notice sets in motion:
 * after the save (*saving*) the process ends *after the save*.
 
 The two ways out of the process, and the handlers themselves, are :mod:`._preempt`'s.
+
+The whole story, as a user of :class:`~forewarn.hook.Monitor` sees it:
+
+A preemption notice is one of ``preempt_signals`` (SIGTERM by default;
+SIGUSR1 for Slurm's ``--signal=USR1@N`` warning; handlers in the main thread only,
+``handle_sigterm=False`` opts out) or the appearance of ``preempt_notice_file`` (a cloud
+maintenance notice written by the user's watcher; checked once per beat on the background
+thread, nothing on the step path). Every rank of the job then saves ONE step and exits:
+
+* with an agent: the rank's next beat (sent at once) says ``preempted``; the agent orders
+  the whole job to save at the first step its fastest rank cannot have reached when the
+  order lands, usually the next step (reason ``preempted``). Every rank that gets that
+  order saves at its step and exits, signalled or not, so ranks signalled a step apart, or
+  only some ranks, save the same step. A rank whose agent does not answer within
+  ``preempt_order_wait_s`` saves alone at its next step;
+* with ``agree_every=k`` (the collective fallback for jobs run without an agent): the
+  ranks' ``all_reduce(MAX)`` every k steps carries the notice, and every rank saves the
+  agreed step and exits;
+* with neither: each rank saves at its own next step.
+
+A repeated notice within ``preempt_grace_s`` of the first does not abort the save (Slurm
+22.05 preemption sends SIGTERM, SIGCONT, SIGTERM within a few ms, and torchrun forwarding
+plus a direct signal doubles it too). After the save (``Monitor.checkpoint_done`` or
+``Monitor.checkpoint_failed``) the process exits with ``preempt_exit_code`` (default 128 +
+the signal number, what a shell and torchrun report for a signalled worker), or calls the
+user's own handler if one was installed before the Monitor. A loop that never calls
+``should_checkpoint``, a save that has not started within ``preempt_grace_s``, or a
+notice after the grace, get the previous behaviour at once (the previous handler, or
+death by the signal).
 """
 
 from __future__ import annotations

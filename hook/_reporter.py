@@ -1,8 +1,9 @@
 """The reporting path: step records and checkpoint reports, encoded and queued.
 
-``Monitor.step()`` keeps its fast path (Python floats after the first step: one packer
-call, one deque append) in :class:`~forewarn.hook.monitor.Monitor` itself, to spare the
-training loop a call; every other report is made here: values read now or deferred until
+``Monitor.step()`` keeps its fast path (Python floats after the first step: one tuple
+and one deque append; the background thread packs it) in
+:class:`~forewarn.hook.monitor.Monitor` itself, to spare the training loop a call; every
+other report is made here: values read now or deferred until
 their CUDA copy lands (:mod:`._tensors`), the general :class:`~forewarn.wire.StepRecord`,
 checkpoint reports, and the bounded queue that the background thread (:mod:`._sender`)
 drains. Errors propagate to the Monitor's public methods, which count and log them.
@@ -18,7 +19,6 @@ from forewarn import wire
 
 from ._channel import AgentChannel
 from ._identity import RankIdentity
-from ._pack import build_step_packer
 from ._sender import Sender
 from ._tensors import DeferredValues, read_now
 
@@ -53,7 +53,7 @@ class Reporter:
         on_nonfinite_loss: Callable[[int], None],
     ) -> None:
         self.identity = identity
-        self.pack = build_step_packer(identity)
+        self.pack = sender.pack_step
         self.queue = sender.queue
         self.queue_limit = queue_limit
         self.deferred: DeferredValues | None = None

@@ -1,4 +1,4 @@
-"""The training-side client: step reports, liveness beats, checkpoint orders, preemption.
+r"""The training-side client: step reports, liveness beats, checkpoint orders, preemption.
 
 A guest in someone else's training loop: standard library only at import time (torch is
 imported lazily, and only when a tensor is passed or agreement mode runs), ``step()``
@@ -15,160 +15,76 @@ Call order in a loop::
                 res = writer.save(step, state)
                 mon.checkpoint_done(step, res.seconds, res.bytes, res.path)
 
-**Transport.** ``step()`` encodes the record (hand-rolled msgpack, :mod:`._pack`) and
-appends it to a deque; the rank's background thread sends queued records to the agent's
-Unix datagram socket every ``flush_interval_s`` (10 ms; at once for NaN/Inf values and
-checkpoint reports), sends a :class:`~forewarn.wire.Beat` every ``beat_interval_s``
+**Transport.** ``step()`` appends the step's values to a deque; the rank's background
+thread encodes them (hand-rolled msgpack, :mod:`._pack`) and sends queued records to the
+agent's Unix datagram socket every ``flush_interval_s`` (10 ms; at once for NaN/Inf values
+and checkpoint reports), sends a :class:`~forewarn.wire.Beat` every ``beat_interval_s``
 (the first at construction) and receives orders (:mod:`._reporter`, :mod:`._sender`,
 :mod:`._channel`). The training thread makes no syscall per step.
 
-**Loss and grad norm as tensors.** Python floats and CPU tensors are read at once. A CUDA
-tensor is never read with ``.item()`` (that would sync the device every step): it is
-copied ``non_blocking`` into a pinned host buffer behind a CUDA event, and the step's
-record is sent by a later ``step()`` once the event has completed (see
-:mod:`forewarn.hook._tensors`). Passing floats that you already have is cheapest.
+**Loss and grad norm as tensors** (:mod:`._tensors`): a CUDA tensor is never read with
+``.item()``; its value is sent by a later ``step()`` once a non-blocking copy landed.
+Passing floats that you already have is cheapest.
 
-**Checkpoint orders** ("every rank of job J saves at step S") arrive from the agent on the
-rank's own socket. If this rank has not reported step S yet, :meth:`should_checkpoint`
-returns True at step S. If S has already passed, the rank reports ``missed`` with its
-current step and the agent issues a new S. Orders never replace each other: with several
-pending (the agent's fast path and the collector can both order a job for one finding),
-the rank saves at each order's step, and one save serves every order for the same step.
-So every rank that received the same orders before their steps saves at the same steps.
-With ``agree_every=k`` the ranks instead ``all_reduce(MAX)`` the pending order step every
-k steps over the default process group so that all of them agree; this adds one tiny
-collective (and, on NCCL, one device sync) every k steps and is off by default.
+**Checkpoint orders** ("every rank of job J saves at step S", :mod:`._orders`) arrive from
+the agent on the rank's own socket: :meth:`should_checkpoint` returns True at step S; an S
+that has already passed is reported ``missed`` and the agent issues a new S. Orders never
+replace each other; ``agree_every=k`` (off by default) ``all_reduce``\ s the pending order
+step every k steps instead.
 
-**Preemption** (the decisions in :mod:`._preempt_state`, the signals and exits in
-:mod:`._preempt`). A preemption notice is one of ``preempt_signals`` (SIGTERM by default;
-SIGUSR1 for Slurm's ``--signal=USR1@N`` warning; handlers in the main thread only,
-``handle_sigterm=False`` opts out) or the appearance of ``preempt_notice_file`` (a cloud
-maintenance notice written by the user's watcher; checked once per beat on the background
-thread, nothing on the step path). Every rank of the job then saves ONE step and exits:
+**Preemption** (:mod:`._preempt_state` tells the whole story). A notice (``preempt_signals``,
+SIGTERM by default, or ``preempt_notice_file`` appearing) makes every rank of the job save
+ONE step and exit with ``preempt_exit_code`` (default 128 + the signal number); a repeated
+notice within ``preempt_grace_s`` does not abort the save.
 
-* with an agent: the rank's next beat (sent at once) says ``preempted``; the agent orders
-  the whole job to save at the first step its fastest rank cannot have reached when the
-  order lands, usually the next step (reason ``preempted``). Every rank that gets that
-  order saves at its step and exits, signalled or not, so ranks signalled a step apart, or
-  only some ranks, save the same step. A rank whose agent does not answer within
-  ``preempt_order_wait_s`` saves alone at its next step;
-* with ``agree_every=k`` (the collective fallback for jobs run without an agent): the
-  ranks' ``all_reduce(MAX)`` every k steps carries the notice, and every rank saves the
-  agreed step and exits;
-* with neither: each rank saves at its own next step.
+**Phases and a clean end.** ``with mon.phase("eval"):`` marks a phase in which a long
+pause in steps is expected (:mod:`._phases`). ``close()``, leaving the ``with`` block
+without an exception, and a normal exit (atexit) mark the rank *finished*: never hung.
 
-A repeated notice within ``preempt_grace_s`` of the first does not abort the save (Slurm
-22.05 preemption sends SIGTERM, SIGCONT, SIGTERM within a few ms, and torchrun forwarding
-plus a direct signal doubles it too). After the save (:meth:`checkpoint_done` or
-:meth:`checkpoint_failed`) the process exits with ``preempt_exit_code`` (default 128 +
-the signal number, what a shell and torchrun report for a signalled worker), or calls the
-user's own handler if one was installed before the Monitor. A loop that never calls
-``should_checkpoint``, a save that has not started within ``preempt_grace_s``, or a
-notice after the grace, get the previous behaviour at once (the previous handler, or
-death by the signal).
-
-**Phases and a clean end.** ``with mon.phase("eval"):`` (or ``data``, ``compile``,
-``checkpoint``) tells the agent that a long pause in steps is expected: its hang bound
-for a rank in a phase is learned from the longest earlier stay in that phase (the first
-one gets the startup timeout), and the phase's time is left out of the next step time.
-``close()``, leaving the ``with`` block without an exception, and a normal interpreter
-exit (atexit) mark the rank *finished* at the agent: never hung or gone.
-
-**Bad numerics.** A NaN/Inf loss makes the training state *suspect* from that step on
+**Bad numerics** (:mod:`._numerics`). A NaN/Inf loss makes the training state *suspect*
 (:attr:`Monitor.suspect_since`): a :class:`~forewarn.hook.CheckpointWriter` given this
-monitor marks every checkpoint of that step or later suspect, and ``load_latest`` skips
-those unless told (``allow_suspect=True``). Saves are *held* (:meth:`Monitor.saves_held`:
-``should_checkpoint`` refuses ordered and advised saves, reporting them failed, and the
-writer refuses to save) from the step the collector's :class:`~forewarn.wire.SaveHold`
-names -- ahead of the fastest rank, so every rank of the job stops at the same step and
-none is left alone in a collective save. A rank alone in its job (world size 1) holds its
-saves at once, at the NaN's own step. The hold also comes for a grad-norm spike when the
-collector's policy is so configured. :meth:`Monitor.release_hold` lifts it (the user
-judged the state sound); ``writer.save(..., allow_suspect=True)`` saves once anyway,
-marked suspect.
+monitor marks checkpoints since the onset, ``load_latest`` skips them, and saves are
+*held* (:meth:`Monitor.saves_held`) from the step the job-wide
+:class:`~forewarn.wire.SaveHold` names (a hold already passed is reported ``missed`` and
+issued again) until :meth:`Monitor.release_hold`.
 """
 
 from __future__ import annotations
 
 import atexit
-import collections
 import contextlib
-import dataclasses
 import logging
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, Final
+from typing import Any
 
 from forewarn import wire
 
 from ._channel import AgentChannel, resolve_socket_path
 from ._identity import RankIdentity, identity_from_env
-from ._preempt import PREEMPT_REQUEST, SignalExit, is_preemption, parse_signals
-from ._preempt_state import NONE, PENDING, SAVING, PreemptState
+from ._numerics import Numerics
+from ._orders import DueOrders, Saves, agree, agreeing
+from ._pack import build_step_packer
+from ._phases import Phases
+from ._preempt import SignalExit, parse_signals
+from ._preempt_state import NONE, PENDING, PreemptState
 from ._reporter import Reporter, checked_step
 from ._sender import Sender
+from ._stats import MonitorStats, RateLimitedLog
 
 __all__ = ["Monitor", "MonitorStats"]
 
 _log = logging.getLogger("forewarn.hook")
 
-_MAX_PHASES: Final = 16
-"""Phases whose longest stay a beat carries (the wire's limit)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class MonitorStats:
-    """Counters of one :class:`Monitor` (a snapshot)."""
-
-    steps: int
-    """``step()`` calls."""
-    dropped: int
-    """Reports (steps, beats, checkpoint reports) that did not reach an agent."""
-    failures: int
-    """``step()`` calls that failed inside the hook (bad arguments, bugs): counted, logged."""
-    beats: int
-    orders: int
-    """Orders for this job that were accepted."""
-    orders_ignored: int
-    """Orders for another job, duplicates, or ones that came too late (see ``missed``)."""
-    orders_invalid: int
-    """Datagrams on the order socket that did not decode as a CheckpointOrder."""
-    missed: int
-    checkpoints: int
-    values_skipped: int
-    """Tensor values left out rather than waiting for the device."""
-    connected: bool
-    notices_absorbed: int = 0
-    """Repeated preemption notices within the grace that did not abort the save."""
 
 
 def _finite(x: Any) -> bool:
     """False only for a non-finite Python float."""
     return not (type(x) is float and x - x != 0.0)
-
-
-class _RateLimitedLog:
-    """At most one log line per key per ``interval_s``, with the count of suppressed ones."""
-
-    def __init__(self, interval_s: float = 60.0) -> None:
-        self.interval_s = interval_s
-        self._last: dict[str, float] = {}
-        self._suppressed: collections.Counter[str] = collections.Counter()
-
-    def warning(self, key: str, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        last = self._last.get(key)
-        if last is not None and now - last < self.interval_s:
-            self._suppressed[key] += 1
-            return
-        self._last[key] = now
-        n = self._suppressed.pop(key, 0)
-        suffix = f" ({n} similar suppressed)" if n else ""
-        _log.warning("forewarn: " + msg + suffix, *args)
 
 
 class Monitor:
@@ -244,54 +160,49 @@ class Monitor:
             preempt_exit_code, lambda finished: self._close(finished))
         self.preempt_signals = self._signals.signals
         notice = preempt_notice_file or os.environ.get("FOREWARN_PREEMPT_NOTICE_FILE")
+        # hot-path state first (step() reads nothing else of the Monitor)
         self._time = clock
         self._mono = monotonic
-        self._log = _RateLimitedLog()
-        self._lock = threading.Lock()
-        # hot-path state
         self._prev_mono: float | None = None
         self._last_step: int | None = None
         self._steps = 0
-        self._failures = 0
+        self._plain = False  # step() may take the fast path (see _replan)
         self._special = agree_every > 0  # step() runs _special_step when True
-        # orders and checkpoints
-        self._due: dict[int, list[tuple[str, str]]] = {}  # step -> [(request_id, reason)]
-        self._next_due: int | None = None  # min(self._due): the hot path reads only this
-        self.follow_advice = follow_advice
-        self._advice: wire.IntervalAdvice | None = None
-        self._agree_pending: tuple[int, str, str] | None = None
-        self._active: tuple[tuple[str, ...], str] | None = None  # (request_ids, reason)
-        self._seen_requests: collections.deque[str] = collections.deque(maxlen=64)
+        self._tensors = False  # CUDA values are in flight: step() takes the general path
+        self._failures = 0
+        self._log = RateLimitedLog()
+        self._lock = threading.Lock()
+        self._orders = DueOrders(self.job, self._lock, agree_every)
         self._checks_seen = False
-        self._orders = self._orders_ignored = self._orders_invalid = 0
-        self._missed = self._checkpoints = 0
         self._pre = PreemptState(
             self._signals, notice_file=os.fspath(notice) if notice else None,
             grace_s=preempt_grace_s, order_wait_s=preempt_order_wait_s, monotonic=monotonic,
             can_save=lambda: self._checks_seen and not self._closed,
             on_notice=self._on_notice,
         )
-        # phases (see phase())
-        self._phase = ""
-        self._phase_started: float | None = None
-        self._phase_longest: dict[str, float] = {}
         self._finished = False
         self._closed = False
-        # bad numerics (see suspect_since, saves_held)
-        self._onset: int | None = None
-        self._held_from: int | None = None
-        self._suspect_listeners: list[Callable[[int], object]] = []
+        self._numerics = Numerics(self.job, self.identity.world_size, self._lock,
+                                  lambda s, rid: self._saves.report_missed(s, rid),
+                                  self._on_listener_error)
         self._ch = AgentChannel(resolve_socket_path(socket_path), send_timeout_s)
         if handle_sigterm:
             self._signals.install(self._pre.on_signal)
         self._sender = Sender(
             self._ch, self._make_beat, self._on_datagram, self._on_thread_error,
-            beat_interval_s=beat_interval_s, flush_interval_s=flush_interval_s,
-            queue_limit=queue_limit, name=f"forewarn-hook-r{self.rank}",
+            build_step_packer(self.identity), beat_interval_s=beat_interval_s,
+            flush_interval_s=flush_interval_s, queue_limit=queue_limit,
+            name=f"forewarn-hook-r{self.rank}",
         )
         self._out = Reporter(self.identity, self._ch, self._sender, clock=clock,
                              queue_limit=queue_limit, cuda_depth=cuda_depth,
-                             on_nonfinite_loss=self._nonfinite_loss)
+                             on_nonfinite_loss=self._numerics.nonfinite_loss)
+        self._saves = Saves(self._orders, self._out, self._pre, self._numerics, monotonic,
+                            follow_advice)
+        self._phases = Phases(clock, monotonic, self._sender.beat_soon)
+        # the fast path's state on the Monitor itself: one object to touch per step
+        self._queue = self._sender.queue
+        self._queue_limit = queue_limit
         self._sender.start()  # the first beat goes out at construction
         atexit.register(self._at_exit)
 
@@ -310,40 +221,39 @@ class Monitor:
             self._prev_mono = mono
             self._last_step = step
             self._steps += 1
-            if self._special:
-                self._special_step(step)
-            out = self._out
-            if (
-                type(loss) is float
-                and type(grad_norm) is float
-                and prev is not None
-                and not extras
-                and out.deferred is None
-            ):
-                data = out.pack(step, now, mono - prev, loss, grad_norm)
-            else:
-                ss = None if prev is None else mono - prev
-                slow = self._record(step, now, ss, loss, grad_norm, extras)
-                if slow is None:
-                    return  # sent by a later step() once the CUDA copy has landed
-                data = slow
-            bad = type(loss) is float and loss - loss != 0.0
-            if bad:
-                self._nonfinite_loss(step)  # with or without an agent
-            # out.send(data, urgent=bad), inlined: the hot path spares a call
-            if not self._ch.up:
-                out.dropped += 1  # no agent: the background thread reconnects
+            if (self._plain and type(loss) is float and type(grad_norm) is float
+                    and not extras and loss - loss == 0.0):
+                # Reporter.send, inlined, the record packed later by the background thread:
+                # the hot path spares a call and the encoding
+                if self._ch.up:
+                    q = self._queue
+                    if len(q) < self._queue_limit:
+                        q.append((step, now, mono - prev, loss, grad_norm))  # type: ignore[operator]
+                        return
+                self._out.dropped += 1  # no agent (the background thread reconnects), or full
                 return
-            q = out.queue
-            if len(q) >= out.queue_limit:
-                out.dropped += 1
-                return
-            q.append(data)
-            if bad:
-                self._sender.kick()  # NaN/Inf: the agent's NaN detector wants it now
+            self._general_step(step, now, mono, prev, loss, grad_norm, extras)
         except Exception as exc:
             self._failures += 1
             self._log.warning("step", "step() failed and was skipped: %r", exc)
+
+    def _general_step(self, step: int, now: float, mono: float, prev: float | None,
+                      loss: Any, grad_norm: Any, extras: dict[str, Any]) -> None:
+        """Everything but the fast path: the first step, agreement and preemption checks,
+        NaN/Inf, tensors and extras (the general record)."""
+        if self._special:
+            self._special_step(step)
+        data = self._record(step, now, None if prev is None else mono - prev, loss, grad_norm,
+                            extras)
+        bad = not _finite(loss)
+        if bad:  # suspect now, with or without an agent, even when a CUDA value defers
+            self._numerics.nonfinite_loss(checked_step(step))
+        if data is not None:  # else sent by a later step() once the CUDA copy landed
+            self._out.send(data, urgent=bad)  # NaN/Inf: the agent's detector wants it now
+
+    def _replan(self) -> None:
+        """Whether the next step() may take the fast path."""
+        self._plain = not (self._special or self._tensors or self._prev_mono is None)
 
     def report_values(self, step: int, loss: Any = None, grad_norm: Any = None,
                       **extras: Any) -> None:
@@ -368,7 +278,11 @@ class Monitor:
         """The slow path's record (see :meth:`._reporter.Reporter.record`)."""
         step = checked_step(step)
         self._last_step = step
-        return self._out.record(step, now, ss, loss, grad_norm, extras)
+        try:
+            return self._out.record(step, now, ss, loss, grad_norm, extras)
+        finally:
+            self._tensors = self._out.deferred is not None
+            self._replan()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -376,178 +290,40 @@ class Monitor:
         """True when this rank must save now, at ``step`` (call after :meth:`step`)."""
         try:
             self._checks_seen = True
-            pre = self._pre
-            if pre.stage == PENDING and pre.save_alone(self._agreeing(), self._ch.up):
-                with self._lock:
-                    self._due.clear()  # the preemption save comes first, then the exit
-                    self._next_due = None
-                    pre.stage = SAVING
-                self._start(step, (PREEMPT_REQUEST,), "preempted")
-                return True
-            next_due = self._next_due
-            held = self._held_from
-            if held is not None and step >= held:
-                if next_due is not None and step >= next_due:
-                    self._refuse_due(step)
-                return False
-            advice = self._advice
-            if (self.follow_advice and advice is not None and step >= advice.from_step
-                    and (step - advice.from_step) % advice.every_steps == 0
-                    and next_due != step):
-                self._start(step, ("advised",), "advised interval")
-                return True
-            if next_due is None or step < next_due:
-                return False
-            with self._lock:
-                passed = sorted(s for s in self._due if s < step)
-                missed = [rid for s in passed for rid, _ in self._due.pop(s)]
-                now = self._due.pop(step, [])
-                self._next_due = min(self._due, default=None)
-            for rid in missed:
-                self._report_missed(step, rid)
-            if not now:
-                return False
-            rids = tuple(rid for rid, _ in now)
-            reason = now[0][1]
-            if any(is_preemption(r) for _, r in now):
-                # the job-wide preemption save (this rank may not have been signalled
-                # itself): checkpoint_done() then exits the process
-                if pre.stage == NONE:
-                    # the order is this rank's notice: its own signal, arriving during
-                    # the save, is a repeat within the grace, not a reason to die mid-save
-                    pre.since = self._mono()
-                pre.stage = SAVING
-                reason = PREEMPT_REQUEST
-            self._start(step, rids, reason)
-            return True
+            return self._saves.should(step, self._ch.up)
         except Exception as exc:
             self._failures += 1
             self._log.warning("should_checkpoint", "should_checkpoint() failed: %r", exc)
             return False
 
-    def _refuse_due(self, step: int) -> None:
-        """Saves are held: the orders due by ``step`` are reported failed, not saved."""
-        with self._lock:
-            due = [rid for s in sorted(s for s in self._due if s <= step)
-                   for rid, _ in self._due.pop(s)]
-            self._next_due = min(self._due, default=None)
-        why = f"held: the training state is suspect since step {self._onset}"
-        for rid in due:
-            self._out.checkpoint(step, "failed", rid, path=why)
-
-    def _start(self, step: int, request_ids: tuple[str, ...], reason: str) -> None:
-        self._active = (request_ids, reason)
-        for rid in request_ids:
-            self._out.checkpoint(step, "started", rid)
-
     def checkpoint_done(self, step: int, seconds: float, bytes: int, path: str = "") -> None:
         """Report a finished checkpoint (ordered or not): the policy learns its cost.
-
-        After a preemption checkpoint this exits the process (see the module docstring).
-        """
-        try:
-            rids = self._active[0] if self._active is not None else ("",)
-            self._active = None
-            self._checkpoints += 1
-            for rid in rids:
-                self._out.checkpoint(step, "done", rid, seconds=max(0.0, float(seconds)),
-                                     nbytes=max(0, int(bytes)), path=str(path)[:4096])
-        except Exception as exc:
-            self._failures += 1
-            self._log.warning("checkpoint", "checkpoint_done() failed: %r", exc)
-        self._pre.exit_if_saving()
+        After a preemption checkpoint this exits the process (see the module docstring)."""
+        self._finish(step, "done", path, seconds, bytes)
 
     def checkpoint_failed(self, step: int, reason: str = "") -> None:
         """Report a checkpoint that could not be written (a preempted process still exits)."""
+        self._finish(step, "failed", reason)
+
+    def _finish(self, step: int, phase: str, path: str, seconds: float | None = None,
+                nbytes: int | None = None) -> None:
         try:
-            rids = self._active[0] if self._active is not None else ("",)
-            self._active = None
-            for rid in rids:
-                self._out.checkpoint(step, "failed", rid, path=str(reason)[:4096])
+            self._saves.finish(step, phase, path, seconds, nbytes)
         except Exception as exc:
             self._failures += 1
-            self._log.warning("checkpoint", "checkpoint_failed() failed: %r", exc)
+            self._log.warning("checkpoint", f"checkpoint_{phase}() failed: %r", exc)
         self._pre.exit_if_saving()
 
-    def _report_missed(self, step: int, request_id: str) -> None:
-        self._missed += 1
-        self._out.checkpoint(step, "missed", request_id)
-
-    # ------------------------------------------------------------------ orders
-
-    def _on_order(self, order: wire.CheckpointOrder) -> None:
-        if order.job != self.job or order.request_id in self._seen_requests:
-            self._orders_ignored += 1
-            return
-        self._seen_requests.append(order.request_id)
-        entry = (order.step, order.request_id, order.reason)
-        with self._lock:
-            if self.agree_every > 0:
-                pend = self._agree_pending
-                if pend is None or order.step >= pend[0]:
-                    self._agree_pending = entry
-                self._orders += 1
-                return
-            last = self._last_step
-            if last is None or last < order.step:
-                self._add_due(order.step, order.request_id, order.reason)
-                self._orders += 1
-                if is_preemption(order.reason):
-                    self._pre.order_due = True
-                return
-        self._report_missed(last if last is not None else 0, order.request_id)
-
-    def _agreeing(self) -> bool:
-        if self.agree_every <= 0 or "torch" not in sys.modules:
-            return False
-        import torch.distributed as dist
-
-        return bool(dist.is_available() and dist.is_initialized())
-
     def _special_step(self, step: int) -> None:
-        if self.agree_every > 0 and step % self.agree_every == 0 and self._agreeing():
-            self._agree(step)
         pre = self._pre
+        on = agreeing(self.agree_every)
+        if on and step % self.agree_every == 0:
+            agree(self._orders, step, pre.stage == PENDING)
         # a rank leaving alone would hang its peers' collective: not while agreeing
-        if pre.grace_over() and not self._agreeing():
+        if pre.grace_over() and not on:
             self._log.warning("preempt", "no checkpoint started %.0f s after the preemption "
                               "notice", pre.grace_s)
             pre.exit_as_before(pre.signum)
-
-    def _agree(self, step: int) -> None:
-        """All ranks: ``all_reduce(MAX)`` of the pending order step (or -1)."""
-        import torch
-        import torch.distributed as dist
-
-        with self._lock:
-            pend, self._agree_pending = self._agree_pending, None
-        value = pend[0] if pend is not None else -1
-        noticed = self._pre.stage == PENDING or (
-            pend is not None and is_preemption(pend[2]))
-        if noticed:
-            value = max(value, step + 1)
-        device = "cpu"
-        if dist.get_backend() == "nccl":
-            device = f"cuda:{torch.cuda.current_device()}"
-        # [order step, preemption notice]: a notice on any rank preempts every rank
-        t = torch.tensor([value, int(noticed)], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        agreed, preempted = (int(x) for x in t.tolist())
-        if agreed < 0:
-            return
-        target = max(agreed, step + 1)  # every rank computes the same target
-        rid, reason = (pend[1], pend[2]) if pend is not None else ("", "agreed")
-        if preempted:
-            rid, reason = rid or PREEMPT_REQUEST, PREEMPT_REQUEST
-        with self._lock:
-            self._add_due(target, rid, reason)
-
-    def _add_due(self, step: int, request_id: str, reason: str) -> None:
-        """Hold an order until its step (caller holds the lock)."""
-        self._due.setdefault(step, []).append((request_id, reason))
-        self._next_due = step if self._next_due is None else min(self._next_due, step)
-
-    # ------------------------------------------------------------------ beats
 
     def _make_beat(self, sender_dropped: int) -> bytes:
         """The beat (background thread; also where the notice file is looked for)."""
@@ -558,8 +334,8 @@ class Monitor:
                 job=i.job, rank=i.rank, local_rank=i.local_rank, world_size=i.world_size,
                 pid=i.pid, host=i.host, time=self._time(), last_step=self._last_step,
                 dropped=self._out.dropped + sender_dropped, reply_to=self._ch.reply_path,
-                phase=self._phase, phase_started=self._phase_started,
-                phase_longest=dict(self._phase_longest),
+                phase=self._phases.name, phase_started=self._phases.started,
+                phase_longest=dict(self._phases.longest),
                 preempted=self._pre.noticed, finished=self._finished,
             )
         )
@@ -568,35 +344,35 @@ class Monitor:
         try:
             message = wire.decode_agent_message(data)
         except wire.WireError as exc:
-            self._orders_invalid += 1
+            self._orders.invalid += 1
             self._log.warning("order", "ignored an undecodable order: %s", exc)
             return
         if isinstance(message, wire.IntervalAdvice):
             if message.job == self.job:
-                self._advice = message
+                self._saves.advice = message
             return
         if isinstance(message, wire.SaveHold):
-            if message.job == self.job:
-                _log.warning("forewarn: saves held from step %d: the training state is suspect "
-                             "since step %d (%s)", message.step, message.onset_step,
-                             message.reason[:200])
-                self._suspect(message.onset_step, message.step)
+            self._numerics.on_hold(message, self._last_step)
             return
-        self._on_order(message)
+        self._saves.on_order(message, self._last_step)
+
+    @property
+    def follow_advice(self) -> bool:
+        """Whether this rank saves at the collector's advised interval too."""
+        return self._saves.follow_advice
 
     @property
     def advice(self) -> wire.IntervalAdvice | None:
         """The collector's latest interval advice for this job (None until one arrives)."""
-        return self._advice
+        return self._saves.advice
 
     def _on_thread_error(self, exc: BaseException) -> None:
         self._log.warning("thread", "background thread error: %r", exc)
 
-    # ------------------------------------------------------------------ preemption
-
     def _on_notice(self) -> None:
         """The first preemption notice (maybe in a signal handler: flags and a pipe write)."""
         self._special = True  # step() now looks at the grace
+        self._plain = False
         self._sender.beat_soon()  # the agent orders the job as soon as it hears
 
     @property
@@ -619,78 +395,39 @@ class Monitor:
         """How long a noticed rank waits for the agent's job-wide order."""
         return self._pre.order_wait_s
 
-    # ------------------------------------------------------------------ bad numerics
-
-    def _nonfinite_loss(self, step: int) -> None:
-        """A NaN/Inf loss at ``step``. A rank alone holds its saves at once; ranks of a
-        larger job keep saving (marked suspect) until the job-wide hold names the step all
-        of them stop at: one rank refusing a collective save would hang the others."""
-        self._suspect(step, step if self.identity.world_size == 1 else None)
-
-    def _suspect(self, onset: int, hold_from: int | None) -> None:
-        """The state is suspect since ``onset``; saves held from ``hold_from`` (if any)."""
-        with self._lock:
-            new = self._onset is None or onset < self._onset
-            if new:
-                self._onset = onset
-            if hold_from is not None and (self._held_from is None or hold_from < self._held_from):
-                self._held_from = hold_from
-        if not new:
-            return
-        for fn in list(self._suspect_listeners):
-            try:
-                fn(onset)
-            except Exception as exc:  # a listener's failure must not reach the loop
-                self._failures += 1
-                self._log.warning("suspect", "marking checkpoints suspect failed: %r", exc)
+    def _on_listener_error(self, exc: BaseException) -> None:
+        self._failures += 1
+        self._log.warning("suspect", "marking checkpoints suspect failed: %r", exc)
 
     @property
     def suspect_since(self) -> int | None:
         """First step of the suspect training state (a NaN/Inf loss here, or the onset
         the collector's save hold names); None while the state is sound."""
-        return self._onset
+        return self._numerics.onset
 
     def saves_held(self, step: int) -> bool:
         """Whether saving ``step`` is refused (see the module docstring)."""
-        held = self._held_from
-        return held is not None and step >= held
+        return self._numerics.saves_held(step)
 
     def release_hold(self) -> None:
         """The user judged the state sound (e.g. after a benign grad-norm spike): saves are
         no longer held nor marked suspect. Checkpoints already marked stay marked."""
-        with self._lock:
-            self._onset = self._held_from = None
+        self._numerics.release()
 
     def on_suspect(self, fn: Callable[[int], object]) -> None:
         """Call ``fn(onset_step)`` when the state becomes suspect (or its onset moves
         earlier): the checkpoint writer marks committed checkpoints from there on."""
-        self._suspect_listeners.append(fn)
+        self._numerics.on_suspect(fn)
 
-    # ------------------------------------------------------------------ phases
-
-    @contextlib.contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
         """Mark a phase in which a long pause between steps is expected (``eval``,
-        ``data``, ``compile``, ``checkpoint``): the agent's hang bound for it is learned
-        from its longest earlier stay, and its time is left out of the next step time.
+        ``data``, ``compile``, ``checkpoint``; :mod:`._phases`). Costs one pipe write on
+        entry (the agent hears of the phase at once)."""
+        return self._phases.enter(name, self._left_phase)
 
-        Costs one pipe write on entry (the agent hears of the phase at once)."""
-        name = str(name)[:32]
-        outer = self._phase
-        self._phase, self._phase_started = name, self._time()
-        began = self._mono()
-        self._sender.beat_soon()
-        try:
-            yield
-        finally:
-            took = self._mono() - began
-            longest = self._phase_longest
-            if took > longest.get(name, -1.0) and (name in longest
-                                                   or len(longest) < _MAX_PHASES):
-                longest[name] = took
-            if self._prev_mono is not None:
-                self._prev_mono += took  # the next step time is the step's own
-            self._phase, self._phase_started = outer, self._time()
+    def _left_phase(self, took: float) -> None:
+        if self._prev_mono is not None:
+            self._prev_mono += took  # the next step time is the step's own
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -713,11 +450,13 @@ class Monitor:
     def stats(self) -> MonitorStats:
         """A snapshot of the counters."""
         return MonitorStats(
-            steps=self._steps, dropped=self.dropped, failures=self._failures,
-            beats=self._sender.beats, orders=self._orders, orders_ignored=self._orders_ignored,
-            orders_invalid=self._orders_invalid, missed=self._missed,
-            checkpoints=self._checkpoints, values_skipped=self._out.values_skipped,
-            connected=self._ch.up,            notices_absorbed=self._pre.absorbed,
+            steps=self._steps, dropped=self.dropped,
+            failures=self._failures + self._sender.bad_records,
+            beats=self._sender.beats, orders=self._orders.accepted,
+            orders_ignored=self._orders.ignored, orders_invalid=self._orders.invalid,
+            missed=self._orders.missed,
+            checkpoints=self._saves.checkpoints, values_skipped=self._out.values_skipped,
+            connected=self._ch.up, notices_absorbed=self._pre.absorbed,
         )
 
     def close(self) -> None:

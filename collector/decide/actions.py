@@ -20,7 +20,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from forewarn.wire import CheckpointReport, CommandAck, Finding
+from forewarn.wire import CheckpointReport, CommandAck, Finding, SaveHold
 
 from .drain import DrainError, DrainRunner
 from .orders import JobOrder, OrderBook
@@ -207,6 +207,10 @@ class ActionPipeline:
     def on_report(self, report: CheckpointReport) -> JobOrder | None:
         """A rank's checkpoint report: cost measurement, order progress, reissue on miss."""
         self.policy.tracker.observe(report)
+        hold = self.orders.on_hold_report(report, self.policy.jobs.job(report.job))
+        if hold is not None:
+            self._record_hold_reissue(hold, report)
+            return None
         new = self.orders.on_report(report, self.policy.jobs.job(report.job))
         if new is not None and self.actions is not None:
             try:
@@ -219,6 +223,19 @@ class ActionPipeline:
             except Exception:
                 log.exception("recording reissue failed")
         return new
+
+    def _record_hold_reissue(self, hold: SaveHold, report: CheckpointReport) -> None:
+        if self.actions is None:
+            return
+        try:
+            self.actions.record_action(
+                time=hold.issued, kind="hold", subject=f"job:{hold.job}", job=hold.job,
+                status="reissued",
+                detail={"request_id": hold.request_id, "replaces": hold.replaces,
+                        "onset_step": hold.onset_step, "step": hold.step,
+                        "missed_by_rank": report.rank, "rank_step": report.step})
+        except Exception:
+            log.exception("recording a hold's reissue failed")
 
     def on_ack(self, ack: CommandAck) -> None:
         """An agent acknowledged a command."""

@@ -17,6 +17,11 @@ acknowledgements per node and :class:`CheckpointReport`\\ s per rank: an order i
 when every rank reported ``done``; if any rank reports ``missed`` (S had passed when the
 order arrived), the order is reissued once with a new S computed from the missed report's
 step, up to ``max_reissues`` times; ``failed`` when a rank failed or reissues ran out.
+
+A save hold (:class:`~forewarn.wire.SaveHold`) follows the same rule: its step is chosen as
+S is, and a rank that had already passed it reports ``missed`` under the hold's request id;
+the hold then goes out again to every node of the job for a step past that rank's
+(``floor``), naming the hold it ``replaces`` (:meth:`OrderBook.on_hold_report`).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
+import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
 from forewarn.ordering import order_step
@@ -145,6 +151,8 @@ class OrderBook:
         self._new_id = new_id
         self._orders: dict[str, JobOrder] = {}
         self._jobs: dict[str, JobInfo] = {}
+        self._holds: dict[str, tuple[SaveHold, JobInfo, int]] = {}
+        """Request id -> (hold, the job it was issued for, re-issues so far)."""
         registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self._m_orders = Counter(
             "forewarn_collector_checkpoint_orders",
@@ -187,9 +195,36 @@ class OrderBook:
         step, _inputs = choose_step(job, now, self.settings)
         hold = SaveHold(request_id=self._new_id(), job=job.job, onset_step=onset_step,
                         step=max(step, onset_step), reason=reason[:4096], issued=now)
-        self.sink.hold_saves(job.nodes, hold)
+        self._send_hold(job, hold, 0)
         self._m_orders.labels("hold").inc()
         return hold
+
+    def _send_hold(self, job: JobInfo, hold: SaveHold, attempt: int) -> None:
+        self._holds[hold.request_id] = (hold, job, attempt)
+        while len(self._holds) > self.settings.keep:
+            self._holds.pop(next(iter(self._holds)))
+        self.sink.hold_saves(job.nodes, hold)
+
+    def on_hold_report(self, report: CheckpointReport, job: JobInfo | None = None
+                       ) -> SaveHold | None:
+        """A rank reported ``missed`` for a hold (it had passed the hold's step): the hold
+        again for every node of the job, at a step past every step reported (the ordering
+        rule's ``floor``), replacing the missed one. Returns the new hold, if any."""
+        known = self._holds.get(report.request_id)
+        if known is None or report.phase != "missed" or report.job != known[0].job:
+            return None
+        hold, issued_for, attempt = self._holds.pop(report.request_id)
+        if attempt >= self.settings.max_reissues:
+            self._m_orders.labels("failed").inc()
+            return None
+        snapshot = job or issued_for
+        step, _inputs = choose_step(snapshot, self._clock(), self.settings, floor=report.step)
+        new = msgspec.structs.replace(
+            hold, request_id=self._new_id(), step=max(step, hold.onset_step),
+            issued=self._clock(), replaces=hold.request_id)
+        self._send_hold(snapshot, new, attempt + 1)
+        self._m_orders.labels("reissued").inc()
+        return new
 
     def get(self, request_id: str) -> JobOrder | None:
         """The order with this request id."""

@@ -233,13 +233,15 @@ def numerics_state(store: StateStore, job: str) -> dict[str, Any] | None:
     before the onset: what a restart should resume from), ``since`` (time) and ``check``."""
     rows = store.query("SELECT time, status, subject, detail FROM actions WHERE job = ?"
                        " AND kind = 'hold' ORDER BY time, id", (job,))
-    onsets, holds = [], []
+    onsets: list[int] = []
+    holds: dict[Any, int] = {}
     for r in rows:
         detail = json.loads(r["detail"])
         if isinstance(detail.get("onset_step"), int):
             onsets.append(detail["onset_step"])
-        if r["status"] == "ordered" and isinstance(detail.get("step"), int):
-            holds.append(detail["step"])
+        if r["status"] in ("ordered", "reissued") and isinstance(detail.get("step"), int):
+            holds.pop(detail.get("replaces"), None)  # a re-issued hold moves its step
+            holds[detail.get("request_id")] = detail["step"]
     if not onsets:
         return None
     onset = min(onsets)
@@ -249,7 +251,7 @@ def numerics_state(store: StateStore, job: str) -> dict[str, Any] | None:
         "SELECT MAX(step) AS step FROM (SELECT step FROM checkpoints WHERE job = ? AND"
         " phase = 'done' AND step < ? UNION ALL SELECT last_checkpoint_step FROM ranks"
         " WHERE job = ? AND last_checkpoint_step < ?) AS good", (job, onset, job, onset))
-    return {"onset_step": onset, "held_from_step": min(holds) if holds else None,
+    return {"onset_step": onset, "held_from_step": min(holds.values()) if holds else None,
             "last_good_step": good[0]["step"] if good else None,
             "since": rows[0]["time"], "subject": rows[0]["subject"]}
 

@@ -632,3 +632,36 @@ def test_one_double_bit_error_orders_one_local_checkpoint(tmp_path: Path) -> Non
                 orders.append(decode_order(reply.recv(4096)))
         assert len(orders) == 1, [o.reason for o in orders]
         assert sum(comp.orders.orders_total.values()) == 1, comp.orders.orders_total
+
+
+def test_a_local_hold_missed_by_a_rank_goes_again_to_every_rank_past_its_step(
+        ranks: Ranks) -> None:
+    """The agent's own hold (a job on its node) follows the ordering rule as its orders do:
+    a rank that had passed its step reports ``missed`` and every local rank gets the hold
+    again, past the step that rank reported, replacing the missed one. A collector's hold
+    passed through is left to the collector."""
+    for rank in (0, 1):
+        ranks.add("a", rank, 100 + rank, world=2)
+        ranks.step("a", rank, 100 + rank, 40 + rank)
+    orders = make_orders(ranks)
+    nan = Finding(check="nan_loss", health=Health.UNHEALTHY,
+                  subject=Subject(kind="rank", node="n", job="a", rank=1, gpu=1),
+                  reason="loss nan", action=SuggestedAction.RESTART_JOB,
+                  evidence={"bad_step": 38}, time=0.0)
+    assert orders.fast_path([nan]) == []
+    first = [decode_agent_message(ranks.sockets[("a", r)].recv(4096)) for r in (0, 1)]
+    assert isinstance(first[0], SaveHold) and first[0] == first[1]
+    ranks.report("a", 1, 101, first[0].request_id, first[0].step + 30, "missed")
+    again = [decode_agent_message(ranks.sockets[("a", r)].recv(4096)) for r in (0, 1)]
+    assert again[0] == again[1] and isinstance(again[0], SaveHold)
+    assert again[0].replaces == first[0].request_id
+    assert again[0].step > first[0].step + 30 and again[0].onset_step == 38
+
+    collector = SaveHold(request_id="c-1", job="a", onset_step=38, step=45, issued=0.0)
+    assert orders.hold_job(collector) == 2
+    for r in (0, 1):
+        ranks.sockets[("a", r)].recv(4096)
+    ranks.report("a", 0, 100, "c-1", 60, "missed")
+    for r in (0, 1):
+        with pytest.raises(BlockingIOError):
+            ranks.sockets[("a", r)].recv(4096)

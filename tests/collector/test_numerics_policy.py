@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from forewarn.wire import Finding, Health, SaveHold, Subject, SuggestedAction
+from forewarn.wire import CheckpointReport, Finding, Health, SaveHold, Subject, SuggestedAction
 
 from support.collector import Service, ranks_on, start_service, stop_service
 from support.polling import wait_for
@@ -105,3 +105,22 @@ def test_shadow_mode_records_the_hold_and_sends_nothing(tmp_path: Path) -> None:
         assert numerics["onset_step"] == 490 and numerics["held_from_step"] is None
     finally:
         stop_service(s)
+
+
+def test_a_rank_past_the_holds_step_reports_missed_and_every_node_gets_it_again(
+        svc: Service) -> None:
+    """The ordering rule, as for a missed order: the hold is issued again for a step past
+    the step the rank reported, replacing the missed one on every node of the job."""
+    svc.push("node1", findings=[_numerics_finding("nan_loss", 1, "node1", 480)])
+    (first,) = _holds(_commands(svc, "node1"))
+    assert _holds(_commands(svc, "node2")) == [first]
+    late = first.step + 40  # rank 3 was there already when the hold reached it
+    svc.push("node2", checkpoints=[CheckpointReport(
+        job="train-1", rank=3, host="node2", request_id=first.request_id, step=late,
+        phase="missed", time=time.time())])
+    again = {node: _holds(_commands(svc, node)) for node in ("node1", "node2")}
+    assert again["node1"] == again["node2"] and len(again["node1"]) == 1, again
+    (second,) = again["node1"]
+    assert second.replaces == first.request_id and second.request_id != first.request_id
+    assert second.step > late and second.onset_step == 480
+    wait_for(lambda: _numerics(svc)["held_from_step"] == second.step, 10, "the re-issue")

@@ -18,11 +18,20 @@ from typing import Any
 
 import pytest
 
-from forewarn.wire import Finding, GpuSample, Health, RankSummary, Subject
+from forewarn.wire import (
+    CheckpointReport,
+    Finding,
+    GpuSample,
+    Health,
+    RankSummary,
+    Subject,
+    SuggestedAction,
+)
 
-from support.collector import start_service, stop_service
+from support.collector import ranks_on, start_service, stop_service
 from support.fleet import Fleet, node_name, start_fleet_collector
 from support.hostile import AWKWARD
+from support.polling import wait_for
 from support.stack import JOB, NODE, running_stack
 
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
@@ -344,3 +353,51 @@ def test_status_page_with_1000_nodes_and_200_jobs(
         store.close()
     width, shot_height = png_size(shot.read_bytes())
     assert width == 1400 and 1000 <= shot_height <= 3000, (width, shot_height)
+
+
+@pytest.mark.timeout(120)
+def test_status_page_shows_the_last_good_step_and_suspect_checkpoints(
+    tmp_path: Path, require_binary: Callable[[str], str]
+) -> None:
+    """A job whose loss turned NaN at step 480 (the policy holds its saves): its detail on
+    the page names the onset and the last good checkpoint to restart from (step 400), and
+    lists its checkpoints with those saved since the onset marked suspect."""
+    chromium = require_binary("chromium")
+    svc = start_service(tmp_path)
+    try:
+        now = time.time()
+        svc.push("node1", ranks=ranks_on("node1", 0, now))
+        svc.push("node2", ranks=ranks_on("node2", 2, now))
+        saves = [CheckpointReport(job="train-1", rank=rank, host=node, request_id="",
+                                  step=step, phase="done", seconds=3.0, bytes=1 << 20,
+                                  time=now - 100 + step / 10, path=f"/ck/step-{step}")
+                 for step in (400, 490, 520) for rank, node in ((0, "node1"), (2, "node2"))]
+        svc.push("node1", checkpoints=[c for c in saves if c.rank == 0])
+        svc.push("node2", checkpoints=[c for c in saves if c.rank == 2])
+        svc.push("node1", findings=[Finding(
+            check="nan_loss", health=Health.UNHEALTHY, action=SuggestedAction.RESTART_JOB,
+            subject=Subject(kind="rank", node="node1", gpu=1, job="train-1", rank=1),
+            reason="rank 1 of job train-1: NaN loss since step 480",
+            evidence={"bad_step": 480, "step": 483}, time=now)])
+        wait_for(lambda: svc.client.get("/api/v1/jobs/train-1").json()["numerics"], 10,
+                 "the policy's hold")
+        with chromium_page(chromium, svc.server.url + "/") as (page, errors):
+            row = page.locator('#jobs tr[data-job="train-1"]')
+            row.wait_for(timeout=30_000)
+            row.locator("button.job-name").click()
+            page.locator('#job-detail[data-loaded="yes"]').wait_for(timeout=10_000)
+            summary = page.locator("#job-detail .job-summary").inner_text()
+            assert "suspect since step 480" in summary, summary
+            assert "last good checkpoint: step 400" in summary, summary
+            ckpts = page.locator("#job-detail .checkpoints tbody tr[data-step]")
+            ckpts.first.wait_for(timeout=10_000)
+            shown = {ckpts.nth(i).get_attribute("data-step"):
+                     ckpts.nth(i).get_attribute("data-suspect") for i in range(ckpts.count())}
+            assert shown == {"520": "yes", "490": "yes", "400": "no"}, shown
+            good = page.locator('#job-detail .checkpoints tr[data-step="400"]').inner_text()
+            assert "last good" in good and "suspect" not in good, good
+            bad = page.locator('#job-detail .checkpoints tr[data-step="490"]').inner_text()
+            assert "suspect" in bad and "2 ranks" in bad, bad
+            assert not errors, errors
+    finally:
+        stop_service(svc)

@@ -279,6 +279,20 @@ def test_junk_arguments_never_raise(agent: FakeAgent) -> None:
         assert mon.stats.failures >= 5
 
 
+def test_a_step_number_no_record_can_carry_is_left_out_alone(agent: FakeAgent) -> None:
+    """The fast path queues the values and the background thread packs them: a step the
+    record cannot carry (over 2**64) is counted as a failure there, and the steps queued
+    around it still arrive."""
+    with _monitor(agent.path) as mon:
+        for s in (0, 1, 2**64, 3):
+            mon.step(s, loss=1.0, grad_norm=1.0)
+        steps: list[int] = []
+        agent.wait_for(lambda m: isinstance(m, wire.StepRecord)
+                       and steps.append(m.step) is None and m.step == 3)
+        assert steps == [0, 1, 3]
+        _wait(lambda: mon.stats.failures == 1)
+
+
 def test_reconnects_when_the_agent_comes_back(sockdir: str) -> None:
     path = os.path.join(sockdir, "agent.sock")
     first = FakeAgent(path)

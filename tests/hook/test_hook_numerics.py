@@ -187,3 +187,33 @@ def test_release_hold_lets_saves_through_unmarked(tmp_path: Path) -> None:
     finally:
         w.close()
         mon.close()
+
+
+def test_a_hold_whose_step_has_passed_is_reported_missed_and_its_reissue_replaces_it(
+        tmp_path: Path, agent: AgentSocket) -> None:
+    """A hold reaching a rank that has already reported the step it names: the rank holds
+    from its next step, reports ``missed`` with its current step under the hold's request
+    id, and the re-issued hold (``replaces`` naming it) moves the step every rank holds
+    from to one it can still meet."""
+    mon = _monitor(agent.path, world_size=2)
+    try:
+        for step in range(13):
+            mon.step(step, loss=1.0, grad_norm=1.0)
+        _wait(lambda: bool(mon.reply_path) and mon.connected)
+        agent.send(mon.reply_path, wire.SaveHold(
+            request_id="h1", job="j", onset_step=5, step=10, reason="nan_loss on rank 1",
+            issued=time.time()))
+        missed = [r for r in agent.reports() if r.phase == "missed"]
+        assert [(r.request_id, r.step) for r in missed] == [("h1", 12)]
+        assert mon.suspect_since == 5
+        # meanwhile it holds from the first step it can still meet, as the other ranks do
+        assert not mon.saves_held(12) and mon.saves_held(13)
+
+        agent.send(mon.reply_path, wire.SaveHold(
+            request_id="h1-r1", job="j", onset_step=5, step=20, reason="nan_loss on rank 1",
+            issued=time.time(), replaces="h1"))
+        _wait(lambda: not mon.saves_held(13))
+        assert not mon.saves_held(19) and mon.saves_held(20)
+        assert not [r for r in agent.reports(timeout=0.3) if r.phase == "missed"]
+    finally:
+        mon.close()

@@ -254,11 +254,35 @@ async function drawDetail() {
     // bad numerics: checkpoints since the onset are suspect; a restart wants the last good one
     + (j.numerics ? ` · state suspect since step ${j.numerics.onset_step}, last good checkpoint: `
       + `${j.numerics.last_good_step != null ? "step " + j.numerics.last_good_step : "none"}` : "");
-  box.querySelector("tbody").replaceChildren(...j.ranks.map((r) => el("tr", {},
+  box.querySelector(".ranks tbody").replaceChildren(...j.ranks.map((r) => el("tr", {},
     el("td", {}, String(r.rank)), el("td", {}, r.node), el("td", {}, String(r.gpu ?? "?")),
     el("td", {}, String(r.last_step ?? "")), el("td", { class: "rank-state" }, state(r)),
     el("td", { class: "time" }, when(r.last_beat)))));
+  box.querySelector(".checkpoints tbody").replaceChildren(...savedSteps(j).map((c) => el("tr",
+    { "data-step": String(c.step), "data-suspect": c.suspect ? "yes" : "no" },
+    el("td", {}, "step " + c.step), el("td", {}, c.ranks + (c.ranks === 1 ? " rank" : " ranks")),
+    el("td", { class: "time" }, when(c.time)),
+    el("td", {}, c.suspect ? badge("suspect") : c.lastGood ? badge("last good") : ""))));
   box.dataset.loaded = "yes";
+}
+
+// The job's saved steps, newest first: one row per step (every rank reports its save), those
+// of the numerics onset or later suspect (load_latest skips them), the last good one named.
+function savedSteps(j) {
+  const onset = j.numerics ? j.numerics.onset_step : null;
+  const byStep = new Map();
+  for (const c of j.checkpoints) {
+    if (c.phase !== "done") continue;
+    const s = byStep.get(c.step) || { step: c.step, ranks: new Set(), time: c.time };
+    s.ranks.add(c.rank);
+    s.time = Math.max(s.time, c.time);
+    byStep.set(c.step, s);
+  }
+  return [...byStep.values()].sort((a, b) => b.step - a.step).map((s) => ({
+    step: s.step, ranks: s.ranks.size, time: s.time,
+    suspect: onset !== null && s.step >= onset,
+    lastGood: j.numerics ? s.step === j.numerics.last_good_step : false,
+  }));
 }
 
 // Incidents: one row per incident (the correlated findings about one GPU, node or job), its

@@ -1,0 +1,124 @@
+"""Bad numerics in one rank: when its training state turned suspect, and from which step its
+saves are held.
+
+A NaN/Inf loss makes the state *suspect* from that step on (``onset``): listeners (the
+:class:`~forewarn.hook.CheckpointWriter`) mark every checkpoint of that step or later. Saves
+are *held* (``held_from``) from the step a :class:`~forewarn.wire.SaveHold` names -- ahead of
+the fastest rank, so every rank of the job stops at the same step and none is left alone in
+a collective save. A rank alone in its job (world size 1) holds at once, at the NaN's step.
+
+**A hold that arrives late.** The hold's step is chosen as a checkpoint order's S
+(:mod:`forewarn.ordering`), so it normally lies ahead of every rank when it lands. A rank
+that has already reported that step cannot meet it (it may have saved at steps the others
+will refuse): like a missed order, it reports ``missed`` with its current step under the
+hold's request id, and holds from its next step meanwhile (every rank that took the hold in
+time holds there too). The issuer -- the agent for a job on its node, else the collector --
+issues the hold again for a step past every step reported (the rule's ``floor``), naming
+the hold it ``replaces``; every rank then holds from that step instead, so the ranks agree
+again on one step they can all still meet. A rank that misses the re-issued hold as well
+reports again (the issuer gives up after a few re-issues, as for orders).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable
+
+from forewarn import wire
+
+__all__ = ["Numerics"]
+
+_log = logging.getLogger("forewarn.hook")
+
+
+class Numerics:
+    """One rank's suspect state and save hold (see the module docstring).
+
+    ``report_missed(step, request_id)`` sends a ``missed`` checkpoint report;
+    ``on_error(exc)`` counts and logs a listener's failure.
+    """
+
+    def __init__(
+        self,
+        job: str,
+        world_size: int,
+        lock: threading.Lock,
+        report_missed: Callable[[int, str], None],
+        on_error: Callable[[BaseException], None],
+    ) -> None:
+        self.job = job
+        self.world_size = world_size
+        self.onset: int | None = None
+        """First step of the suspect state; None while the state is sound."""
+        self.held_from: int | None = None
+        """Saves of this step or later are refused; None while not held."""
+        self.hold_id = ""
+        """Request id of the job-wide hold in force (a re-issue replaces it)."""
+        self._lock = lock
+        self._report_missed = report_missed
+        self._on_error = on_error
+        self._listeners: list[Callable[[int], object]] = []
+        self._seen: collections.deque[str] = collections.deque(maxlen=64)
+
+    def nonfinite_loss(self, step: int) -> None:
+        """A NaN/Inf loss at ``step``. A rank alone holds its saves at once; ranks of a
+        larger job keep saving (marked suspect) until the job-wide hold names the step all
+        of them stop at: one rank refusing a collective save would hang the others."""
+        self.suspect(step, step if self.world_size == 1 else None)
+
+    def on_hold(self, hold: wire.SaveHold, last_step: int | None) -> None:
+        """The job-wide hold (background thread). ``last_step``: this rank's last step."""
+        if hold.job != self.job or hold.request_id in self._seen:
+            return
+        self._seen.append(hold.request_id)
+        missed = last_step is not None and last_step >= hold.step
+        # a late rank holds from the first step it can still meet, as the others do by now
+        start = last_step + 1 if missed and last_step is not None else hold.step
+        _log.warning("forewarn: saves held from step %d: the training state is suspect since "
+                     "step %d (%s)%s", start, hold.onset_step, hold.reason[:200],
+                     f"; the hold named step {hold.step}, already passed: reported missed"
+                     if missed else "")
+        self.suspect(hold.onset_step, start, hold.request_id, replaces=hold.replaces)
+        if missed and last_step is not None:
+            self._report_missed(last_step, hold.request_id)
+
+    def suspect(self, onset: int, hold_from: int | None, hold_id: str = "",
+                replaces: str = "") -> None:
+        """The state is suspect since ``onset``; saves held from ``hold_from`` (if any).
+        A hold that ``replaces`` the one in force moves its step; others only bring it
+        nearer."""
+        with self._lock:
+            new = self.onset is None or onset < self.onset
+            if new:
+                self.onset = onset
+            if hold_from is not None:
+                if (self.held_from is None or hold_from < self.held_from
+                        or (replaces and replaces == self.hold_id)):
+                    self.held_from = hold_from
+                if hold_id:
+                    self.hold_id = hold_id
+        if not new:
+            return
+        for fn in list(self._listeners):
+            try:
+                fn(onset)
+            except Exception as exc:  # a listener's failure must not reach the loop
+                self._on_error(exc)
+
+    def saves_held(self, step: int) -> bool:
+        """Whether saving ``step`` is refused."""
+        held = self.held_from
+        return held is not None and step >= held
+
+    def release(self) -> None:
+        """Saves are no longer held nor marked suspect (checkpoints marked stay marked)."""
+        with self._lock:
+            self.onset = self.held_from = None
+            self.hold_id = ""
+
+    def on_suspect(self, fn: Callable[[int], object]) -> None:
+        """Call ``fn(onset_step)`` when the state becomes suspect (or its onset moves
+        earlier)."""
+        self._listeners.append(fn)
