@@ -153,7 +153,7 @@ class DecideFeed:
         try:
             msgs = await sub.fetch(self.config.bus_fetch_max,
                                    timeout=RECHECK_S if self._held else 1.0)
-        except nats.errors.TimeoutError:
+        except TimeoutError:  # nats.errors.TimeoutError, or asyncio's under load
             msgs = []
         now = time.monotonic()
         for msg in msgs:
