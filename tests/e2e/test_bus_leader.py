@@ -210,15 +210,24 @@ def test_every_checkpoint_report_reaches_the_leader_whichever_replica_stored_it(
     assert answer.status_code == 200, answer.text
     log = s.a.client.get("/api/v1/commands/log", params={"node": "node0000"}).json()
     order = next(r["command"]["order"] for r in log if r["kind"] == "checkpoint")
+    # Another node's report about the job: ingest refuses the batch (not its job), so it
+    # must not reach the leader's order book either (it would fail the order).
+    s.publish("node0002", [{"checkpoints": [CheckpointReport(
+        job="train-1", rank=0, request_id=order["request_id"], step=order["step"],
+        phase="failed", time=time.time())]}])
     os.kill(s.a.proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
     for node, first in nodes.items():  # every rank's report: the follower stores them
         s.publish(node, [{"checkpoints": [CheckpointReport(
             job="train-1", rank=first + g, request_id=order["request_id"],
             step=order["step"], phase="done", seconds=12.0, time=time.time())
             for g in range(2)]}])
-    s.wait_stored()
+    wait_for(lambda: s.stored() == sum(s.seq.values()) - 1, 30, "the reports stored")
     os.kill(s.a.proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
     wait_for(lambda: metric(s.a, "forewarn_collector_checkpoint_orders_total",
                             event="done") == 1, 20,
              "the leader's order done (every rank's report seen)")
     assert metric(s.a, "forewarn_collector_decide_batches_total", result="fed") >= 4
+    assert metric(s.a, "forewarn_collector_checkpoint_orders_total", event="failed") == 0
+    wait_for(lambda: sum(metric(r, "forewarn_collector_ingest_rejected_total",
+                                reason="not_your_job") for r in (s.a, s.b)) == 1, 20,
+             "the other node's report refused by ingest")
