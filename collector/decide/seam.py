@@ -123,7 +123,8 @@ class BatchHook(Protocol):
     """A policy that hears every stored batch."""
 
     def on_batches(self, batches: Sequence[AgentBatch], now: float) -> None:
-        """Newly stored batches (leader only), before their findings reach ``on_findings``."""
+        """Newly stored batches (leader only: every batch on the bus, whichever replica
+        stored it), before their findings reach ``on_findings``."""
 
 
 @runtime_checkable

@@ -48,7 +48,9 @@ calls what it implements):
     ``metrics`` (``metrics.registry`` for the policy's own metrics), ``outbound`` (the
     injected ``httpx.AsyncClient`` or ``None``), ``clock`` and ``loop``.
 ``on_batches(batches: Sequence[AgentBatch], now: float) -> None``
-    Every newly stored batch (rank summaries, checkpoint reports for the order book).
+    Every newly stored batch (rank summaries, checkpoint reports for the order book); with
+    shared state, on the leader only, and for the bus's batches from its ``decide``
+    consumer, whichever replica stored them (:mod:`.leading`).
 ``on_ack(ack: CommandAck, node: str) -> None``
     Every acknowledgement an agent sends.
 ``api() -> PolicyApi``

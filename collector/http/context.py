@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from forewarn.bus import BUS_ADDRESS
 from forewarn.wire import AgentBatch, CommandAck, Finding
 
 from ..config import CollectorConfig
@@ -71,6 +72,8 @@ class CollectorContext:
     :mod:`~forewarn.collector.storage.leader`)."""
     bus: BusConsumer | None = None
     """The NATS bus side of this replica (``bus_url`` set), once started."""
+    bus_decides: bool = False
+    """The leader hears bus batches from the bus's decide consumer (:mod:`.leading`)."""
     _policy_pool: PolicyThread = dataclasses.field(default_factory=PolicyThread)
     _flush_wanted: asyncio.Event | None = None
     flush_error: str = ""
@@ -138,10 +141,11 @@ class CollectorContext:
             if isinstance(item, NodeCommand):
                 self.commands.enqueue(item.node, item.command)
 
-    def _policy_batches(self, batches: list[AgentBatch]) -> None:
-        with self._backlog_lock:
-            self._policy_backlog -= len(batches)
-            self.metrics.policy_backlog.set(self._policy_backlog)
+    def _policy_batches(self, batches: list[AgentBatch], backlog: bool = True) -> None:
+        if backlog:
+            with self._backlog_lock:
+                self._policy_backlog -= len(batches)
+                self.metrics.policy_backlog.set(self._policy_backlog)
         policy = self.policy
         if isinstance(policy, BatchHook) and self.leader.is_leader:
             try:
@@ -160,17 +164,19 @@ class CollectorContext:
                 self.metrics.policy_errors.inc()
                 log.exception("policy.on_ack failed")
 
-    def on_stored(self, batches: list[AgentBatch]) -> None:
-        """Writer thread: hand stored batches to the policy thread; maybe wake the flush."""
+    def on_stored(self, batches: list[AgentBatch], addresses: list[str]) -> None:
+        """Writer thread: hand stored batches to the policy thread (not those of the bus
+        when the leader hears them from its decide consumer); maybe wake the flush."""
         if self.policy is not None:
+            batches_for_policy = batches if not self.bus_decides else [
+                b for b, a in zip(batches, addresses, strict=True) if a != BUS_ADDRESS]
             if self._policy_backlog > POLICY_BACKLOG_MAX:
                 # The policy thread is behind: keep what it must see (findings, ranks,
                 # checkpoint reports), skip batches that carry only samples (counted).
-                kept = [b for b in batches if b.findings or b.ranks or b.checkpoints or b.xids]
-                self.metrics.policy_skipped.inc(len(batches) - len(kept))
+                kept = [b for b in batches_for_policy
+                        if b.findings or b.ranks or b.checkpoints or b.xids]
+                self.metrics.policy_skipped.inc(len(batches_for_policy) - len(kept))
                 batches_for_policy = kept
-            else:
-                batches_for_policy = batches
             if batches_for_policy:
                 with self._backlog_lock:
                     self._policy_backlog += len(batches_for_policy)

@@ -25,6 +25,7 @@ from ..storage.leader import FindingsFeed
 from ..storage.staging import StagingLog
 from ..storage.upkeep import run_upkeep
 from .context import CollectorContext
+from .leading import decide_feed
 
 if TYPE_CHECKING:
     from ..ingest.bus import BusConsumer
@@ -66,7 +67,7 @@ async def _start(ctx: CollectorContext) -> BusConsumer | None:
         from ..ingest.bus import BusConsumer  # nats-py only where the bus is used
 
         consumer = BusConsumer(config, ctx.writer, ctx.metrics, ctx.commands,
-                               on_ack=ctx.accept_ack, clock=ctx.clock)
+                               on_ack=ctx.accept_ack, clock=ctx.clock, decide=decide_feed(ctx))
         await consumer.start()
         ctx.bus = consumer
     if isinstance(ctx.policy, StartHook):

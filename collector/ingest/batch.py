@@ -196,7 +196,10 @@ class _Item:
 
 
 class IngestWriter:
-    """The single writer thread with group commit. See the module docstring."""
+    """The single writer thread with group commit. See the module docstring.
+
+    ``on_stored(batches, addresses)`` hears every newly stored batch and where it came
+    from (the client's address, or :data:`forewarn.bus.BUS_ADDRESS`)."""
 
     def __init__(
         self,
@@ -204,7 +207,7 @@ class IngestWriter:
         metrics: CollectorMetrics,
         *,
         group_max: int = 256,
-        on_stored: Callable[[list[AgentBatch]], None] | None = None,
+        on_stored: Callable[[list[AgentBatch], list[str]], None] | None = None,
         on_staged: Callable[[list[tuple[int, str, int, list[GpuSample]]]], None] | None = None,
         staging: StagingLog | None = None,
         clock: Callable[[], float] = time.time,
@@ -395,7 +398,7 @@ class IngestWriter:
         if staged and self.on_staged is not None:
             self.on_staged(staged)  # committed: the flush may use the decoded samples
         self.metrics.group_size.observe(len(group))
-        stored_batches = []
+        stored_batches, addresses = [], []
         for index, (item, result) in enumerate(zip(group, results, strict=True)):
             if item.future.done():
                 continue
@@ -403,6 +406,7 @@ class IngestWriter:
             if result is IngestResult.STORED:
                 b = item.batch
                 stored_batches.append(b)
+                addresses.append(item.address)
                 for reason, n in ignored.get(index, {}).items():
                     self.metrics.ignored_records.labels(reason).inc(n)
                 self.metrics.samples.inc(len(b.samples))
@@ -414,7 +418,7 @@ class IngestWriter:
             item.future.set_result(result)
         if stored_batches and self.on_stored is not None:
             try:
-                self.on_stored(stored_batches)
+                self.on_stored(stored_batches, addresses)
             except Exception:
                 log.exception("on_stored hook failed")
 

@@ -22,6 +22,8 @@ collectors' durable pull consumers, then runs three tasks on the app's event loo
   taken from the queue (marked delivered) and published to ``forewarn.cmd.<node>`` with
   ``Nats-Msg-Id`` = the command id, so a republish is dropped by JetStream. Nodes that
   never sent a batch over the bus keep getting theirs over the HTTP long poll.
+* **The leader's batches.** With a :class:`~.bus_decide.DecideFeed` (shared state), the
+  leader also pulls every batch through a second consumer for its decisions (see there).
 * **Answers.** Agents' :class:`~forewarn.wire.CommandAck`\\ s are pulled from
   :data:`~forewarn.bus.ACK_CONSUMER` and recorded like the HTTP acknowledgement route
   does (``on_ack``); an answer naming another node than its subject is dropped and
@@ -62,6 +64,7 @@ from ..metrics import CollectorMetrics
 from ..storage.commands import CommandQueue
 from .batch import IngestError, IngestResult, IngestWriter, TimeWindow, accept_batch
 from .batch import count_rejection as _count_rejection
+from .bus_decide import DecideFeed
 
 __all__ = ["BusConsumer", "BusError"]
 
@@ -109,6 +112,7 @@ class BusConsumer:
         on_ack: Callable[[CommandAck, str], str],
         clock: Callable[[], float] = time.time,
         startup_wait_s: float = STARTUP_WAIT_S,
+        decide: DecideFeed | None = None,
     ) -> None:
         self.config = config
         self.writer = writer
@@ -117,6 +121,7 @@ class BusConsumer:
         self.on_ack = on_ack
         self.clock = clock
         self.startup_wait_s = startup_wait_s
+        self.decide = decide
         self.nodes: set[str] = set()
         """Nodes whose batches came over the bus (their commands go over it too)."""
         self.error = ""
@@ -174,6 +179,9 @@ class BusConsumer:
             asyncio.create_task(self._loop_forever(self._take_acks, acks), name="bus-acks"),
             asyncio.create_task(self._publish_commands(js), name="bus-commands"),
         ]
+        if self.decide is not None:
+            self._tasks.append(asyncio.create_task(
+                self._loop_forever(self.decide.step, js), name="bus-decide"))
 
     async def stop(self) -> None:
         """Stop the tasks (batches taken and not yet stored are redelivered), disconnect."""
@@ -197,9 +205,12 @@ class BusConsumer:
         if not connected:
             return {"ready": False, "nodes": len(self.nodes),
                     "detail": f"{where}: not connected ({self.error or 'reconnecting'})"}
-        return {"ready": not self.error, "nodes": len(self.nodes),
-                "detail": f"{where}: {self.error}" if self.error
-                          else f"{where}: connected, {len(self.nodes)} node(s) on the bus"}
+        out = {"ready": not self.error, "nodes": len(self.nodes),
+               "detail": f"{where}: {self.error}" if self.error
+                         else f"{where}: connected, {len(self.nodes)} node(s) on the bus"}
+        if self.decide is not None:
+            out["decide"] = self.decide.status()
+        return out
 
     async def _pull(self, js: JetStreamContext, subject: str, durable: str, stream: str
                     ) -> JetStreamContext.PullSubscription:
@@ -216,7 +227,7 @@ class BusConsumer:
         return await js.pull_subscribe_bind(durable=durable, stream=stream)
 
     async def _loop_forever(self, step: Callable[[Any], Coroutine[Any, Any, None]],
-                            sub: JetStreamContext.PullSubscription) -> None:
+                            sub: Any) -> None:
         """Run ``step(sub)`` until cancelled; NATS trouble is logged, counted, retried."""
         backoff = 0.1
         while True:
@@ -258,7 +269,8 @@ class BusConsumer:
                                       f" exceeds the limit of {c.max_body_bytes} bytes")
                 _checked, stored = accept_batch(self.writer, self.metrics, msg.data,
                                                 node=node, window=window,
-                                                max_items=c.max_batch_items, address="nats")
+                                                max_items=c.max_batch_items,
+                                                address=bus.BUS_ADDRESS)
             except IngestError as exc:
                 await self._not_stored(msg, exc)
                 continue

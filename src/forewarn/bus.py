@@ -11,7 +11,8 @@ Subjects (``<n>`` is the node's *subject token*, :func:`node_token`):
   same bytes as ``POST /api/v1/ingest``), header ``Nats-Msg-Id: <agent_id>:<seq>`` so
   JetStream drops a re-publish inside its duplicate window. Stream :data:`BATCH_STREAM`
   (limits by age and bytes); every collector replica pulls through ONE durable consumer,
-  :data:`BATCH_CONSUMER`, so each batch goes to one replica.
+  :data:`BATCH_CONSUMER`, so each batch is stored by one replica; the leader alone also
+  pulls the whole stream through :data:`DECIDE_CONSUMER` for its decisions.
 * ``forewarn.cmd.<n>``: :class:`~forewarn.wire.Command`\\ s for that node (JSON), header
   ``Nats-Msg-Id: <command id>``. Stream :data:`COMMAND_STREAM` (work queue); the agent
   pulls through its own durable consumer, :func:`command_consumer`, and acknowledges a
@@ -37,9 +38,11 @@ __all__ = [
     "BATCH_CONSUMER",
     "BATCH_PREFIX",
     "BATCH_STREAM",
+    "BUS_ADDRESS",
     "COLLECTOR_USER",
     "COMMAND_PREFIX",
     "COMMAND_STREAM",
+    "DECIDE_CONSUMER",
     "authorization",
     "check_url",
     "command_consumer",
@@ -58,6 +61,10 @@ COMMAND_PREFIX = "forewarn.cmd"
 ACK_PREFIX = "forewarn.ack"
 BATCH_CONSUMER = "collectors"
 """The one durable pull consumer every collector replica shares (work-queue style)."""
+DECIDE_CONSUMER = "decide"
+"""The durable pull consumer of the whole batch stream that only the leader pulls."""
+BUS_ADDRESS = "nats"
+"""The address a collector records for a batch that came over the bus (not over HTTP)."""
 ACK_CONSUMER = "collectors-acks"
 COLLECTOR_USER = "forewarn-collector"
 

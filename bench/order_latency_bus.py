@@ -1,0 +1,277 @@
+"""Order latency through NATS JetStream under fleet load: from a fatal event on one agent
+to every node of its job holding the checkpoint order, while the fleet publishes telemetry.
+
+A nats-server (JetStream, file storage) and one real ``forewarn collector`` process with
+``bus_url`` (embedded SQLite state, so it leads; the policy gates open as in
+``bench/order_latency.py``; predictor and goodput on, as shipped). In this process a load
+generator publishes as agents do: ``--nodes`` nodes x ``--gpus`` GPUs at one sample per GPU
+per second, each node one batch per ``--push-interval`` s (8 GPUs x 5 s = 40 samples, the
+agent's default), JetStream publish with ``Nats-Msg-Id``, the realistic 1.6 KB samples of
+``bench/collector_ingest.py`` with advancing times. The nodes of ``--jobs`` jobs of
+``--job-nodes`` nodes also carry their ranks in every batch and pull their commands through
+their own durable consumer, answering each (as ``agent/bus.py`` does).
+
+Each trial: one node of a job publishes an urgent batch with an unhealthy ``gpu_lost``
+finding (what an agent sends on a fatal XID); the latency is until the last node of that
+job has received the order (the agent -> rank leg is a local datagram: ``bench/hook_step.py``).
+Reported: p50/p99/max, the GPU-samples/s the collector stored meanwhile against what was
+offered, its stream backlog (batches published and not yet taken: the rate is sustained
+when it stays flat), the collector's and nats-server's CPU.
+
+    python bench/order_latency_bus.py --nodes 2500 --trials 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats
+from nats.js import JetStreamContext
+from nats.js.api import ConsumerConfig
+
+from forewarn import bus
+from forewarn.wire import (
+    AgentBatch,
+    Command,
+    CommandAck,
+    Finding,
+    Health,
+    RankSummary,
+    Subject,
+    SuggestedAction,
+    encode_json,
+)
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bus_ingest import start_nats, wait_consumer
+from collector_ingest import cpu_seconds, free_port, make_samples
+from order_latency import BENCH_POLICY, summary
+
+ENCODER = msgspec.msgpack.Encoder()
+
+
+class Node:
+    """One simulated agent: telemetry batches, and for job nodes ranks and commands."""
+
+    def __init__(self, name: str, gpus: int, push_s: float) -> None:
+        self.name = name
+        self.subject = bus.subject(bus.BATCH_PREFIX, name)
+        self.template = make_samples(name, gpus, 1, 0.0)
+        self.push_s = push_s
+        self.seq = 0
+        self.ranks: list[RankSummary] = []
+        self.waiters: list[tuple[str, asyncio.Future[float]]] = []
+
+    async def publish(self, js: JetStreamContext, **kw: Any) -> int:
+        """One batch; returns its size in bytes."""
+        body = ENCODER.encode(AgentBatch(node=self.name, agent_id=self.name, seq=self.seq,
+                                         created=time.time(), **kw))
+        await js.publish(self.subject, body, headers={"Nats-Msg-Id": f"{self.name}:{self.seq}"})
+        self.seq += 1
+        return len(body)
+
+    def telemetry(self, end: float) -> list[Any]:
+        """The samples of the last push interval: one per GPU per second up to ``end``."""
+        n = round(self.push_s)
+        return [msgspec.structs.replace(s, time=end - n + 1 + i)
+                for i in range(n) for s in self.template]
+
+    async def commands(self, js: JetStreamContext, stop: asyncio.Event) -> None:
+        """Pull this node's commands and answer each, as the agent's NATS uplink does."""
+        sub = await js.pull_subscribe(bus.subject(bus.COMMAND_PREFIX, self.name),
+                                      durable=bus.command_consumer(self.name),
+                                      stream=bus.COMMAND_STREAM,
+                                      config=ConsumerConfig(ack_wait=10.0))
+        while not stop.is_set():
+            try:
+                msgs = await sub.fetch(16, timeout=1.0)
+            except TimeoutError:  # nats-py raises its own and asyncio's
+                continue
+            now = time.perf_counter()
+            for msg in msgs:
+                c = msgspec.json.decode(msg.data, type=Command)
+                if c.order is not None:
+                    for job, fut in self.waiters:
+                        if job == c.order.job and not fut.done():
+                            fut.set_result(now)
+                await js.publish(bus.subject(bus.ACK_PREFIX, self.name),
+                                 encode_json(CommandAck(id=c.id, node=self.name, ok=True,
+                                                        time=time.time())),
+                                 headers={"Nats-Msg-Id": f"ack:{c.id}"})
+                await msg.ack()
+
+    def wait_order(self, job: str) -> asyncio.Future[float]:
+        fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        self.waiters.append((job, fut))
+        return fut
+
+
+class Load:
+    """Every node publishing its telemetry every push interval, spread evenly."""
+
+    def __init__(self, js: JetStreamContext, nodes: list[Node], push_s: float) -> None:
+        self.js, self.nodes, self.push_s = js, nodes, push_s
+        self.stop = asyncio.Event()
+        self.published = 0
+        self.samples = 0
+        self.bytes = 0
+        self.late = 0.0  # how far behind schedule the generator fell, at most
+
+    async def node_loop(self, i: int, node: Node) -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time() + self.push_s * i / len(self.nodes)
+        while not self.stop.is_set():
+            delay = due - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            else:
+                self.late = max(self.late, -delay)
+            due += self.push_s
+            samples = node.telemetry(time.time())
+            size = await node.publish(self.js, samples=samples, ranks=node.ranks)
+            self.bytes += size  # (not ``+= await``: that reads the sum before awaiting)
+            self.published += 1
+            self.samples += len(samples)
+
+    async def run(self) -> None:
+        await asyncio.gather(*(self.node_loop(i, n) for i, n in enumerate(self.nodes)))
+
+
+async def backlog(js: JetStreamContext) -> tuple[int, int]:
+    """(batches acknowledged by the collector, batches published and not yet taken)."""
+    info = await js.consumer_info(bus.BATCH_STREAM, bus.BATCH_CONSUMER)
+    acked = int(info.delivered.consumer_seq or 0) - int(info.num_ack_pending or 0)
+    return acked, int(info.num_pending or 0) + int(info.num_ack_pending or 0)
+
+
+def jobs_of(nodes: list[Node], jobs: int, job_nodes: int) -> dict[str, list[Node]]:
+    """``jobs`` jobs of ``job_nodes`` nodes (8 ranks each), their ranks set on the nodes."""
+    out = {}
+    now = time.time()
+    for j in range(jobs):
+        members = nodes[j * job_nodes:(j + 1) * job_nodes]
+        job = f"job{j}"
+        for k, node in enumerate(members):
+            node.ranks = [RankSummary(job=job, rank=k * 8 + g, world_size=8 * len(members),
+                                      node=node.name, gpu=g, pid=1000 + g, last_step=1000,
+                                      last_step_time=now, step_seconds_p50=0.5,
+                                      last_checkpoint_time=now - 3600, checkpoint_seconds=20.0)
+                          for g in range(8)]
+        out[job] = members
+    return out
+
+
+async def trial(js: JetStreamContext, jobs: dict[str, list[Node]], n: int) -> float:
+    """One fatal finding from an agent; seconds until every node of its job has the order."""
+    job = sorted(jobs)[n % len(jobs)]
+    members = jobs[job]
+    waits = [m.wait_order(job) for m in members]
+    reporter = members[n % len(members)]
+    finding = Finding(check="gpu_lost", health=Health.UNHEALTHY,
+                      action=SuggestedAction.RESET_GPU, time=time.time(),
+                      subject=Subject(kind="gpu", node=reporter.name, gpu=n % 8),
+                      reason=f"bench trial {n}")
+    t0 = time.perf_counter()
+    await reporter.publish(js, urgent=True, findings=[finding])
+    done = await asyncio.wait_for(asyncio.gather(*waits), 60)
+    for m in members:
+        m.waiters.clear()
+    # The GPU comes back: its incident ends, so a later trial on it orders again.
+    await reporter.publish(js, findings=[msgspec.structs.replace(
+        finding, health=Health.HEALTHY, action=SuggestedAction.NONE, time=time.time())])
+    return max(done) - t0
+
+
+async def drive(url: str, procs: dict[str, int], args: argparse.Namespace) -> dict[str, Any]:
+    nc = await nats.connect(url)
+    js = nc.jetstream(timeout=30)
+    await wait_consumer(js, 180)
+    print("collector consuming; load starts", file=sys.stderr, flush=True)
+    nodes = [Node(f"n{i:05d}", args.gpus, args.push_interval) for i in range(args.nodes)]
+    jobs = jobs_of(nodes, args.jobs, args.job_nodes)
+    stop = asyncio.Event()
+    pullers = [asyncio.create_task(m.commands(js, stop)) for ms in jobs.values() for m in ms]
+    load = Load(js, nodes, args.push_interval)
+    gen = asyncio.create_task(load.run())
+    await asyncio.sleep(args.warmup)
+    acked0, cpu0, t0 = (await backlog(js))[0], {k: cpu_seconds(p) for k, p in procs.items()}, \
+        time.perf_counter()
+    pub0, samples0 = load.published, load.samples
+    backlogs = []
+    latencies = []
+    print("trials start", file=sys.stderr, flush=True)
+    for n in range(args.trials):
+        latencies.append(await trial(js, jobs, n))
+        print(f"trial {n}: {latencies[-1]:.3f} s", file=sys.stderr, flush=True)
+        backlogs.append((await backlog(js))[1])
+        await asyncio.sleep(args.gap)
+    acked1, t1 = (await backlog(js))[0], time.perf_counter()
+    cpu1 = {k: cpu_seconds(p) for k, p in procs.items()}
+    pub1, samples1 = load.published, load.samples
+    load.stop.set()
+    stop.set()
+    await gen
+    await asyncio.gather(*pullers, return_exceptions=True)
+    await nc.close()
+    secs = t1 - t0
+    per_batch = (samples1 - samples0) / max(1, pub1 - pub0)
+    return {
+        "gpus": args.nodes * args.gpus, "nodes": args.nodes, "job_nodes": args.job_nodes,
+        **summary(latencies),
+        "offered_gpu_samples_per_s": args.nodes * args.gpus,
+        "published_gpu_samples_per_s": (samples1 - samples0) / secs,
+        "stored_gpu_samples_per_s": (acked1 - acked0) * per_batch / secs,
+        "backlog_batches_first": backlogs[0], "backlog_batches_last": backlogs[-1],
+        "backlog_batches_max": max(backlogs),
+        "generator_behind_s": load.late,
+        "batch_bytes": load.bytes / max(1, load.published),
+        "bytes_per_gpu_per_s": load.bytes / max(1, load.samples),
+        **{f"{k}_cpu_pct": 100 * (cpu1[k] - cpu0[k]) / secs for k in procs},
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, default=2500)
+    ap.add_argument("--gpus", type=int, default=8)
+    ap.add_argument("--push-interval", type=float, default=5.0)
+    ap.add_argument("--jobs", type=int, default=4)
+    ap.add_argument("--job-nodes", type=int, default=8)
+    ap.add_argument("--trials", type=int, default=100)
+    ap.add_argument("--gap", type=float, default=0.3, help="seconds between trials")
+    ap.add_argument("--warmup", type=float, default=30.0)
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="fw-order-bus-"))
+    nats_proc, url = start_nats(tmp)
+    (tmp / "collector.toml").write_text(
+        f'listen = "127.0.0.1:{free_port()}"\ndata_dir = "{tmp / "data"}"\n'
+        f'tokens_file = "{tmp / "tokens.toml"}"\nlog_level = "warning"\n'
+        f'bus_url = "{url}"\n' + BENCH_POLICY)
+    collector = subprocess.Popen([sys.executable, "-m", "forewarn", "collector", "--config",
+                                  str(tmp / "collector.toml")])
+    try:
+        result = asyncio.run(drive(url, {"collector": collector.pid, "nats": nats_proc.pid},
+                                   args))
+    finally:
+        collector.terminate()
+        collector.wait(60)
+        nats_proc.terminate()
+        nats_proc.wait(30)
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(json.dumps({k: round(v, 1) if isinstance(v, float) else v
+                      for k, v in result.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""The leader's view of every batch on the bus: the ``decide`` durable consumer.
+
+Each batch on the batch stream is stored by ONE replica (the shared ``collectors``
+consumer, :mod:`.bus`): storage, series and findings need it once. The decisions need
+every batch: the predictor's per-GPU windows, checkpoint reports (order progress, the
+measured cost of a save), rank summaries (goodput, stragglers), "this agent is alive".
+So the replica that holds the leader lock (:mod:`..storage.leader`) also pulls a second
+durable consumer of the same stream, :data:`~forewarn.bus.DECIDE_CONSUMER`, and hands
+every batch to the policy's ``on_batches``. Followers never pull it. JetStream keeps its
+acknowledgement floor: a new leader binds the same consumer and goes on where the old one
+acknowledged; what the old one held unacknowledged comes back after ``bus_ack_wait_s``
+(a leader that steps down negatively acknowledges what it holds, so that comes back at
+once). Findings do not take this way: the leader reads every stored finding from the
+store (:class:`~..storage.leader.FindingsFeed`), whichever replica or route stored it.
+
+A batch reaches the policy only once the ingest side has stored it: it is looked up in
+``batches`` by ``(agent_id, seq)`` (one query per fetched group), so a batch ingest
+refused whole (another node's job or agent id, a batch the store could not hold) never
+reaches the decisions, and the job map its records are checked against is at least as
+new as the one ingest used. When ingest left records out (the stored counts differ), the
+batch is authorised again against the map (:func:`~.authz.authorise_batch`) and the policy
+gets what remains. A batch not stored within :attr:`DecideFeed.give_up_s` (ingest refused
+it) is acknowledged and counted ``not_stored``. A batch handed over already (a
+redelivery) is not handed over again.
+
+Metric: ``forewarn_collector_decide_batches_total{result}``: ``fed``, ``refused`` (the
+batch checks failed: ingest refuses it too), ``not_stored``, ``duplicate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import datetime
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from prometheus_client import Counter
+
+from forewarn import bus
+from forewarn.wire import AgentBatch
+
+from ..config import CollectorConfig
+from ..storage.leader import FIRST_WINDOW_S, Leadership
+from ..storage.state import StateStore
+from .authz import NotYourJob, authorise_batch
+from .validate import IngestError, TimeWindow, check_batch
+
+__all__ = ["DecideFeed"]
+
+log = logging.getLogger(__name__)
+
+IDLE_S = 0.1
+"""How often a follower looks whether it leads now."""
+RECHECK_S = 0.05
+"""How soon batches waiting for their ingest are looked up again."""
+KEYS_PER_QUERY = 100
+REMEMBERED = 100_000
+"""Batches handed over lately, remembered so that a redelivery is not handed over again."""
+
+Deliver = Callable[[list[AgentBatch]], Awaitable[None]]
+_Counts = tuple[int, int, int]  # ranks, checkpoints, findings as stored
+
+
+@dataclasses.dataclass
+class _Held:
+    """A fetched batch waiting for its ingest."""
+
+    msg: Msg
+    batch: AgentBatch
+    give_up: float
+    touched: float
+
+
+class DecideFeed:
+    """See the module docstring. ``deliver(batches)`` runs the policy's ``on_batches``
+    (on the policy thread) and returns once it has; only then are they acknowledged."""
+
+    def __init__(self, config: CollectorConfig, store: StateStore, leader: Leadership,
+                 deliver: Deliver, registry: Any, *, clock: Callable[[], float] = time.time
+                 ) -> None:
+        self.config = config
+        self.store = store
+        self.leader = leader
+        self.deliver = deliver
+        self.clock = clock
+        self.give_up_s = 3 * config.bus_ack_wait_s
+        """How long a batch may wait for its ingest (a dead replica's batches come back to
+        another after ``bus_ack_wait_s``)."""
+        self._sub: JetStreamContext.PullSubscription | None = None
+        self._held: list[_Held] = []
+        self._fed: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
+        self._count = Counter("forewarn_collector_decide_batches",
+                              "Batches of the leader's decide consumer by result: fed, "
+                              "refused, not_stored, duplicate.", ["result"], registry=registry)
+
+    async def step(self, js: JetStreamContext) -> None:
+        """One turn (the bus consumer runs it in a loop that logs and retries NATS or
+        store trouble): while this replica leads, pull the decide consumer and feed the
+        policy; otherwise let go of it and wait."""
+        if not self.leader.is_leader:
+            if self._sub is not None:
+                sub, self._sub = self._sub, None
+                await self._let_go(sub)
+            await asyncio.sleep(IDLE_S)
+            return
+        if self._sub is None:
+            self._sub = await self._bind(js)
+        await self._take(self._sub)
+
+    def status(self) -> dict[str, Any]:
+        """For ``/readyz``: whether this replica pulls it, batches waiting for their
+        ingest."""
+        return {"pulling": self._sub is not None, "waiting": len(self._held)}
+
+    async def _bind(self, js: JetStreamContext) -> JetStreamContext.PullSubscription:
+        """Create the consumer unless it exists (the first time: from the batches of the
+        last :data:`~..storage.leader.FIRST_WINDOW_S`, not the whole stream), then bind."""
+        name, stream = bus.DECIDE_CONSUMER, bus.BATCH_STREAM
+        try:
+            await js.consumer_info(stream, name)
+        except nats.js.errors.NotFoundError:
+            start = datetime.datetime.fromtimestamp(self.clock() - FIRST_WINDOW_S,
+                                                    datetime.UTC)
+            config = ConsumerConfig(
+                durable_name=name, ack_policy=AckPolicy.EXPLICIT,
+                deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start,
+                ack_wait=self.config.bus_ack_wait_s, max_deliver=-1,
+                filter_subject=f"{bus.BATCH_PREFIX}.*",
+                max_ack_pending=max(1000, 8 * self.config.bus_fetch_max),
+                num_replicas=self.config.bus_stream_replicas)
+            await js.add_consumer(stream, config=config)
+        log.warning("bus decide: this replica leads; pulling consumer %s", name)
+        return await js.pull_subscribe_bind(durable=name, stream=stream)
+
+    async def _let_go(self, sub: JetStreamContext.PullSubscription) -> None:
+        """No longer the leader: what is held comes back to the next one at once."""
+        held, self._held = self._held, []
+        for h in held:
+            await h.msg.nak()
+        await sub.unsubscribe()
+        log.warning("bus decide: no longer the leader; %d batch(es) handed back", len(held))
+
+    async def _take(self, sub: JetStreamContext.PullSubscription) -> None:
+        try:
+            msgs = await sub.fetch(self.config.bus_fetch_max,
+                                   timeout=RECHECK_S if self._held else 1.0)
+        except TimeoutError:  # nats.errors.TimeoutError, or asyncio's under load
+            msgs = []
+        now = time.monotonic()
+        for msg in msgs:
+            batch = self._check(msg)
+            if batch is None:
+                self._count.labels("refused").inc()
+                await msg.ack()
+            else:
+                self._held.append(_Held(msg, batch, now + self.give_up_s, now))
+        if not self._held:
+            return
+        stored = await asyncio.to_thread(self._stored, [h.batch for h in self._held])
+        ready: list[_Held] = []
+        batches: list[AgentBatch] = []
+        waiting: list[_Held] = []
+        for h in self._held:
+            key = (h.batch.agent_id, h.batch.seq)
+            if key in stored:
+                ready.append(h)
+                if key in self._fed:
+                    self._count.labels("duplicate").inc()
+                    continue
+                kept = await self._as_stored(h.batch, stored[key])
+                if kept is not None:
+                    batches.append(kept)
+            elif now > h.give_up:
+                self._count.labels("not_stored").inc()
+                ready.append(h)
+            else:
+                waiting.append(h)
+        self._held = waiting
+        await self._keep_waiting(now)
+        if batches:
+            await self.deliver(batches)
+            self._count.labels("fed").inc(len(batches))
+            self._remember(batches)
+        for h in ready:
+            await h.msg.ack()
+
+    def _check(self, msg: Msg) -> AgentBatch | None:
+        """The batch as ingest checks it (``None`` when ingest refuses it whole)."""
+        c = self.config
+        try:
+            node = bus.node_of(msg.subject.rpartition(".")[2])
+            if len(msg.data) > c.max_body_bytes:
+                return None
+            window = TimeWindow(self.clock(), c.ingest_max_age_s, c.ingest_max_future_s)
+            return check_batch(msg.data, node=node, max_items=c.max_batch_items,
+                               window=window).batch
+        except (ValueError, IngestError):
+            return None
+
+    def _stored(self, batches: Sequence[AgentBatch]) -> dict[tuple[str, int], _Counts]:
+        """Which of ``batches`` ingest stored (as their own node's), with what it kept."""
+        out: dict[tuple[str, int], _Counts] = {}
+        for i in range(0, len(batches), KEYS_PER_QUERY):
+            part = batches[i:i + KEYS_PER_QUERY]
+            where = " OR ".join(["(agent_id = ? AND seq = ? AND node = ?)"] * len(part))
+            params = [v for b in part for v in (b.agent_id, b.seq, b.node)]
+            for row in self.store.query("SELECT agent_id, seq, ranks, checkpoints, findings"
+                                        f" FROM batches WHERE {where}", params):
+                out[(str(row["agent_id"]), int(row["seq"]))] = (
+                    int(row["ranks"]), int(row["checkpoints"]), int(row["findings"]))
+        return out
+
+    async def _as_stored(self, batch: AgentBatch, counts: _Counts) -> AgentBatch | None:
+        """``batch`` as ingest applied it: without the records it left out."""
+        if counts == (len(batch.ranks), len(batch.checkpoints), len(batch.findings)):
+            return batch
+        return await asyncio.to_thread(self._authorised, batch)
+
+    def _authorised(self, batch: AgentBatch) -> AgentBatch | None:
+        try:
+            with self.store.write() as conn:  # reads the job map only
+                kept, _ignored = authorise_batch(conn, batch, self.clock())
+        except NotYourJob:
+            return None
+        return kept
+
+    async def _keep_waiting(self, now: float) -> None:
+        """Batches waiting for their ingest longer than half the ack wait are marked in
+        progress, so JetStream does not deliver them again meanwhile."""
+        for h in self._held:
+            if now - h.touched > self.config.bus_ack_wait_s / 2:
+                await h.msg.in_progress()
+                h.touched = now
+
+    def _remember(self, batches: Sequence[AgentBatch]) -> None:
+        for b in batches:
+            self._fed[(b.agent_id, b.seq)] = None
+        while len(self._fed) > REMEMBERED:
+            self._fed.popitem(last=False)
