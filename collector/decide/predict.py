@@ -59,14 +59,13 @@ from prometheus_client.registry import CollectorRegistry
 from forewarn.config import ConfigError
 from forewarn.wire import AgentBatch, Finding, GpuState, Health
 
-from .drift import LiveDrift
-
 if TYPE_CHECKING:
     from forewarn.models.live import LiveScorer, ShadowStats
     from forewarn.models.predictor import FailurePredictor
 
     from ..config import CollectorConfig
     from ..jobs.jobview import JobInfo
+    from .drift import LiveDrift
     from .seam import DecideContext, RiskQuery
 
 __all__ = ["PredictorService", "RiskScores", "load_predictor_model"]
@@ -247,6 +246,8 @@ class PredictorService:
 
     def _install(self, model: FailurePredictor) -> None:
         from forewarn.models.live import LiveScorer
+
+        from .drift import LiveDrift  # pandas, through forewarn.models.drift
 
         # Built whole, then published scorer last: the policy thread reads ``scorer``
         # first and only then uses ``model`` (one handoff from the loading thread).

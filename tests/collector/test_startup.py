@@ -34,13 +34,13 @@ PROBE = textwrap.dedent("""
             return None
 
     sys.meta_path.insert(0, Watch())
-    from forewarn.collector.cli import _default_policy
     from forewarn.collector.config import CollectorConfig
+    from forewarn.collector.decide.policy_service import PolicyService
     from forewarn.collector.http.app import create_app
     from forewarn.collector.storage.state import open_state
 
     config = CollectorConfig(data_dir=Path({data!r}))
-    create_app(config, open_state(config), policy=_default_policy(config))
+    create_app(config, open_state(config), policy=PolicyService.from_config(config))
     on_main = sorted(k for k, v in first.items() if v == threading.main_thread().name)
     deadline = time.monotonic() + 300
     while "sklearn" not in first and time.monotonic() < deadline:
