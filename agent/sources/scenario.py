@@ -193,6 +193,10 @@ class Scenario(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     gpu_name: Annotated[str, Meta(max_length=128)] = "NVIDIA H100 80GB HBM3"
     baseline: Baseline = field(default_factory=Baseline)
     faults: list[Fault] = field(default_factory=list)
+    start_file: Annotated[str, Meta(max_length=4096)] = ""
+    """When set, the scenario's clock holds at its start (the baseline plays) until this
+    file exists: a demo or test starts the faults once its workload runs, however long the
+    workload took to start."""
 
 
 def load_scenario(path: str | Path) -> Scenario:

@@ -50,6 +50,7 @@ XID meanings follow NVIDIA's catalog as summarised in docs/reference.md.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -176,7 +177,8 @@ class SimBackend:
     """A simulated GPU node (implements :class:`forewarn.agent.backend.GpuBackend`).
 
     ``clock`` is read once, at :meth:`open`; :meth:`sample` places the scenario at
-    ``offset_s + speed * (now - opened)`` simulated seconds.
+    ``offset_s + speed * (now - opened)`` simulated seconds (with the scenario's
+    ``start_file``, ``opened`` is the first sample that finds the file).
     """
 
     name = "sim"
@@ -207,6 +209,8 @@ class SimBackend:
 
         self._clock = clock or time.time
         self._opened: float | None = None
+        self._waiting = False
+        """The scenario's start_file is not there yet: the clock holds."""
         self._infos: list[GpuInfo] = []
         self._by_gpu: dict[int, list[Fault]] = {}
         self._xid_plan: list[tuple[float, int, int]] = []
@@ -216,8 +220,10 @@ class SimBackend:
     # -- GpuBackend
 
     def open(self) -> list[GpuInfo]:
-        """Start the scenario clock and return the simulated inventory."""
+        """Start the scenario clock (or wait for the scenario's ``start_file``) and return
+        the simulated inventory."""
         self._opened = self._clock()
+        self._waiting = bool(self.scenario.start_file)
         sc = self.scenario
         self._infos = [
             GpuInfo(index=i, uuid=_uuid(sc.seed, i), name=sc.gpu_name,
@@ -236,6 +242,8 @@ class SimBackend:
         """Scenario position (simulated seconds) at wall time ``now``."""
         if self._opened is None:
             raise RuntimeError("SimBackend.open() was not called")
+        if self._waiting:
+            return self.offset_s
         return self.offset_s + self.speed * max(0.0, now - self._opened)
 
     def wall_time(self, t: float) -> float:
@@ -246,6 +254,9 @@ class SimBackend:
 
     def sample(self, now: float) -> list[GpuSample]:
         """One sample per GPU at wall time ``now``; queues XIDs reached by then."""
+        if self._waiting and os.path.exists(self.scenario.start_file):
+            self._waiting = False
+            self._opened = now
         t = self.sim_time(now)
         while self._xid_next < len(self._xid_plan) and self._xid_plan[self._xid_next][0] <= t:
             te, gpu, code = self._xid_plan[self._xid_next]

@@ -94,6 +94,11 @@ class PolicyService:
                                                  "operator_token_file"),
         )
 
+    def readiness(self) -> dict[str, dict[str, Any]]:
+        """``/readyz`` components of the policy's own: the failure predictor's model."""
+        predictor = self.advisors.predictor
+        return {} if predictor is None else {"predictor": predictor.readiness()}
+
     # -- the app's hooks (policy thread) ------------------------------------------------
 
     def start(self, ctx: DecideContext) -> None:

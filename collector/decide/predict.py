@@ -2,8 +2,19 @@
 
 :class:`PredictorService` holds a :class:`~forewarn.models.live.LiveScorer` around the
 model the collector loads at start (the shipped default, or the operator's retrained skops
-file from ``model_path``). :class:`~forewarn.collector.decide.policy_service.PolicyService` drives
-it from the policy thread:
+file from ``model_path``).
+
+Without ``model_path`` the model (the registry's current one, else the shipped one) loads
+on a thread of its own (:meth:`PredictorService.load_default`): importing the model stack
+(scikit-learn, skops, and through them torch) takes seconds, up to half a minute on a
+loaded machine, and the collector serves ``/healthz`` and ingest meanwhile; ``/readyz``
+reports the ``predictor`` component not ready until the model is in
+(:meth:`PredictorService.readiness`). Samples offered before that are counted as
+``loading`` and not kept. An operator's ``model_path`` is loaded before serving, so a file
+that is not a model stops the start with an error naming the key.
+
+:class:`~forewarn.collector.decide.policy_service.PolicyService` drives it from the policy
+thread:
 
 * :meth:`PredictorService.observe` takes every stored batch's samples and XIDs. One sample
   per GPU per ``predict_sample_s`` is fed (features live on a 60 s grid of cumulative
@@ -23,7 +34,7 @@ Metrics (registered on the collector's registry, rendered from the last scoring)
 lead; NaN until defined), counters ``forewarn_collector_prediction_{alarms,true_alarms,
 false_alarms,failures,caught}_total``, ``..._open_alarms``, and the predictor's own
 ``forewarn_collector_predictor_{up,gpus,score_seconds,threshold,horizon_seconds}``,
-``forewarn_collector_predictor_samples_total{result}`` (fed, thinned, error).
+``forewarn_collector_predictor_samples_total{result}`` (fed, thinned, error, loading).
 
 Route: ``GET /api/v1/risk`` (``node``, ``min``, ``limit``): the model, the latest
 probability per GPU (highest first) and per job (the highest over the job's GPUs).
@@ -35,6 +46,7 @@ import dataclasses
 import functools
 import logging
 import math
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -47,14 +59,13 @@ from prometheus_client.registry import CollectorRegistry
 from forewarn.config import ConfigError
 from forewarn.wire import AgentBatch, Finding, GpuState, Health
 
-from .drift import LiveDrift
-
 if TYPE_CHECKING:
-    from forewarn.models.live import ShadowStats
+    from forewarn.models.live import LiveScorer, ShadowStats
     from forewarn.models.predictor import FailurePredictor
 
     from ..config import CollectorConfig
     from ..jobs.jobview import JobInfo
+    from .drift import LiveDrift
     from .seam import DecideContext, RiskQuery
 
 __all__ = ["PredictorService", "RiskScores", "load_predictor_model"]
@@ -162,8 +173,6 @@ class PredictorService:
         error: str = "",
         gpu_mtbf_h: float = DEFAULT_GPU_MTBF_H,
     ) -> None:
-        from forewarn.models.live import LiveScorer
-
         self.interval_s = interval_s
         self.sample_s = sample_s
         self.refresh_s = refresh_s
@@ -171,10 +180,13 @@ class PredictorService:
         self.error = error
         self.gpu_mtbf_h = gpu_mtbf_h
         self._rec = _Recorder()
-        self.model = _recording(model, self._rec) if model is not None else None
-        self.scorer = LiveScorer(self.model) if self.model is not None else None
-        ref = model.metadata.get("reference") if model is not None else None
-        self.drift = LiveDrift(ref, model.feature_names) if model is not None and ref else None
+        self.model: FailurePredictor | None = None
+        self.scorer: LiveScorer | None = None
+        self.drift: LiveDrift | None = None
+        self.loading = False
+        """The model is loading (:meth:`load_default`)."""
+        if model is not None:
+            self._install(model)
         self.scores = _empty_scores(0.0)
         self.shadow_stats: ShadowStats | None = None
         self.last_score: float | None = None
@@ -182,34 +194,79 @@ class PredictorService:
         self.gpu_seconds = 0.0
         """GPU-seconds observed (scored GPUs x time between scorings): the exposure the
         fleet's failure rate is measured over."""
-        self.samples = {"fed": 0, "thinned": 0, "error": 0}
+        self.samples = {"fed": 0, "thinned": 0, "error": 0, "loading": 0}
         self._fed: dict[tuple[str, int], float] = {}
         self._submitted: dict[tuple[str, int], tuple[float, Health]] = {}
 
     @classmethod
     def from_config(cls, config: CollectorConfig) -> PredictorService | None:
         """``None`` when ``predictor_enabled`` is off. A ``model_path`` that cannot be
-        loaded is a :class:`~forewarn.config.ConfigError` naming the key; a missing or
-        broken shipped model is logged and leaves the predictor off (``..._up 0``)."""
+        loaded is a :class:`~forewarn.config.ConfigError` naming the key. Without one, the
+        registry's (or the shipped) model loads in the background (:meth:`load_default`);
+        one that cannot be loaded is logged and leaves the predictor off (``..._up 0``,
+        ``/readyz`` not ready)."""
         if not config.predictor_enabled:
             return None
         kw: dict[str, Any] = {"interval_s": config.predict_interval_s,
                               "sample_s": config.predict_sample_s,
                               "refresh_s": config.predict_refresh_s,
                               "gpu_mtbf_h": config.goodput_gpu_mtbf_h}
+        if config.model_path is None:
+            svc = cls(None, **kw)
+            svc.load_default(config.data_dir / "models")
+            return svc
         from forewarn.models.persist import ModelError
         from forewarn.models.registry import RegistryError
 
         try:
             model, source = load_predictor_model(config.model_path, config.data_dir / "models")
         except (ModelError, RegistryError, OSError) as exc:
-            if config.model_path is not None:
-                raise ConfigError(f"model_path: {exc}") from None
-            log.error("failure predictor off: the model could not be loaded: %s", exc)
-            return cls(None, error=str(exc), **kw)
-        log.info("failure predictor: model %s (horizon %.0f s, threshold %.2f)", source,
-                 model.horizon_s, model.threshold)
+            raise ConfigError(f"model_path: {exc}") from None
         return cls(model, source=source, **kw)
+
+    def load_default(self, registry: Path) -> threading.Thread:
+        """Load the model registry's current model (none yet: the shipped one) on a daemon
+        thread (returned); until it is in, the predictor scores nothing and
+        :meth:`readiness` says it is loading."""
+        self.loading = True
+        thread = threading.Thread(target=self._load_default, args=(registry,),
+                                  name="forewarn-model-load", daemon=True)
+        thread.start()
+        return thread
+
+    def _load_default(self, registry: Path) -> None:
+        try:
+            model, self.source = load_predictor_model(None, registry)
+            self._install(model)
+        except Exception as exc:  # ModelError, RegistryError, OSError, a broken model stack
+            self.error = str(exc) or type(exc).__name__
+            log.error("failure predictor off: the model could not be loaded: %s", self.error)
+        finally:
+            self.loading = False
+
+    def _install(self, model: FailurePredictor) -> None:
+        from forewarn.models.live import LiveScorer
+
+        from .drift import LiveDrift  # pandas, through forewarn.models.drift
+
+        # Built whole, then published scorer last: the policy thread reads ``scorer``
+        # first and only then uses ``model`` (one handoff from the loading thread).
+        recording = _recording(model, self._rec)
+        scorer = LiveScorer(recording)
+        ref = model.metadata.get("reference")
+        self.drift = LiveDrift(ref, model.feature_names) if ref else None
+        self.model = recording
+        self.scorer = scorer
+        log.info("failure predictor: model %s (horizon %.0f s, threshold %.2f)", self.source,
+                 model.horizon_s, model.threshold)
+
+    def readiness(self) -> dict[str, Any]:
+        """The ``predictor`` component of ``/readyz``: ready once a model is loaded."""
+        if self.scorer is not None:
+            return {"ready": True, "detail": f"model {self.source}"}
+        if self.loading:
+            return {"ready": False, "detail": "loading the failure model"}
+        return {"ready": False, "detail": f"no failure model: {self.error or 'not loaded'}"}
 
     # -- policy thread ---------------------------------------------------------------
 
@@ -217,6 +274,8 @@ class PredictorService:
         """Feed the batches' samples (thinned per GPU) and XIDs to the scorer."""
         scorer = self.scorer
         if scorer is None:
+            if self.loading:
+                self.samples["loading"] += sum(len(b.samples) for b in batches)
             return
         fed, thin, counts = self._fed, self.sample_s, self.samples
         for b in batches:
@@ -298,7 +357,7 @@ class PredictorService:
         """What the API says about the model."""
         m = self.model
         if m is None:
-            return {"loaded": False, "error": self.error}
+            return {"loaded": False, "loading": self.loading, "error": self.error}
         return {"loaded": True, "source": self.source, "horizon_s": m.horizon_s,
                 "threshold": m.threshold, "check": m.check_name,
                 "trained_at": m.metadata.get("trained_at")}

@@ -17,10 +17,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from forewarn.models.peers import JobStragglers
 from forewarn.wire import AgentBatch, Finding
 
 if TYPE_CHECKING:
+    from forewarn.models.peers import JobStragglers
+
     from ..config import CollectorConfig
 
 __all__ = ["StragglerService"]
@@ -31,13 +32,23 @@ class StragglerService:
 
     def __init__(self, bucket_s: float = 5.0) -> None:
         self.bucket_s = bucket_s
-        self.peers = JobStragglers(bucket_s=bucket_s)
+        self._peers: JobStragglers | None = None
         self._last: float | None = None
 
     @classmethod
     def from_config(cls, config: CollectorConfig) -> StragglerService | None:
         """``None`` when ``stragglers_enabled`` is off."""
         return cls(config.straggler_bucket_s) if config.stragglers_enabled else None
+
+    @property
+    def peers(self) -> JobStragglers:
+        """The comparison, built at first use: its module imports pandas, which the
+        collector's start does not wait for."""
+        if self._peers is None:
+            from forewarn.models.peers import JobStragglers
+
+            self._peers = JobStragglers(bucket_s=self.bucket_s)
+        return self._peers
 
     def observe(self, batches: Sequence[AgentBatch]) -> None:
         """Rank summaries and GPU samples of newly stored batches."""

@@ -17,7 +17,11 @@ component is not ready:
 * ``telemetry_flush``: the last staging-to-Parquet flush worked (its error otherwise,
   with the samples still staged);
 * ``bus`` (only with ``bus_url``): connected to a NATS server and its last pull, store
-  or publish worked (:meth:`~forewarn.collector.ingest.bus.BusConsumer.readiness`).
+  or publish worked (:meth:`~forewarn.collector.ingest.bus.BusConsumer.readiness`);
+* the policy's own components (a policy with a ``readiness()`` method,
+  :class:`ReadinessHook`): ``predictor``, not ready while the shipped failure model still
+  loads in the background after start-up, or when it could not be loaded
+  (:meth:`~forewarn.collector.decide.predict.PredictorService.readiness`).
 
 ``forewarn status URL`` prints it for a person.
 """
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -37,9 +41,17 @@ from .api import ctx_of, json_response
 if TYPE_CHECKING:
     from .context import CollectorContext
 
-__all__ = ["collector_readiness", "readyz"]
+__all__ = ["ReadinessHook", "collector_readiness", "readyz"]
 
 PROBE = ".readyz-probe"
+
+
+@runtime_checkable
+class ReadinessHook(Protocol):
+    """A policy with ``/readyz`` components of its own (called from any thread)."""
+
+    def readiness(self) -> dict[str, dict[str, Any]]:
+        """Component name -> ``{"ready": bool, "detail": str, ...}``."""
 
 
 def _storage(ctx: CollectorContext) -> dict[str, Any]:
@@ -82,6 +94,8 @@ def collector_readiness(ctx: CollectorContext) -> dict[str, Any]:
     }
     if ctx.bus is not None:
         parts["bus"] = ctx.bus.readiness()
+    if isinstance(ctx.policy, ReadinessHook):
+        parts.update(ctx.policy.readiness())
     return {"ready": all(p["ready"] for p in parts.values()), "service": "collector",
             "components": parts}
 

@@ -115,6 +115,24 @@ def test_offset_skips_xids_that_happened_before() -> None:
     assert backend.drain_xids() == []  # but it is not reported as new
 
 
+
+def test_start_file_holds_the_clock_until_it_exists(tmp_path: Path) -> None:
+    """With ``start_file`` the faults play from when the file appears, not from open():
+    a demo starts them once its job trains, whenever that is."""
+    start = tmp_path / "go"
+    toml = f'start_file = "{start}"\n' + _fault("sudden", gpu=0, start_s=5.0, xid=48)
+    backend = SimBackend(parse_scenario(toml), node="n", clock=StepClock())
+    backend.open()
+    assert backend.sample(T0 + 100.0)[0].ecc_uncorrected_volatile == 0
+    assert backend.drain_xids() == []
+    assert backend.sim_time(T0 + 100.0) == 0.0
+    start.touch()
+    backend.sample(T0 + 200.0)  # the clock starts at the first sample that sees the file
+    assert backend.sample(T0 + 204.9)[0].ecc_uncorrected_volatile == 0
+    assert backend.sample(T0 + 205.0)[0].ecc_uncorrected_volatile == 1
+    (xid,) = backend.drain_xids()
+    assert xid.code == 48 and xid.time == pytest.approx(T0 + 205.0)
+
 # ------------------------------------------------------------------ fault kinds
 
 

@@ -164,8 +164,12 @@ def test_predictor_can_be_turned_off(tmp_path: Path) -> None:
 @pytest.mark.skipif(not default_model_path().exists(), reason="no shipped default model yet")
 def test_shipped_model_loads_by_default(tmp_path: Path) -> None:
     svc = PolicyService.from_config(CollectorConfig(data_dir=tmp_path))
-    assert svc.advisors.predictor is not None and svc.advisors.predictor.model is not None
-    assert svc.advisors.predictor.source == "default"
+    predictor = svc.advisors.predictor
+    assert predictor is not None
+    # it loads in the background; readiness says when it is in
+    assert poll(lambda: predictor.readiness()["ready"], 240, 0.1), predictor.readiness()
+    assert predictor.model is not None and not predictor.loading
+    assert predictor.source == "default"
     shipped = load_model(default_model_path())
     assert svc.advisors.predictor.model.threshold == shipped.threshold
     probs = svc.advisors.predictor.model.predict_proba(np.zeros((1, len(shipped.feature_names))))

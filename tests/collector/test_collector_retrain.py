@@ -21,13 +21,17 @@ from forewarn.models.registry import ModelRegistry
 from forewarn.models.suites import classic
 
 from support.history import fleet_batches, store_fleet
+from support.polling import poll
 
 FAST = ["--shadow-days", "1", "--min-failures", "1", "--max-iter", "20"]
 
 
 def _service(data_dir: Path) -> PolicyService:
+    """The collector's policy with its model loaded (it loads in the background)."""
     svc = PolicyService.from_config(CollectorConfig(data_dir=data_dir))
-    assert svc.advisors.predictor is not None
+    predictor = svc.advisors.predictor
+    assert predictor is not None
+    assert poll(lambda: predictor.readiness()["ready"], 240, 0.1), predictor.readiness()
     return svc
 
 

@@ -52,6 +52,7 @@ class Timing:
     step_seconds: float
     checkpoint_every: int
     storm_start_s: float
+    """From the job's first steps (the scenario's ``start_file``) to the storm's start."""
     storm_s: float
     settle_s: float
     give_up_s: float
@@ -59,9 +60,9 @@ class Timing:
     @staticmethod
     def of(fast: bool) -> Timing:
         if fast:
-            return Timing(step_seconds=0.05, checkpoint_every=1000, storm_start_s=15.0,
+            return Timing(step_seconds=0.05, checkpoint_every=1000, storm_start_s=3.0,
                           storm_s=12.0, settle_s=2.0, give_up_s=40.0)
-        return Timing(step_seconds=0.2, checkpoint_every=600, storm_start_s=40.0,
+        return Timing(step_seconds=0.2, checkpoint_every=600, storm_start_s=10.0,
                       storm_s=80.0, settle_s=10.0, give_up_s=120.0)
 
 
@@ -147,13 +148,17 @@ def _nvml_present() -> bool:
         return False
 
 
-def _scenario(timing: Timing, failing_gpu: int) -> str:
+def _scenario(timing: Timing, failing_gpu: int, start_file: Path) -> str:
+    # The storm's clock starts when the demo creates start_file, once the job trains: timed
+    # from the agent's start, a slow job start (torchrun's rendezvous on a loaded machine)
+    # left the precursor with no job, or no work at risk, to order a checkpoint for.
     return f"""# forewarn demo: node 2, a correctable-ECC storm on GPU {failing_gpu} ending in a
 # double-bit error (XID 48), under rank 1 of the demo job. Everything here is simulated.
 name = "demo-node-2"
 description = "ECC storm to a double-bit error under the demo job's rank 1"
 gpus = 4
 seed = 7
+start_file = "{start_file}"
 
 [[faults]]
 gpu = {failing_gpu}
@@ -179,6 +184,8 @@ class Demo:
         self.last_step: dict[int, int] = {}
         self.step_times: list[float] = []
         self.events: list[dict[str, Any]] = []
+        self.storm_start = workdir / "demo-node-2" / "storm.start"
+        """Created once the job trains: node 2's simulated GPU 0 starts degrading."""
         self.agent_env: dict[str, str] = {}
         """More environment for the agents (the scale-out demo's NATS uplink)."""
 
@@ -243,7 +250,8 @@ class Demo:
             else:
                 scenario = ndir / "scenario.toml"
                 if i == 2:
-                    scenario.write_text(_scenario(self.t, failing_gpu=0))
+                    scenario.write_text(_scenario(self.t, failing_gpu=0,
+                                                  start_file=self.storm_start))
                 else:
                     scenario.write_text('name = "demo-node-1"\ndescription = "healthy"\n'
                                         "gpus = 4\nseed = 3\n")
@@ -368,6 +376,7 @@ class Demo:
         r = self.result
         self.say("[bold]1. A GPU degrades under rank 1[/bold] (simulated correctable-ECC storm "
                  "on demo-node-2 GPU 0, ending in a double-bit error)")
+        self.storm_start.touch()
         attempt = 0
         ok = self.wait_for(lambda: len(self._ordered_checkpoints(attempt)) == 2,
                            self.t.storm_start_s + self.t.storm_s + 30, "an ordered checkpoint")
