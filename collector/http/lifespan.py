@@ -66,7 +66,7 @@ async def _start(ctx: CollectorContext) -> BusConsumer | None:
         from ..ingest.bus import BusConsumer  # nats-py only where the bus is used
 
         consumer = BusConsumer(config, ctx.writer, ctx.metrics, ctx.commands,
-                               on_ack=ctx.accept_ack, clock=ctx.clock)
+                               on_ack=ctx.accept_ack, series=ctx.series, clock=ctx.clock)
         await consumer.start()
         ctx.bus = consumer
     if isinstance(ctx.policy, StartHook):
