@@ -150,6 +150,8 @@ async def run_bus(args: argparse.Namespace, replicas: int) -> dict[str, Any]:
         while await consumer_acked(js) < published[0] and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
         drained = await consumer_acked(js)
+        redelivered = int((await js.consumer_info(bus.BATCH_STREAM, bus.BATCH_CONSUMER)
+                           ).num_redelivered or 0)
     finally:
         await nc.close()
         for p in procs:
@@ -177,6 +179,7 @@ async def run_bus(args: argparse.Namespace, replicas: int) -> dict[str, Any]:
         "samples_per_cpu_s": samples / cpu if cpu else float("nan"),
         "published_batches": published[0],
         "acked_batches": drained,
+        "redelivered_batches": redelivered,
         "stored_batches": len(keys),
         "distinct_stored": len(set(keys)),
     }

@@ -14,7 +14,7 @@ collectors' durable pull consumers, then runs three tasks on the app's event loo
   batches by ``(agent_id, seq)``, so a batch redelivered after a replica died between
   its commit and its ack is stored once) and, with ``remote_write_url``, after its GPU
   samples are in the series store (:meth:`RemoteWriter.written`; meanwhile the message's
-  ack timer is reset, ``in_progress``, every half ``bus_ack_wait_s``, so a slow store does
+  ack timer is reset, ``in_progress``, every quarter ``bus_ack_wait_s``, so a slow store does
   not make it come back while the replica lives). A duplicate's samples are sent again:
   the replica that stored the batch may have died before sending them, and the store keeps
   an equal sample once. A batch refused whole is counted
@@ -303,8 +303,9 @@ class BusConsumer:
         try:
             while True:
                 try:
+                    # A quarter: the message waited for its commit already.
                     await asyncio.wait_for(asyncio.shield(done),
-                                           self.config.bus_ack_wait_s / 2)
+                                           self.config.bus_ack_wait_s / 4)
                     break
                 except TimeoutError:
                     for msg in msgs:
