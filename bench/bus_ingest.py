@@ -12,6 +12,9 @@ batches the replicas acknowledged (consumer info), their CPU time (from /proc), 
 * the same for the HTTP mode: ``bench/collector_ingest.py`` (pinned to one core) on the
   same load shape, run first in the same invocation.
 
+With ``--remote-write``, a VictoriaMetrics (the machine's ``victoria-metrics``) takes
+the replicas' GPU series: a batch is then acknowledged only once its samples are in it.
+
 At the end every published batch must be acknowledged and in exactly one replica's
 database. On a shared machine raw samples/s measure contention; compare the CPU cost.
 
@@ -57,13 +60,14 @@ def start_nats(tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
     return proc, f"nats://127.0.0.1:{port}"
 
 
-def start_replica(tmp: Path, url: str, index: int, core: int | None) -> subprocess.Popen[bytes]:
+def start_replica(tmp: Path, url: str, index: int, core: int | None, write_url: str = ""
+                  ) -> subprocess.Popen[bytes]:
     data = tmp / f"replica-{index}"
     data.mkdir()
     (data / "collector.toml").write_text(
         f'listen = "127.0.0.1:{free_port()}"\ndata_dir = "{data / "data"}"\n'
         f'tokens_file = "{data / "tokens.toml"}"\nlog_level = "warning"\n'
-        f'bus_url = "{url}"\n')
+        f'bus_url = "{url}"\n' + (f'remote_write_url = "{write_url}"\n' if write_url else ""))
     cmd = [sys.executable, "-m", "forewarn", "collector", "--config",
            str(data / "collector.toml")]
     if core is not None and shutil.which("taskset"):
@@ -119,7 +123,13 @@ async def generate(js: JetStreamContext, args: argparse.Namespace, stop: asyncio
 async def run_bus(args: argparse.Namespace, replicas: int) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="fw-bus-bench-"))
     nats_proc, url = start_nats(tmp)
-    procs = [start_replica(tmp, url, i, (args.collector_core + i) % (os.cpu_count() or 1))
+    vm = None
+    if args.remote_write:
+        from forewarn.demo.servers import VictoriaMetrics
+
+        vm = VictoriaMetrics(root=tmp / "vm")
+    procs = [start_replica(tmp, url, i, (args.collector_core + i) % (os.cpu_count() or 1),
+                           vm.write_url if vm else "")
              for i in range(replicas)]
     nc = await nats.connect(url)
     js = nc.jetstream(timeout=30)
@@ -140,6 +150,8 @@ async def run_bus(args: argparse.Namespace, replicas: int) -> dict[str, Any]:
         while await consumer_acked(js) < published[0] and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
         drained = await consumer_acked(js)
+        redelivered = int((await js.consumer_info(bus.BATCH_STREAM, bus.BATCH_CONSUMER)
+                           ).num_redelivered or 0)
     finally:
         await nc.close()
         for p in procs:
@@ -148,6 +160,8 @@ async def run_bus(args: argparse.Namespace, replicas: int) -> dict[str, Any]:
             p.wait(60)
         nats_proc.terminate()
         nats_proc.wait(30)
+        if vm is not None:
+            vm.stop()
     per_batch = args.gpus * args.samples
     keys: list[tuple[str, int]] = []
     for i in range(replicas):
@@ -158,13 +172,14 @@ async def run_bus(args: argparse.Namespace, replicas: int) -> dict[str, Any]:
     samples = (acked1 - acked0) * per_batch
     cpu = cpu1 - cpu0
     return {
-        "mode": f"nats, {replicas} replica(s)",
+        "mode": f"nats, {replicas} replica(s)" + (", remote write" if vm else ""),
         "gpu_samples_per_s": samples / (t1 - t0),
         "collector_cpu_pct": 100 * cpu / (t1 - t0),
         "cpu_s_per_million_samples": 1e6 * cpu / samples if samples else float("nan"),
         "samples_per_cpu_s": samples / cpu if cpu else float("nan"),
         "published_batches": published[0],
         "acked_batches": drained,
+        "redelivered_batches": redelivered,
         "stored_batches": len(keys),
         "distinct_stored": len(set(keys)),
     }
@@ -200,6 +215,8 @@ def main() -> int:
     p.add_argument("--replicas", type=int, nargs="+", default=[1, 2])
     p.add_argument("--collector-core", type=int, default=0)
     p.add_argument("--no-http", action="store_true", help="skip the HTTP comparison")
+    p.add_argument("--remote-write", action="store_true",
+                   help="the replicas remote-write their GPU series to a VictoriaMetrics")
     args = p.parse_args()
     rows = [] if args.no_http else [run_http(args)]
     for n in args.replicas:

@@ -131,6 +131,10 @@ class CollectorMetrics:
         self.remote_write_dropped = Counter(
             P + "remote_write_dropped_samples", "GPU samples never sent to the remote-write"
             " store, by reason (queue_full, refused, shutdown).", ["reason"], registry=r)
+        self.remote_write_resent = Counter(
+            P + "remote_write_resent_samples", "GPU samples of batches the bus delivered again"
+            " (found stored already) queued for remote write again: their replica may have"
+            " died before sending them; the store keeps an equal sample once.", registry=r)
         self.remote_write_retries = Counter(
             P + "remote_write_retries", "Remote-write requests tried again.", registry=r)
         self.remote_write_queued = Gauge(

@@ -67,7 +67,8 @@ async def _start(ctx: CollectorContext) -> BusConsumer | None:
         from ..ingest.bus import BusConsumer  # nats-py only where the bus is used
 
         consumer = BusConsumer(config, ctx.writer, ctx.metrics, ctx.commands,
-                               on_ack=ctx.accept_ack, clock=ctx.clock, decide=decide_feed(ctx))
+                               on_ack=ctx.accept_ack, series=ctx.series, clock=ctx.clock,
+                               decide=decide_feed(ctx))
         await consumer.start()
         ctx.bus = consumer
     if isinstance(ctx.policy, StartHook):

@@ -12,7 +12,12 @@ collectors' durable pull consumers, then runs three tasks on the app's event loo
   subject, which nats-server's permissions bind to that node's user. The message is
   acknowledged only after the batch is durable (or found a duplicate: the store keys
   batches by ``(agent_id, seq)``, so a batch redelivered after a replica died between
-  its commit and its ack is stored once). A batch refused whole is counted
+  its commit and its ack is stored once) and, with ``remote_write_url``, after its GPU
+  samples are in the series store (:meth:`RemoteWriter.written`; meanwhile the message's
+  ack timer is reset, ``in_progress``, every quarter ``bus_ack_wait_s``, so a slow store does
+  not make it come back while the replica lives). A duplicate's samples are sent again:
+  the replica that stored the batch may have died before sending them, and the store keeps
+  an equal sample once. A batch refused whole is counted
   (``forewarn_collector_ingest_rejected_total{reason}``), logged and terminated (never
   redelivered); a store failure (503) is negatively acknowledged and comes back after
   a second. A replica that dies holding batches loses nothing: JetStream redelivers
@@ -33,6 +38,7 @@ collectors' durable pull consumers, then runs three tasks on the app's event loo
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import ssl
@@ -57,11 +63,12 @@ from nats.js.api import (
 
 from forewarn import bus
 from forewarn.errors import UnavailableError
-from forewarn.wire import CommandAck, WireError, decode_json, encode_json
+from forewarn.wire import CommandAck, GpuSample, WireError, decode_json, encode_json
 
 from ..config import CollectorConfig, bus_password
 from ..metrics import CollectorMetrics
 from ..storage.commands import CommandQueue
+from ..storage.remote_write import RemoteWriter
 from .batch import IngestError, IngestResult, IngestWriter, TimeWindow, accept_batch
 from .batch import count_rejection as _count_rejection
 from .bus_decide import DecideFeed
@@ -110,6 +117,7 @@ class BusConsumer:
         commands: CommandQueue,
         *,
         on_ack: Callable[[CommandAck, str], str],
+        series: RemoteWriter | None = None,
         clock: Callable[[], float] = time.time,
         startup_wait_s: float = STARTUP_WAIT_S,
         decide: DecideFeed | None = None,
@@ -119,6 +127,7 @@ class BusConsumer:
         self.metrics = metrics
         self.commands = commands
         self.on_ack = on_ack
+        self.series = series
         self.clock = clock
         self.startup_wait_s = startup_wait_s
         self.decide = decide
@@ -128,6 +137,8 @@ class BusConsumer:
         """Why the last bus operation failed ("" after one worked), for logs and tests."""
         self._nc: NatsClient | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._holding: set[asyncio.Task[None]] = set()
+        """Acknowledgements waiting for the series store (:meth:`_ack_when_written`)."""
         self._wanted: set[str] = set()
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -186,12 +197,14 @@ class BusConsumer:
     async def stop(self) -> None:
         """Stop the tasks (batches taken and not yet stored are redelivered), disconnect."""
         self.commands.on_enqueue = None
-        for task in self._tasks:
+        if self._holding:  # a last chance to acknowledge what the store took
+            await asyncio.wait(self._holding, timeout=self.config.bus_ack_wait_s)
+        for task in [*self._tasks, *self._holding]:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        self._tasks = []
+        self._tasks, self._holding = [], set()
         if self._nc is not None and not self._nc.is_closed:
             with contextlib.suppress(Exception):
                 await self._nc.close()
@@ -257,31 +270,68 @@ class BusConsumer:
         await self.ingest(msgs)
 
     async def ingest(self, msgs: list[Msg]) -> None:
-        """Store a fetched group of batches (one group commit), then acknowledge each."""
+        """Store a fetched group of batches (one group commit), then acknowledge each
+        (with a series store: once their samples are in it, :meth:`_ack_when_written`)."""
         c = self.config
         window = TimeWindow(self.clock(), c.ingest_max_age_s, c.ingest_max_future_s)
-        queued: list[tuple[Msg, asyncio.Future[IngestResult]]] = []
+        queued: list[tuple[Msg, list[GpuSample], asyncio.Future[IngestResult]]] = []
         for msg in msgs:
             try:
                 node = self._node(msg)
                 if len(msg.data) > c.max_body_bytes:
                     raise IngestError(413, "too_large", f"batch of {len(msg.data)} bytes"
                                       f" exceeds the limit of {c.max_body_bytes} bytes")
-                _checked, stored = accept_batch(self.writer, self.metrics, msg.data,
-                                                node=node, window=window,
-                                                max_items=c.max_batch_items,
-                                                address=bus.BUS_ADDRESS)
+                checked, stored = accept_batch(self.writer, self.metrics, msg.data,
+                                               node=node, window=window,
+                                               max_items=c.max_batch_items,
+                                               address=bus.BUS_ADDRESS)
             except IngestError as exc:
                 await self._not_stored(msg, exc)
                 continue
             self.nodes.add(node)
-            queued.append((msg, asyncio.wrap_future(stored)))
-        results = await asyncio.gather(*(f for _m, f in queued), return_exceptions=True)
-        for (msg, _f), result in zip(queued, results, strict=True):
+            queued.append((msg, checked.batch.samples, asyncio.wrap_future(stored)))
+        results = await asyncio.gather(*(f for _m, _s, f in queued), return_exceptions=True)
+        held = []
+        for (msg, samples, _f), result in zip(queued, results, strict=True):
             if isinstance(result, BaseException):
                 await self._not_stored(msg, result)
-            else:
+            elif self.series is None:
                 await msg.ack()
+            else:
+                if result is IngestResult.DUPLICATE and samples:
+                    self.series.offer(samples)  # maybe never sent: its replica died
+                    self.metrics.remote_write_resent.inc(len(samples))
+                held.append(msg)
+        if held and self.series is not None:
+            task = asyncio.create_task(self._ack_when_written(held, self.series.written()))
+            self._holding.add(task)
+            task.add_done_callback(self._holding.discard)
+
+    async def _ack_when_written(self, msgs: list[Msg],
+                                written: concurrent.futures.Future[None]) -> None:
+        """Acknowledge ``msgs`` once their samples are in the series store, keeping them
+        ours meanwhile; a writer stopped first: negatively acknowledge, they come back."""
+        done = asyncio.wrap_future(written)
+        try:
+            while True:
+                try:
+                    # A quarter: the message waited for its commit already.
+                    await asyncio.wait_for(asyncio.shield(done),
+                                           self.config.bus_ack_wait_s / 4)
+                    break
+                except TimeoutError:
+                    for msg in msgs:
+                        await msg.in_progress()
+                except RuntimeError as exc:  # the remote writer stopped
+                    log.warning("bus: %d batch(es) not acknowledged: %s", len(msgs), exc)
+                    for msg in msgs:
+                        await msg.nak(delay=1.0)
+                    return
+            for msg in msgs:
+                await msg.ack()
+        except nats.errors.Error as exc:  # not acknowledged: they come back, sent again
+            self.error = f"{type(exc).__name__}: {exc}"
+            log.warning("bus: acknowledging %d batch(es) failed: %s", len(msgs), self.error)
 
     async def _not_stored(self, msg: Msg, exc: BaseException) -> None:
         """A batch refused for good (a 4xx) is terminated; any other failure (the store,

@@ -3,7 +3,8 @@ Prometheus with ``--web.enable-remote-write-receiver``): the series side of the 
 mode. Parquet stays the embedded mode's history and the models' training export.
 
 What is sent: for every GPU sample the collector accepted (once per batch: a duplicate
-batch is not staged, so not sent), the series the agent's exporter exposes for it, with the
+batch is not staged, so not sent, except that the bus sends a redelivered batch's samples
+again, :mod:`..ingest.bus`), the series the agent's exporter exposes for it, with the
 same names and labels (``node``, ``gpu``, ``uuid``, ``simulated``; names and scales from
 :data:`forewarn.agent.exporter.GPU_GAUGES`, plus ``forewarn_gpu_info`` and
 ``forewarn_gpu_state``), stamped with the sample's own time, plus ``remote_write_labels``
@@ -21,14 +22,19 @@ is retried with exponential backoff (``backoff_s`` doubling up to ``backoff_max_
 request kept; another 4xx drops that request (the spec: never retry those), counted. The
 queue holds at most ``queue_samples`` GPU samples; past that new samples are dropped and
 counted (``remote_write_dropped_samples_total{reason="queue_full"}``), so an unreachable
-store costs bounded memory and never slows ingest. At-least-once: a request retried after
-the store took it writes the same (series, timestamp, value) again, which the store treats
-as one sample.
+store costs bounded memory and never slows ingest. :meth:`RemoteWriter.written` is a future
+done once every sample offered so far is in the store (or dropped for good, counted): the
+bus acknowledges a batch only then, so a replica killed with samples queued loses none
+(JetStream delivers the batch again and the next replica sends its samples again).
+At-least-once: a request retried after the store took it, or a batch sent again, writes the
+same (series, timestamp, value) again, which the store keeps once (VictoriaMetrics with
+``-dedup.minScrapeInterval``; Prometheus-compatible stores drop an equal sample).
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import logging
 import struct
 import threading
@@ -144,6 +150,12 @@ class RemoteWriter:
         self._queue: collections.deque[GpuSample] = collections.deque()
         self._cond = threading.Condition()
         self._stopping = False
+        self._offered = 0
+        """GPU samples ever queued: the position of the queue's end."""
+        self._finished = 0
+        """GPU samples ever taken off the queue and done with (sent, or dropped for good)."""
+        self._waiters: collections.deque[tuple[int, concurrent.futures.Future[None]]] = \
+            collections.deque()
         self.last_error = ""
         """Why the last request failed ("" after a success), for /readyz."""
         self._thread = threading.Thread(target=self._run, name="forewarn-remote-write",
@@ -162,10 +174,25 @@ class RemoteWriter:
         with self._cond:
             room = max(0, self.queue_samples - len(self._queue))
             self._queue.extend(samples[:room])
+            self._offered += min(room, len(samples))
             if len(samples) > room:
                 self.metrics.remote_write_dropped.labels("queue_full").inc(len(samples) - room)
             self._cond.notify()
         self.metrics.remote_write_queued.set(len(self._queue))
+
+    def written(self) -> concurrent.futures.Future[None]:
+        """A future done once every sample offered so far is in the store or dropped for
+        good (refused by it, or past the queue: counted); it fails when the writer stops
+        first (those samples were not sent)."""
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        with self._cond:
+            if self._stopping:
+                future.set_exception(RuntimeError("remote write stopped"))
+            elif self._finished >= self._offered:
+                future.set_result(None)
+            else:
+                self._waiters.append((self._offered, future))
+        return future
 
     def on_staged(self, staged: list[tuple[int, str, int, list[GpuSample]]]) -> None:
         """The ingest writer's hook: the samples of newly stored batches."""
@@ -182,6 +209,9 @@ class RemoteWriter:
         with self._cond:
             left = len(self._queue)
             self._queue.clear()
+            waiters, self._waiters = self._waiters, collections.deque()
+        for _end, future in waiters:
+            future.set_exception(RuntimeError("remote write stopped before these were sent"))
         if left:
             self.metrics.remote_write_dropped.labels("shutdown").inc(left)
         self._client.close()
@@ -200,10 +230,22 @@ class RemoteWriter:
                 return  # stopping and drained
             self.metrics.remote_write_queued.set(len(self._queue))
             body = _compress(encode_write_request(series_of(batch, self.labels)))
-            self._send(body, len(batch))
+            if self._send(body, len(batch)):
+                self._done(len(batch))
 
-    def _send(self, body: bytes, samples: int) -> None:
-        """POST until it is taken, refused for good, or the writer stops."""
+    def _done(self, samples: int) -> None:
+        """``samples`` more are done with: wake the :meth:`written` futures they complete."""
+        ready = []
+        with self._cond:
+            self._finished += samples
+            while self._waiters and self._waiters[0][0] <= self._finished:
+                ready.append(self._waiters.popleft()[1])
+        for future in ready:
+            future.set_result(None)
+
+    def _send(self, body: bytes, samples: int) -> bool:
+        """POST until it is taken or refused for good (True), or the writer stops
+        (False: the samples were not sent)."""
         delay = self.backoff_s
         while True:
             started = time.perf_counter()
@@ -216,18 +258,18 @@ class RemoteWriter:
             if isinstance(status, int) and 200 <= status < 300:
                 self.metrics.remote_write_samples.inc(samples)
                 self.last_error = ""
-                return
+                return True
             detail = f"{status}: {r.text[:200]}" if r is not None else str(status)
             self.last_error = detail
             if isinstance(status, int) and 400 <= status < 500 and status != 429:
                 self.metrics.remote_write_dropped.labels("refused").inc(samples)
                 log.error("remote write %s refused %d samples for good (%s)", self.url,
                           samples, detail)
-                return
+                return True
             self.metrics.remote_write_retries.inc()
             if self._stopping:
                 self.metrics.remote_write_dropped.labels("shutdown").inc(samples)
-                return
+                return False
             log.warning("remote write %s failed (%s); retried in %.1f s", self.url, detail,
                         delay)
             time.sleep(delay)

@@ -111,8 +111,31 @@ def test_unreachable_store_is_retried_and_a_full_queue_drops_counted() -> None:
                          reason="queue_full")
         assert dropped == 8 - writer.queued - 2  # what neither the queue nor the request holds
         assert metric(metrics, "forewarn_collector_remote_write_samples_total") == 0
+        pending = writer.written()
     finally:
         writer.stop(timeout_s=0.5)
+    # stopped before the store took them: whoever waits (the bus) must not acknowledge
+    with pytest.raises(RuntimeError, match="stopped"):
+        pending.result(timeout=0)
+
+
+def test_written_is_done_once_the_store_took_every_sample_offered(vm: VictoriaMetrics
+                                                                   ) -> None:
+    metrics = CollectorMetrics()
+    writer = RemoteWriter(vm.write_url, metrics, batch_samples=3)
+    try:
+        assert writer.written().done()  # nothing offered
+        writer.offer(gpu_samples("n", time.time() - 2))
+        first = writer.written()
+        writer.offer(gpu_samples("n", time.time() - 1))
+        both = writer.written()
+        assert not first.done()  # the sender has not started: nothing sent
+        writer.start()
+        both.result(timeout=20)
+        assert first.done()
+        assert metric(metrics, "forewarn_collector_remote_write_samples_total") == 8
+    finally:
+        writer.stop()
 
 
 def test_write_request_encoding_is_the_prometheus_protobuf() -> None:

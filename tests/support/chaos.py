@@ -22,10 +22,7 @@ from forewarn.chaos.scenarios import SCENARIOS, Outcome, Scenario, run_one
 
 CUTOFF_S = 12.0
 
-KNOWN_GAPS: dict[str, str] = {
-    "replica_killed_series_backlog": "issue 16: the samples a replica queued for remote "
-    "write die with it (stored in PostgreSQL and acknowledged on the bus, never re-sent)",
-}
+KNOWN_GAPS: dict[str, str] = {}
 """Scenarios whose stated bound the product does not meet yet: strict xfail, so a fix shows."""
 
 

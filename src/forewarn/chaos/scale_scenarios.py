@@ -141,9 +141,13 @@ def replica_killed_series_backlog(lab: Lab, out: Outcome) -> None:
         rig.vm.proc.send_signal(signal.SIGCONT)
     rig.start_replica(dead)
     out.figures["queued_at_kill"] = int(queued)
-    out.action = (f"VictoriaMetrics stopped (SIGSTOP) while 2 agents publish; {dead} "
-                  f"SIGKILLed holding {int(queued)} queued samples (both replicas); resumed")
     _account(rig, out)
+    # the survivor took the batches the dead one held unacknowledged and sent them again
+    resent = int(rig.metric("forewarn_collector_remote_write_resent_samples_total"))
+    out.figures["samples_resent"] = resent
+    out.action = (f"VictoriaMetrics stopped (SIGSTOP) while 2 agents publish; {dead} "
+                  f"SIGKILLed holding {int(queued)} queued samples (both replicas); resumed;"
+                  f" {resent} samples of batches delivered again sent again")
 
 
 # --------------------------------------------------------------------------- the order

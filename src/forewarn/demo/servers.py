@@ -307,8 +307,10 @@ class PostgresServer:
 class VictoriaMetrics:
     """``victoria-metrics`` serving :attr:`url`, its data in ``root`` (default: a new temp
     dir, removed by :meth:`stop`). Data is visible to queries at once (the default hides
-    the last 30 s) and not deduplicated: a sample written twice shows twice in
-    :meth:`export`."""
+    the last 30 s). Run as docs/scale.md tells operators to, with
+    ``-dedup.minScrapeInterval=1ms``: a sample written again (the same series and
+    millisecond: a retried request, a batch the bus delivered again) is kept once, also in
+    :meth:`export`; without it, VictoriaMetrics keeps every copy."""
 
     def __init__(self, binary: str = "", root: Path | None = None) -> None:
         self.dir = root or Path(tempfile.mkdtemp(prefix="forewarn-vm-"))
@@ -321,7 +323,7 @@ class VictoriaMetrics:
             self.proc = subprocess.Popen(
                 [binary or find_binary("victoria-metrics"), f"-storageDataPath={self.dir}",
                  f"-httpListenAddr=127.0.0.1:{self.port}", "-search.latencyOffset=0s",
-                 "-search.disableCache", "-loggerLevel=ERROR"],
+                 "-search.disableCache", "-dedup.minScrapeInterval=1ms", "-loggerLevel=ERROR"],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         _wait(self._healthy, self.proc, "victoria-metrics", log, 30)
 
