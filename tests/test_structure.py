@@ -20,8 +20,6 @@ COMPLEX_FUNCTIONS = {
 
 LONG_MODULES = {
     "hook/monitor.py",
-    "src/forewarn/chaos/lab.py",
-    "src/forewarn/chaos/scenarios.py",
     "src/forewarn/demo/run.py",
 }
 """Modules over ``MAX_LINES`` still to split."""
