@@ -20,7 +20,6 @@ COMPLEX_FUNCTIONS = {
 
 LONG_MODULES = {
     "hook/monitor.py",
-    "src/forewarn/demo/run.py",
 }
 """Modules over ``MAX_LINES`` still to split."""
 
