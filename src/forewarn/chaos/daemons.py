@@ -18,17 +18,38 @@ if TYPE_CHECKING:
     from forewarn.chaos.lab import Lab
 
 
-class _Collector:
-    """One ``forewarn collector run`` process with its config, tokens and data."""
+class _Daemon:
+    """A process of the lab's :class:`~forewarn.chaos.procs.Procs` named ``name``, with a
+    folder of its own and an HTTP port on loopback (``/healthz``, ``/metrics``)."""
 
-    def __init__(self, lab: Lab, name: str, nodes: list[str], extra: str = "",
-                 data: Path | None = None) -> None:
+    def __init__(self, lab: Lab, name: str) -> None:
         self.lab = lab
         self.name = name
         self.dir = lab.dir / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.lab.procs.procs[self.name].pid
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        return scrape(self.url + "/metrics", name, labels)
+
+    def kill9(self) -> float:
+        return self.lab.procs.kill9(self.name)
+
+    def stop(self) -> int | None:
+        return self.lab.procs.stop(self.name)
+
+
+class _Collector(_Daemon):
+    """One ``forewarn collector run`` process with its config, tokens and data."""
+
+    def __init__(self, lab: Lab, name: str, nodes: list[str], extra: str = "",
+                 data: Path | None = None) -> None:
+        super().__init__(lab, name)
         self.data = data or self.dir / "data"
         self.log = self.dir / "collector.log"
         self.config = self.dir / "collector.toml"
@@ -62,19 +83,6 @@ class _Collector:
                         str(self.config), "run"], self.log)
         wait_http(self.url + "/healthz", 60, proc, self.log)
 
-    @property
-    def pid(self) -> int:
-        return self.lab.procs.procs[self.name].pid
-
-    def metric(self, name: str, **labels: str) -> float | None:
-        return scrape(self.url + "/metrics", name, labels)
-
-    def kill9(self) -> float:
-        return self.lab.procs.kill9(self.name)
-
-    def stop(self) -> int | None:
-        return self.lab.procs.stop(self.name)
-
     def get(self, path: str) -> Any:
         return get_json(self.url + path)
 
@@ -86,19 +94,14 @@ class _Collector:
                       key=lambda r: float(r["time"]))
 
 
-class _Agent:
+class _Agent(_Daemon):
     """One ``forewarn agent --source sim`` process."""
 
     def __init__(self, lab: Lab, name: str, node: str, collector_url: str, token: Path,
                  scenario: str, *, interval_s: float, push_s: float, sim_speed: float = 1.0,
                  env: dict[str, str] | None = None, spool: Path | None = None) -> None:
-        self.lab = lab
-        self.name = name
+        super().__init__(lab, name)
         self.node = node
-        self.dir = lab.dir / name
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
         self.socket = str(self.dir / "agent.sock")
         self.spool = spool or self.dir / "spool"
         (self.dir / "scenario.toml").write_text(scenario)
@@ -119,19 +122,6 @@ class _Agent:
         self.started = time.time()
         proc = self.lab.procs.spawn(self.name, self.argv, log, self.env)
         wait_http(self.url + "/healthz", 60, proc, log)
-
-    def kill9(self) -> float:
-        return self.lab.procs.kill9(self.name)
-
-    def stop(self) -> int | None:
-        return self.lab.procs.stop(self.name)
-
-    @property
-    def pid(self) -> int:
-        return self.lab.procs.procs[self.name].pid
-
-    def metric(self, name: str, **labels: str) -> float | None:
-        return scrape(self.url + "/metrics", name, labels)
 
     def findings(self) -> list[dict[str, Any]]:
         data = get_json(self.url + "/api/v1/findings")
