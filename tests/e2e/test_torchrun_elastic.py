@@ -15,7 +15,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from forewarn.chaos.lab import Lab, _Agent, _Collector
+from forewarn.chaos.daemons import _Agent, _Collector
+from forewarn.chaos.lab import Lab
 from forewarn.chaos.procs import wait_until
 from forewarn.demo.launch import Node, TorchrunJob
 

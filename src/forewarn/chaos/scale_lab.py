@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from forewarn.chaos.lab import Lab, _Agent
+from forewarn.chaos.daemons import _Agent
+from forewarn.chaos.lab import Lab
 from forewarn.chaos.procs import get_json, leader_role, scrape, wait_http, wait_until
 from forewarn.chaos.scale_account import ScaleAccount, account_scale
 from forewarn.demo import servers
