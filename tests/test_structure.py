@@ -18,8 +18,7 @@ COMPLEX_FUNCTIONS = {
 }
 """Functions over ``MAX_COMPLEXITY`` (mccabe, as ruff's C901 counts it) still to split."""
 
-LONG_MODULES = {
-}
+LONG_MODULES: set[str] = set()
 """Modules over ``MAX_LINES`` still to split."""
 
 
