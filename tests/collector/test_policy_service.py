@@ -24,13 +24,23 @@ SECRET = "webhook-secret-for-tests"
 
 
 def recorder(tmp_path: Path) -> tuple[str, ...]:
+    """A drain command that appends its arguments to drained.jsonl. It creates the file a
+    moment before it writes its line, as a loaded machine may: a test polls for the line."""
     script = tmp_path / "drain.py"
     script.write_text(
-        "import sys, json, pathlib\n"
+        "import sys, json, pathlib, time\n"
         f"p = pathlib.Path({str(tmp_path / 'drained.jsonl')!r})\n"
-        "with p.open('a') as f: f.write(json.dumps(sys.argv[1:]) + '\\n')\n"
+        "with p.open('a') as f:\n"
+        "    f.flush(); time.sleep(0.5); f.write(json.dumps(sys.argv[1:]) + '\\n')\n"
     )
     return (sys.executable, str(script), "nodename={node}", "reason={reason}")
+
+
+def drained_lines(tmp_path: Path) -> list[list[str]]:
+    """The drain commands recorded so far: complete lines only."""
+    path = tmp_path / "drained.jsonl"
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines()]
 
 
 def test_finding_to_orders_signed_webhook_and_drain(tmp_path: Path) -> None:
@@ -63,9 +73,7 @@ def test_finding_to_orders_signed_webhook_and_drain(tmp_path: Path) -> None:
         assert "gpu_lost" in json.loads(by_path[True][1])["text"]
 
         # the drain ran as an argument list, with the reason sanitised
-        drained = tmp_path / "drained.jsonl"
-        assert poll(drained.exists)
-        assert [json.loads(line) for line in drained.read_text().splitlines()] == [
+        assert poll(lambda: drained_lines(tmp_path)) == [
             ["nodename=node2", "reason=GPU 1 lost NVML_ERROR_GPU_IS_LOST reboot"]]
 
         def statuses() -> dict[str, list[str]]:
@@ -121,8 +129,10 @@ def test_shadow_mode_records_and_does_nothing(tmp_path: Path) -> None:
         decisions = svc.client.get("/api/v1/decisions").json()
         assert {d["decision"] for d in decisions} == {
             "checkpoint:shadow", "webhook:shadow", "drain:shadow"}
-        actions = svc.client.get("/api/v1/actions").json()
-        drain = next(a for a in actions if a["kind"] == "drain")
+        # decisions are stored before their actions are carried out: wait for the drain's
+        drain = poll(lambda: next((a for a in svc.client.get("/api/v1/actions").json()
+                                   if a["kind"] == "drain"), None))
+        assert drain is not None, "no drain action recorded"
         assert drain["shadow"] == 1 and "nodename=node1" in drain["detail"]
         assert svc.commands("node1") == []
         assert not (tmp_path / "drained.jsonl").exists()
