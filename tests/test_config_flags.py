@@ -23,7 +23,7 @@ from forewarn.cli import build_parser
 from forewarn.collector.config import CollectorConfig
 from forewarn.config import load_from_args
 
-from support.polling import free_port, wait_for
+from support.polling import START_TIMEOUT_S, free_port, wait_for
 
 # Values that the generic rule below would not make valid (choices, formats, pairs).
 SPECIAL: dict[str, str] = {
@@ -141,7 +141,7 @@ def test_collector_run_serves_from_the_data_dir_its_flags_name(tmp_path: Path) -
             except OSError:
                 return False
 
-        wait_for(healthy, 90, "the collector's /healthz")
+        wait_for(healthy, START_TIMEOUT_S, "the collector's /healthz")
         assert (data / "collector.db").exists()
     finally:
         proc.terminate()

@@ -22,7 +22,7 @@ from forewarn.collector.http.app import create_app
 from forewarn.collector.http.auth import TokenRegistry
 from forewarn.collector.storage.store import Store
 
-from support.polling import free_port, wait_for
+from support.polling import START_TIMEOUT_S, free_port, wait_for
 
 TOKEN = "log-test-token-0123456789abcdef"
 TIMESTAMP = re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d")
@@ -54,7 +54,7 @@ def run_until(tmp_path: Path, argv: list[str], ready_url: str, env: dict[str, st
                 return False
             return ok and (until is None or bool(until()))  # type: ignore[operator]
 
-        wait_for(ready, 120, f"{name} at {ready_url}")
+        wait_for(ready, START_TIMEOUT_S, f"{name} at {ready_url}")
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)

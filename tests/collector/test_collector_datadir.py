@@ -31,7 +31,7 @@ from forewarn.collector.storage.store import MIGRATIONS, Store
 from forewarn.collector.storage.telemetry import TelemetryWriter
 from forewarn.wire import AgentBatch, GpuSample, encode
 
-from support.polling import free_port, wait_for
+from support.polling import START_TIMEOUT_S, free_port, wait_for
 
 DAY = 86400.0
 T0 = 1_700_000_000.0  # 2023-11-14 22:13:20 UTC
@@ -105,7 +105,7 @@ def run_cli_until_exit_or_up(tmp_path: Path, data: Path) -> tuple[int | None, st
             return False
 
     try:
-        wait_for(exited_or_up, timeout=60, what="collector exit or start")
+        wait_for(exited_or_up, START_TIMEOUT_S, "collector exit or start")
     finally:
         came_up = proc.poll() is None
         if came_up:

@@ -21,7 +21,7 @@ from forewarn.collector.storage.staging import StagingLog
 from forewarn.collector.storage.store import Store
 from forewarn.collector.storage.telemetry import TelemetryWriter
 
-from support.polling import free_port, wait_for
+from support.polling import START_TIMEOUT_S, free_port, wait_for
 
 PRODUCER = r'''
 import sys, time
@@ -80,7 +80,7 @@ def test_kill_9_collector_and_agent_lose_nothing_and_store_nothing_twice(
                 return False
 
         try:
-            wait_for(up, what="collector start")
+            wait_for(up, START_TIMEOUT_S, "collector start")
         except BaseException:
             proc.kill()  # never leave a collector behind when its start fails
             proc.wait()

@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from support.paths import REPO
-from support.polling import free_port, poll, wait_for
+from support.polling import START_TIMEOUT_S, free_port, poll, wait_for
 from support.stack import agent_command, enroll
 
 NOFILE = 1024
@@ -62,7 +62,7 @@ def collector(tmp_path: Path, **keys: str) -> Iterator[tuple[str, Path, Path]]:
             except httpx.HTTPError:
                 return False
 
-        wait_for(up, 120, "collector start")  # imports are slow on a loaded machine
+        wait_for(up, START_TIMEOUT_S, "collector start")
         yield url, log, token_file
     finally:
         proc.terminate()

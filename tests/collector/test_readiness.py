@@ -24,7 +24,7 @@ from forewarn.collector.http.auth import TokenRegistry
 from forewarn.collector.storage.store import Store
 from forewarn.wire import AgentBatch, GpuSample, encode
 
-from support.polling import free_port, poll, wait_for
+from support.polling import START_TIMEOUT_S, free_port, poll, wait_for
 
 
 def status(url: str) -> tuple[int, str]:
@@ -64,7 +64,7 @@ def start_agent(tmp_path: Path, *args: str, env: dict[str, str] | None = None
         assert proc.poll() is None, (tmp_path / "agent.log").read_text()
         return get(url + "/healthz")[0] == 200
 
-    wait_for(alive, 120, "agent /healthz")
+    wait_for(alive, START_TIMEOUT_S, "agent /healthz")
     return url, proc
 
 

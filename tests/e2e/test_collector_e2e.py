@@ -19,7 +19,7 @@ import pytest
 
 from forewarn.collector.decide.webhooks import WebhookVerifier
 
-from support.polling import wait_for
+from support.polling import START_TIMEOUT_S, wait_for
 from support.stack import Processes, enroll, start_agent, start_collector
 from support.webhooks import Receiver
 
@@ -74,7 +74,8 @@ def test_failure_on_node2_gpu1_checkpoints_every_rank_at_one_step(tmp_path: Path
             start_agent(procs, node, FAILING.format(start=12) if node == "node2"
                         else HEALTHY.format(seed=i), socket=sockets[node], collector=url,
                         token_file=token_files[node], wait=False)
-        procs.wait_for("agent sockets", lambda: all(s.exists() for s in sockets.values()), 30)
+        procs.wait_for("agent sockets", lambda: all(s.exists() for s in sockets.values()),
+                       START_TIMEOUT_S)
 
         rank_script = tmp_path / "rank.py"
         rank_script.write_text(RANK)

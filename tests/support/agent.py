@@ -15,7 +15,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from support.polling import free_port, wait_for
+from support.polling import START_TIMEOUT_S, free_port, wait_for
 from support.stack import agent_command
 
 __all__ = ["AgentProc"]
@@ -40,8 +40,8 @@ class AgentProc:
                           interval=0.2, config=config),
             env=full_env, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
         try:
-            wait_for(self._ready, 60, f"agent {name} to serve (see {self.log})")
-            wait_for(sock.exists, 30, "the agent socket")
+            wait_for(self._ready, START_TIMEOUT_S, f"agent {name} to serve (see {self.log})")
+            wait_for(sock.exists, START_TIMEOUT_S, "the agent socket")
         except BaseException:
             self.proc.kill()  # never leave an agent behind when its start fails
             self.proc.wait()

@@ -8,7 +8,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["free_port", "poll", "wait_for"]
+__all__ = ["START_TIMEOUT_S", "free_port", "poll", "wait_for"]
+
+START_TIMEOUT_S = 120.0
+"""How long a test waits for a real process (a collector, an agent, a server) to start: its
+imports alone take tens of seconds on a 2-core CI machine running two test workers."""
 
 
 def free_port() -> int:

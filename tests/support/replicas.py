@@ -17,7 +17,7 @@ import httpx
 from forewarn.wire import AgentBatch, encode
 
 from support.collector import TOKENS, poll_commands
-from support.polling import free_port, wait_for
+from support.polling import START_TIMEOUT_S, free_port, wait_for
 from support.stack import write_config
 
 __all__ = ["Replica", "write_tokens"]
@@ -53,7 +53,7 @@ class Replica:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "forewarn", "collector", "--config", str(self.config)],
             stdout=self.log, stderr=self.log, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        wait_for(self._up, what=f"collector {self.url} start")
+        wait_for(self._up, START_TIMEOUT_S, f"collector {self.url} start")
         return self
 
     def _up(self) -> bool:
@@ -65,9 +65,10 @@ class Replica:
             return False
 
     def role(self) -> str:
-        """``leader`` or ``follower`` (from /readyz), ``down`` when it does not answer."""
+        """``leader`` or ``follower`` (from /readyz), ``down`` when it does not answer
+        within the client's 30 s (on a loaded machine a live replica can take seconds)."""
         try:
-            report = self.client.get("/readyz", timeout=2).json()
+            report = self.client.get("/readyz").json()
         except (httpx.HTTPError, ValueError):
             return "down"
         return str(report["components"]["leader"]["role"])

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from support.polling import free_port, wait_for
+from support.polling import START_TIMEOUT_S, free_port, wait_for
 
 __all__ = ["CLUSTER", "DASHBOARDS", "JOB", "NODE", "RULES", "Processes", "PromError", "Stack",
            "agent_command", "enroll", "http_get", "running_stack", "start_agent",
@@ -244,7 +244,7 @@ class Processes:
 
 
 def start_collector(procs: Processes, tokens: Path, name: str = "collector",
-                    timeout: float = 120, **keys: Any) -> str:
+                    timeout: float = START_TIMEOUT_S, **keys: Any) -> str:
     """``forewarn collector run`` on a free loopback port with its data under
     ``<tmp>/data``, the nodes of ``tokens`` enrolled, warnings only, and ``keys`` as
     further config; its URL once ``/healthz`` answers (its imports take half a minute on
@@ -262,7 +262,7 @@ def start_collector(procs: Processes, tokens: Path, name: str = "collector",
 def start_agent(procs: Processes, node: str, scenario: str, *, name: str = "",
                 address: str = "", socket: Path | None = None, config: str = "",
                 collector: str = "",
-                token_file: Path | None = None, timeout: float = 60, wait: bool = True,
+                token_file: Path | None = None, timeout: float = START_TIMEOUT_S, wait: bool = True,
                 **kw: Any) -> str:
     """``forewarn agent --source sim`` of ``node`` playing the ``scenario`` (TOML text), its
     config file holding ``config``; with a ``collector`` it pushes every 0.5 s from a
@@ -316,7 +316,8 @@ def start_prometheus(procs: Processes, binary: str, targets: dict[str, str], *,
         binary, f"--config.file={config}", f"--storage.tsdb.path={procs.tmp / 'tsdb'}",
         f"--web.listen-address=127.0.0.1:{port}", *extra], cwd=procs.tmp)
     url = f"http://127.0.0.1:{port}"
-    procs.wait_for("prometheus ready", lambda: http_get(f"{url}/-/ready")[0] == 200)
+    procs.wait_for("prometheus ready", lambda: http_get(f"{url}/-/ready")[0] == 200,
+                   START_TIMEOUT_S)
     return url
 
 
