@@ -42,6 +42,7 @@ from forewarn.wire import (
 )
 
 import support.collector
+from support.polling import poll
 
 pytestmark = pytest.mark.usefixtures("state_backend")  # both state backends
 
@@ -313,9 +314,7 @@ def test_job_map_and_policy_seam_turn_a_gpu_finding_into_orders_for_every_node(
         findings = svc.client.get("/api/v1/findings").json()
         assert findings[0]["finding"]["reason"].startswith("XID 79")
         assert policy.batches == 3
-        deadline = time.monotonic() + 10
-        while len(policy.acks) < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        poll(lambda: len(policy.acks) >= 2, timeout=60)
         assert sorted(n for _, n in policy.acks) == ["node1", "node2"]
         # Checkpoint reports advance the job's last checkpoint.
         rep = CheckpointReport(job="jobA", rank=2, request_id="r", step=100, phase="done",

@@ -17,6 +17,8 @@ import pytest
 from forewarn import wire
 from forewarn.hook import Monitor
 
+from support.polling import wait_for
+
 torch = pytest.importorskip("torch")
 
 
@@ -50,13 +52,10 @@ class Agent:
         return self.msgs
 
     def first_beat(self) -> wire.Beat:
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            for m in list(self.msgs):
-                if isinstance(m, wire.Beat):
-                    return m
-            time.sleep(0.01)
-        raise AssertionError("no beat")
+        beat: wire.Beat = wait_for(
+            lambda: next((m for m in list(self.msgs) if isinstance(m, wire.Beat)), None),
+            what="a beat", interval=0.01)
+        return beat
 
     def order(self, reply_to: str, job: str, step: int) -> None:
         o = wire.CheckpointOrder(request_id=f"o{step}", job=job, step=step, issued=time.time())
@@ -78,9 +77,7 @@ def _ordered_monitor(agent: Agent, step: int) -> Monitor:
                   handle_sigterm=False, beat_interval_s=0.2)
     beat = agent.first_beat()
     agent.order(beat.reply_to, "integ", step)
-    deadline = time.monotonic() + 5
-    while mon.stats.orders == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_for(lambda: mon.stats.orders, what="the order", interval=0.01)
     assert mon.stats.orders == 1
     return mon
 
