@@ -137,7 +137,7 @@ def test_collector_run_serves_from_the_data_dir_its_flags_name(tmp_path: Path) -
                 raise AssertionError(proc.communicate()[1])
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
-                    return r.status == 200
+                    return bool(r.status == 200)
             except OSError:
                 return False
 
