@@ -90,9 +90,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     test file at a time, so module fixtures (one chaos lab, one Slurm cluster) start once,
     and the whole folder for those in ``SHARED_GROUPS``. (xdist's own ``loadgroup`` marks
     do not group under pytest 9.2, which no longer reads the node id they rewrite.)"""
-    from xdist.scheduler import LoadScopeScheduling
+    from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
 
-    class ByFile(LoadScopeScheduling):
+    class ByFile(LoadScopeScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
             parts = path.split("/")
