@@ -170,6 +170,32 @@ def _excess(d: np.ndarray, rate: np.ndarray, window: float) -> np.ndarray:
     return out
 
 
+def _active(c: str, now: Mapping[str, np.ndarray], l15: Mapping[str, np.ndarray],
+            l60: Mapping[str, np.ndarray], d15: np.ndarray, d60: np.ndarray
+            ) -> dict[str, np.ndarray]:
+    """Active-minute features of counter ``c`` given its excess counts over 15 and 60
+    minutes. Active minutes count only as far as there are errors beyond the baseline: a
+    trickle is active every minute and that is its normal."""
+    a = f"{c}_active"
+    active15 = np.minimum(np.maximum(now[a] - l15[a], 0.0), d15)
+    return {
+        f"{c}_active15": active15,
+        f"{c}_active60": np.minimum(np.maximum(now[a] - l60[a], 0.0), d60),
+        # Concentration: errors per active minute. A burst packs many errors into a few
+        # minutes; a precursor spreads a growing rate over many.
+        f"{c}_conc15": np.log1p(d15 / np.maximum(active15, 1.0)),
+    }
+
+
+def _finite(x: np.ndarray) -> np.ndarray:
+    """A float64 copy of ``x`` with NaN as 0 and infinities as the largest floats
+    (:func:`numpy.nan_to_num`, whose passes are skipped when all is finite: the usual
+    case)."""
+    x = np.asarray(x, dtype=np.float64)
+    out: np.ndarray = x.copy() if np.isfinite(x).all() else np.nan_to_num(x)
+    return out
+
+
 def derive(now: Mapping[str, np.ndarray], lag: Mapping[int, Mapping[str, np.ndarray]],
            first: Mapping[str, np.ndarray] | None = None,
            end: Mapping[str, np.ndarray] | None = None,
@@ -195,19 +221,8 @@ def derive(now: Mapping[str, np.ndarray], lag: Mapping[int, Mapping[str, np.ndar
         out[f"{c}_d60"] = np.log1p(d60)
         # Acceleration: per-minute rate in the last 5 minutes vs the 55 before.
         out[f"{c}_accel"] = np.log1p(d5 / 5.0) - np.log1p(np.maximum(d60 - d5, 0.0) / 55.0)
-    for c in ACTIVE:
-        # Active minutes count only as far as there are errors beyond the baseline: a
-        # trickle is active every minute and that is its normal.
-        r = zero if first is None or end is None or minutes is None \
-            else _baseline_rate(first, end, minutes, c)
-        d15 = _excess(np.maximum(now[c] - l15[c], 0.0), r, 15.0)
-        d60 = _excess(np.maximum(now[c] - l60[c], 0.0), r, 60.0)
-        a = f"{c}_active"
-        out[f"{c}_active15"] = np.minimum(np.maximum(now[a] - l15[a], 0.0), d15)
-        out[f"{c}_active60"] = np.minimum(np.maximum(now[a] - l60[a], 0.0), d60)
-        # Concentration: errors per active minute. A burst packs many errors into a few
-        # minutes; a precursor spreads a growing rate over many.
-        out[f"{c}_conc15"] = np.log1p(d15 / np.maximum(out[f"{c}_active15"], 1.0))
+        if c in ACTIVE:
+            out |= _active(c, now, l15, l60, d15, d60)
     # How much own history the baseline rests on (0: none yet, raw counts above): a
     # model must tell "many errors on a GPU it knows" from "on a GPU it just met".
     out["baseline_hours"] = zero if minutes is None else np.where(
@@ -268,8 +283,7 @@ def derive(now: Mapping[str, np.ndarray], lag: Mapping[int, Mapping[str, np.ndar
     out["thr_thermal_frac60"] = window_mean(now["thr_thermal"], l60["thr_thermal"], now["n"],
                                       l60["n"], zero)
     out["thr_power_frac15"] = level["thr_power"]
-    return {k: np.nan_to_num(np.asarray(out[k], dtype=np.float64))
-            for k in FEATURE_NAMES + LEGACY_NAMES}
+    return {k: _finite(out[k]) for k in FEATURE_NAMES + LEGACY_NAMES}
 
 
 def _num(df: pd.DataFrame, col: str, default: float = 0.0) -> pd.Series:

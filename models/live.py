@@ -20,8 +20,8 @@ from typing import Final
 
 import numpy as np
 
-from forewarn.gpu import FATAL_XIDS, POWER_BITS, THERMAL_BITS
-from forewarn.models.explain import explain
+from forewarn.gpu import FATAL_XIDS
+from forewarn.models.explain import SIGNALS, explain
 from forewarn.models.features import (
     ACTIVE,
     BASELINE_BLOCK,
@@ -34,6 +34,10 @@ from forewarn.models.features import (
     derive,
     xid_class,
 )
+from forewarn.models.live_fold import COLS as _COLS
+from forewarn.models.live_fold import IX as _IX
+from forewarn.models.live_fold import N_CUM as _N_CUM
+from forewarn.models.live_fold import fold_sample
 from forewarn.models.predictor import FailurePredictor
 from forewarn.wire import Finding, GpuSample, GpuState, XidEvent
 
@@ -42,9 +46,8 @@ __all__ = ["LiveScorer", "ShadowStats"]
 """XIDs that count as a failure for shadow scoring (double-bit ECC, remap failure,
 NVLink, off the bus, uncontained ECC, GSP: docs/reference.md XID classes)."""
 
-_COLS: Final = CUM_COLUMNS + LAST_COLUMNS
-_IX: Final = {c: i for i, c in enumerate(_COLS)}
-_N_CUM: Final = len(CUM_COLUMNS)
+_SIGNAL_FEATURES: Final = frozenset(f for own, peer, *_ in SIGNALS.values() for f in (own, peer))
+"""The features an alarm's explanation reads."""
 _RING: Final = max(LAGS) + 1
 _MAX_JUMP: Final = 7 * 24 * 60  # minutes
 
@@ -86,6 +89,42 @@ class _Episode:
     end: float
 
 
+@dataclasses.dataclass(frozen=True)
+class _MinuteScores:
+    """One minute's features and probabilities of the GPU slots ``slots`` (ascending)."""
+
+    minute: int
+    model: FailurePredictor
+    slots: np.ndarray
+    feats: dict[str, np.ndarray]
+    probs: np.ndarray
+
+    def positions(self, slots: np.ndarray) -> np.ndarray | None:
+        """Where each of ``slots`` (ascending) is in :attr:`slots`; None when one of them
+        was not scored this minute."""
+        pos = np.searchsorted(self.slots, slots)
+        if len(slots) and (pos[-1] >= len(self.slots)
+                           or not np.array_equal(self.slots[pos], slots)):
+            return None
+        return pos
+
+
+def _named(rows: np.ndarray, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The rows of a column-wise state block, by column name."""
+    return {c: rows[j] for j, c in enumerate(names)}
+
+
+def _matrix(feats: dict[str, np.ndarray], model: FailurePredictor) -> np.ndarray:
+    """The model's feature matrix, one column after another in memory: a tree visits the
+    rows in order and reads a few features of each, so columns laid out whole keep those
+    reads sequential (it predicts about 2.5 times faster than on rows laid out whole)."""
+    names = model.feature_names
+    x = np.empty((len(feats[names[0]]), len(names)), order="F")
+    for j, c in enumerate(names):
+        x[:, j] = feats[c]
+    return x
+
+
 class LiveScorer:
     """Incremental features and failure probabilities for a fleet of GPUs.
 
@@ -122,14 +161,20 @@ class LiveScorer:
         self._gpus: list[int] = []
         self._node_ids: list[int] = []
         self._node_index: dict[str, int] = {}
-        self._cur = np.zeros((capacity, len(_COLS)))
-        self._ring = np.zeros((_RING, capacity, _N_CUM))
-        self._first = np.zeros((capacity, _N_CUM))
+        # State is laid out column by column (the GPU slot is the last axis): scoring
+        # reads whole columns, and the features' arithmetic runs on contiguous arrays.
+        self._cur = np.zeros((len(_COLS), capacity))
+        self._ring = np.zeros((_RING, _N_CUM, capacity))
+        self._first = np.zeros((_N_CUM, capacity))
         self._first_minute = np.full(capacity, -1, np.int64)
         # State at the last two BASELINE_BLOCK boundaries: the own baseline's end row.
-        self._block = np.zeros((2, capacity, _N_CUM))
+        self._block = np.zeros((2, _N_CUM, capacity))
         self._block_minute = np.full(2, -1, np.int64)
         self._last_seen = np.full(capacity, -np.inf)
+        # LAST_COLUMNS as they stood at the end of the last snapshotted minute, as the
+        # batch grid has them (not the open minute's newer values).
+        self._last = np.zeros((len(LAST_COLUMNS), capacity))
+        self._scores: _MinuteScores | None = None
         self._minute: int | None = None  # last minute snapshotted
         self._episodes: dict[int, list[_Episode]] = {}
         self._alarms = self._true = self._false = 0
@@ -147,7 +192,7 @@ class LiveScorer:
         i = self._index.get(key)
         if i is None:
             i = len(self._nodes)
-            if i >= len(self._cur):
+            if i >= self._cur.shape[1]:
                 self._grow()
             self._index[key] = i
             self._nodes.append(node)
@@ -156,11 +201,10 @@ class LiveScorer:
         return i
 
     def _grow(self) -> None:
-        cap = len(self._cur) * 2
-        self._cur = np.concatenate([self._cur, np.zeros_like(self._cur)])
-        self._ring = np.concatenate([self._ring, np.zeros_like(self._ring)], axis=1)
-        self._first = np.concatenate([self._first, np.zeros_like(self._first)])
-        self._block = np.concatenate([self._block, np.zeros_like(self._block)], axis=1)
+        cap = self._cur.shape[1] * 2
+        self._cur, self._ring, self._first, self._block, self._last = (
+            np.concatenate([a, np.zeros_like(a)], axis=-1)
+            for a in (self._cur, self._ring, self._first, self._block, self._last))
         self._first_minute = np.concatenate([self._first_minute,
                                              np.full(cap // 2, -1, np.int64)])
         self._last_seen = np.concatenate([self._last_seen, np.full(cap // 2, -np.inf)])
@@ -168,65 +212,36 @@ class LiveScorer:
     def observe(self, s: GpuSample) -> None:
         """Take one sample (in time order per GPU)."""
         minute = int(s.time // GRID_S)
-        if self._minute is not None and minute - self._minute > _MAX_JUMP:
-            self.skipped += 1  # a clock far ahead would wipe the ring: refuse it
+        if not self._advance(minute):
             return
+        i = self._slot(s.node, s.gpu)
+        if s.state != GpuState.OK:
+            self._failure(i, s.time)
+        started = bool(self._first_minute[i] >= 0)
+        if fold_sample(self._cur[:, i], s, started):
+            self._failure(i, s.time)
+        if not started:
+            self._first_minute[i] = minute
+        self._last_seen[i] = s.time
+
+    def _advance(self, minute: int) -> bool:
+        """Snapshot the minutes before ``minute`` if it opens a new one; False for a
+        sample to refuse (a clock far ahead would wipe the ring)."""
+        if self._minute is not None and minute - self._minute > _MAX_JUMP:
+            self.skipped += 1
+            return False
         if self._minute is not None and minute <= self._minute:
             self.late += 1  # counted into the open minute, not lost
         else:
             self._roll(minute - 1)
-        i = self._slot(s.node, s.gpu)
-        row = self._cur[i]
-        ix = _IX
-        if s.state != GpuState.OK:
-            self._failure(i, s.time)
-        for col, val in (("ecc", s.ecc_corrected_volatile), ("ecc_unc", s.ecc_uncorrected_volatile),
-                         ("remap_c", s.remapped_rows_correctable),
-                         ("remap_u", s.remapped_rows_uncorrectable),
-                         ("ret_sbe", s.retired_pages_sbe), ("ret_dbe", s.retired_pages_dbe),
-                         ("pcie", s.pcie_replay_total)):
-            if val is not None:
-                if col in ("ecc_unc", "remap_u", "ret_dbe") and val > row[ix[col]] \
-                        and self._first_minute[i] >= 0:
-                    self._failure(i, s.time)
-                row[ix[col]] = val
-        if s.nvlink:
-            row[ix["nvl_crc"]] = sum((lk.crc_flit or 0) + (lk.crc_data or 0) for lk in s.nvlink)
-            row[ix["nvl_replay"]] = sum(lk.replay or 0 for lk in s.nvlink)
-            row[ix["nvl_recovery"]] = sum(lk.recovery or 0 for lk in s.nvlink)
-        t, p = s.temperature_c, s.power_w
-        if t is not None or p is not None:
-            row[ix["n"]] += 1
-        if t is not None:
-            row[ix["temp"]] += t
-            row[ix["temp2"]] += t * t
-            row[ix["temp_last"]] = t
-        if s.slowdown_margin_c is not None:
-            row[ix["margin"]] += s.slowdown_margin_c
-            row[ix["margin_last"]] = s.slowdown_margin_c
-        if p is not None:
-            row[ix["power"]] += p
-            row[ix["power2"]] += p * p
-        if s.power_limit_w is not None:
-            row[ix["limit_last"]] = s.power_limit_w
-        thr = s.throttle_reasons or 0
-        row[ix["thr_thermal"]] += (thr & THERMAL_BITS) != 0
-        row[ix["thr_power"]] += (thr & POWER_BITS) != 0
-        row[ix["pending"]] += bool(s.remap_pending)
-        if s.pcie_link_width is not None and s.pcie_link_width_max:
-            row[ix["width_ratio"]] = s.pcie_link_width / s.pcie_link_width_max
-        elif self._first_minute[i] < 0:
-            row[ix["width_ratio"]] = 1.0
-        if self._first_minute[i] < 0:
-            self._first_minute[i] = minute
-        self._last_seen[i] = s.time
+        return True
 
     def observe_xid(self, x: XidEvent) -> None:
         """Take one XID event (``gpu`` None: ignored for per-GPU features)."""
         if x.gpu is None:
             return
         i = self._slot(x.node, x.gpu)
-        self._cur[i, _IX[f"xid_{xid_class(x.code)}"]] += 1
+        self._cur[_IX[f"xid_{xid_class(x.code)}"], i] += 1
         if x.code in FATAL_XIDS:
             self._failure(i, x.time)
 
@@ -239,66 +254,102 @@ class LiveScorer:
         n = len(self._nodes)
         while self._minute < upto:
             m = self._minute + 1
-            prev = self._ring[(m - 1) % _RING, :n]
-            snap = self._cur[:n, :_N_CUM]
+            prev = self._ring[(m - 1) % _RING, :, :n]
+            snap = self._cur[:_N_CUM, :n]
             started = (self._first_minute[:n] >= 0) & (self._first_minute[:n] <= m)
             fresh = self._first_minute[:n] == m
             for c in ACTIVE:
-                inc = (snap[:, _IX[c]] > prev[:, _IX[c]]) & started & ~fresh
-                snap[:, _IX[f"{c}_active"]] += inc
-            self._ring[m % _RING, :n] = snap
-            self._first[:n][fresh] = snap[fresh]
+                inc = (snap[_IX[c]] > prev[_IX[c]]) & started & ~fresh
+                snap[_IX[f"{c}_active"]] += inc
+            self._ring[m % _RING, :, :n] = snap
+            self._first[:, :n][:, fresh] = snap[:, fresh]
             if m % BASELINE_BLOCK == 0:
                 self._block[0] = self._block[1]
-                self._block[1, :n] = snap
+                self._block[1, :, :n] = snap
                 self._block_minute[:] = (self._block_minute[1], m)
             self._minute = m
+            self._last[:, :n] = self._cur[_N_CUM:, :n]
 
     # -- scoring ----------------------------------------------------------------------
     def features(self, now: float) -> tuple[np.ndarray, dict[str, np.ndarray], float]:
         """(GPU slots, feature columns, feature time) for the GPUs fresh at ``now``."""
-        last_complete = int(now // GRID_S) - 1
-        self._roll(last_complete)
+        m = self._complete(now)
+        live = self._candidates(m, now)
+        feats = self._derive(m, live)
+        fresh = self._fresh(live, now)
+        return live[fresh], {k: v[fresh] for k, v in feats.items()}, (m + 1) * GRID_S
+
+    def _complete(self, now: float) -> int:
+        """The last complete minute at ``now``, snapshotted."""
+        m = int(now // GRID_S) - 1
+        self._roll(m)
+        return m
+
+    def _candidates(self, m: int, now: float) -> np.ndarray:
+        """GPU slots that may count as a peer at minute ``m`` (a sample within
+        PEER_MINUTES: derive decides exactly, from the grid, as the batch features do)."""
         n = len(self._nodes)
-        m = last_complete
         started = (self._first_minute[:n] >= 0) & (self._first_minute[:n] <= m)
-        # Features for every GPU that may count as a peer (a sample within PEER_MINUTES:
-        # derive decides exactly, from the grid, as the batch features do); returned for
-        # the fresh ones only.
         seen = now - self._last_seen[:n]
-        live = np.nonzero(started & (seen <= PEER_MINUTES * GRID_S + 2 * GRID_S))[0]
-        fresh = seen[live] <= self.stale_s
-        now_row = self._ring[m % _RING, live]
-        cols = {c: now_row[:, j] for j, c in enumerate(CUM_COLUMNS)}
-        for c in LAST_COLUMNS:
-            cols[c] = self._cur[live, _IX[c]]
-        lag: dict[int, dict[str, np.ndarray]] = {}
-        for k in LAGS:
-            too_early = (m - k) < self._first_minute[live]
-            rows = np.where(too_early[:, None], self._first[live],
-                            self._ring[(m - k) % _RING, live])
-            lag[k] = {c: rows[:, j] for j, c in enumerate(CUM_COLUMNS)}
-        first = {c: self._first[live, j] for j, c in enumerate(CUM_COLUMNS)}
+        live: np.ndarray = np.nonzero(started & (seen <= PEER_MINUTES * GRID_S + 2 * GRID_S))[0]
+        return live
+
+    def _fresh(self, slots: np.ndarray, now: float) -> np.ndarray:
+        """Which of ``slots`` sent a sample within :attr:`stale_s` (scored)."""
+        fresh: np.ndarray = now - self._last_seen[slots] <= self.stale_s
+        return fresh
+
+    def _derive(self, m: int, live: np.ndarray) -> dict[str, np.ndarray]:
+        """Feature columns of the GPU slots ``live`` (ascending) at the end of minute
+        ``m``."""
+        # All slots (the usual case): views, no copies.
+        at: slice | np.ndarray = slice(0, len(live)) \
+            if len(live) == 0 or live[-1] == len(live) - 1 else live
+        now = _named(self._ring[m % _RING][:, at], CUM_COLUMNS)
+        now |= _named(self._last[:, at], LAST_COLUMNS)
+        first_minute = self._first_minute[at]
+        first = self._first[:, at]
+        lag = {k: _named(np.where((m - k) < first_minute, first,
+                                  self._ring[(m - k) % _RING][:, at]), CUM_COLUMNS)
+               for k in LAGS}
         e = int(baseline_end(np.array(m)))
         held = np.nonzero(self._block_minute == e)[0]
-        minutes = np.maximum(e - self._first_minute[live], 0).astype(np.float64)
+        minutes = np.maximum(e - first_minute, 0).astype(np.float64)
         if len(held) == 0:  # not running then: no baseline yet
             minutes[:] = 0.0
-        rows = self._block[held[0] if len(held) else 0, live]
-        end = {c: rows[:, j] for j, c in enumerate(CUM_COLUMNS)}
+        end = _named(self._block[held[0] if len(held) else 0][:, at], CUM_COLUMNS)
         group = np.unique(np.asarray(self._node_ids, np.int64)[live], return_inverse=True)[1]
-        feats = derive(cols, lag, first, end, minutes, group)
-        return live[fresh], {k: v[fresh] for k, v in feats.items()}, (m + 1) * GRID_S
+        return derive(now, lag, _named(first, CUM_COLUMNS), end, minutes, group)
+
+    def _scored(self, now: float) -> tuple[_MinuteScores, np.ndarray]:
+        """The minute's scores and the positions in them of the GPUs fresh at ``now``.
+
+        Features change only when the grid moves to the next minute, so one minute's
+        features and probabilities are computed once and reused by the scorings after it
+        in that minute (the collector scores every few seconds); computed again when the
+        model changed or a fresh GPU is not among them."""
+        m = self._complete(now)
+        live = self._candidates(m, now)
+        slots = live[self._fresh(live, now)]
+        c = self._scores
+        pos = None if c is None or c.minute != m or c.model is not self.model \
+            else c.positions(slots)
+        if c is None or pos is None:
+            feats = self._derive(m, live)
+            probs = self.model.predict_proba(_matrix(feats, self.model))
+            c = self._scores = _MinuteScores(m, self.model, live, feats, probs)
+            pos = c.positions(slots)
+            assert pos is not None  # the fresh GPUs are among the candidates
+        return c, pos
 
     def score(self, now: float) -> list[Finding]:
         """Findings for the GPUs in an alarm episode (:meth:`alarming`), each with its
         episode and an explanation (:func:`forewarn.models.explain.explain`) in its
         evidence."""
-        live, feats, _t = self.features(now)
-        if len(live) == 0:
+        c, pos = self._scored(now)
+        if len(pos) == 0:
             return []
-        x = np.column_stack([feats[c] for c in self.model.feature_names])
-        probs = self.model.predict_proba(x)
+        live, probs = c.slots[pos], c.probs[pos]
         nodes = np.asarray(self._nodes, dtype=object)[live]
         gpus = np.asarray(self._gpus)[live]
         self._settle(now)
@@ -308,8 +359,8 @@ class LiveScorer:
             self._alarm(int(i), now)
         evidence: dict[str, np.ndarray] = {}
         if len(rows):
-            ex = explain(feats, rows)
-            for k, v in ex.items():
+            feats = {k: v[pos] for k, v in c.feats.items() if k in _SIGNAL_FEATURES}
+            for k, v in explain(feats, rows).items():
                 col = np.full(len(live), None, dtype=object)
                 col[rows] = v
                 evidence[k] = col
