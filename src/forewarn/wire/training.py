@@ -133,7 +133,13 @@ class SaveHold(Struct, frozen=True, kw_only=True, tag="hold"):
     are marked suspect, and from ``step`` on the ranks save nothing unless told (ordered
     and periodic saves are refused). ``step`` lies ahead of the job's fastest rank, chosen
     as a checkpoint order's step is, so every rank stops saving at the same step and no
-    rank waits in a collective save for a peer that refused."""
+    rank waits in a collective save for a peer that refused.
+
+    A rank that has already reported ``step`` when the hold arrives holds from its next step
+    and reports ``missed`` (a :class:`CheckpointReport` with the hold's ``request_id`` and
+    its current step); whoever issued the hold issues it again past that step (the ordering
+    rule's ``floor``), with ``replaces`` naming the hold it replaces: every rank then holds
+    from the new ``step`` instead."""
 
     v: Version = WIRE_VERSION
     request_id: Annotated[str, Meta(min_length=1, max_length=128)]
@@ -142,6 +148,8 @@ class SaveHold(Struct, frozen=True, kw_only=True, tag="hold"):
     step: NonNegInt
     reason: Text = ""
     issued: UnixTime
+    replaces: Annotated[str, Meta(max_length=128)] = ""
+    """Request id of the hold this one re-issues (empty for a first hold)."""
 
 
 AgentMessage = CheckpointOrder | IntervalAdvice | SaveHold
