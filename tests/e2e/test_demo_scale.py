@@ -57,7 +57,9 @@ def test_scale_out_demo_numbers_hold_and_nothing_is_left_running(
     assert r["failover_s"] is not None and 0 < r["failover_s"] < 5
     # the new leader ordered the checkpoint: one order per node, each acknowledged, and
     # every rank saved the same step before the failure
-    assert r["orders_issued"] == 2 and r["orders_delivered"] == r["orders_issued"]
+    # (one order per node for the precursor; the double-bit error that follows escalates the
+    # incident and may order again)
+    assert r["orders_issued"] in (2, 4) and r["orders_delivered"] == r["orders_issued"]
     assert len(r["ordered_steps"]) == 2 and len(set(r["ordered_steps"].values())) == 1
     assert set(r["resumed_ranks"].values()) == set(r["ordered_steps"].values())
     # every batch the agents sealed is in PostgreSQL, every sample in VictoriaMetrics once
