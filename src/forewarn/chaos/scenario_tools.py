@@ -50,12 +50,31 @@ def settle(rig: TelemetryRig, out: Outcome, what: str, timeout: float = 60.0) ->
     return rounded(time.time() - t0) if ok else None
 
 
+def _stored_settles(rig: TelemetryRig, still_s: float = 3.0, timeout: float = 30.0) -> None:
+    """Wait until the collector's stored batch count holds still for ``still_s`` (at most
+    ``timeout``): the agent's last batch, sent as it stopped, may still be on its way
+    (through the bus: durable in the stream, not yet consumed) when the collector is
+    killed, which would count a delivered batch as lost."""
+    last, since, end = -1, time.monotonic(), time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            n = rig.stored_batches()
+        except OSError:
+            return
+        if n != last:
+            last, since = n, time.monotonic()
+        elif time.monotonic() - since >= still_s:
+            return
+        time.sleep(0.25)
+
+
 def finish_telemetry(lab: Lab, rig: TelemetryRig, out: Outcome,
                       excused: list[tuple[float, float]], expect_drops: bool = False
                       ) -> Account:
     o = lab.options
     dropped = rig.agent.metric("forewarn_uplink_dropped_batches_total") or 0.0
     rig.agent.stop()  # gracefully: it seals what it holds and sends it
+    _stored_settles(rig)
     # kill -9, not SIGTERM: what the collector acknowledged must be durable without a
     # graceful stop (that is what is being checked).
     rig.collector.kill9()
