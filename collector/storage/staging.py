@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from forewarn.errors import StorageError
+from forewarn.files import write_all
 
 __all__ = ["StagingError", "StagingLog"]
 
@@ -80,11 +81,7 @@ class StagingLog:
                 for body in bodies:
                     refs.append((self._active, self._size, len(body)))
                     self._size += len(body)
-                data = b"".join(bodies)
-                written = 0
-                view = memoryview(data)
-                while written < len(data):
-                    written += os.write(fd, view[written:])
+                write_all(fd, b"".join(bodies))
                 os.fsync(fd)
             except OSError as exc:
                 # The segment may now hold a torn tail: start a fresh one next time.

@@ -7,7 +7,7 @@ import contextlib
 import os
 from pathlib import Path
 
-__all__ = ["fsync_dir"]
+__all__ = ["fsync_dir", "write_all"]
 
 
 def fsync_dir(path: Path) -> None:
@@ -19,3 +19,13 @@ def fsync_dir(path: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` to ``fd``: ``write()`` may take only part (a file-size limit, or a
+    disk that fills mid-write returns short before it fails), so loop until it is all written
+    or the next write raises."""
+    view = memoryview(data)
+    written = 0
+    while written < len(data):
+        written += os.write(fd, view[written:])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -340,3 +342,32 @@ def test_an_unwritable_spool_keeps_records_in_memory_until_it_works(tmp_path: Pa
     got = up.seal()
     assert got is not None and got.urgent
     assert [s.time for s in got.samples] == [1.0] * 4 + [2.0] * 4 and len(got.findings) == 1
+
+
+_SHORT_WRITE_CHILD = """
+import resource, signal, sys
+from pathlib import Path
+from forewarn.agent.spool import Spool
+from forewarn.wire import AgentBatch, GpuSample
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit returns short, then EFBIG
+spool = Spool(Path(sys.argv[1]), max_bytes=1 << 30)
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+batch = AgentBatch(node="a", agent_id=spool.agent_id, seq=0, created=1.0, samples=[
+    GpuSample(node="a", gpu=g % 8, time=float(g), source="sim", simulated=True,
+              temperature_c=50.0) for g in range(4000)])
+try:
+    spool.append(lambda aid, seq: batch)
+except OSError as exc:
+    print("refused", exc.errno)
+else:
+    print("sealed")
+"""
+
+
+def test_a_batch_the_disk_takes_only_part_of_is_refused_not_sealed_torn(tmp_path: Path) -> None:
+    # A full disk (or a file-size limit) makes write() return short before it fails: the spool
+    # must not seal the torn part as a batch, it must raise so the uplink keeps it in memory.
+    out = subprocess.run([sys.executable, "-c", _SHORT_WRITE_CHILD, str(tmp_path / "s")],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.split()[0] == "refused", out
+    assert not list((tmp_path / "s").glob("*.msgpack"))
