@@ -215,7 +215,9 @@ class NatsUplink(Uplink):
                 while not self._stop.is_set():
                     try:
                         msgs = await sub.fetch(16, timeout=self.fetch_wait_s)
-                    except nats.errors.TimeoutError:
+                    except TimeoutError:
+                        # No command within the wait: nats.errors.TimeoutError, or asyncio's
+                        # own when the server's "request timeout" lands at the deadline.
                         continue
                     for msg in msgs:
                         await self._answer(js, msg)

@@ -15,10 +15,9 @@ import logging
 import uuid
 from collections.abc import Callable, Sequence
 
-import msgspec
-
 from forewarn.agent.rank_state import RankView
 from forewarn.agent.ranks import RankTable
+from forewarn.ordering import IssuedHolds, replacement_hold
 from forewarn.wire import CheckpointReport, Finding, SaveHold, encode
 
 __all__ = ["LocalHolds"]
@@ -40,8 +39,8 @@ class LocalHolds:
         self.clock = clock
         self.step_for = step_for
         self.max_reissues = max_reissues
-        self._own: dict[str, tuple[SaveHold, int]] = {}
-        """The agent's own holds: request id -> (hold, re-issues so far)."""
+        self._own: IssuedHolds[None] = IssuedHolds(keep=64)
+        """The agent's own holds."""
 
     def _views(self, job: str) -> list[RankView]:
         now = self.clock()
@@ -70,27 +69,25 @@ class LocalHolds:
         return hold
 
     def _send_own(self, hold: SaveHold, reissues: int) -> int:
-        self._own[hold.request_id] = (hold, reissues)
-        while len(self._own) > 64:
-            self._own.pop(next(iter(self._own)))
+        self._own.add(hold, reissues, None)
         return self.send_hold(hold)
 
     def on_report(self, rep: CheckpointReport) -> bool:
         """A rank's report; True when it was about one of the agent's own holds."""
         if rep.request_id not in self._own:
             return False
-        if rep.phase != "missed":
+        missed = self._own.missed(rep)
+        if missed is None:
             return True
-        hold, reissues = self._own.pop(rep.request_id)
+        hold, reissues, _ = missed
         if reissues >= self.max_reissues:
             log.error("save hold %s: rank %d missed it; gave up after %d reissues",
                       hold.request_id, rep.rank, reissues)
             return True
         now = self.clock()
         step = self.step_for(self._views(hold.job), now, 2.0 ** (reissues + 1), rep.step)
-        new = msgspec.structs.replace(
-            hold, request_id=f"{hold.request_id.split('-r')[0]}-r{reissues + 1}",
-            step=max(step, hold.onset_step), issued=now, replaces=hold.request_id)
+        new = replacement_hold(hold, step, f"{hold.request_id.split('-r')[0]}-r{reissues + 1}",
+                               now)
         log.warning("save hold %s missed by rank %d at step %d: saves stop at step %d instead",
                     hold.request_id, rep.rank, rep.step, new.step)
         self._send_own(new, reissues + 1)

@@ -16,7 +16,7 @@ import bisect
 import collections
 import dataclasses
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from forewarn.wire import (
     Beat,
@@ -34,11 +34,14 @@ __all__ = ["RankState", "RankView", "by_job", "quantile", "rank_finding"]
 
 def quantile(values: Iterable[float], q: float) -> float | None:
     """The ``q`` quantile (nearest rank, 0..1) of ``values``; ``None`` when empty."""
-    data = sorted(values)
+    return _nearest_rank(sorted(values), q)
+
+
+def _nearest_rank(data: Sequence[float], q: float) -> float | None:
+    """The ``q`` quantile (nearest rank) of ``data``, already sorted; ``None`` when empty."""
     if not data:
         return None
-    idx = min(len(data) - 1, max(0, math.ceil(q * len(data)) - 1))
-    return data[idx]
+    return data[min(len(data) - 1, max(0, math.ceil(q * len(data)) - 1))]
 
 
 @dataclasses.dataclass
@@ -159,8 +162,7 @@ class RankState:
 
     def grad_median(self) -> float | None:
         """Median (nearest rank, as :func:`quantile`) of the grad-norm window."""
-        data = self.grad_norms_sorted
-        return data[max(0, math.ceil(0.5 * len(data)) - 1)] if data else None
+        return _nearest_rank(self.grad_norms_sorted, 0.5)
 
     def apply_beat(self, beat: Beat, now: float, min_interval: float,
                    reply_ok: Callable[[str], bool]) -> bool:

@@ -414,7 +414,7 @@ class RankTable:
                     job=v.job, rank=v.rank, local_rank=v.local_rank, world_size=v.world_size,
                     node=node, gpu=(gpu_of or (lambda lr: lr))(v.local_rank), pid=v.pid,
                     last_step=v.last_step, last_step_time=v.last_step_wall,
-                    last_beat=None if v.last_beat is None else v.last_beat,
+                    last_beat=v.last_beat,
                     step_seconds_p50=v.step_p50(), step_seconds_p99=v.step_p99(),
                     loss=v.loss, grad_norm=v.grad_norm, alive=self.alive(v, now),
                     last_checkpoint_step=v.last_checkpoint_step,

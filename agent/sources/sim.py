@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -205,8 +206,6 @@ class SimBackend:
             if fault.gpu >= self.gpus:
                 raise ScenarioError(f"scenario {self.scenario.name}: faults[{i}].gpu: GPU "
                                     f"{fault.gpu} does not exist (gpus = {self.gpus})")
-        import time
-
         self._clock = clock or time.time
         self._opened: float | None = None
         self._waiting = False

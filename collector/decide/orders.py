@@ -32,10 +32,9 @@ import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
-import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
-from forewarn.ordering import order_step
+from forewarn.ordering import IssuedHolds, order_step, replacement_hold
 from forewarn.wire import CheckpointOrder, CheckpointReport, CommandAck, SaveHold
 
 from ..jobs.jobview import JobInfo
@@ -151,8 +150,8 @@ class OrderBook:
         self._new_id = new_id
         self._orders: dict[str, JobOrder] = {}
         self._jobs: dict[str, JobInfo] = {}
-        self._holds: dict[str, tuple[SaveHold, JobInfo, int]] = {}
-        """Request id -> (hold, the job it was issued for, re-issues so far)."""
+        self._holds: IssuedHolds[JobInfo] = IssuedHolds(keep=self.settings.keep)
+        """Holds issued, each with the job it was issued for."""
         registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self._m_orders = Counter(
             "forewarn_collector_checkpoint_orders",
@@ -200,9 +199,7 @@ class OrderBook:
         return hold
 
     def _send_hold(self, job: JobInfo, hold: SaveHold, attempt: int) -> None:
-        self._holds[hold.request_id] = (hold, job, attempt)
-        while len(self._holds) > self.settings.keep:
-            self._holds.pop(next(iter(self._holds)))
+        self._holds.add(hold, attempt, job)
         self.sink.hold_saves(job.nodes, hold)
 
     def on_hold_report(self, report: CheckpointReport, job: JobInfo | None = None
@@ -210,18 +207,16 @@ class OrderBook:
         """A rank reported ``missed`` for a hold (it had passed the hold's step): the hold
         again for every node of the job, at a step past every step reported (the ordering
         rule's ``floor``), replacing the missed one. Returns the new hold, if any."""
-        known = self._holds.get(report.request_id)
-        if known is None or report.phase != "missed" or report.job != known[0].job:
+        missed = self._holds.missed(report)
+        if missed is None:
             return None
-        hold, issued_for, attempt = self._holds.pop(report.request_id)
+        hold, attempt, issued_for = missed
         if attempt >= self.settings.max_reissues:
             self._m_orders.labels("failed").inc()
             return None
         snapshot = job or issued_for
         step, _inputs = choose_step(snapshot, self._clock(), self.settings, floor=report.step)
-        new = msgspec.structs.replace(
-            hold, request_id=self._new_id(), step=max(step, hold.onset_step),
-            issued=self._clock(), replaces=hold.request_id)
+        new = replacement_hold(hold, step, self._new_id(), self._clock())
         self._send_hold(snapshot, new, attempt + 1)
         self._m_orders.labels("reissued").inc()
         return new

@@ -24,6 +24,12 @@ Properties (tests/test_ordering.py checks them with hypothesis): S is greater th
 rank's estimated step and than ``floor``; S never decreases when ``lead_s`` or time grows;
 with a known pace, S - estimated is at least the number of steps the fastest rank makes
 in ``lead_s``.
+
+A save hold (:class:`~forewarn.wire.SaveHold`) is placed by the same rule, never before
+its onset. A rank that had passed its step reports ``missed`` with its current step; the
+side that issued the hold (agent or collector, :class:`IssuedHolds`) then sends
+:func:`replacement_hold`: S again with that step as ``floor``, ``replaces`` naming the
+missed hold. A ``missed`` report counts only from a rank of the hold's own job.
 """
 
 from __future__ import annotations
@@ -31,8 +37,15 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Iterable
+from typing import Generic, TypeVar
 
-__all__ = ["RankProgress", "estimated_step", "order_step"]
+import msgspec
+
+from forewarn.wire import CheckpointReport, SaveHold
+
+__all__ = ["IssuedHolds", "RankProgress", "estimated_step", "order_step", "replacement_hold"]
+
+Context = TypeVar("Context")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,3 +89,38 @@ def order_step(
     if max_margin is not None:
         margin = min(max_margin, margin)
     return max(estimated or 0, floor or 0) + margin, margin
+
+
+def replacement_hold(hold: SaveHold, step: int, request_id: str, now: float) -> SaveHold:
+    """The hold that replaces ``hold`` after a rank missed it: at ``step`` (S with the
+    rank's reported step as ``floor``), never before the onset."""
+    return msgspec.structs.replace(hold, request_id=request_id,
+                                   step=max(step, hold.onset_step), issued=now,
+                                   replaces=hold.request_id)
+
+
+class IssuedHolds(Generic[Context]):
+    """The save holds one side issued (the newest ``keep``), each with its re-issues so
+    far and what it was issued for (``Context``)."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self._holds: dict[str, tuple[SaveHold, int, Context]] = {}
+
+    def add(self, hold: SaveHold, reissues: int, context: Context) -> None:
+        """Remember ``hold`` (the oldest beyond ``keep`` is forgotten)."""
+        self._holds[hold.request_id] = (hold, reissues, context)
+        while len(self._holds) > self.keep:
+            self._holds.pop(next(iter(self._holds)))
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._holds
+
+    def missed(self, report: CheckpointReport) -> tuple[SaveHold, int, Context] | None:
+        """The hold a rank of its own job reports ``missed``, with its re-issues and
+        context, forgotten here (its replacement takes its place); None for any other
+        report."""
+        known = self._holds.get(report.request_id)
+        if known is None or report.phase != "missed" or report.job != known[0].job:
+            return None
+        return self._holds.pop(report.request_id)

@@ -127,6 +127,14 @@ def make_orders(r: Ranks, **kw: Any) -> CheckpointOrders:
     return CheckpointOrders(r.table, r.send, clock=r.clock, **kw)
 
 
+def nan_finding() -> Finding:
+    """A NaN loss of rank 1 of job ``a`` since step 38 (the fast path holds its saves)."""
+    return Finding(check="nan_loss", health=Health.UNHEALTHY,
+                   subject=Subject(kind="rank", node="n", job="a", rank=1, gpu=1),
+                   reason="loss nan", action=SuggestedAction.RESTART_JOB,
+                   evidence={"bad_step": 38}, time=0.0)
+
+
 def test_step_formula(ranks: Ranks) -> None:
     ranks.add("j", 0, 100)
     ranks.add("j", 1, 101)
@@ -407,10 +415,7 @@ def test_fast_path_nan_holds_the_saves_of_a_local_job_only(ranks: Ranks) -> None
     ranks.add("big", 0, 300, local_rank=2, world=16)
     ranks.step("big", 0, 300, 40)
     orders = make_orders(ranks)
-    nan = Finding(check="nan_loss", health=Health.UNHEALTHY,
-                  subject=Subject(kind="rank", node="n", job="a", rank=1, gpu=1),
-                  reason="loss nan", action=SuggestedAction.RESTART_JOB,
-                  evidence={"bad_step": 38}, time=0.0)
+    nan = nan_finding()
     assert orders.fast_path([nan]) == []  # no checkpoint order
     holds = [decode_agent_message(ranks.sockets[("a", r)].recv(4096)) for r in (0, 1)]
     assert holds[0] == holds[1] and isinstance(holds[0], SaveHold)
@@ -644,10 +649,7 @@ def test_a_local_hold_missed_by_a_rank_goes_again_to_every_rank_past_its_step(
         ranks.add("a", rank, 100 + rank, world=2)
         ranks.step("a", rank, 100 + rank, 40 + rank)
     orders = make_orders(ranks)
-    nan = Finding(check="nan_loss", health=Health.UNHEALTHY,
-                  subject=Subject(kind="rank", node="n", job="a", rank=1, gpu=1),
-                  reason="loss nan", action=SuggestedAction.RESTART_JOB,
-                  evidence={"bad_step": 38}, time=0.0)
+    nan = nan_finding()
     assert orders.fast_path([nan]) == []
     first = [decode_agent_message(ranks.sockets[("a", r)].recv(4096)) for r in (0, 1)]
     assert isinstance(first[0], SaveHold) and first[0] == first[1]
@@ -665,3 +667,29 @@ def test_a_local_hold_missed_by_a_rank_goes_again_to_every_rank_past_its_step(
     for r in (0, 1):
         with pytest.raises(BlockingIOError):
             ranks.sockets[("a", r)].recv(4096)
+
+
+def test_a_miss_reported_by_another_jobs_rank_does_not_move_a_local_hold(
+        ranks: Ranks) -> None:
+    """A ``missed`` report counts only from a rank of the hold's own job (as at the
+    collector, :func:`forewarn.ordering.IssuedHolds.missed`): another job's rank naming the
+    hold's id neither re-issues it nor moves its step."""
+    for rank in (0, 1):
+        ranks.add("a", rank, 100 + rank, world=2)
+        ranks.step("a", rank, 100 + rank, 40 + rank)
+    ranks.add("b", 0, 200, world=1)
+    ranks.step("b", 0, 200, 5000)
+    orders = make_orders(ranks)
+    nan = nan_finding()
+    orders.fast_path([nan])
+    first = decode_agent_message(ranks.sockets[("a", 0)].recv(4096))
+    ranks.sockets[("a", 1)].recv(4096)
+    assert isinstance(first, SaveHold)
+    ranks.report("b", 0, 200, first.request_id, 5000, "missed")
+    for r in (0, 1):
+        with pytest.raises(BlockingIOError):
+            ranks.sockets[("a", r)].recv(4096)
+    # the hold's own rank still moves it
+    ranks.report("a", 1, 101, first.request_id, first.step + 3, "missed")
+    again = decode_agent_message(ranks.sockets[("a", 0)].recv(4096))
+    assert isinstance(again, SaveHold) and again.replaces == first.request_id
