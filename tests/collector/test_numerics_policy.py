@@ -45,7 +45,7 @@ def svc(tmp_path: Path) -> Iterator[Service]:
     stop_service(s)
 
 
-def _commands(svc: Service, node: str, wait: float = 10.0) -> list[dict[str, Any]]:
+def _commands(svc: Service, node: str, wait: float = 25.0) -> list[dict[str, Any]]:
     """What the node's agent gets (the policy acts on its own thread: a long poll)."""
     return svc.commands(node, wait=wait)
 
