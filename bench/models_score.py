@@ -19,6 +19,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before numpy/sklearn load their
 import json
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -85,9 +86,18 @@ def bench_scoring(model_path: str | None, gpus: int, minutes: int,
         "cpu_share_observe_one_sample_per_gpu_per_10s":
             round(observe_s / (gpus * minutes) * gpus / 10.0, 4),
         "findings_last_call": len(findings),
-        "scorer_state_mib": round((scorer._ring.nbytes + scorer._cur.nbytes
-                                   + scorer._first.nbytes) / 2**20, 1),
+        "scorer_state_mib": round(_held_bytes(scorer) / 2**20, 1),
     }
+
+
+def _held_bytes(scorer: Any) -> int:
+    """Bytes of every array the scorer holds between scorings: its state and the minute's
+    cached features and probabilities."""
+    arrays = [a for a in vars(scorer).values() if isinstance(a, np.ndarray)]
+    cache = scorer._scores
+    if cache is not None:
+        arrays += [cache.slots, cache.probs, *cache.feats.values()]
+    return sum(int(a.nbytes) for a in arrays)
 
 
 def bench_training(nodes: int, days: float) -> dict[str, float]:

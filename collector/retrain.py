@@ -73,17 +73,22 @@ def _store_arguments(p: argparse.ArgumentParser, data: bool = True) -> None:
         p.add_argument("--data", help="an export in the replay format instead of the store")
 
 
-def _registry(args: argparse.Namespace) -> Any:
+def _config(args: argparse.Namespace) -> Any:
+    """The collector's configuration, found as the collector finds it."""
     from forewarn.config import load_from_args
-    from forewarn.models.registry import ModelRegistry
 
     from .config import DEFAULT_CONFIG_PATH, CollectorConfig
 
+    return load_from_args(CollectorConfig, service="collector", args=args,
+                          default_path=DEFAULT_CONFIG_PATH)
+
+
+def _registry(args: argparse.Namespace) -> Any:
+    from forewarn.models.registry import ModelRegistry
+
     if args.registry is not None:
         return ModelRegistry(args.registry)
-    config = load_from_args(CollectorConfig, service="collector", args=args,
-                            default_path=DEFAULT_CONFIG_PATH)
-    return ModelRegistry(config.data_dir / "models")
+    return ModelRegistry(_config(args).data_dir / "models")
 
 
 def _history(args: argparse.Namespace, start: float = 0.0) -> tuple[Any, Any, Any]:
@@ -93,16 +98,12 @@ def _history(args: argparse.Namespace, start: float = 0.0) -> tuple[Any, Any, An
 
         samples, xids, labels = load_dir(args.data)
         return samples, xids, labels
-    from forewarn.config import load_from_args
-
-    from .config import DEFAULT_CONFIG_PATH, CollectorConfig
     from .metrics import CollectorMetrics
     from .storage.history import read_history
     from .storage.state import open_state
     from .storage.telemetry import TelemetryWriter
 
-    config = load_from_args(CollectorConfig, service="collector", args=args,
-                            default_path=DEFAULT_CONFIG_PATH)
+    config = _config(args)
     store = open_state(config)
     try:
         tel = TelemetryWriter(store, config.telemetry_dir, CollectorMetrics())

@@ -43,9 +43,6 @@ from forewarn.wire import Finding, GpuSample, GpuState, XidEvent
 
 __all__ = ["LiveScorer", "ShadowStats"]
 
-"""XIDs that count as a failure for shadow scoring (double-bit ECC, remap failure,
-NVLink, off the bus, uncontained ECC, GSP: docs/reference.md XID classes)."""
-
 _SIGNAL_FEATURES: Final = frozenset(f for own, peer, *_ in SIGNALS.values() for f in (own, peer))
 """The features an alarm's explanation reads."""
 _RING: Final = max(LAGS) + 1

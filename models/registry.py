@@ -109,8 +109,7 @@ class ModelRegistry:
         if v == SHIPPED:
             return load_default_model()
         if not self.path(v).exists():
-            raise RegistryError(f"{self.root}: no model version {v} (have "
-                                f"{', '.join(map(str, self.versions()))})")
+            raise self._unknown(v)
         return load_model(self.path(v))
 
     def add(self, model: FailurePredictor, *, promote: bool, reason: str,
@@ -135,12 +134,15 @@ class ModelRegistry:
         """Run ``version`` (an earlier one, or 0: the shipped model) from now on."""
         with self._locked() as index:
             if version not in self.versions():
-                raise RegistryError(f"{self.root}: no model version {version} (have "
-                                    f"{', '.join(map(str, self.versions()))})")
+                raise self._unknown(version)
             self._decide(index, version, "rolled_back",
                          reason or f"rolled back to version {version} by the operator",
                          None, now)
             index["current"] = version
+
+    def _unknown(self, version: int) -> RegistryError:
+        return RegistryError(f"{self.root}: no model version {version} (have "
+                             f"{', '.join(map(str, self.versions()))})")
 
     @staticmethod
     def _decide(index: dict[str, Any], version: int, decision: str, reason: str,

@@ -2,11 +2,12 @@
 
 The collector's model, when retrained (``forewarn models retrain``), carries its training
 distribution (:func:`forewarn.models.drift.reference`). :class:`LiveDrift` takes a sample
-of the feature rows of every scoring (at most ``rows_per_scoring``, drawn at random, so
-it costs microseconds at any fleet size), counts them into the reference's bins with a
-decay (half-life ``half_life_s``: the drift of the last day or so, not of all time; only
-rows of GPUs whose own baseline is learned, as in the reference), and
-renders ``forewarn_collector_model_feature_drift{feature}`` (PSI) and
+of the feature rows of every feature matrix the model scores (once a minute: the live
+scorer reuses a minute's scores for the scorings after it; at most ``rows_per_scoring``,
+drawn at random, so it costs microseconds at any fleet size), counts them into the
+reference's bins with a decay (half-life ``half_life_s``: the drift of the last day or
+so, not of all time; only rows of GPUs whose own baseline is learned, as in the
+reference), and renders ``forewarn_collector_model_feature_drift{feature}`` (PSI) and
 ``forewarn_collector_model_drifted_features`` (how many are above
 :data:`~forewarn.models.drift.DRIFTED`) at scrape time. The shipped model carries no
 training distribution: no drift metric until a retrained version runs.

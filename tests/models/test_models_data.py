@@ -260,6 +260,39 @@ def test_scoring_within_a_minute_sees_a_gpu_that_came_back() -> None:
     assert sorted(scorer._gpus[i] for i in slots) == [0, 1]
 
 
+class _Hotter:
+    """A classifier stand-in whose probability grows with how much hotter than its node
+    peers a GPU runs (a different probability for every GPU of the tests below)."""
+
+    def predict_proba(self, x: np.ndarray) -> np.ndarray:
+        p = 1.0 / (1.0 + np.exp(-x[:, FEATURE_NAMES.index("temp_vs_peers")]))
+        return np.column_stack([1 - p, p])
+
+
+def test_every_scoring_of_a_minute_gives_each_gpu_its_own_probability() -> None:
+    """A minute's probabilities are computed for every GPU that may be a peer and reused
+    by the scorings after it: each scored GPU's finding carries the model's probability on
+    that GPU's features, also when a peer between them is no longer scored (silent for
+    longer than stale_s) and on the later scorings of the minute."""
+    model = FailurePredictor(classifier=_Hotter(), threshold=0.0)
+    scorer = LiveScorer(model)
+    t0 = 1.75e9 - 1.75e9 % 60
+    for minute in range(25):
+        for gpu in (0, 1, 2, 3) if minute < 20 else (0, 2, 3):  # GPU 1 goes quiet
+            scorer.observe(GpuSample(node="n1", gpu=gpu, time=t0 + minute * 60 + 5,
+                                     source="test", temperature_c=55.0 + 4 * gpu,
+                                     power_w=500.0, power_limit_w=700.0))
+    now = t0 + 25 * 60 + 1
+    slots, feats, _ft = scorer.features(now)
+    want = dict(zip((scorer._gpus[i] for i in slots),
+                    model.predict_proba(np.column_stack([feats[c] for c in FEATURE_NAMES])),
+                    strict=True))
+    assert sorted(want) == [0, 2, 3] and len(set(want.values())) == 3
+    for k in range(3):  # the first scoring of the minute and two that reuse it
+        got = {f.subject.gpu: f.probability for f in scorer.score(now + 10 * k)}
+        assert got == pytest.approx(want, abs=1e-12), k
+
+
 def test_labels_from_telemetry_find_the_simulated_failures() -> None:
     from forewarn.models.labels import labels_from_telemetry
 
