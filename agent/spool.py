@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from forewarn.files import fsync_dir, write_all
+from forewarn.files import fsync_dir, write_atomic
 from forewarn.wire import AgentBatch, encode
 
 __all__ = ["Spool"]
@@ -27,17 +27,6 @@ __all__ = ["Spool"]
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^(\d{20})\.(u|n)\.msgpack$")
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        write_all(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
 
 
 class Spool:
@@ -77,7 +66,7 @@ class Spool:
                 "next_seq": data["next_seq"] if ok_seq else 0}
 
     def _write_state(self) -> None:
-        _write_atomic(self.root / "state.json",
+        write_atomic(self.root / "state.json",
                       json.dumps({"agent_id": self.agent_id, "next_seq": self.next_seq}).encode())
         fsync_dir(self.root)
 
@@ -94,7 +83,7 @@ class Spool:
         batch = make(self.agent_id, seq)
         data = encode(batch)
         path = self.root / f"{seq:020d}.{'u' if batch.urgent else 'n'}.msgpack"
-        _write_atomic(path, data)
+        write_atomic(path, data)
         self.next_seq = seq + 1
         self._write_state()
         self._files[seq] = (path, len(data), batch.urgent)
@@ -133,7 +122,7 @@ class Spool:
         try:
             folder.mkdir(exist_ok=True, mode=0o700)
             os.replace(entry[0], target)
-            _write_atomic(target.with_suffix(".txt"), why.encode())
+            write_atomic(target.with_suffix(".txt"), why.encode())
         except OSError as exc:
             log.error("uplink: cannot move batch %d aside (%s); deleting it", seq, exc)
             entry[0].unlink(missing_ok=True)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
 import threading
 from pathlib import Path
@@ -127,6 +126,7 @@ def _token_list(args: argparse.Namespace) -> int:
 def _nats_auth(args: argparse.Namespace) -> int:
     from forewarn.bus import authorization
     from forewarn.config import ConfigError
+    from forewarn.files import write_atomic
 
     from .config import bus_password
     from .http.auth import AuthError, node_hashes
@@ -141,11 +141,7 @@ def _nats_auth(args: argparse.Namespace) -> int:
         if args.output is None:
             sys.stdout.write(block)
             return 0
-        tmp = args.output.with_name(args.output.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(block)
-        os.replace(tmp, args.output)
+        write_atomic(args.output, block.encode())
     except (ConfigError, AuthError, OSError) as exc:
         print(f"forewarn collector nats-auth: {exc}", file=sys.stderr)
         return 2

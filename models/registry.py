@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from forewarn.errors import InputError
-from forewarn.files import fsync_dir
+from forewarn.files import fsync_dir, write_atomic
 from forewarn.models.persist import load_default_model, load_model, save_model
 from forewarn.models.predictor import FailurePredictor
 
@@ -68,12 +68,8 @@ class ModelRegistry:
         return index
 
     def _write_index(self, index: dict[str, Any]) -> None:
-        tmp = self.index_path.with_suffix(".json.tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(index, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.index_path)
+        write_atomic(self.index_path, json.dumps(index, indent=1, sort_keys=True).encode(),
+                     mode=0o644)
         fsync_dir(self.root)
 
     @contextlib.contextmanager

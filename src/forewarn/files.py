@@ -7,7 +7,7 @@ import contextlib
 import os
 from pathlib import Path
 
-__all__ = ["fsync_dir", "write_all"]
+__all__ = ["fsync_dir", "write_all", "write_atomic"]
 
 
 def fsync_dir(path: Path) -> None:
@@ -29,3 +29,17 @@ def write_all(fd: int, data: bytes) -> None:
     written = 0
     while written < len(data):
         written += os.write(fd, view[written:])
+
+
+def write_atomic(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Replace ``path`` with ``data`` all at once: written beside it (``mode``), fsync'd,
+    renamed over it. A crash leaves the old file or the new one, never half of either; the
+    caller makes the rename durable with :func:`fsync_dir` when it must survive power loss."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
