@@ -69,9 +69,9 @@ from ..config import CollectorConfig, bus_password
 from ..metrics import CollectorMetrics
 from ..storage.commands import CommandQueue
 from ..storage.remote_write import RemoteWriter
-from .batch import IngestError, IngestResult, IngestWriter, TimeWindow, accept_batch
-from .batch import count_rejection as _count_rejection
+from .batch import IngestResult, IngestWriter, accept_batch
 from .bus_decide import DecideFeed
+from .validate import IngestError, TimeWindow, count_rejection
 
 __all__ = ["BusConsumer", "BusError"]
 
@@ -350,7 +350,7 @@ class BusConsumer:
 
     async def _refuse(self, msg: Msg, exc: IngestError) -> None:
         """A batch that will never be stored: count, log, and never deliver it again."""
-        _count_rejection(self.metrics, exc)
+        count_rejection(self.metrics, exc)
         log.warning("bus: batch on %s refused (%d %s): %s", msg.subject, exc.status,
                     exc.reason, exc)
         await msg.term()
