@@ -265,7 +265,7 @@ class BusConsumer:
     async def _take_batches(self, sub: JetStreamContext.PullSubscription) -> None:
         try:
             msgs = await sub.fetch(self.config.bus_fetch_max, timeout=1.0)
-        except nats.errors.TimeoutError:
+        except TimeoutError:  # nats.errors.TimeoutError, or the builtin one under load
             return
         await self.ingest(msgs)
 
@@ -394,7 +394,7 @@ class BusConsumer:
     async def _take_acks(self, sub: JetStreamContext.PullSubscription) -> None:
         try:
             msgs = await sub.fetch(64, timeout=1.0)
-        except nats.errors.TimeoutError:
+        except TimeoutError:  # nats.errors.TimeoutError, or the builtin one under load
             return
         for msg in msgs:
             try:

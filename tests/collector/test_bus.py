@@ -442,3 +442,43 @@ def test_nats_auth_command_prints_the_authorization_block(tmp_path: Path) -> Non
                  "--output", str(out)]) == 0
     assert out.read_text() == auth_block()
     assert out.stat().st_mode & 0o077 == 0
+
+
+@pytest.mark.system
+def test_an_idle_bus_on_a_busy_event_loop_stays_ready(
+        tmp_path: Path, nats_server: NatsServer, caplog: pytest.LogCaptureFixture) -> None:
+    """nats-py's fetch raises the builtin TimeoutError (not nats.errors.TimeoutError)
+    when its no-messages answer is read after its deadline: a loop busy elsewhere. That is
+    an empty fetch, not a bus failure: no "bus: TimeoutError" error (which /readyz shows
+    as not ready) and no backoff."""
+    from forewarn.collector.ingest.batch import IngestWriter
+    from forewarn.collector.ingest.bus import BusConsumer
+    from forewarn.collector.metrics import CollectorMetrics
+    from forewarn.collector.storage.commands import CommandQueue
+
+    cfg = CollectorConfig(data_dir=tmp_path, tokens_file=tmp_path / "none.toml",
+                          bus_url=nats_server.url, bus_password=COLLECTOR_PASSWORD)
+    store = Store(cfg.db_path)
+    metrics = CollectorMetrics()
+    consumer = BusConsumer(cfg, IngestWriter(store, metrics), metrics,
+                           CommandQueue(store, metrics), on_ack=lambda ack, node: "unknown")
+
+    async def busy_loop() -> None:
+        await consumer.start()
+        try:
+            for _ in range(4):
+                await asyncio.sleep(0)  # the bus tasks take their turn, then
+                time.sleep(1.2)  # the loop is busy elsewhere for longer than a fetch
+            # Python 3.11's wait_for can swallow a cancel that meets a timer fired late:
+            # let the fetches settle before stop() cancels them.
+            await asyncio.sleep(1.5)
+        finally:
+            await consumer.stop()
+
+    try:
+        with caplog.at_level("WARNING", logger="forewarn.collector.ingest.bus"):
+            asyncio.run(asyncio.wait_for(busy_loop(), 60))
+    finally:
+        store.close()
+    assert [r.getMessage() for r in caplog.records
+            if r.name == "forewarn.collector.ingest.bus"] == []
