@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from forewarn.wire import AgentBatch, CommandAck, Finding
 
+from ..config import secret
 from . import service_config
 from .actions import ActionPipeline, store_decisions
 from .advisors import Advisors
@@ -87,9 +88,9 @@ class PolicyService:
             ledger=service_config.ledger(config),
             advisors=service_config.advisors(config, tracker),
             alert_limits=service_config.alert_limits(config),
-            alert_token=service_config.secret(config.alert_token, config.alert_token_file,
+            alert_token=secret(config.alert_token, config.alert_token_file,
                                               "alert_token_file"),
-            operator_token=service_config.secret(config.operator_token,
+            operator_token=secret(config.operator_token,
                                                  config.operator_token_file,
                                                  "operator_token_file"),
         )
