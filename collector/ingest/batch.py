@@ -435,7 +435,8 @@ def accept_batch(writer: IngestWriter, metrics: CollectorMetrics, body: bytes, *
     """The one ingest path of HTTP and the NATS bus: check ``body`` as ``node``'s batch
     (:func:`check_batch`), count the records left out, queue the rest for ``writer``.
     The future resolves once the batch is durable (or a duplicate); raises
-    :class:`IngestError` for a batch refused whole (count it with :func:`.validate.count_rejection`)."""
+    :class:`IngestError` for a batch refused whole (count it with
+    :func:`.validate.count_rejection`)."""
     checked = check_batch(body, node=node, max_items=max_items, window=window)
     count_refusals(metrics, checked)
     return checked, writer.submit(checked.batch, checked.body, address=address)
