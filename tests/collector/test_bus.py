@@ -109,11 +109,18 @@ def test_batches_flow_through_nats_and_are_stored_once(tmp_path: Path,
     replica = start_replica(tmp_path, nats_server.url)
     up = agent(tmp_path, nats_server.url)
     up.start()
+
+    def stored_samples() -> int:
+        return int(replica.store.scalar(
+            "SELECT COALESCE(SUM(samples), 0) FROM batches WHERE node = 'gpu.a'"))
+
     try:
         for i in range(5):
             up.add(samples=samples("gpu.a", time.time() + i * 0.01))
             time.sleep(0.25)
-        wait_for(lambda: len(replica.seqs("gpu.a")) >= 3 and len(up.spool) == 0, 30,
+        # Every sample stored, not just an empty spool: the last samples may not be sealed
+        # into a batch yet, and would then arrive after the republished one below.
+        wait_for(lambda: stored_samples() == 10 and len(up.spool) == 0, 30,
                  "batches stored")
         # Publish an already stored batch again (an agent that lost the publish ack):
         # JetStream drops it inside its window, and under another id the store does.
@@ -127,8 +134,7 @@ def test_batches_flow_through_nats_and_are_stored_once(tmp_path: Path,
                  20, "the republished batch answered as a duplicate")
         seqs = replica.seqs("gpu.a")
         assert len(seqs) == len(set(seqs))
-        stored = replica.store.scalar("SELECT SUM(samples) FROM batches WHERE node = 'gpu.a'")
-        assert stored == 10
+        assert stored_samples() == 10
     finally:
         up.stop()
         replica.stop()
