@@ -199,11 +199,10 @@ class BusConsumer:
         self.commands.on_enqueue = None
         if self._holding:  # a last chance to acknowledge what the store took
             await asyncio.wait(self._holding, timeout=self.config.bus_ack_wait_s)
-        for task in [*self._tasks, *self._holding]:
+        for task in self._holding:
             task.cancel()
         for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            await _cancel(task)
         self._tasks, self._holding = [], set()
         if self._nc is not None and not self._nc.is_closed:
             with contextlib.suppress(Exception):
@@ -412,6 +411,17 @@ class BusConsumer:
             if state == "unknown":
                 log.warning("bus: node %s answered unknown command %r", node, ack.id)
             await msg.ack()
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    """Cancel ``task`` and wait for its end, cancelling again while it runs: Python 3.11's
+    ``asyncio.wait_for`` (nats-py's fetch waits with it) drops a cancel that meets a result
+    (timers that fire together after the loop was busy), and the pull loop goes on."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.5)
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
 
 
 async def _ensure_stream(js: JetStreamContext, stream: StreamConfig) -> None:
