@@ -12,7 +12,7 @@ from pathlib import Path
 
 from forewarn.config import ConfigError, check_logging
 
-__all__ = ["DEFAULT_CONFIG_PATH", "CollectorConfig", "bus_password"]
+__all__ = ["DEFAULT_CONFIG_PATH", "CollectorConfig", "bus_password", "secret"]
 
 DEFAULT_CONFIG_PATH = Path("/etc/forewarn/collector.toml")
 
@@ -289,16 +289,21 @@ class CollectorConfig:
         return self.data_dir / "quarantine" / "ingest"
 
 
+def secret(value: str, path: Path | None, key: str) -> str:
+    """``value``, else the contents of the file ``path`` (config key ``key``); a file that
+    cannot be read is a :class:`ConfigError` naming the key."""
+    if value or path is None:
+        return value
+    try:
+        return path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"{key}: cannot read {path}: {exc.strerror or exc}") from None
+
+
 def bus_password(c: CollectorConfig) -> str:
     """The collector's NATS password: ``bus_password``, else ``bus_password_file``'s
-    contents; a file that cannot be read is a :class:`ConfigError` naming the key."""
-    if c.bus_password or c.bus_password_file is None:
-        return c.bus_password
-    try:
-        return c.bus_password_file.read_text().strip()
-    except OSError as exc:
-        raise ConfigError(f"bus_password_file: cannot read {c.bus_password_file}:"
-                          f" {exc.strerror or exc}") from None
+    contents (:func:`secret`)."""
+    return secret(c.bus_password, c.bus_password_file, "bus_password_file")
 
 
 _POSITIVE = (

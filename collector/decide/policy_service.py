@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from forewarn.wire import AgentBatch, CommandAck, Finding
 
+from ..config import secret
 from . import service_config
 from .actions import ActionPipeline, store_decisions
 from .advisors import Advisors
@@ -87,9 +88,9 @@ class PolicyService:
             ledger=service_config.ledger(config),
             advisors=service_config.advisors(config, tracker),
             alert_limits=service_config.alert_limits(config),
-            alert_token=service_config.secret(config.alert_token, config.alert_token_file,
+            alert_token=secret(config.alert_token, config.alert_token_file,
                                               "alert_token_file"),
-            operator_token=service_config.secret(config.operator_token,
+            operator_token=secret(config.operator_token,
                                                  config.operator_token_file,
                                                  "operator_token_file"),
         )
@@ -129,10 +130,7 @@ class PolicyService:
     def on_findings(self, findings: Sequence[Finding], store: StateStore, now: float) -> None:
         """New findings: through the policy, actions carried out; orders go straight to
         the command queues, so nothing is returned."""
-        if self.pipeline is None or self._ctx is None:
-            return
-        self.advisors.on_findings(findings, self._ctx.jobs)
-        self.pipeline.handle_findings(findings)
+        self._decide(findings, "agent")
         self.ledger.save()
 
     def on_batches(self, batches: Sequence[AgentBatch], now: float) -> None:
@@ -183,10 +181,7 @@ class PolicyService:
 
     def _alert_finding(self, finding: Finding, source: str) -> None:
         """Bulk lane: one alert finding, the cost model bypassed (an alert rule asked)."""
-        if self.pipeline is None or self._ctx is None:
-            return
-        self.advisors.on_findings([finding], self._ctx.jobs)
-        self.pipeline.handle_findings([finding], source, force_checkpoint=True)
+        self._decide([finding], source, force=True)
 
     async def _submit_forced(
         self, ctx: DecideContext, findings: list[Finding], source: str
@@ -202,12 +197,19 @@ class PolicyService:
 
     def _forced_findings(self, findings: list[Finding], source: str) -> list[Decision]:
         """Policy thread: an operator's findings, the cost model bypassed."""
+        decisions = self._decide(findings, source, force=True)
+        self.ledger.save()
+        return decisions
+
+    def _decide(self, findings: Sequence[Finding], source: str, *, force: bool = False
+                ) -> list[Decision]:
+        """Policy thread: findings from outside (agents, alerts, operators) to the
+        advisors (goodput notes a job that stopped), then through the policy (``force``:
+        the cost model bypassed); the decisions taken."""
         if self.pipeline is None or self._ctx is None:
             return []
         self.advisors.on_findings(findings, self._ctx.jobs)
-        decisions = self.pipeline.handle_findings(findings, source, force_checkpoint=True)
-        self.ledger.save()
-        return decisions
+        return self.pipeline.handle_findings(findings, source, force_checkpoint=force)
 
 
 def _every(interval_s: float, ctx: DecideContext, fn: Callable[[float], object], name: str

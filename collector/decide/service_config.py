@@ -10,11 +10,11 @@ not in the config module); so is a secret file that cannot be read (the CLI exit
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from forewarn.config import ConfigError
 
+from ..config import secret
 from .advisors import Advisors
 from .alert_intake import AlertLimits
 from .costmodel import CheckpointCostTracker
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from ..config import CollectorConfig
 
 __all__ = ["action_dispatch", "advisors", "alert_limits", "ledger", "order_settings",
-           "secret", "settings_from_config"]
+           "settings_from_config"]
 
 
 def settings_from_config(config: CollectorConfig) -> PolicySettings:
@@ -69,17 +69,6 @@ def order_settings(config: CollectorConfig) -> OrderSettings:
     return OrderSettings(delivery_latency_s=config.order_delivery_latency_s,
                          safety_s=config.order_safety_s,
                          max_reissues=config.order_max_reissues)
-
-
-def secret(value: str, path: Path | None, key: str) -> str:
-    """``value``, else the contents of the file ``path`` (config key ``key``); a file that
-    cannot be read is a :class:`ConfigError` naming the key."""
-    if value or path is None:
-        return value
-    try:
-        return path.read_text().strip()
-    except OSError as exc:
-        raise ConfigError(f"{key}: cannot read {path}: {exc.strerror or exc}") from None
 
 
 def _endpoints(key: str, urls: Sequence[str], fmt: str,

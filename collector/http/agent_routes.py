@@ -41,7 +41,7 @@ MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vn
 async def ingest(request: Request) -> Response:
     ctx = ctx_of(request)
     node = agent_node(ctx, request)
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    ctype = _media_type(request)
     if ctype not in MSGPACK_TYPES:
         raise IngestError(415, "content_type",
                           f"Content-Type must be application/msgpack, got {ctype or 'none'!r}")
@@ -60,6 +60,11 @@ async def ingest(request: Request) -> Response:
     if checked.refused:
         answer["refused"] = [r.as_json() for r in checked.refused]
     return json_response(answer)
+
+
+def _media_type(request: Request) -> str:
+    """The request's Content-Type without parameters, lower case ("" when absent)."""
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
 
 
 def _sent_at(value: str) -> float:
@@ -93,7 +98,7 @@ async def ack_command(request: Request) -> Response:
     ctx = ctx_of(request)
     node = agent_node(ctx, request)
     body = await read_limited(request, 64 * 1024)
-    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    ctype = _media_type(request)
     try:
         ack = decode(body, CommandAck) if ctype in MSGPACK_TYPES else decode_json(body,
                                                                                   CommandAck)
@@ -108,7 +113,6 @@ async def ack_command(request: Request) -> Response:
     if state == "unknown":
         return error_response(404, f"no command {ack.id!r} for node {node!r}")
     return json_response({"result": state})
-
 
 
 def agent_routes() -> list[Route]:

@@ -31,8 +31,9 @@ The seam for the policy and actions (``policy=``)
 
 ``on_findings(findings, store, now) -> Sequence[NodeCommand] | None``
     (``findings: Sequence[Finding]``, ``store: StateStore``, ``now: float`` Unix time.)
-    Called with every newly stored finding (from agents' batches, urgent ones first, and
-    from :meth:`~.context.CollectorContext.submit_findings`). Returned
+    Called with every newly stored finding of the agents' batches, urgent ones first
+    (with shared state: on the leader, the findings any replica stored, from
+    :meth:`~.context.CollectorContext.leader_feed`). Returned
     :class:`~forewarn.collector.storage.commands.NodeCommand`\\ s are queued for their agents; the
     policy may also queue itself through ``ctx.commands`` (a ``CommandSink``:
     ``order_checkpoint(nodes, order)``).
@@ -65,9 +66,7 @@ work queued with ``ctx.submit_bulk(fn, *args)`` runs only while no other hook ca
 waits: :mod:`forewarn.collector.decide.policy_thread`); a hook
 that raises is logged and counted (``forewarn_collector_policy_errors_total``), never
 fatal. Handlers of the policy's API run their calls with ``await ctx.run_policy(fn,
-*args)``; other collector code passes findings through ``await
-ctx.submit_findings(findings, origin=...)`` (stores them, then runs the hook on the same
-thread).
+*args)``.
 """
 
 from __future__ import annotations

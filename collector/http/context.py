@@ -11,7 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from forewarn.bus import BUS_ADDRESS
@@ -20,11 +20,11 @@ from forewarn.wire import AgentBatch, CommandAck, Finding
 from ..config import CollectorConfig
 from ..decide.policy_thread import PolicyThread
 from ..decide.seam import AckHook, BatchHook, FindingsPolicy
-from ..ingest.batch import IngestWriter, store_findings
+from ..ingest.batch import IngestWriter
 from ..jobs.jobmap import StoreJobView
 from ..metrics import CollectorMetrics
 from ..storage.commands import CommandQueue, NodeCommand
-from ..storage.leader import LOCAL_ORIGINS, FindingsFeed, Leadership, SoleLeader
+from ..storage.leader import FindingsFeed, Leadership, SoleLeader
 from ..storage.remote_write import RemoteWriter
 from ..storage.state import StateStore
 from ..storage.telemetry import TelemetryWriter
@@ -93,24 +93,6 @@ class CollectorContext:
         """Queue ``fn(*args)`` on the policy thread's bulk lane: it runs only while no
         decision work (agent batches, acks, timers) waits (alert storms)."""
         return self._policy_pool.submit_bulk(fn, *args)
-
-    async def submit_findings(self, findings: Sequence[Finding], *, origin: str = "collector",
-                              node: str = "") -> None:
-        """Store findings produced inside the collector (detectors, alert webhooks) and
-        pass them to the policy."""
-        if not findings:
-            return
-        now = self.clock()
-
-        def write() -> None:
-            with self.store.write() as conn:
-                store_findings(conn, findings, node=node, origin=origin, received=now)
-
-        await asyncio.to_thread(write)
-        for f in findings:
-            self.metrics.findings.labels(f.health.value, origin.split(":")[0]).inc()
-        local = self.leader.shared and origin in LOCAL_ORIGINS
-        await self.run_policy(self._decide if local else self._policy_findings, list(findings))
 
     def accept_ack(self, ack: CommandAck, node: str) -> str:
         """Record ``node``'s answer to a command (HTTP or the bus) and tell the policy;

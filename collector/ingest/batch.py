@@ -53,13 +53,10 @@ from .validate import (
     TimeWindow,
     check_batch,
     count_refusals,
-    count_rejection,
 )
 
-# IngestError, TimeWindow and count_rejection are also named here because ingest/bus.py
-# imports them from this module; new code imports them from .validate.
-__all__ = ["IngestError", "IngestResult", "IngestWriter", "TimeWindow", "accept_batch",
-           "count_rejection", "finding_rows_json", "store_findings"]
+__all__ = ["IngestResult", "IngestWriter", "accept_batch", "finding_rows_json",
+           "store_findings"]
 
 log = logging.getLogger(__name__)
 
@@ -438,7 +435,8 @@ def accept_batch(writer: IngestWriter, metrics: CollectorMetrics, body: bytes, *
     """The one ingest path of HTTP and the NATS bus: check ``body`` as ``node``'s batch
     (:func:`check_batch`), count the records left out, queue the rest for ``writer``.
     The future resolves once the batch is durable (or a duplicate); raises
-    :class:`IngestError` for a batch refused whole (count it with :func:`count_rejection`)."""
+    :class:`IngestError` for a batch refused whole (count it with
+    :func:`.validate.count_rejection`)."""
     checked = check_batch(body, node=node, max_items=max_items, window=window)
     count_refusals(metrics, checked)
     return checked, writer.submit(checked.batch, checked.body, address=address)

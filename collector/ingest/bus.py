@@ -69,9 +69,9 @@ from ..config import CollectorConfig, bus_password
 from ..metrics import CollectorMetrics
 from ..storage.commands import CommandQueue
 from ..storage.remote_write import RemoteWriter
-from .batch import IngestError, IngestResult, IngestWriter, TimeWindow, accept_batch
-from .batch import count_rejection as _count_rejection
+from .batch import IngestResult, IngestWriter, accept_batch
 from .bus_decide import DecideFeed
+from .validate import IngestError, TimeWindow, count_rejection
 
 __all__ = ["BusConsumer", "BusError"]
 
@@ -199,11 +199,10 @@ class BusConsumer:
         self.commands.on_enqueue = None
         if self._holding:  # a last chance to acknowledge what the store took
             await asyncio.wait(self._holding, timeout=self.config.bus_ack_wait_s)
-        for task in [*self._tasks, *self._holding]:
+        for task in self._holding:
             task.cancel()
         for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            await _cancel(task)
         self._tasks, self._holding = [], set()
         if self._nc is not None and not self._nc.is_closed:
             with contextlib.suppress(Exception):
@@ -265,7 +264,7 @@ class BusConsumer:
     async def _take_batches(self, sub: JetStreamContext.PullSubscription) -> None:
         try:
             msgs = await sub.fetch(self.config.bus_fetch_max, timeout=1.0)
-        except nats.errors.TimeoutError:
+        except TimeoutError:  # nats.errors.TimeoutError, or the builtin one under load
             return
         await self.ingest(msgs)
 
@@ -350,7 +349,7 @@ class BusConsumer:
 
     async def _refuse(self, msg: Msg, exc: IngestError) -> None:
         """A batch that will never be stored: count, log, and never deliver it again."""
-        _count_rejection(self.metrics, exc)
+        count_rejection(self.metrics, exc)
         log.warning("bus: batch on %s refused (%d %s): %s", msg.subject, exc.status,
                     exc.reason, exc)
         await msg.term()
@@ -394,7 +393,7 @@ class BusConsumer:
     async def _take_acks(self, sub: JetStreamContext.PullSubscription) -> None:
         try:
             msgs = await sub.fetch(64, timeout=1.0)
-        except nats.errors.TimeoutError:
+        except TimeoutError:  # nats.errors.TimeoutError, or the builtin one under load
             return
         for msg in msgs:
             try:
@@ -412,6 +411,17 @@ class BusConsumer:
             if state == "unknown":
                 log.warning("bus: node %s answered unknown command %r", node, ack.id)
             await msg.ack()
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    """Cancel ``task`` and wait for its end, cancelling again while it runs: Python 3.11's
+    ``asyncio.wait_for`` (nats-py's fetch waits with it) drops a cancel that meets a result
+    (timers that fire together after the loop was busy), and the pull loop goes on."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.5)
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
 
 
 async def _ensure_stream(js: JetStreamContext, stream: StreamConfig) -> None:

@@ -147,6 +147,8 @@ _NO_SUMS: tuple[None, None, None, None] = (None, None, None, None)
 def _nvlink_sums(links: Sequence[Any]) -> tuple[int | None, ...]:
     """Sums over links of (crc_flit, crc_data, replay, recovery), at most ``INT64_MAX``; None
     where no link has it."""
+    # Unrolled on purpose: a loop over _NVLINK with getattr cost 16 µs per 18-link sample
+    # against 4.7 µs (timeit, 2026-11-24), on every sample of every flush.
     a = b = c = d = 0
     na = nb = nc = nd = False
     for link in links:
