@@ -1,24 +1,6 @@
-"""``forewarn demo``: the whole loop on one machine, with nothing configured.
-
-It starts a real collector, two real agents on simulated 4-GPU nodes (node 1 on the real
-GPUs through NVML where this machine has them), and a real two-rank ``torch.distributed``
-(gloo, CPU) training job that reports through the hook and saves with the default
-checkpoint writer, launched as on two nodes: one torchrun per node, meeting at a c10d
-rendezvous, restarted by torchrun's own ``--max-restarts`` when a rank dies
-(:class:`~forewarn.demo.launch.TorchrunJob`). Then it injects, in turn:
-
-1. a degrading GPU under rank 1 (a correctable-ECC storm ending in a double-bit error):
-   forewarn should see it coming and order a checkpoint, every rank saves the same step, the
-   double-bit error kills the rank, and torchrun restarts the job from that checkpoint,
-   the rank on a healthy GPU;
-2. a hang of rank 0: the agent notices within seconds and ends the job's ranks, so
-   torchrun restarts it minutes before NCCL's 10-minute timeout would have;
-3. a NaN loss: caught at its step; the job is rolled back to the last good checkpoint.
-
-The summary compares what was lost with what the same run loses without forewarn: the work
-since the last periodic checkpoint plus NCCL's timeout for each failure. What was measured
-and the summary are :mod:`forewarn.demo.report`.
-"""
+"""The embedded demo (``forewarn demo``): starts the stack and the job, injects the
+faults and measures the run. What it does, step by step, is the command's help:
+:mod:`forewarn.demo.cli`."""
 
 from __future__ import annotations
 
