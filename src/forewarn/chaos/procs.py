@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Procs", "TcpProxy", "get_json", "leader_role", "scrape", "wait_http",
+__all__ = ["Procs", "TcpProxy", "get_json", "leader_role", "readyz", "scrape", "wait_http",
            "wait_until"]
 
 
@@ -33,15 +33,19 @@ def get_json(url: str, timeout: float = 2.0) -> Any:
         return json.loads(r.read())
 
 
-def leader_role(url: str) -> str:
-    """A collector replica's role (``leader``, ``follower``) from ``/readyz``, also when
-    it answers 503 (not ready)."""
+def readyz(url: str, timeout: float = 1.0) -> tuple[int, dict[str, Any]]:
+    """A collector's ``/readyz`` status and report, also when it answers 503 (not
+    ready: the report says which component)."""
     try:
-        with urllib.request.urlopen(url + "/readyz", timeout=1) as r:
-            body = json.loads(r.read())
+        with urllib.request.urlopen(url + "/readyz", timeout=timeout) as r:
+            return r.status, json.loads(r.read())
     except urllib.error.HTTPError as exc:
-        body = json.loads(exc.read())
-    return str(body["components"]["leader"]["role"])
+        return exc.code, json.loads(exc.read())
+
+
+def leader_role(url: str) -> str:
+    """A collector replica's role (``leader``, ``follower``) from ``/readyz``."""
+    return str(readyz(url)[1]["components"]["leader"]["role"])
 
 
 def scrape(url: str, name: str, labels: dict[str, str] | None = None,
