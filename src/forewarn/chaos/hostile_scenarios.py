@@ -18,6 +18,7 @@ from forewarn.chaos.procs import wait_until
 from forewarn.chaos.scenario_tools import (
     batch_record,
     finish_telemetry,
+    more_batches,
     new_parquet,
     post_batch,
     rounded,
@@ -67,8 +68,7 @@ def poisoned_sample(lab: Lab, out: Outcome) -> None:
     out.figures.update(poisons=len(POISONS), refused_records=int(refused),
                        rejected_batches=int(rejected), flush_errors=int(flush_errors or 0),
                        flushed_after=flushed, answers=[f"{w}: {s}" for w, s, _ in answers])
-    n = rig.stored_batches()
-    wait_until(lambda: rig.stored_batches() >= n + 4, 30)
+    more_batches(rig)
     finish_telemetry(lab, rig, out, excused=[])
     out.lost += " of the real agent; only the poisoned rows were refused"
 

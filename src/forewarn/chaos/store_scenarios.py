@@ -13,6 +13,7 @@ from forewarn.chaos.outcome import Outcome
 from forewarn.chaos.procs import readyz, wait_until
 from forewarn.chaos.scenario_tools import (
     finish_telemetry,
+    more_batches,
     new_parquet,
     parquet_files,
     settle,
@@ -223,6 +224,5 @@ def _disk_full(lab: Lab, out: Outcome, mnt: Path) -> None:
                   "freed: Parquet written again, spool replayed")
     out.figures.update(disk_mb=DISK_MB, filled_bytes=filled, full_s=full_s,
                        written_after_free=written, **seen)
-    n = rig.stored_batches()
-    wait_until(lambda: rig.stored_batches() >= n + 4, 30)
+    more_batches(rig)
     finish_telemetry(lab, rig, out, excused=[])
