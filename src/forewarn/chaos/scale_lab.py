@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from forewarn.chaos.daemons import _Agent
+from forewarn.chaos.daemons import LabAgent
 from forewarn.chaos.lab import Lab
 from forewarn.chaos.procs import get_json, leader_role, scrape, wait_http, wait_until
 from forewarn.chaos.scale_account import ScaleAccount, account_scale
@@ -77,7 +77,7 @@ class ScaleRig:
             self.start_replica(name, wait=False)
         for name in REPLICAS:
             self._wait_replica(name)
-        self.agents: dict[str, _Agent] = {}
+        self.agents: dict[str, LabAgent] = {}
         for node in NODES[:2]:
             self.start_agent(node)
 
@@ -140,13 +140,13 @@ class ScaleRig:
 
     # ------------------------------------------------------------------ agents
 
-    def start_agent(self, node: str, scenario: str = "") -> _Agent:
+    def start_agent(self, node: str, scenario: str = "") -> LabAgent:
         o = self.lab.options
         agent = self.agents.get(node)
         if agent is not None:
             agent.start()
             return agent
-        self.agents[node] = _Agent(
+        self.agents[node] = LabAgent(
             self.lab, f"agent-{node}", node, self.survivor(), self.tokens[node],
             scenario or f'name = "{node}"\ndescription = "quiet"\ngpus = 4\nseed = 4\n',
             interval_s=o.telemetry_interval_s, push_s=o.push_interval_s,
