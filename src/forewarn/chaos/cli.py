@@ -7,9 +7,10 @@ Runs a real collector, real agents on simulated nodes, a real 2-rank ``torch.dis
 checks it; the table says what was detected, how fast, what action ran and what was lost.
 The exit status is 1 if any scenario failed its expectation.
 
-The agent cut-off lasts ``--cutoff-s`` (default 120 s: "minutes"); the whole default run
-takes about four and a half minutes (4 min 24 s measured on 2 shared cores), about two
-and a half with ``--cutoff-s 12``. Ctrl-C stops everything it started.
+The agent cut-off lasts ``--cutoff-s`` (default 120 s: "minutes"). A full run of the first
+14 scenarios took 4 min 24 s on 2 shared cores (bench/RESULTS.md); the suite has 28 now,
+among them two 60 s outages and the scale-out rig, and a full run has not been timed since:
+``--only`` runs a few. Ctrl-C stops everything it started.
 """
 
 from __future__ import annotations
