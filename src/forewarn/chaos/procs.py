@@ -23,8 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Procs", "TcpProxy", "get_json", "leader_role", "readyz", "scrape", "wait_http",
-           "wait_until"]
+__all__ = ["Procs", "TcpProxy", "get_json", "leader_role", "one_leader", "readyz", "scrape",
+           "wait_http", "wait_until"]
 
 
 def get_json(url: str, timeout: float = 2.0) -> Any:
@@ -46,6 +46,18 @@ def readyz(url: str, timeout: float = 1.0) -> tuple[int, dict[str, Any]]:
 def leader_role(url: str) -> str:
     """A collector replica's role (``leader``, ``follower``) from ``/readyz``."""
     return str(readyz(url)[1]["components"]["leader"]["role"])
+
+
+def one_leader(urls: dict[str, str], timeout: float = 30.0) -> dict[str, str] | None:
+    """Replica name -> role (:func:`leader_role`) once exactly one of the replicas at
+    ``urls`` leads and the others follow; None when that does not happen in ``timeout``."""
+    def roles() -> dict[str, str] | None:
+        got = {name: leader_role(url) for name, url in urls.items()}
+        return got if sorted(got.values()) == ["follower"] * (len(got) - 1) + ["leader"] \
+            else None
+
+    found: dict[str, str] | None = wait_until(roles, timeout)
+    return found
 
 
 def scrape(url: str, name: str, labels: dict[str, str] | None = None,

@@ -18,7 +18,7 @@ from typing import Any
 
 from forewarn.chaos.daemons import LabAgent
 from forewarn.chaos.lab import Lab
-from forewarn.chaos.procs import get_json, leader_role, scrape, wait_http, wait_until
+from forewarn.chaos.procs import get_json, leader_role, one_leader, scrape, wait_http, wait_until
 from forewarn.chaos.scale_account import ScaleAccount, account_scale
 from forewarn.demo import servers
 from forewarn.demo.launch import free_port
@@ -112,11 +112,7 @@ class ScaleRig:
 
     def roles(self) -> dict[str, str]:
         """Replica -> leader or follower, once exactly one leads (else empty)."""
-        def got() -> dict[str, str] | None:
-            r = {n: leader_role(u) for n, u in self.urls.items()}
-            return r if sorted(r.values()) == ["follower", "leader"] else None
-
-        return wait_until(got, 30) or {}
+        return one_leader(self.urls) or {}
 
     def kill_leader(self) -> tuple[str, float, float | None]:
         """SIGKILL the leading replica; (its name, the time of the kill, seconds until the

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from forewarn.chaos.procs import get_json, leader_role, wait_http, wait_until
+from forewarn.chaos.procs import get_json, leader_role, one_leader, wait_http, wait_until
 from forewarn.chaos.scale_account import ScaleAccount, account_scale
 from forewarn.demo import servers
 from forewarn.demo.launch import free_port
@@ -120,8 +120,7 @@ class ScaleDemo(Demo):
         for n, port in ports.items():
             self.urls[n] = f"http://127.0.0.1:{port}"
             wait_http(self.urls[n] + "/healthz", 60, procs[n], self.dir / f"{n}.log")
-        roles = wait_until(lambda: (got := {n: leader_role(u) for n, u in self.urls.items()})
-                           and sorted(got.values()) == ["follower", "leader"] and got, 30)
+        roles = one_leader(self.urls)
         if roles is None:
             raise RuntimeError("no collector replica took the lead")
         self.leader = next(n for n, role in roles.items() if role == "leader")
