@@ -53,8 +53,7 @@ def settle(rig: TelemetryRig, out: Outcome, what: str, timeout: float = 60.0) ->
 def more_batches(rig: TelemetryRig, timeout: float = 30.0, n: int = 4) -> None:
     """Wait (at most ``timeout``) until the rig's collector stored ``n`` more batches
     than now: the agent runs normally again before it is accounted."""
-    now = rig.stored_batches()
-    wait_until(lambda: rig.stored_batches() >= now + n, timeout)
+    rig.storing(rig.stored_batches() + n, timeout)
 
 
 def _stored_settles(rig: TelemetryRig, still_s: float = 3.0, timeout: float = 30.0) -> None:

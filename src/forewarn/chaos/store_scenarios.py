@@ -203,7 +203,7 @@ def disk_error_visible(seen: dict[str, Any]) -> bool:
 
 def _disk_full(lab: Lab, out: Outcome, mnt: Path) -> None:
     rig = lab.telemetry("disk-full", disk=mnt)
-    wait_until(lambda: rig.stored_batches() >= 5, 30)
+    rig.storing()
     full_s = 8.0
     filler = mnt / "filler"
     filled = _fill(filler)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from forewarn.chaos.daemons import LabAgent, LabCollector
-from forewarn.chaos.procs import TcpProxy
+from forewarn.chaos.procs import TcpProxy, wait_until
 from forewarn.demo import servers
 
 if TYPE_CHECKING:
@@ -67,6 +67,11 @@ class TelemetryRig:
     def stored_batches(self) -> int:
         nodes = self.collector.get("/api/v1/nodes")
         return int(nodes[0]["batches"]) if nodes else 0
+
+    def storing(self, batches: int = 5, timeout: float = 30.0) -> None:
+        """Wait (at most ``timeout``) until the collector stored ``batches`` of the agent's:
+        the rig runs, a scenario can start its fault."""
+        wait_until(lambda: self.stored_batches() >= batches, timeout)
 
     def spool_empty(self) -> bool:
         return self.agent.metric("forewarn_uplink_spool_batches") == 0

@@ -25,7 +25,7 @@ from forewarn.chaos.telemetry_rig import TelemetryRig
 def agent_restart(lab: Lab, out: Outcome) -> None:
     o = lab.options
     rig = lab.telemetry("agent-kill")
-    wait_until(lambda: rig.stored_batches() >= 5, 30)
+    rig.storing()
     t_kill = rig.agent.kill9()
     time.sleep(1.0)
     rig.agent.start()
@@ -53,7 +53,7 @@ def agent_restart(lab: Lab, out: Outcome) -> None:
 
 def collector_restart(lab: Lab, out: Outcome) -> None:
     rig = lab.telemetry("collector-kill")
-    wait_until(lambda: rig.stored_batches() >= 5, 30)
+    rig.storing()
     t_kill = rig.collector.kill9()
     grew = wait_until(lambda: (rig.agent.metric("forewarn_uplink_spool_batches") or 0) > 0, 20)
     out.expect(grew is not None, "the agent did not spool while the collector was down")
@@ -76,7 +76,7 @@ def _outage(rig: TelemetryRig, out: Outcome, seconds: float, begin: Callable[[],
     watch the agent's spool for ``seconds``, ``end()`` it and wait for the spool to
     drain; returns (failed sends, spool peak in batches, drain time). ``what`` names the
     outage in the problems ("nothing was spooled during the cut")."""
-    wait_until(lambda: rig.stored_batches() >= 5, wait_s)
+    rig.storing(timeout=wait_s)
     t0 = time.time()
     begin()
     errors0 = rig.agent.metric("forewarn_uplink_push_errors_total") or 0.0
@@ -152,7 +152,7 @@ def spool_full(lab: Lab, out: Outcome) -> None:
     o = lab.options
     bound = o.spool_max_bytes
     rig = lab.telemetry("spool-full", spool_max_bytes=bound)
-    wait_until(lambda: rig.stored_batches() >= 5, 30)
+    rig.storing()
     # (1) the bound
     rig.proxy.cut(refuse=True)
     t_cut = time.time()
