@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from forewarn.chaos.daemons import _Agent, _Collector
+from forewarn.chaos.daemons import LabAgent, LabCollector
 from forewarn.chaos.lab import Lab
 from forewarn.chaos.procs import wait_until
 from forewarn.demo.launch import Node, TorchrunJob
@@ -30,11 +30,11 @@ class Rig:
     def __init__(self, workdir: Path, nnodes: str = "1:2", addrs: tuple[str, ...] = ("", "")
                  ) -> None:
         self.lab = Lab(workdir)
-        self.collector = _Collector(self.lab, "collector", list(NODES))
-        self.agents = {n: _Agent(self.lab, f"agent-{n}", n, self.collector.url,
-                                 self.collector.tokens[n],
-                                 f'name = "{n}"\ndescription = "quiet"\ngpus = 2\nseed = 1\n',
-                                 interval_s=0.25, push_s=0.25) for n in NODES}
+        self.collector = LabCollector(self.lab, "collector", list(NODES))
+        self.agents = {n: LabAgent(self.lab, f"agent-{n}", n, self.collector.url,
+                                   self.collector.tokens[n],
+                                   f'name = "{n}"\ndescription = "quiet"\ngpus = 2\nseed = 1\n',
+                                   interval_s=0.25, push_s=0.25) for n in NODES}
         control = workdir / "control"
         control.mkdir()
         args = ["torch", "--job", JOB, "--checkpoint-dir", str(workdir / "ckpt"),

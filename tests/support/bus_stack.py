@@ -21,6 +21,7 @@ from forewarn.collector.storage.store import Store
 from forewarn.wire import GpuSample
 
 from support.polling import wait_for
+from support.stack import stop as stop_process
 
 __all__ = ["COLLECTOR_PASSWORD", "TOKENS", "FedAgent", "ReplicaProc", "auth_block",
            "stored"]
@@ -55,12 +56,7 @@ class ReplicaProc:
         self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_process(self.proc, timeout=20)
 
 
 class FedAgent:

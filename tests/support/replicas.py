@@ -18,6 +18,7 @@ from forewarn.wire import AgentBatch, encode
 
 from support.collector import TOKENS, poll_commands
 from support.polling import START_TIMEOUT_S, free_port, wait_for
+from support.stack import stop as stop_process
 from support.stack import write_config
 
 __all__ = ["Replica", "write_tokens"]
@@ -104,11 +105,7 @@ class Replica:
             self.proc.wait()
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        if self.proc is not None:
+            stop_process(self.proc)
         self.client.close()
         self.log.close()

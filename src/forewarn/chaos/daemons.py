@@ -17,6 +17,8 @@ from forewarn.demo.launch import free_port
 if TYPE_CHECKING:
     from forewarn.chaos.lab import Lab
 
+__all__ = ["LabAgent", "LabCollector"]
+
 
 class _Daemon:
     """A process of the lab's :class:`~forewarn.chaos.procs.Procs` named ``name``, with a
@@ -44,7 +46,7 @@ class _Daemon:
         return self.lab.procs.stop(self.name)
 
 
-class _Collector(_Daemon):
+class LabCollector(_Daemon):
     """One ``forewarn collector run`` process with its config, tokens and data."""
 
     def __init__(self, lab: Lab, name: str, nodes: list[str], extra: str = "",
@@ -94,7 +96,7 @@ class _Collector(_Daemon):
                       key=lambda r: float(r["time"]))
 
 
-class _Agent(_Daemon):
+class LabAgent(_Daemon):
     """One ``forewarn agent --source sim`` process."""
 
     def __init__(self, lab: Lab, name: str, node: str, collector_url: str, token: Path,

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from forewarn.chaos.daemons import _Agent
+from forewarn.chaos.daemons import LabAgent
 from forewarn.demo.launch import python_module
 
 if TYPE_CHECKING:
@@ -36,10 +36,10 @@ class HardwareRig:
             '# forewarn chaos: one fault per simulated GPU, all values simulated\n'
             'name = "chaos-node-2"\ndescription = "one scripted fault per GPU"\n'
             f"gpus = {len(HW_FAULTS)}\nseed = 5\n{faults}")
-        self.agent = _Agent(lab, "agent-node-2", self.NODE, self.collector.url,
-                            self.collector.tokens[self.NODE], self.scenario,
-                            interval_s=o.agent_interval_s, push_s=o.push_interval_s,
-                            sim_speed=o.hw_sim_speed)
+        self.agent = LabAgent(lab, "agent-node-2", self.NODE, self.collector.url,
+                              self.collector.tokens[self.NODE], self.scenario,
+                              interval_s=o.agent_interval_s, push_s=o.push_interval_s,
+                              sim_speed=o.hw_sim_speed)
         self.logs: dict[int, Path] = {}
         for g in range(len(HW_FAULTS)):
             log = lab.dir / f"hw-job-gpu{g}.jsonl"

@@ -18,6 +18,7 @@ from forewarn.chaos.procs import wait_until
 from forewarn.chaos.scenario_tools import (
     batch_record,
     finish_telemetry,
+    more_batches,
     new_parquet,
     post_batch,
     rounded,
@@ -36,7 +37,7 @@ POISONS: tuple[tuple[str, str, Any], ...] = (
 def poisoned_sample(lab: Lab, out: Outcome) -> None:
     poisoner = "chaos-poisoner"
     rig = lab.telemetry("poisoned", others=(poisoner,))
-    wait_until(lambda: rig.stored_batches() >= 5, 30)
+    rig.storing()
     answers = []
     t0 = time.time()
     for seq, (what, fieldname, value) in enumerate(POISONS):
@@ -67,8 +68,7 @@ def poisoned_sample(lab: Lab, out: Outcome) -> None:
     out.figures.update(poisons=len(POISONS), refused_records=int(refused),
                        rejected_batches=int(rejected), flush_errors=int(flush_errors or 0),
                        flushed_after=flushed, answers=[f"{w}: {s}" for w, s, _ in answers])
-    n = rig.stored_batches()
-    wait_until(lambda: rig.stored_batches() >= n + 4, 30)
+    more_batches(rig)
     finish_telemetry(lab, rig, out, excused=[])
     out.lost += " of the real agent; only the poisoned rows were refused"
 
@@ -76,7 +76,7 @@ def poisoned_sample(lab: Lab, out: Outcome) -> None:
 def impostor_agent(lab: Lab, out: Outcome) -> None:
     impostor = "chaos-intruder"
     rig = lab.telemetry("impostor", others=(impostor,))
-    wait_until(lambda: rig.stored_batches() >= 5, 30)
+    rig.storing()
     state = rig.agent.spool_state()
     victim_id, next_seq = str(state["agent_id"]), int(state["next_seq"])
     # The impostor claims the victim's next seqs: stored, they would make the victim's
@@ -117,7 +117,7 @@ def clock_skew(lab: Lab, out: Outcome) -> None:
     posts once its clock is fixed."""
     skewed = "chaos-skewed"
     rig = lab.telemetry("clock-skew", others=(skewed,))
-    wait_until(lambda: rig.stored_batches() >= 5, 30)
+    rig.storing()
     now = time.time()
     t0 = now
     status, text = post_batch(rig, skewed, batch_record(
@@ -251,7 +251,7 @@ def slowloris(lab: Lab, out: Outcome) -> None:
     rig = lab.telemetry("slowloris")
     resource.prlimit(rig.collector.pid, resource.RLIMIT_NOFILE,
                      (SLOWLORIS_NOFILE, SLOWLORIS_NOFILE))
-    wait_until(lambda: rig.stored_batches() >= 5, 30)
+    rig.storing()
     lines0 = _log_lines(rig.collector.log)
     total0, late0 = _late_batches(rig, SLOWLORIS_LATE_S)
     attack_s = 20.0

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from forewarn.chaos.daemons import _Collector
+from forewarn.chaos.daemons import LabCollector
 from forewarn.chaos.hardware_rig import HW_FAULTS, HardwareRig
 from forewarn.chaos.procs import Procs, TcpProxy
 from forewarn.chaos.telemetry_rig import BusRig, TelemetryRig
@@ -86,7 +86,7 @@ class Lab:
         self.procs = Procs()
         self.launchers: list[TorchrunJob] = []
         self.proxies: list[TcpProxy] = []
-        self._main: _Collector | None = None
+        self._main: LabCollector | None = None
         self._training: TrainingRig | None = None
         self._hardware: HardwareRig | None = None
         self.rigs: dict[str, Any] = {}
@@ -94,9 +94,9 @@ class Lab:
         self.closers: list[Callable[[], None]] = []
         """Stops for what is not a process of :attr:`procs` (servers), run by close()."""
 
-    def main_collector(self) -> _Collector:
+    def main_collector(self) -> LabCollector:
         if self._main is None:
-            self._main = _Collector(self, "collector", [TrainingRig.NODE, HardwareRig.NODE])
+            self._main = LabCollector(self, "collector", [TrainingRig.NODE, HardwareRig.NODE])
         return self._main
 
     def training(self) -> TrainingRig:

@@ -23,8 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Procs", "TcpProxy", "get_json", "leader_role", "scrape", "wait_http",
-           "wait_until"]
+__all__ = ["Procs", "TcpProxy", "get_json", "leader_role", "log_tail", "one_leader", "readyz",
+           "scrape", "wait_http", "wait_ready", "wait_until"]
 
 
 def get_json(url: str, timeout: float = 2.0) -> Any:
@@ -33,15 +33,31 @@ def get_json(url: str, timeout: float = 2.0) -> Any:
         return json.loads(r.read())
 
 
-def leader_role(url: str) -> str:
-    """A collector replica's role (``leader``, ``follower``) from ``/readyz``, also when
-    it answers 503 (not ready)."""
+def readyz(url: str, timeout: float = 1.0) -> tuple[int, dict[str, Any]]:
+    """A collector's ``/readyz`` status and report, also when it answers 503 (not
+    ready: the report says which component)."""
     try:
-        with urllib.request.urlopen(url + "/readyz", timeout=1) as r:
-            body = json.loads(r.read())
+        with urllib.request.urlopen(url + "/readyz", timeout=timeout) as r:
+            return r.status, json.loads(r.read())
     except urllib.error.HTTPError as exc:
-        body = json.loads(exc.read())
-    return str(body["components"]["leader"]["role"])
+        return exc.code, json.loads(exc.read())
+
+
+def leader_role(url: str) -> str:
+    """A collector replica's role (``leader``, ``follower``) from ``/readyz``."""
+    return str(readyz(url)[1]["components"]["leader"]["role"])
+
+
+def one_leader(urls: dict[str, str], timeout: float = 30.0) -> dict[str, str] | None:
+    """Replica name -> role (:func:`leader_role`) once exactly one of the replicas at
+    ``urls`` leads and the others follow; None when that does not happen in ``timeout``."""
+    def roles() -> dict[str, str] | None:
+        got = {name: leader_role(url) for name, url in urls.items()}
+        return got if sorted(got.values()) == ["follower"] * (len(got) - 1) + ["leader"] \
+            else None
+
+    found: dict[str, str] | None = wait_until(roles, timeout)
+    return found
 
 
 def scrape(url: str, name: str, labels: dict[str, str] | None = None,
@@ -76,19 +92,38 @@ def wait_until(cond: Callable[[], Any], timeout: float, step: float = 0.1) -> An
         time.sleep(step)
 
 
-def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes], log: Path) -> None:
-    """Wait until ``url`` answers; fail early, with the log's tail, if ``proc`` exits."""
+def log_tail(log: Path, n: int = 2000) -> str:
+    """The last ``n`` characters of ``log`` ("" when it cannot be read)."""
+    with contextlib.suppress(OSError):
+        return log.read_text(errors="replace")[-n:]
+    return ""
+
+
+def wait_ready(ready: Callable[[], Any], timeout: float, proc: subprocess.Popen[bytes] | None,
+               log: Path, what: str) -> None:
+    """Wait until ``ready()`` returns something truthy (an ``OSError`` is "not yet"); fail
+    early, with the log's tail, if ``proc`` exits."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} did not start (exit {proc.returncode}); log {log}:\n"
-                               f"{log.read_text(errors='replace')[-2000:]}")
-        try:
-            urllib.request.urlopen(url, timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"{url} did not answer within {timeout:.0f} s; see {log}")
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} did not start (exit {proc.returncode}); log {log}:\n"
+                               f"{log_tail(log)}")
+        with contextlib.suppress(OSError):
+            if ready():
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"{what} did not answer within {timeout:.0f} s; log {log}:\n"
+                       f"{log_tail(log)}")
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes] | None, log: Path
+              ) -> None:
+    """Wait until ``url`` answers with a success status (:func:`wait_ready`)."""
+    def answers() -> bool:
+        urllib.request.urlopen(url, timeout=1).close()
+        return True
+
+    wait_ready(answers, timeout, proc, log, url)
 
 
 class Procs:

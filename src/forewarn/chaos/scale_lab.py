@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from forewarn.chaos.daemons import _Agent
+from forewarn.chaos.daemons import LabAgent
 from forewarn.chaos.lab import Lab
-from forewarn.chaos.procs import get_json, leader_role, scrape, wait_http, wait_until
+from forewarn.chaos.procs import get_json, leader_role, one_leader, scrape, wait_http, wait_until
 from forewarn.chaos.scale_account import ScaleAccount, account_scale
 from forewarn.demo import servers
 from forewarn.demo.launch import free_port
@@ -77,7 +77,7 @@ class ScaleRig:
             self.start_replica(name, wait=False)
         for name in REPLICAS:
             self._wait_replica(name)
-        self.agents: dict[str, _Agent] = {}
+        self.agents: dict[str, LabAgent] = {}
         for node in NODES[:2]:
             self.start_agent(node)
 
@@ -112,11 +112,7 @@ class ScaleRig:
 
     def roles(self) -> dict[str, str]:
         """Replica -> leader or follower, once exactly one leads (else empty)."""
-        def got() -> dict[str, str] | None:
-            r = {n: leader_role(u) for n, u in self.urls.items()}
-            return r if sorted(r.values()) == ["follower", "leader"] else None
-
-        return wait_until(got, 30) or {}
+        return one_leader(self.urls) or {}
 
     def kill_leader(self) -> tuple[str, float, float | None]:
         """SIGKILL the leading replica; (its name, the time of the kill, seconds until the
@@ -140,13 +136,13 @@ class ScaleRig:
 
     # ------------------------------------------------------------------ agents
 
-    def start_agent(self, node: str, scenario: str = "") -> _Agent:
+    def start_agent(self, node: str, scenario: str = "") -> LabAgent:
         o = self.lab.options
         agent = self.agents.get(node)
         if agent is not None:
             agent.start()
             return agent
-        self.agents[node] = _Agent(
+        self.agents[node] = LabAgent(
             self.lab, f"agent-{node}", node, self.survivor(), self.tokens[node],
             scenario or f'name = "{node}"\ndescription = "quiet"\ngpus = 4\nseed = 4\n',
             interval_s=o.telemetry_interval_s, push_s=o.push_interval_s,

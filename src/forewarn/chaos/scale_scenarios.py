@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forewarn.chaos.outcome import Outcome, Scenario
-from forewarn.chaos.procs import get_json, wait_until
+from forewarn.chaos.procs import get_json, readyz, wait_until
 from forewarn.chaos.scale_lab import NODES, ScaleRig, scale_rig
 from forewarn.demo import servers
 from forewarn.demo.launch import python_module
@@ -82,7 +82,8 @@ def postgres_restart(lab: Lab, out: Outcome) -> None:
     t0 = time.monotonic()
     rig.pg.restart()
     restarted = time.monotonic() - t0
-    ready = wait_until(lambda: all(_ready(u) for u in rig.urls.values()), 60)
+    ready = wait_until(lambda: all(readyz(u, timeout=2)[0] == 200 for u in rig.urls.values()),
+                       60)
     back = round(time.monotonic() - t0, 2)
     out.expect(ready is not None, "a replica did not get ready again after the restart")
     out.expect(rig.ingesting(), "ingest did not resume after the restart")
@@ -94,14 +95,6 @@ def postgres_restart(lab: Lab, out: Outcome) -> None:
     out.detection_s = back
     out.action = "pg_ctl restart -m fast while 2 agents publish through 2 replicas"
     _account(rig, out)
-
-
-def _ready(url: str) -> bool:
-    try:
-        get_json(url + "/readyz")
-    except OSError:
-        return False
-    return True
 
 
 def jetstream_node_killed(lab: Lab, out: Outcome) -> None:

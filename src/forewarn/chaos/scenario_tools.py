@@ -50,6 +50,12 @@ def settle(rig: TelemetryRig, out: Outcome, what: str, timeout: float = 60.0) ->
     return rounded(time.time() - t0) if ok else None
 
 
+def more_batches(rig: TelemetryRig, timeout: float = 30.0, n: int = 4) -> None:
+    """Wait (at most ``timeout``) until the rig's collector stored ``n`` more batches
+    than now: the agent runs normally again before it is accounted."""
+    rig.storing(rig.stored_batches() + n, timeout)
+
+
 def _stored_settles(rig: TelemetryRig, still_s: float = 3.0, timeout: float = 30.0) -> None:
     """Wait until the collector's stored batch count holds still for ``still_s`` (at most
     ``timeout``): the agent's last batch, sent as it stopped, may still be on its way

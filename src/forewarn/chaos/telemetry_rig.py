@@ -5,12 +5,11 @@ the uplink through a cuttable proxy (:class:`TelemetryRig`) or a nats-server of 
 from __future__ import annotations
 
 import dataclasses
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from forewarn.chaos.daemons import _Agent, _Collector
-from forewarn.chaos.procs import TcpProxy
+from forewarn.chaos.daemons import LabAgent, LabCollector
+from forewarn.chaos.procs import TcpProxy, wait_until
 from forewarn.demo import servers
 
 if TYPE_CHECKING:
@@ -32,8 +31,8 @@ class TelemetryRig:
     others: tuple[str, ...] = ()
     disk: Path | None = None
     collector_extra: str = ""
-    collector: _Collector = dataclasses.field(init=False)
-    agent: _Agent = dataclasses.field(init=False)
+    collector: LabCollector = dataclasses.field(init=False)
+    agent: LabAgent = dataclasses.field(init=False)
     proxy: TcpProxy = dataclasses.field(init=False)
 
     @property
@@ -43,15 +42,15 @@ class TelemetryRig:
     def __post_init__(self) -> None:
         node = self.node
         o = self.lab.options
-        self.collector = _Collector(self.lab, f"{self.name}-collector", [node, *self.others],
-                                    self.collector_extra,
-                                    data=self.disk / "data" if self.disk else None)
+        self.collector = LabCollector(self.lab, f"{self.name}-collector", [node, *self.others],
+                                       self.collector_extra,
+                                       data=self.disk / "data" if self.disk else None)
         self.proxy = TcpProxy(("127.0.0.1", self.collector.port))
         self.lab.proxies.append(self.proxy)
         env = {}
         if self.spool_max_bytes is not None:
             env["FOREWARN_AGENT_SPOOL_MAX_BYTES"] = str(self.spool_max_bytes)
-        self.agent = _Agent(
+        self.agent = LabAgent(
             self.lab, f"{self.name}-agent", node, self.proxy.url, self.collector.tokens[node],
             f'name = "{node}"\ndescription = "quiet"\ngpus = 4\nseed = 2\n',
             interval_s=o.telemetry_interval_s, push_s=o.push_interval_s, env=env,
@@ -69,6 +68,11 @@ class TelemetryRig:
         nodes = self.collector.get("/api/v1/nodes")
         return int(nodes[0]["batches"]) if nodes else 0
 
+    def storing(self, batches: int = 5, timeout: float = 30.0) -> None:
+        """Wait (at most ``timeout``) until the collector stored ``batches`` of the agent's:
+        the rig runs, a scenario can start its fault."""
+        wait_until(lambda: self.stored_batches() >= batches, timeout)
+
     def spool_empty(self) -> bool:
         return self.agent.metric("forewarn_uplink_spool_batches") == 0
 
@@ -76,8 +80,9 @@ class TelemetryRig:
 @dataclasses.dataclass
 class BusRig(TelemetryRig):
     """A :class:`TelemetryRig` whose agent and collector talk through a nats-server of
-    its own (``uplink = "nats"``, ``bus_url``) instead of the proxy; the server can be
-    stopped and started again on the same port and JetStream store."""
+    its own (``uplink = "nats"``, ``bus_url``) instead of the proxy; the server
+    (``nats_server``) can be stopped and started again on the same port and JetStream
+    store."""
 
     nats: str = "nats-server"
 
@@ -88,21 +93,11 @@ class BusRig(TelemetryRig):
         self.lab.closers.append(self.nats_server.stop)
         self.nats_url = self.nats_server.url
         node = self.node
-        self.collector = _Collector(self.lab, f"{self.name}-collector", [node],
-                                    f'bus_url = "{self.nats_url}"\nbus_ack_wait_s = 2.0\n')
-        self.agent = _Agent(
+        self.collector = LabCollector(self.lab, f"{self.name}-collector", [node],
+                                       f'bus_url = "{self.nats_url}"\nbus_ack_wait_s = 2.0\n')
+        self.agent = LabAgent(
             self.lab, f"{self.name}-agent", node, self.collector.url,
             self.collector.tokens[node],
             f'name = "{node}"\ndescription = "quiet"\ngpus = 4\nseed = 2\n',
             interval_s=o.telemetry_interval_s, push_s=o.push_interval_s,
             env={"FOREWARN_AGENT_UPLINK": "nats", "FOREWARN_AGENT_NATS_URL": self.nats_url})
-
-    def start_nats(self) -> None:
-        """Start the nats-server again, on the same port and JetStream store."""
-        self.nats_server.start()
-
-    def stop_nats(self) -> float:
-        """Stop the nats-server (SIGTERM); returns when."""
-        t = time.time()
-        self.nats_server.stop()
-        return t

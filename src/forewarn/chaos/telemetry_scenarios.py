@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from forewarn.chaos.lab import Lab
@@ -14,15 +15,17 @@ from forewarn.chaos.outcome import Outcome
 from forewarn.chaos.procs import wait_until
 from forewarn.chaos.scenario_tools import (
     finish_telemetry,
+    more_batches,
     rounded,
     settle,
 )
+from forewarn.chaos.telemetry_rig import TelemetryRig
 
 
 def agent_restart(lab: Lab, out: Outcome) -> None:
     o = lab.options
     rig = lab.telemetry("agent-kill")
-    wait_until(lambda: rig.stored_batches() >= 5, 30)
+    rig.storing()
     t_kill = rig.agent.kill9()
     time.sleep(1.0)
     rig.agent.start()
@@ -50,7 +53,7 @@ def agent_restart(lab: Lab, out: Outcome) -> None:
 
 def collector_restart(lab: Lab, out: Outcome) -> None:
     rig = lab.telemetry("collector-kill")
-    wait_until(lambda: rig.stored_batches() >= 5, 30)
+    rig.storing()
     t_kill = rig.collector.kill9()
     grew = wait_until(lambda: (rig.agent.metric("forewarn_uplink_spool_batches") or 0) > 0, 20)
     out.expect(grew is not None, "the agent did not spool while the collector was down")
@@ -63,33 +66,42 @@ def collector_restart(lab: Lab, out: Outcome) -> None:
     out.detection_s = drained
     out.action = "kill -9 collector, restarted on the same data; agent replayed its spool"
     out.figures["downtime_s"] = rounded(t_back - t_kill)
-    n = rig.stored_batches()
-    wait_until(lambda: rig.stored_batches() >= n + 4, 30)
+    more_batches(rig)
     finish_telemetry(lab, rig, out, excused=[])
+
+
+def _outage(rig: TelemetryRig, out: Outcome, seconds: float, begin: Callable[[], object],
+            end: Callable[[], object], what: str, wait_s: float) -> tuple[int, int, float | None]:
+    """Once the rig stored a few batches, ``begin()`` an outage of the agent's uplink,
+    watch the agent's spool for ``seconds``, ``end()`` it and wait for the spool to
+    drain; returns (failed sends, spool peak in batches, drain time). ``what`` names the
+    outage in the problems ("nothing was spooled during the cut")."""
+    rig.storing(timeout=wait_s)
+    t0 = time.time()
+    begin()
+    errors0 = rig.agent.metric("forewarn_uplink_push_errors_total") or 0.0
+    peak = 0.0
+    while time.time() - t0 < seconds:
+        peak = max(peak, rig.agent.metric("forewarn_uplink_spool_batches") or 0.0)
+        time.sleep(min(1.0, seconds / 10))
+    errors = (rig.agent.metric("forewarn_uplink_push_errors_total") or 0.0) - errors0
+    end()
+    drained = settle(rig, out, f"after the {what}", timeout=60 + seconds)
+    out.expect(peak > 0, f"nothing was spooled during the {what}")
+    return int(errors), int(peak), drained
 
 
 def _cut_off(lab: Lab, out: Outcome, name: str, cut_s: float) -> None:
     """Cut the agent off its collector at the proxy for ``cut_s``; nothing may be lost."""
     rig = lab.telemetry(name)
-    wait_until(lambda: rig.stored_batches() >= 5, 30)
-    rig.proxy.cut()
-    t_cut = time.time()
-    errors0 = rig.agent.metric("forewarn_uplink_push_errors_total") or 0.0
-    peak = 0.0
-    while time.time() - t_cut < cut_s:
-        peak = max(peak, rig.agent.metric("forewarn_uplink_spool_batches") or 0.0)
-        time.sleep(min(1.0, cut_s / 10))
-    errors = (rig.agent.metric("forewarn_uplink_push_errors_total") or 0.0) - errors0
-    rig.proxy.restore()
-    drained = settle(rig, out, "after the cut ended", timeout=60 + cut_s)
-    out.expect(peak > 0, "nothing was spooled during the cut")
-    out.detected = (f"agent: {int(errors)} failed pushes, spool peaked at {int(peak)} batches; "
+    errors, peak, drained = _outage(rig, out, cut_s, rig.proxy.cut, rig.proxy.restore,
+                                    "cut", 30)
+    out.detected = (f"agent: {errors} failed pushes, spool peaked at {peak} batches; "
                     f"replayed {drained} s after the link came back")
     out.detection_s = drained
     out.action = f"spooled for {cut_s:g} s (network cut at a proxy), replayed in order"
-    out.figures.update(cutoff_s=cut_s, spool_peak_batches=int(peak))
-    n = rig.stored_batches()
-    wait_until(lambda: rig.stored_batches() >= n + 4, 30)
+    out.figures.update(cutoff_s=cut_s, spool_peak_batches=peak)
+    more_batches(rig)
     finish_telemetry(lab, rig, out, excused=[])
 
 
@@ -110,24 +122,14 @@ def nats_outage_60s(lab: Lab, out: Outcome) -> None:
     if rig is None:
         out.skipped = "nats-server is not installed (Debian package nats-server)"
         return
-    wait_until(lambda: rig.stored_batches() >= 5, 60)
-    t_stop = rig.stop_nats()
-    errors0 = rig.agent.metric("forewarn_uplink_push_errors_total") or 0.0
-    peak = 0.0
-    while time.time() - t_stop < PARTITION_S:
-        peak = max(peak, rig.agent.metric("forewarn_uplink_spool_batches") or 0.0)
-        time.sleep(1.0)
-    errors = (rig.agent.metric("forewarn_uplink_push_errors_total") or 0.0) - errors0
-    rig.start_nats()
-    drained = settle(rig, out, "after NATS came back", timeout=60 + PARTITION_S)
-    out.expect(peak > 0, "nothing was spooled while NATS was down")
-    out.detected = (f"agent: {int(errors)} failed publishes, spool peaked at {int(peak)} "
+    errors, peak, drained = _outage(rig, out, PARTITION_S, rig.nats_server.stop,
+                                    rig.nats_server.start, "NATS outage", 60)
+    out.detected = (f"agent: {errors} failed publishes, spool peaked at {peak} "
                     f"batches; replayed {drained} s after NATS was back")
     out.detection_s = drained
     out.action = f"spooled for {PARTITION_S:g} s (nats-server stopped), replayed in order"
-    out.figures.update(outage_s=PARTITION_S, spool_peak_batches=int(peak))
-    n = rig.stored_batches()
-    wait_until(lambda: rig.stored_batches() >= n + 4, 60)
+    out.figures.update(outage_s=PARTITION_S, spool_peak_batches=peak)
+    more_batches(rig, 60)
     finish_telemetry(lab, rig, out, excused=[])
 
 
@@ -150,7 +152,7 @@ def spool_full(lab: Lab, out: Outcome) -> None:
     o = lab.options
     bound = o.spool_max_bytes
     rig = lab.telemetry("spool-full", spool_max_bytes=bound)
-    wait_until(lambda: rig.stored_batches() >= 5, 30)
+    rig.storing()
     # (1) the bound
     rig.proxy.cut(refuse=True)
     t_cut = time.time()
@@ -196,8 +198,7 @@ def spool_full(lab: Lab, out: Outcome) -> None:
                        batch_bytes=biggest, disk_full_s=rounded(t_free - t_full),
                        spool_write_errors=int(write_errors),
                        samples_dropped_from_memory=int(lost_samples))
-    n = rig.stored_batches()
-    wait_until(lambda: rig.stored_batches() >= n + 4, 30)
+    more_batches(rig)
     finish_telemetry(lab, rig, out, excused=[(t_cut - 1.0, t_restored + 1.0)],
                       expect_drops=True)
     out.lost += ("; nothing while the disk refused writes (no sample gap outside the "

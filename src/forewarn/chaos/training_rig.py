@@ -10,7 +10,7 @@ import signal
 import threading
 from typing import TYPE_CHECKING, Any
 
-from forewarn.chaos.daemons import _Agent
+from forewarn.chaos.daemons import LabAgent
 from forewarn.chaos.procs import wait_until
 from forewarn.demo.launch import Node, TorchrunJob
 
@@ -29,7 +29,7 @@ class TrainingRig:
         self.lab = lab
         o = lab.options
         self.collector = lab.main_collector()
-        self.agent = _Agent(
+        self.agent = LabAgent(
             lab, "agent-node-1", self.NODE, self.collector.url, self.collector.tokens[self.NODE],
             'name = "chaos-node-1"\ndescription = "quiet: the training scenarios\' node"\n'
             "gpus = 2\nseed = 11\n", interval_s=o.agent_interval_s, push_s=o.push_interval_s,

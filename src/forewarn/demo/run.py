@@ -1,24 +1,6 @@
-"""``forewarn demo``: the whole loop on one machine, with nothing configured.
-
-It starts a real collector, two real agents on simulated 4-GPU nodes (node 1 on the real
-GPUs through NVML where this machine has them), and a real two-rank ``torch.distributed``
-(gloo, CPU) training job that reports through the hook and saves with the default
-checkpoint writer, launched as on two nodes: one torchrun per node, meeting at a c10d
-rendezvous, restarted by torchrun's own ``--max-restarts`` when a rank dies
-(:class:`~forewarn.demo.launch.TorchrunJob`). Then it injects, in turn:
-
-1. a degrading GPU under rank 1 (a correctable-ECC storm ending in a double-bit error):
-   forewarn should see it coming and order a checkpoint, every rank saves the same step, the
-   double-bit error kills the rank, and torchrun restarts the job from that checkpoint,
-   the rank on a healthy GPU;
-2. a hang of rank 0: the agent notices within seconds and ends the job's ranks, so
-   torchrun restarts it minutes before NCCL's 10-minute timeout would have;
-3. a NaN loss: caught at its step; the job is rolled back to the last good checkpoint.
-
-The summary compares what was lost with what the same run loses without forewarn: the work
-since the last periodic checkpoint plus NCCL's timeout for each failure. What was measured
-and the summary are :mod:`forewarn.demo.report`.
-"""
+"""The embedded demo (``forewarn demo``): starts the stack and the job, injects the
+faults and measures the run. What it does, step by step, is the command's help:
+:mod:`forewarn.demo.cli`."""
 
 from __future__ import annotations
 
@@ -268,15 +250,17 @@ class Demo:
                 if kind == "restart":
                     self.result.restarts += 1
 
-    def wait_for(self, pred: Any, timeout: float, what: str) -> bool:
+    def wait_for(self, pred: Callable[[], Any], timeout: float, what: str) -> Any:
+        """Pump events until ``pred()`` is truthy and return it; None, with the problem
+        recorded, after ``timeout``."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.pump(time.monotonic() + 0.1)
-            if pred():
-                return True
+            if got := pred():
+                return got
         self.result.problems.append(f"timed out waiting for {what}")
         self.say(f"[red]timed out waiting for {what}[/red]")
-        return False
+        return None
 
     @staticmethod
     def _fmt(e: dict[str, Any]) -> str:
@@ -333,8 +317,7 @@ class Demo:
             self.say(f"   forewarn ordered a checkpoint ({r.order_reason or 'reason unknown'}); "
                      f"ranks saved steps {sorted(r.ordered_steps.items())}")
         # The failure: the double-bit error kills the process on that GPU.
-        self.wait_for(lambda: self._finding("demo-node-2", "ecc", gpu=0) is not None
-                      and (self._finding("demo-node-2", "ecc", gpu=0) or {}).get("health")
+        self.wait_for(lambda: (self._finding("demo-node-2", "ecc", gpu=0) or {}).get("health")
                       == "unhealthy", self.t.storm_s + 30, "the double-bit error")
         job = self.stack.job
         assert job is not None
@@ -344,8 +327,7 @@ class Demo:
         r.failure_time = self._xid_time("demo-node-2", 48) or time.time()
         self.say(f"   the double-bit error killed rank 1 at step {r.failure_step}; "
                  "torchrun restarts the job, rank 1 on a healthy GPU")
-        self.wait_for(lambda: self._resumed(1) is not None, self.t.give_up_s, "the restart")
-        resumed = self._resumed(1)
+        resumed = self.wait_for(lambda: self._resumed(1), self.t.give_up_s, "the restart")
         if resumed:
             r.resumed_ranks = resumed
             r.resumed_step = min(resumed.values())
@@ -401,9 +383,8 @@ class Demo:
             r.hang_detected = time.time()
             self.say(f"   the agent called rank 0 hung after {r.hang_latency_s:.1f} s and ended "
                      "the job's ranks (NCCL would have waited 600 s)")
-        self.wait_for(lambda: self._resumed(attempt + 1) is not None, self.t.give_up_s,
-                      "the restart after the hang")
-        got = self._resumed(attempt + 1)
+        got = self.wait_for(lambda: self._resumed(attempt + 1), self.t.give_up_s,
+                            "the restart after the hang")
         if got:
             r.hang_resumed_step = min(got.values())
             self.say(f"   resumed from step {r.hang_resumed_step}")
@@ -419,17 +400,16 @@ class Demo:
         self.inject(1, "nan")
         # The finding clears at the next finite step (the NaN update was skipped), so read
         # it from the collector's finding history rather than the agent's current findings.
-        if self.wait_for(lambda: self._nan_finding(injected) is not None, 20, "NaN detection"):
-            f = self._nan_finding(injected) or {}
+        f = self.wait_for(lambda: self._nan_finding(injected), 20, "NaN detection")
+        if f:
             r.nan_detected_latency_s = float(f["time"]) - injected
             step = f.get("finding", {}).get("evidence", {}).get("step")
             r.nan_detected_step = int(step) if step is not None else None
             self.say(f"   NaN caught at step {r.nan_detected_step} (injected at step "
                      f"{r.nan_step}); rolling back to the last good checkpoint")
             job.signal_rank(1, signal.SIGKILL)
-        self.wait_for(lambda: self._resumed(attempt + 1) is not None, self.t.give_up_s,
-                      "the restart after the NaN")
-        got = self._resumed(attempt + 1)
+        got = self.wait_for(lambda: self._resumed(attempt + 1), self.t.give_up_s,
+                            "the restart after the NaN")
         if got:
             r.nan_resumed_step = min(got.values())
             self.say(f"   resumed from step {r.nan_resumed_step}")

@@ -1,21 +1,6 @@
-"""``forewarn demo --scale-out``: the demo's loop on the scale-out engines, with a collector
-replica lost on the way.
-
-The same agents, training job and injected faults as ``forewarn demo``
-(:mod:`forewarn.demo.run`), but the agents publish to NATS JetStream (``uplink = "nats"``)
-and two collector replicas share PostgreSQL state, pull from one durable consumer and
-remote-write the GPU series to VictoriaMetrics. The three servers are started from this
-machine's binaries (:mod:`forewarn.demo.servers`) in the demo's work dir (PostgreSQL's
-under a temp dir when run as root: the server runs as the ``postgres`` user, which must
-reach its folder).
-
-While the training job starts and the agents publish, before the GPU degrades, the replica
-leading the policy is killed with SIGKILL, so the other decides every order of the run.
-The summary says how long the other took to lead (the failover time), how many
-checkpoint orders were issued and acknowledged by the agents, and how many telemetry
-samples the agents sent, how many the series store holds (each counted once) and how many
-were lost.
-"""
+"""The scale-out demo (``forewarn demo --scale-out``): the embedded demo's loop on
+NATS JetStream, PostgreSQL and VictoriaMetrics with two collector replicas, one
+killed mid-run. What it does is the command's help: :mod:`forewarn.demo.cli`."""
 
 from __future__ import annotations
 
@@ -28,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from forewarn.chaos.procs import get_json, leader_role, wait_http, wait_until
+from forewarn.chaos.procs import get_json, leader_role, one_leader, wait_http, wait_until
 from forewarn.chaos.scale_account import ScaleAccount, account_scale
 from forewarn.demo import servers
 from forewarn.demo.launch import free_port
@@ -135,8 +120,7 @@ class ScaleDemo(Demo):
         for n, port in ports.items():
             self.urls[n] = f"http://127.0.0.1:{port}"
             wait_http(self.urls[n] + "/healthz", 60, procs[n], self.dir / f"{n}.log")
-        roles = wait_until(lambda: (got := {n: leader_role(u) for n, u in self.urls.items()})
-                           and sorted(got.values()) == ["follower", "leader"] and got, 30)
+        roles = one_leader(self.urls)
         if roles is None:
             raise RuntimeError("no collector replica took the lead")
         self.leader = next(n for n, role in roles.items() if role == "leader")

@@ -22,13 +22,13 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from forewarn.chaos.procs import log_tail, wait_http, wait_ready
 from forewarn.demo.launch import free_port
 from forewarn.errors import UnavailableError
 
@@ -102,25 +102,6 @@ def find_postgres_bin() -> Path | None:
     return None
 
 
-def _wait(ready: Any, proc: subprocess.Popen[bytes] | None, what: str, log: Path,
-          timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{what} exited ({proc.returncode}): {_tail(log)}")
-        with contextlib.suppress(OSError):
-            if ready():
-                return
-        time.sleep(0.05)
-    raise RuntimeError(f"{what} did not start within {timeout:.0f} s: {_tail(log)}")
-
-
-def _tail(log: Path) -> str:
-    with contextlib.suppress(OSError):
-        return log.read_text(errors="replace")[-2000:]
-    return ""
-
-
 def _listening(port: int) -> bool:
     with socket.create_connection(("127.0.0.1", port), timeout=0.2):
         return True
@@ -167,8 +148,8 @@ class NatsServer:
             self.proc = subprocess.Popen([self.binary or find_binary("nats-server"), "-c",
                                           str(conf)], stdout=log, stderr=subprocess.STDOUT,
                                          start_new_session=True)
-        _wait(lambda: _listening(self.port), self.proc, f"nats-server {self.name}", self.log,
-              wait_s)
+        wait_ready(lambda: _listening(self.port), wait_s, self.proc, self.log,
+                   f"nats-server {self.name}")
         return self
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
@@ -180,7 +161,7 @@ class NatsServer:
         self.stop(signal.SIGKILL)
 
     def log_tail(self) -> str:
-        return _tail(self.log)
+        return log_tail(self.log)
 
 
 def _nats_config(name: str, root: Path, port: int, authorization: str = "",
@@ -325,17 +306,13 @@ class VictoriaMetrics:
                  f"-httpListenAddr=127.0.0.1:{self.port}", "-search.latencyOffset=0s",
                  "-search.disableCache", "-dedup.minScrapeInterval=1ms", "-loggerLevel=ERROR"],
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        _wait(self._healthy, self.proc, "victoria-metrics", log, 30)
+        wait_http(self.url + "/health", 30, self.proc, log)
 
     def _get(self, path: str, **params: str) -> bytes:
         query = "?" + urllib.parse.urlencode(params) if params else ""
         with urllib.request.urlopen(f"{self.url}{path}{query}", timeout=10) as r:
             body: bytes = r.read()
             return body
-
-    def _healthy(self) -> bool:
-        self._get("/health")  # raises until it answers 200
-        return True
 
     def query(self, expr: str) -> list[dict[str, Any]]:
         """An instant PromQL query; the result vector."""
