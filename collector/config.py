@@ -94,6 +94,10 @@ class CollectorConfig:
     remote_write_queue_samples: int = 200_000
     """GPU samples held while the store is slow or down; past this new ones are dropped
     (``remote_write_dropped_samples_total{reason="queue_full"}``)."""
+    remote_write_shards: int = 4
+    """Remote-write requests in flight at once (one sender thread each; a series always
+    goes through the same one, so its samples arrive in time order). A replica acknowledges
+    batches no faster than the store takes these requests."""
     log_level: str = "info"
     """Logging level: critical, error, warning, info, debug."""
     log_format: str = "text"
@@ -322,6 +326,7 @@ _WITHIN: dict[str, tuple[float, float, str]] = {
     "group_commit_max": (1, math.inf, "at least 1"),
     "postgres_pool_max": (1, 1000, "within 1..1000"),
     "remote_write_queue_samples": (1, 100_000_000, "within 1..10^8"),
+    "remote_write_shards": (1, 64, "within 1..64"),
     "max_connections": (1, 1_000_000, "within 1..10^6"),
     "log_every_s": (0, 3600, "within 0..3600"),
     "alert_max_rows": (1, 10_000_000, "within 1..10^7"),

@@ -15,14 +15,16 @@ from starlette.routing import Route
 from forewarn.wire import (
     MAX_UNIX_TIME,
     SENT_AT_HEADER,
+    AgentBatch,
     CommandAck,
     WireError,
     decode,
     decode_json,
 )
 
-from ..ingest.batch import accept_batch
+from ..ingest.batch import IngestResult, accept_batch
 from ..ingest.validate import IngestError, TimeWindow
+from ..storage.remote_write import RemoteWriter
 from .api import (
     agent_node,
     ctx_of,
@@ -36,6 +38,11 @@ from .api import (
 __all__ = ["MSGPACK_TYPES", "agent_routes"]
 
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
+
+SERIES_WAIT_S = 5.0
+"""With ``remote_write_url``, how long the ingest route waits for a batch's samples to be
+in the series store before it answers 503 (the agent keeps the batch and sends it again):
+half the agent's read timeout (10 s, :mod:`forewarn.agent.uplink`)."""
 
 @handled
 async def ingest(request: Request) -> Response:
@@ -56,6 +63,8 @@ async def ingest(request: Request) -> Response:
                                    max_items=ctx.config.max_batch_items, address=address)
     batch = checked.batch
     result = await asyncio.wrap_future(stored)
+    if ctx.series is not None and batch.samples:
+        await _series_written(ctx.series, batch, result)
     answer: dict[str, Any] = {"result": result.value, "seq": batch.seq}
     if checked.refused:
         answer["refused"] = [r.as_json() for r in checked.refused]
@@ -65,6 +74,26 @@ async def ingest(request: Request) -> Response:
 def _media_type(request: Request) -> str:
     """The request's Content-Type without parameters, lower case ("" when absent)."""
     return request.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+async def _series_written(series: RemoteWriter, batch: AgentBatch, result: IngestResult
+                          ) -> None:
+    """Return once ``batch``'s GPU samples are in the series store (a duplicate's are
+    queued again, :meth:`RemoteWriter.resend`), so the agent deletes a batch from its spool
+    only then and a collector killed with samples queued loses none: the agent sends the
+    batch again. Not written within :data:`SERIES_WAIT_S`: 503, the batch comes again."""
+    if result is IngestResult.DUPLICATE:
+        series.resend(batch.agent_id, batch.seq, batch.samples)
+    written = asyncio.wrap_future(series.written())
+    try:
+        # shield: a timeout must not cancel the writer's future (its threads complete it)
+        await asyncio.wait_for(asyncio.shield(written), SERIES_WAIT_S)
+    except TimeoutError:
+        raise IngestError(503, "series_store", "batch stored, but its samples are not in the"
+                          f" series store after {SERIES_WAIT_S:g} s"
+                          f" ({series.last_error or 'slow'}); send it again") from None
+    except RuntimeError as exc:  # the writer stopped: this collector is shutting down
+        raise IngestError(503, "series_store", f"{exc}; send it again") from None
 
 
 def _sent_at(value: str) -> float:

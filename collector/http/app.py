@@ -6,7 +6,9 @@ Routes
     Body: msgpack :class:`~forewarn.wire.AgentBatch`, ``Content-Type: application/msgpack``,
     ``Authorization: Bearer <the node's token>``, optionally ``Forewarn-Sent-At: <the
     agent's Unix time>`` (the agent's clock skew, a metric per node). Answers ``200
-    {"result": "stored" | "duplicate", "seq": n}`` only once the batch is durable, with
+    {"result": "stored" | "duplicate", "seq": n}`` only once the batch is durable (with
+    ``remote_write_url``: and its GPU samples are in the series store, else 503 after
+    5 s, the batch stored but answered to be sent again), with
     ``"refused": [{"field", "reason", "error"}]`` listing records left out (bad values,
     times outside the window; the rest is stored); 401 bad token, 403 another node's
     batch or agent id, 400 bad batch, 413 too large, 415 wrong content type, 422 a batch
@@ -179,7 +181,8 @@ def _wire_writer(ctx: CollectorContext) -> None:
     if config.remote_write_url:
         ctx.series = RemoteWriter(config.remote_write_url, ctx.metrics,
                                   labels=config.remote_write_labels,
-                                  queue_samples=config.remote_write_queue_samples)
+                                  queue_samples=config.remote_write_queue_samples,
+                                  shards=config.remote_write_shards)
         ctx.writer.on_staged = _both(ctx.telemetry.remember, ctx.series.on_staged)
 
 

@@ -63,7 +63,7 @@ from nats.js.api import (
 
 from forewarn import bus
 from forewarn.errors import UnavailableError
-from forewarn.wire import CommandAck, GpuSample, WireError, decode_json, encode_json
+from forewarn.wire import AgentBatch, CommandAck, WireError, decode_json, encode_json
 
 from ..config import CollectorConfig, bus_password
 from ..metrics import CollectorMetrics
@@ -273,7 +273,7 @@ class BusConsumer:
         (with a series store: once their samples are in it, :meth:`_ack_when_written`)."""
         c = self.config
         window = TimeWindow(self.clock(), c.ingest_max_age_s, c.ingest_max_future_s)
-        queued: list[tuple[Msg, list[GpuSample], asyncio.Future[IngestResult]]] = []
+        queued: list[tuple[Msg, AgentBatch, asyncio.Future[IngestResult]]] = []
         for msg in msgs:
             try:
                 node = self._node(msg)
@@ -288,18 +288,18 @@ class BusConsumer:
                 await self._not_stored(msg, exc)
                 continue
             self.nodes.add(node)
-            queued.append((msg, checked.batch.samples, asyncio.wrap_future(stored)))
+            queued.append((msg, checked.batch, asyncio.wrap_future(stored)))
         results = await asyncio.gather(*(f for _m, _s, f in queued), return_exceptions=True)
         held = []
-        for (msg, samples, _f), result in zip(queued, results, strict=True):
+        for (msg, batch, _f), result in zip(queued, results, strict=True):
             if isinstance(result, BaseException):
                 await self._not_stored(msg, result)
             elif self.series is None:
                 await msg.ack()
             else:
-                if result is IngestResult.DUPLICATE and samples:
-                    self.series.offer(samples)  # maybe never sent: its replica died
-                    self.metrics.remote_write_resent.inc(len(samples))
+                if result is IngestResult.DUPLICATE and batch.samples:
+                    # maybe never sent: the replica that stored it died
+                    self.series.resend(batch.agent_id, batch.seq, batch.samples)
                 held.append(msg)
         if held and self.series is not None:
             task = asyncio.create_task(self._ack_when_written(held, self.series.written()))

@@ -16,8 +16,10 @@ four small messages, no generated code), snappy block-compressed, POSTed with
 ``Content-Encoding: snappy``, ``Content-Type: application/x-protobuf`` and
 ``X-Prometheus-Remote-Write-Version: 0.1.0``.
 
-Delivery: :meth:`RemoteWriter.offer` queues samples (never blocks ingest); one thread sends
-them in requests of at most ``batch_samples`` GPU samples. A 5xx, a 429 or a network error
+Delivery: :meth:`RemoteWriter.offer` queues samples (never blocks ingest); ``shards`` threads
+send them, each its own series (a GPU's always go through the same one, in order), in
+requests of at most ``batch_samples`` GPU samples, so a slow store has several requests in
+flight at once. A 5xx, a 429 or a network error
 is retried with exponential backoff (``backoff_s`` doubling up to ``backoff_max_s``), the
 request kept; another 4xx drops that request (the spec: never retry those), counted. The
 queue holds at most ``queue_samples`` GPU samples; past that new samples are dropped and
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import struct
 import threading
@@ -56,6 +59,10 @@ log = logging.getLogger(__name__)
 
 HEADERS = {"Content-Encoding": "snappy", "Content-Type": "application/x-protobuf",
            "X-Prometheus-Remote-Write-Version": "0.1.0", "User-Agent": "forewarn-collector"}
+
+RECENT_BATCHES = 100_000
+"""Batches whose keys :meth:`RemoteWriter.resend` remembers (~10 MB): more than are sent
+again while one collector process lives (an agent's retry, a redelivery)."""
 
 Series = tuple[tuple[tuple[str, str], ...], list[tuple[int, float]]]
 """Sorted labels (``__name__`` included) and (timestamp ms, value) samples."""
@@ -126,14 +133,32 @@ def series_of(samples: Iterable[GpuSample], extra: Mapping[str, str] | None = No
 
 # -- the sender -----------------------------------------------------------------------
 
+class _Shard:
+    """One sender thread's queue. It sends in queue order, one request at a time, so the
+    samples it finished are always a prefix of those it was offered."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self.queue: collections.deque[GpuSample] = collections.deque()
+        self.wake = threading.Condition(lock)
+        self.offered = 0
+        """GPU samples ever queued here: the position of the queue's end."""
+        self.finished = 0
+        """GPU samples ever taken off this queue and done with (sent, or dropped for good)."""
+
+
 class RemoteWriter:
-    """Queue and send GPU samples to ``url``; see the module docstring. Thread-safe."""
+    """Queue and send GPU samples to ``url``; see the module docstring. Thread-safe.
+
+    ``shards`` requests may be in flight at once, one per sender thread; each series
+    always goes through the same one (a GPU's samples are routed by node and index), so
+    its samples reach the store in the order they were offered, as Prometheus' own
+    remote write shards them."""
 
     def __init__(self, url: str, metrics: CollectorMetrics, *,
                  labels: Mapping[str, str] | None = None, queue_samples: int = 200_000,
-                 batch_samples: int = 2_000, timeout_s: float = 10.0, backoff_s: float = 0.5,
-                 backoff_max_s: float = 30.0, transport: httpx.BaseTransport | None = None
-                 ) -> None:
+                 batch_samples: int = 2_000, shards: int = 4, timeout_s: float = 10.0,
+                 backoff_s: float = 0.5, backoff_max_s: float = 30.0,
+                 transport: httpx.BaseTransport | None = None) -> None:
         try:
             import cramjam  # noqa: F401  (snappy: checked here, not at the first send)
         except ImportError:
@@ -146,102 +171,153 @@ class RemoteWriter:
         self.batch_samples = batch_samples
         self.backoff_s = backoff_s
         self.backoff_max_s = backoff_max_s
-        self._client = httpx.Client(timeout=timeout_s, transport=transport)
-        self._queue: collections.deque[GpuSample] = collections.deque()
-        self._cond = threading.Condition()
+        # One pooled client for every shard: httpx.Client is thread-safe.
+        self._client = httpx.Client(timeout=timeout_s, transport=transport,
+                                    limits=httpx.Limits(max_keepalive_connections=shards))
+        self._lock = threading.Lock()
+        self._shards = [_Shard(self._lock) for _ in range(shards)]
+        self._queued = 0
         self._stopping = False
-        self._offered = 0
-        """GPU samples ever queued: the position of the queue's end."""
-        self._finished = 0
-        """GPU samples ever taken off the queue and done with (sent, or dropped for good)."""
-        self._waiters: collections.deque[tuple[int, concurrent.futures.Future[None]]] = \
+        self._waiters: collections.deque[tuple[list[int], concurrent.futures.Future[None]]] = \
             collections.deque()
+        """:meth:`written` futures with each shard's position they wait for, oldest first
+        (so each one's positions are at least its predecessor's)."""
+        self._recent: collections.OrderedDict[tuple[str, int], None] = \
+            collections.OrderedDict()
+        """``(agent_id, seq)`` of the last :data:`RECENT_BATCHES` batches whose samples
+        this process queued (:meth:`resend` need not queue them again)."""
         self.last_error = ""
         """Why the last request failed ("" after a success), for /readyz."""
-        self._thread = threading.Thread(target=self._run, name="forewarn-remote-write",
-                                        daemon=True)
+        self._threads = [threading.Thread(target=self._run, args=(shard,), daemon=True,
+                                          name=f"forewarn-remote-write-{i}")
+                         for i, shard in enumerate(self._shards)]
 
     def start(self) -> None:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
 
     @property
     def queued(self) -> int:
         """GPU samples waiting to be sent."""
-        return len(self._queue)
+        return self._queued
 
     def offer(self, samples: Sequence[GpuSample]) -> None:
         """Queue ``samples``; what does not fit in the queue is dropped and counted."""
-        with self._cond:
-            room = max(0, self.queue_samples - len(self._queue))
-            self._queue.extend(samples[:room])
-            self._offered += min(room, len(samples))
+        with self._lock:
+            room = max(0, self.queue_samples - self._queued)
+            woken = set()
+            for sample in samples[:room]:
+                shard = self._shards[hash((sample.node, sample.gpu)) % len(self._shards)]
+                shard.queue.append(sample)
+                shard.offered += 1
+                woken.add(id(shard))
+            self._queued += min(room, len(samples))
             if len(samples) > room:
                 self.metrics.remote_write_dropped.labels("queue_full").inc(len(samples) - room)
-            self._cond.notify()
-        self.metrics.remote_write_queued.set(len(self._queue))
+            for shard in self._shards:
+                if id(shard) in woken:
+                    shard.wake.notify()
+            queued = self._queued
+        self.metrics.remote_write_queued.set(queued)
 
     def written(self) -> concurrent.futures.Future[None]:
         """A future done once every sample offered so far is in the store or dropped for
-        good (refused by it, or past the queue: counted); it fails when the writer stops
-        first (those samples were not sent)."""
+        good (refused by it, or past the queue: counted), whichever requests carried them;
+        it fails when the writer stops first (those samples were not sent)."""
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
-        with self._cond:
+        with self._lock:
             if self._stopping:
                 future.set_exception(RuntimeError("remote write stopped"))
-            elif self._finished >= self._offered:
+            elif all(s.finished >= s.offered for s in self._shards):
                 future.set_result(None)
             else:
-                self._waiters.append((self._offered, future))
+                self._waiters.append(([s.offered for s in self._shards], future))
         return future
 
     def on_staged(self, staged: list[tuple[int, str, int, list[GpuSample]]]) -> None:
         """The ingest writer's hook: the samples of newly stored batches."""
-        for _id, _agent, _seq, samples in staged:
+        for _id, agent_id, seq, samples in staged:
+            self._remember(agent_id, seq)
             self.offer(samples)
 
+    def resend(self, agent_id: str, seq: int, samples: Sequence[GpuSample]) -> None:
+        """A batch the state store already had (a duplicate) came again: queue its samples
+        again (counted, ``remote_write_resent_samples_total``) unless this process queued
+        them itself. The process that stored it may have died with them queued; the store
+        keeps an equal sample once."""
+        if self._remember(agent_id, seq):
+            return
+        self.offer(samples)
+        self.metrics.remote_write_resent.inc(len(samples))
+
+    def _remember(self, agent_id: str, seq: int) -> bool:
+        """Note the batch as queued here; whether it was already."""
+        key = (agent_id, seq)
+        with self._lock:
+            if key in self._recent:
+                return True
+            self._recent[key] = None
+            if len(self._recent) > RECENT_BATCHES:
+                self._recent.popitem(last=False)
+            return False
+
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Send what is queued for up to ``timeout_s``, then end the thread (what is left
+        """Send what is queued for up to ``timeout_s``, then end the threads (what is left
         is dropped and counted)."""
-        with self._cond:
+        with self._lock:
             self._stopping = True
-            self._cond.notify()
-        self._thread.join(timeout_s)
-        with self._cond:
-            left = len(self._queue)
-            self._queue.clear()
+            for shard in self._shards:
+                shard.wake.notify()
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            if thread.ident is not None:  # started
+                thread.join(max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            left = self._queued
+            for shard in self._shards:
+                shard.queue.clear()
+            self._queued = 0
             waiters, self._waiters = self._waiters, collections.deque()
-        for _end, future in waiters:
-            future.set_exception(RuntimeError("remote write stopped before these were sent"))
+        for _positions, future in waiters:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):  # cancelled
+                future.set_exception(RuntimeError("remote write stopped before these were"
+                                                  " sent"))
         if left:
             self.metrics.remote_write_dropped.labels("shutdown").inc(left)
         self._client.close()
 
-    def _take(self) -> list[GpuSample]:
-        with self._cond:
-            while not self._queue and not self._stopping:
-                self._cond.wait()
-            n = min(self.batch_samples, len(self._queue))
-            return [self._queue.popleft() for _ in range(n)]
+    def _take(self, shard: _Shard) -> list[GpuSample]:
+        with self._lock:
+            while not shard.queue and not self._stopping:
+                shard.wake.wait()
+            n = min(self.batch_samples, len(shard.queue))
+            self._queued -= n
+            return [shard.queue.popleft() for _ in range(n)]
 
-    def _run(self) -> None:
+    def _run(self, shard: _Shard) -> None:
         while True:
-            batch = self._take()
+            batch = self._take(shard)
             if not batch:
                 return  # stopping and drained
-            self.metrics.remote_write_queued.set(len(self._queue))
+            self.metrics.remote_write_queued.set(self._queued)
             body = _compress(encode_write_request(series_of(batch, self.labels)))
             if self._send(body, len(batch)):
-                self._done(len(batch))
+                self._done(shard, len(batch))
 
-    def _done(self, samples: int) -> None:
-        """``samples`` more are done with: wake the :meth:`written` futures they complete."""
+    def _done(self, shard: _Shard, samples: int) -> None:
+        """``samples`` more of ``shard`` are done with: wake the :meth:`written` futures
+        whose samples are all done now."""
         ready = []
-        with self._cond:
-            self._finished += samples
-            while self._waiters and self._waiters[0][0] <= self._finished:
+        with self._lock:
+            shard.finished += samples
+            while self._waiters and all(
+                    s.finished >= want for s, want in zip(self._shards, self._waiters[0][0],
+                                                          strict=True)):
                 ready.append(self._waiters.popleft()[1])
         for future in ready:
-            future.set_result(None)
+            # A waiter may have cancelled it; the sender thread must go on.
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                future.set_result(None)
 
     def _send(self, body: bytes, samples: int) -> bool:
         """POST until it is taken or refused for good (True), or the writer stops

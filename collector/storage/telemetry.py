@@ -10,11 +10,13 @@ Crash safety ("kill -9 during ingest: every batch stored exactly once"): ingest 
 writes Parquet. It stages the batch body (in the staging log, :mod:`.staging`, fsync'd,
 and a ``staged_samples`` row pointing at it) in the same SQLite transaction that records
 ``(agent_id, seq)``, and only then acknowledges the agent.
-:meth:`TelemetryWriter.flush` later writes staged rows ``first..last`` to Parquet (temp
-file, fsync, rename), then in ONE transaction records the file in ``telemetry_files`` and
-deletes the staged rows. A crash before that transaction leaves a file that no table
-names; :meth:`TelemetryWriter.recover` finds it at start-up, and since every row it holds
-is still staged (written again by the next flush), deletes it. So every sample is in
+:meth:`TelemetryWriter.flush` later writes the staged rows it read (ids ``first..last``) to
+Parquet (temp file, fsync, rename), then in ONE transaction records the file in
+``telemetry_files`` and deletes those rows by id (on PostgreSQL an id inside the range may
+belong to another replica's row that committed after the read: it stays staged). A crash
+before that transaction leaves a file that no table names; :meth:`TelemetryWriter.recover`
+finds it at start-up, and since every row it holds is still staged (written again by the
+next flush), deletes it. So every sample is in
 exactly one of staging or a recorded file.
 
 Damage: files are written with page checksums and verified after writing
@@ -103,10 +105,12 @@ class TelemetryWriter:
                 self._cache[staged_id] = (agent_id, seq, samples)
                 self._cached += len(samples)
 
-    def _forget(self, last: int) -> None:
+    def _forget(self, ids: Sequence[int]) -> None:
         with self._cache_lock:
-            for staged_id in [i for i in self._cache if i <= last]:
-                self._cached -= len(self._cache.pop(staged_id)[2])
+            for staged_id in ids:
+                entry = self._cache.pop(staged_id, None)
+                if entry is not None:
+                    self._cached -= len(entry[2])
 
     def _samples_of(self, row: dict[str, Any]) -> list[GpuSample]:
         """The samples of one ``staged_samples`` row (body in the row or the staging log)."""
@@ -242,13 +246,15 @@ class TelemetryWriter:
                     "INSERT OR REPLACE INTO telemetry_files (name, day, first_id, last_id, rows,"
                     " created) VALUES (?, ?, ?, ?, ?, ?)",
                     [(rel, day, first, last, n, now) for rel, day, n in written])
-                conn.execute("DELETE FROM staged_samples WHERE id BETWEEN ? AND ?",
-                             (first, last))
+                # The rows read, not the range first..last: on PostgreSQL another
+                # replica's row with an id inside it may have committed since the read.
+                conn.executemany("DELETE FROM staged_samples WHERE id = ?",
+                                 [(i,) for i in ids])
         except BaseException:
             for rel, *_rest in written:
                 (self.root / rel).unlink(missing_ok=True)
             raise
-        self._forget(last)
+        self._forget(ids)
         self.drop_segments()
         total = sum(n for _r, _d, n in written)
         self.metrics.telemetry_rows.inc(total)

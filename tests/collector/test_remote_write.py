@@ -98,8 +98,9 @@ def test_dashboard_panel_queries_answer_against_victoriametrics(
 def test_unreachable_store_is_retried_and_a_full_queue_drops_counted() -> None:
     metrics = CollectorMetrics()
     url = f"http://127.0.0.1:{free_port()}/api/v1/write"  # nothing listens
-    writer = RemoteWriter(url, metrics, queue_samples=6, batch_samples=2, backoff_s=0.05,
-                          backoff_max_s=0.2, timeout_s=1.0)
+    # One shard: one request in flight, so the arithmetic below is exact.
+    writer = RemoteWriter(url, metrics, queue_samples=6, batch_samples=2, shards=1,
+                          backoff_s=0.05, backoff_max_s=0.2, timeout_s=1.0)
     writer.start()
     try:
         writer.offer(gpu_samples("n", time.time()))  # 4 fit

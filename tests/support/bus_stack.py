@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from forewarn import bus
 from forewarn.agent.bus import NatsUplink
 from forewarn.agent.config import AgentConfig
+from forewarn.agent.uplink import Uplink
 from forewarn.collector.http.auth import hash_token
 from forewarn.collector.storage.store import Store
 from forewarn.wire import GpuSample
@@ -60,20 +61,23 @@ class ReplicaProc:
 
 
 class FedAgent:
-    """A node's NATS uplink with a thread adding ``gpus`` samples every ``every_s``."""
+    """A node's uplink (NATS at ``url``; with ``uplink="http"``, HTTP to the collector at
+    ``url``) with a thread adding ``gpus`` samples every ``every_s``."""
 
     def __init__(self, tmp: Path, url: str, node: str, *, gpus: int = 4,
-                 every_s: float = 0.05, **kw: Any) -> None:
-        cfg = AgentConfig(node=node, uplink="nats", nats_url=url, token=TOKENS[node],
+                 every_s: float = 0.05, uplink: str = "nats", **kw: Any) -> None:
+        where = {"collector_url": url} if uplink == "http" else {"nats_url": url}
+        cfg = AgentConfig(node=node, uplink=uplink, token=TOKENS[node],
                           spool_dir=tmp / f"spool-{bus.node_token(node)}",
-                          push_interval_s=0.1, **kw)
+                          push_interval_s=0.1, **where, **kw)
         self.node = node
         self.gpus = gpus
         self.every_s = every_s
         self.sent = 0
         self.registry = CollectorRegistry()
-        self.uplink = NatsUplink(cfg, registry=self.registry, retry_s=0.1,
-                                 publish_timeout_s=2.0, fetch_wait_s=0.5)
+        self.uplink: Uplink = Uplink(cfg, registry=self.registry, retry_s=0.1) \
+            if uplink == "http" else NatsUplink(cfg, registry=self.registry, retry_s=0.1,
+                                                publish_timeout_s=2.0, fetch_wait_s=0.5)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._feed, daemon=True)
 
