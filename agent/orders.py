@@ -246,9 +246,9 @@ class CheckpointOrders:
         self._lock = threading.RLock()
         self._orders: dict[str, OrderStatus] = {}
         self.holds = LocalHolds(
-            table, send, clock, lambda views, now, scale, floor: choose_step(
-                views, now, delivery_latency_s=self.delivery_latency_s, safety_s=self.safety_s,
-                margin_scale=scale, floor=floor), max_reissues)
+            table, send, clock, lambda views, now: choose_step(
+                views, now, delivery_latency_s=self.delivery_latency_s, safety_s=self.safety_s),
+            max_reissues)
         self._fired: dict[str, tuple[float, dict[str, Finding]]] = {}
         """Subject -> (when the fast path last ordered for it, check -> finding it saw)."""
         self.orders_total: collections.Counter[tuple[str, str]] = collections.Counter()
