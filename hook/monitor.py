@@ -316,11 +316,12 @@ class Monitor:
 
     def _special_step(self, step: int) -> None:
         pre = self._pre
-        on = agreeing(self.agree_every)
-        if on and step % self.agree_every == 0:
+        every = self.agree_every
+        # agreeing() asks torch.distributed (µs): only on an agreement step or after the grace
+        if every and step % every == 0 and agreeing(every):
             agree(self._orders, step, pre.stage == PENDING)
         # a rank leaving alone would hang its peers' collective: not while agreeing
-        if pre.grace_over() and not on:
+        if pre.grace_over() and not agreeing(every):
             self._log.warning("preempt", "no checkpoint started %.0f s after the preemption "
                               "notice", pre.grace_s)
             pre.exit_as_before(pre.signum)
