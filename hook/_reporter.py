@@ -48,14 +48,13 @@ class Reporter:
         sender: Sender,
         *,
         clock: Callable[[], float],
-        queue_limit: int,
         cuda_depth: int,
         on_nonfinite_loss: Callable[[int], None],
     ) -> None:
         self.identity = identity
         self.pack = sender.pack_step
         self.queue = sender.queue
-        self.queue_limit = queue_limit
+        self.queue_limit = sender.queue_limit
         self.deferred: DeferredValues | None = None
         """Tensor values waiting for their device copy (created at the first CUDA value)."""
         self.dropped = 0

@@ -195,14 +195,14 @@ class Monitor:
             name=f"forewarn-hook-r{self.rank}",
         )
         self._out = Reporter(self.identity, self._ch, self._sender, clock=clock,
-                             queue_limit=queue_limit, cuda_depth=cuda_depth,
+                             cuda_depth=cuda_depth,
                              on_nonfinite_loss=self._numerics.nonfinite_loss)
         self._saves = Saves(self._orders, self._out, self._pre, self._numerics, monotonic,
                             follow_advice)
         self._phases = Phases(clock, monotonic, self._sender.beat_soon)
         # the fast path's state on the Monitor itself: one object to touch per step
         self._queue = self._sender.queue
-        self._queue_limit = queue_limit
+        self._queue_limit = self._sender.queue_limit
         self._sender.start()  # the first beat goes out at construction
         atexit.register(self._at_exit)
 
