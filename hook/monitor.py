@@ -168,7 +168,6 @@ class Monitor:
         self._steps = 0
         self._plain = False  # step() may take the fast path (see _replan)
         self._special = agree_every > 0  # step() runs _special_step when True
-        self._tensors = False  # CUDA values are in flight: step() takes the general path
         self._failures = 0
         self._log = RateLimitedLog()
         self._lock = threading.Lock()
@@ -252,8 +251,10 @@ class Monitor:
             self._out.send(data, urgent=bad)  # NaN/Inf: the agent's detector wants it now
 
     def _replan(self) -> None:
-        """Whether the next step() may take the fast path."""
-        self._plain = not (self._special or self._tensors or self._prev_mono is None)
+        """Whether the next step() may take the fast path: not once a CUDA value was passed
+        (the Reporter keeps its deferred values from then on)."""
+        self._plain = not (self._special or self._out.deferred is not None
+                           or self._prev_mono is None)
 
     def report_values(self, step: int, loss: Any = None, grad_norm: Any = None,
                       **extras: Any) -> None:
@@ -281,7 +282,6 @@ class Monitor:
         try:
             return self._out.record(step, now, ss, loss, grad_norm, extras)
         finally:
-            self._tensors = self._out.deferred is not None
             self._replan()
 
     # ------------------------------------------------------------------ checkpoints
