@@ -244,11 +244,10 @@ class Monitor:
             self._special_step(step)
         data = self._record(step, now, None if prev is None else mono - prev, loss, grad_norm,
                             extras)
-        bad = not _finite(loss)
-        if bad:  # suspect now, with or without an agent, even when a CUDA value defers
-            self._numerics.nonfinite_loss(checked_step(step))
+        # (a NaN/Inf loss made the state suspect as the Reporter read it: Reporter.record)
         if data is not None:  # else sent by a later step() once the CUDA copy landed
-            self._out.send(data, urgent=bad)  # NaN/Inf: the agent's detector wants it now
+            # NaN/Inf: the agent's detector wants it now
+            self._out.send(data, urgent=not _finite(loss))
 
     def _replan(self) -> None:
         """Whether the next step() may take the fast path: not once a CUDA value was passed
