@@ -63,8 +63,9 @@ save) and a gone rank (its peers will block in the next collective). A NaN/Inf l
 so even with the collector down): the state is suspect since the finding's ``bad_step``,
 and every local rank stops saving at one step chosen as an order's S. Jobs spanning nodes
 are left to the collector here too. A rank that had already passed that step reports
-``missed`` (its current step) and the hold goes again to every local rank, past that step,
-``replaces`` naming the missed one (:class:`forewarn.wire.SaveHold`).
+``missed`` (the last step it passed unheld) and the hold goes again to every local rank from
+the step after it, ``replaces`` naming the missed one (:class:`forewarn.wire.SaveHold`,
+:func:`forewarn.ordering.replacement_hold`).
 
 Preemption
 ----------
