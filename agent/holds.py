@@ -4,9 +4,9 @@ A hold (:class:`forewarn.wire.SaveHold`) goes to every live local rank of its jo
 collector's as it comes, the agent's own (a NaN/Inf loss of a job whose every rank runs on
 this node, :class:`forewarn.agent.orders.CheckpointOrders`'s fast path) with its step
 chosen as an order's S. A rank that had already passed that step reports ``missed`` with
-its current step; the agent then sends its own hold again, past that step (the ordering
-rule's ``floor``, the margin doubled per re-issue as for orders), ``replaces`` naming the
-missed one. A collector's hold is the collector's to re-issue (the report goes up).
+the last step it passed unheld; the agent then sends its own hold again for the step after
+it (:func:`forewarn.ordering.replacement_hold`), ``replaces`` naming the missed one. A
+collector's hold is the collector's to re-issue (the report goes up).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ __all__ = ["LocalHolds"]
 
 log = logging.getLogger("forewarn.agent.orders")
 
-StepFor = Callable[[Sequence[RankView], float, float, "int | None"], int]
-"""``(views, now, margin_scale, floor) -> S`` (the agent's ordering rule)."""
+StepFor = Callable[[Sequence[RankView], float], int]
+"""``(views, now) -> S`` (the agent's ordering rule)."""
 
 
 class LocalHolds:
@@ -61,7 +61,7 @@ class LocalHolds:
             max((v.last_step or 0 for v in views), default=0)
         now = self.clock()
         hold = SaveHold(request_id=f"fw-{uuid.uuid4().hex[:16]}", job=job, onset_step=onset,
-                        step=max(self.step_for(views, now, 1.0, None), onset),
+                        step=max(self.step_for(views, now), onset),
                         reason=f"{f.check}: {f.reason}"[:4000], issued=now)
         reached = self._send_own(hold, 0)
         log.warning("save hold %s: job %s is suspect since step %d, saves stop at step %d "
@@ -84,10 +84,8 @@ class LocalHolds:
             log.error("save hold %s: rank %d missed it; gave up after %d reissues",
                       hold.request_id, rep.rank, reissues)
             return True
-        now = self.clock()
-        step = self.step_for(self._views(hold.job), now, 2.0 ** (reissues + 1), rep.step)
-        new = replacement_hold(hold, step, f"{hold.request_id.split('-r')[0]}-r{reissues + 1}",
-                               now)
+        new = replacement_hold(hold, rep.step,
+                               f"{hold.request_id.split('-r')[0]}-r{reissues + 1}", self.clock())
         log.warning("save hold %s missed by rank %d at step %d: saves stop at step %d instead",
                     hold.request_id, rep.rank, rep.step, new.step)
         self._send_own(new, reissues + 1)

@@ -63,8 +63,9 @@ save) and a gone rank (its peers will block in the next collective). A NaN/Inf l
 so even with the collector down): the state is suspect since the finding's ``bad_step``,
 and every local rank stops saving at one step chosen as an order's S. Jobs spanning nodes
 are left to the collector here too. A rank that had already passed that step reports
-``missed`` (its current step) and the hold goes again to every local rank, past that step,
-``replaces`` naming the missed one (:class:`forewarn.wire.SaveHold`).
+``missed`` (the last step it passed unheld) and the hold goes again to every local rank from
+the step after it, ``replaces`` naming the missed one (:class:`forewarn.wire.SaveHold`,
+:func:`forewarn.ordering.replacement_hold`).
 
 Preemption
 ----------
@@ -246,9 +247,9 @@ class CheckpointOrders:
         self._lock = threading.RLock()
         self._orders: dict[str, OrderStatus] = {}
         self.holds = LocalHolds(
-            table, send, clock, lambda views, now, scale, floor: choose_step(
-                views, now, delivery_latency_s=self.delivery_latency_s, safety_s=self.safety_s,
-                margin_scale=scale, floor=floor), max_reissues)
+            table, send, clock, lambda views, now: choose_step(
+                views, now, delivery_latency_s=self.delivery_latency_s, safety_s=self.safety_s),
+            max_reissues)
         self._fired: dict[str, tuple[float, dict[str, Finding]]] = {}
         """Subject -> (when the fast path last ordered for it, check -> finding it saw)."""
         self.orders_total: collections.Counter[tuple[str, str]] = collections.Counter()

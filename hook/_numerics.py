@@ -9,13 +9,16 @@ a collective save. A rank alone in its job (world size 1) holds at once, at the 
 
 **A hold that arrives late.** The hold's step is chosen as a checkpoint order's S
 (:mod:`forewarn.ordering`), so it normally lies ahead of every rank when it lands. A rank
-that has already reported that step cannot meet it (it may have saved at steps the others
-will refuse): like a missed order, it reports ``missed`` with its current step under the
-hold's request id, and holds from its next step meanwhile (every rank that took the hold in
-time holds there too). The issuer -- the agent for a job on its node, else the collector --
-issues the hold again for a step past every step reported (the rule's ``floor``), naming
-the hold it ``replaces``; every rank then holds from that step instead, so the ranks agree
-again on one step they can all still meet. A rank that misses the re-issued hold as well
+that has already passed that step unheld cannot meet it (it may have saved at steps the
+others will refuse): like a missed order, it reports ``missed`` with the last step it
+passed unheld under the hold's request id, and holds from the step after (every rank that
+took the hold in time holds there too). The issuer -- the agent for a job on its node, else
+the collector -- issues the hold again from that same step
+(:func:`forewarn.ordering.replacement_hold`), naming the hold it ``replaces``; every rank then
+holds from that step instead: the steps the late rank passed unheld are freed for its
+peers, and nothing a rank has not reached changes, so a rank decides every later step the
+same whether the re-issue has reached it yet or not. A rank that was already holding at
+the re-issued step has not missed it; one that passed it unheld too (a second late rank)
 reports again (the issuer gives up after a few re-issues, as for orders).
 """
 
@@ -73,16 +76,19 @@ class Numerics:
         if hold.job != self.job or hold.request_id in self._seen:
             return
         self._seen.append(hold.request_id)
-        missed = last_step is not None and last_step >= hold.step
+        unheld = last_step  # the last step this rank passed without holding
+        if unheld is not None and self.held_from is not None:
+            unheld = min(unheld, self.held_from - 1)
+        missed = unheld is not None and unheld >= hold.step
         # a late rank holds from the first step it can still meet, as the others do by now
-        start = last_step + 1 if missed and last_step is not None else hold.step
+        start = unheld + 1 if missed and unheld is not None else hold.step
         _log.warning("forewarn: saves held from step %d: the training state is suspect since "
                      "step %d (%s)%s", start, hold.onset_step, hold.reason[:200],
                      f"; the hold named step {hold.step}, already passed: reported missed"
                      if missed else "")
         self.suspect(hold.onset_step, start, hold.request_id, replaces=hold.replaces)
-        if missed and last_step is not None:
-            self._report_missed(last_step, hold.request_id)
+        if missed and unheld is not None:
+            self._report_missed(unheld, hold.request_id)
 
     def suspect(self, onset: int, hold_from: int | None, hold_id: str = "",
                 replaces: str = "") -> None:

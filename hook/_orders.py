@@ -98,12 +98,10 @@ class DueOrders:
 
 
 def agreeing(agree_every: int) -> bool:
-    """Agreement mode is on and the default process group is up."""
-    if agree_every <= 0 or "torch" not in sys.modules:
-        return False
-    import torch.distributed as dist
-
-    return bool(dist.is_available() and dist.is_initialized())
+    """Agreement mode is on and the default process group is up (a process group exists
+    only once the user imported torch.distributed: nothing is imported here)."""
+    dist = sys.modules.get("torch.distributed") if agree_every > 0 else None
+    return dist is not None and bool(dist.is_available() and dist.is_initialized())
 
 
 def agree(orders: DueOrders, step: int, notice: bool) -> None:

@@ -37,8 +37,9 @@ def checked_step(step: Any) -> int:
 class Reporter:
     """Encodes one rank's reports and queues them for the :class:`._sender.Sender`.
 
-    ``on_nonfinite_loss(step)`` is called for every NaN/Inf loss this path reads (a
-    tensor's value read now or landed later).
+    ``on_nonfinite_loss(step)`` is called for every NaN/Inf loss this path reads, as it
+    reads it: a value read now (even when the grad norm's CUDA copy defers the record), or
+    a CUDA value once landed.
     """
 
     def __init__(
@@ -48,14 +49,13 @@ class Reporter:
         sender: Sender,
         *,
         clock: Callable[[], float],
-        queue_limit: int,
         cuda_depth: int,
         on_nonfinite_loss: Callable[[int], None],
     ) -> None:
         self.identity = identity
         self.pack = sender.pack_step
         self.queue = sender.queue
-        self.queue_limit = queue_limit
+        self.queue_limit = sender.queue_limit
         self.deferred: DeferredValues | None = None
         """Tensor values waiting for their device copy (created at the first CUDA value)."""
         self.dropped = 0
@@ -100,6 +100,8 @@ class Reporter:
         if self.deferred is not None:
             self.flush_deferred(wait=False)
         ok_l, lv = self._read(loss)
+        if lv is not None and lv - lv != 0.0:
+            self._nonfinite_loss(step)
         ok_g, gv = self._read(grad_norm)
         if not (ok_l and ok_g):
             if self.deferred is None:
@@ -126,8 +128,6 @@ class Reporter:
         self, step: int, now: float, ss: float | None, loss: float | None, gn: float | None,
         extras: dict[str, float],
     ) -> bytes:
-        if loss is not None and loss - loss != 0.0:
-            self._nonfinite_loss(step)  # a tensor's value, read now or landed later
         if ss is not None and loss is not None and gn is not None and not extras:
             return self.pack(step, now, ss, loss, gn)
         i = self.identity
@@ -145,6 +145,8 @@ class Reporter:
         if d is None or not len(d):
             return
         for p, lv, gv in d.ready(wait=wait):
+            if lv is not None and lv - lv != 0.0:
+                self._nonfinite_loss(p.step)  # a CUDA loss, landed now
             self.send(self._encode_step(p.step, p.time, p.step_seconds, lv, gv, p.extras))
         self._values_skipped = max(self._values_skipped, d.values_skipped)
 

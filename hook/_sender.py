@@ -60,11 +60,11 @@ class Sender:
         self.channel = channel
         self.queue: collections.deque[bytes | StepValues] = collections.deque()
         self.queue_limit = queue_limit
+        """Most records queued: ``Monitor.step()`` and the Reporter drop (and count) beyond."""
         self.pack_step = pack_step
         self.dropped = 0
         self.bad_records = 0
         """Queued step values that could not be packed (left out, the rest sent)."""
-        self.sent = 0
         self.beats = 0
         self._make_beat = make_beat
         self._on_datagram = on_datagram
@@ -144,7 +144,6 @@ class Sender:
                                               f"not an integer in [0, 2**64) ({exc})"))
                     continue
             if self._send(data):
-                self.sent += 1
                 continue
             lost = 1 + len(q)
             q.clear()

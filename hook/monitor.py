@@ -168,7 +168,6 @@ class Monitor:
         self._steps = 0
         self._plain = False  # step() may take the fast path (see _replan)
         self._special = agree_every > 0  # step() runs _special_step when True
-        self._tensors = False  # CUDA values are in flight: step() takes the general path
         self._failures = 0
         self._log = RateLimitedLog()
         self._lock = threading.Lock()
@@ -195,14 +194,14 @@ class Monitor:
             name=f"forewarn-hook-r{self.rank}",
         )
         self._out = Reporter(self.identity, self._ch, self._sender, clock=clock,
-                             queue_limit=queue_limit, cuda_depth=cuda_depth,
+                             cuda_depth=cuda_depth,
                              on_nonfinite_loss=self._numerics.nonfinite_loss)
         self._saves = Saves(self._orders, self._out, self._pre, self._numerics, monotonic,
                             follow_advice)
         self._phases = Phases(clock, monotonic, self._sender.beat_soon)
         # the fast path's state on the Monitor itself: one object to touch per step
         self._queue = self._sender.queue
-        self._queue_limit = queue_limit
+        self._queue_limit = self._sender.queue_limit
         self._sender.start()  # the first beat goes out at construction
         atexit.register(self._at_exit)
 
@@ -245,15 +244,16 @@ class Monitor:
             self._special_step(step)
         data = self._record(step, now, None if prev is None else mono - prev, loss, grad_norm,
                             extras)
-        bad = not _finite(loss)
-        if bad:  # suspect now, with or without an agent, even when a CUDA value defers
-            self._numerics.nonfinite_loss(checked_step(step))
+        # (a NaN/Inf loss made the state suspect as the Reporter read it: Reporter.record)
         if data is not None:  # else sent by a later step() once the CUDA copy landed
-            self._out.send(data, urgent=bad)  # NaN/Inf: the agent's detector wants it now
+            # NaN/Inf: the agent's detector wants it now
+            self._out.send(data, urgent=not _finite(loss))
 
     def _replan(self) -> None:
-        """Whether the next step() may take the fast path."""
-        self._plain = not (self._special or self._tensors or self._prev_mono is None)
+        """Whether the next step() may take the fast path: not once a CUDA value was passed
+        (the Reporter keeps its deferred values from then on)."""
+        self._plain = not (self._special or self._out.deferred is not None
+                           or self._prev_mono is None)
 
     def report_values(self, step: int, loss: Any = None, grad_norm: Any = None,
                       **extras: Any) -> None:
@@ -281,7 +281,6 @@ class Monitor:
         try:
             return self._out.record(step, now, ss, loss, grad_norm, extras)
         finally:
-            self._tensors = self._out.deferred is not None
             self._replan()
 
     # ------------------------------------------------------------------ checkpoints
@@ -316,11 +315,12 @@ class Monitor:
 
     def _special_step(self, step: int) -> None:
         pre = self._pre
-        on = agreeing(self.agree_every)
-        if on and step % self.agree_every == 0:
+        every = self.agree_every
+        # agreeing() asks torch.distributed (µs): only on an agreement step or after the grace
+        if every and step % every == 0 and agreeing(every):
             agree(self._orders, step, pre.stage == PENDING)
         # a rank leaving alone would hang its peers' collective: not while agreeing
-        if pre.grace_over() and not on:
+        if pre.grace_over() and not agreeing(every):
             self._log.warning("preempt", "no checkpoint started %.0f s after the preemption "
                               "notice", pre.grace_s)
             pre.exit_as_before(pre.signum)

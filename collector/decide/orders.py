@@ -19,9 +19,11 @@ order arrived), the order is reissued once with a new S computed from the missed
 step, up to ``max_reissues`` times; ``failed`` when a rank failed or reissues ran out.
 
 A save hold (:class:`~forewarn.wire.SaveHold`) follows the same rule: its step is chosen as
-S is, and a rank that had already passed it reports ``missed`` under the hold's request id;
-the hold then goes out again to every node of the job for a step past that rank's
-(``floor``), naming the hold it ``replaces`` (:meth:`OrderBook.on_hold_report`).
+S is, and a rank that had already passed it reports ``missed`` under the hold's request id
+with the last step it passed unheld; the hold then goes out again to every node of the job
+for the step after that one, naming the hold it ``replaces``
+(:func:`forewarn.ordering.replacement_hold` says why not further ahead;
+:meth:`OrderBook.on_hold_report`).
 """
 
 from __future__ import annotations
@@ -205,8 +207,8 @@ class OrderBook:
     def on_hold_report(self, report: CheckpointReport, job: JobInfo | None = None
                        ) -> SaveHold | None:
         """A rank reported ``missed`` for a hold (it had passed the hold's step): the hold
-        again for every node of the job, at a step past every step reported (the ordering
-        rule's ``floor``), replacing the missed one. Returns the new hold, if any."""
+        again for every node of the job, from the step after the one reported, replacing
+        the missed one. Returns the new hold, if any."""
         missed = self._holds.missed(report)
         if missed is None:
             return None
@@ -214,10 +216,8 @@ class OrderBook:
         if attempt >= self.settings.max_reissues:
             self._m_orders.labels("failed").inc()
             return None
-        snapshot = job or issued_for
-        step, _inputs = choose_step(snapshot, self._clock(), self.settings, floor=report.step)
-        new = replacement_hold(hold, step, self._new_id(), self._clock())
-        self._send_hold(snapshot, new, attempt + 1)
+        new = replacement_hold(hold, report.step, self._new_id(), self._clock())
+        self._send_hold(job or issued_for, new, attempt + 1)
         self._m_orders.labels("reissued").inc()
         return new
 

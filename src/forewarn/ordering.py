@@ -26,10 +26,18 @@ with a known pace, S - estimated is at least the number of steps the fastest ran
 in ``lead_s``.
 
 A save hold (:class:`~forewarn.wire.SaveHold`) is placed by the same rule, never before
-its onset. A rank that had passed its step reports ``missed`` with its current step; the
-side that issued the hold (agent or collector, :class:`IssuedHolds`) then sends
-:func:`replacement_hold`: S again with that step as ``floor``, ``replaces`` naming the
-missed hold. A ``missed`` report counts only from a rank of the hold's own job.
+its onset. A rank that had passed its step unheld reports ``missed`` with the last step it
+passed unheld (m); the side that issued the hold (agent or collector, :class:`IssuedHolds`)
+then sends :func:`replacement_hold`, ``replaces`` naming the missed hold. A ``missed``
+report counts only from a rank of the hold's own job.
+
+**The replacement does not follow the rule**: it holds from m + 1. The late rank saved what
+it liked up to m and holds from m + 1 on, while the ranks that took the hold in time hold
+from its step; the replacement frees the steps the late rank has already passed unheld (its
+peers may still join a save it made there) and no step beyond. A replacement placed ahead
+of the ranks, as an order's S is, would free steps no rank has reached yet, and a rank would
+then refuse or make a save there depending on whether the replacement had reached it: the
+ranks split on a collective save (issue 15).
 """
 
 from __future__ import annotations
@@ -91,11 +99,13 @@ def order_step(
     return max(estimated or 0, floor or 0) + margin, margin
 
 
-def replacement_hold(hold: SaveHold, step: int, request_id: str, now: float) -> SaveHold:
-    """The hold that replaces ``hold`` after a rank missed it: at ``step`` (S with the
-    rank's reported step as ``floor``), never before the onset."""
+def replacement_hold(hold: SaveHold, missed_step: int, request_id: str, now: float
+                     ) -> SaveHold:
+    """The hold that replaces ``hold`` after a rank reported it ``missed`` at
+    ``missed_step``: held from the step after (see the module doc), never before the
+    onset."""
     return msgspec.structs.replace(hold, request_id=request_id,
-                                   step=max(step, hold.onset_step), issued=now,
+                                   step=max(missed_step + 1, hold.onset_step), issued=now,
                                    replaces=hold.request_id)
 
 

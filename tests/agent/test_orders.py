@@ -22,6 +22,7 @@ from forewarn.agent.hang import HangTerminator
 from forewarn.agent.orders import CheckpointOrders, choose_step
 from forewarn.agent.procview import Credentials, ProcView
 from forewarn.agent.ranks import RankTable
+from forewarn.hook import Monitor
 from forewarn.wire import (
     Beat,
     CheckpointOrder,
@@ -34,8 +35,12 @@ from forewarn.wire import (
     Subject,
     SuggestedAction,
     decode_agent_message,
+    decode_hook_message,
     decode_order,
+    encode,
 )
+
+from support.polling import wait_for
 
 
 class Clock:
@@ -72,17 +77,20 @@ class Ranks:
         return True
 
     def add(self, job: str, rank: int, pid: int, local_rank: int | None = None,
-            world: int = 2) -> None:
+            world: int = 2, reply_to: str = "") -> None:
+        """A rank with a reply socket of this test's (or ``reply_to``: a real Monitor's)."""
         self.world[job] = world
-        path = self.tmp / f"{job}-{rank}.sock"
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        s.bind(str(path))
-        s.setblocking(False)
-        self.sockets[(job, rank)] = s
+        if not reply_to:
+            path = self.tmp / f"{job}-{rank}.sock"
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            s.bind(str(path))
+            s.setblocking(False)
+            self.sockets[(job, rank)] = s
+            reply_to = str(path)
         lr = rank if local_rank is None else local_rank
         self.local[(job, rank)] = lr
         b = Beat(job=job, rank=rank, local_rank=lr, world_size=world, pid=pid, host="h",
-                 time=self.clock(), reply_to=str(path))
+                 time=self.clock(), reply_to=reply_to)
         assert self.table.admit(b, Credentials(pid, os.getuid(), 0), self.clock()) is None
 
     def step(self, job: str, rank: int, pid: int, n: int, seconds: float = 0.1) -> None:
@@ -641,10 +649,10 @@ def test_one_double_bit_error_orders_one_local_checkpoint(tmp_path: Path) -> Non
 
 def test_a_local_hold_missed_by_a_rank_goes_again_to_every_rank_past_its_step(
         ranks: Ranks) -> None:
-    """The agent's own hold (a job on its node) follows the ordering rule as its orders do:
-    a rank that had passed its step reports ``missed`` and every local rank gets the hold
-    again, past the step that rank reported, replacing the missed one. A collector's hold
-    passed through is left to the collector."""
+    """The agent's own hold (a job on its node) is placed by the ordering rule as its orders
+    are: a rank that had passed its step reports ``missed`` and every local rank gets the
+    hold again, from the step after the one that rank reported, replacing the missed one.
+    A collector's hold passed through is left to the collector."""
     for rank in (0, 1):
         ranks.add("a", rank, 100 + rank, world=2)
         ranks.step("a", rank, 100 + rank, 40 + rank)
@@ -657,7 +665,7 @@ def test_a_local_hold_missed_by_a_rank_goes_again_to_every_rank_past_its_step(
     again = [decode_agent_message(ranks.sockets[("a", r)].recv(4096)) for r in (0, 1)]
     assert again[0] == again[1] and isinstance(again[0], SaveHold)
     assert again[0].replaces == first[0].request_id
-    assert again[0].step > first[0].step + 30 and again[0].onset_step == 38
+    assert again[0].step == first[0].step + 31 and again[0].onset_step == 38
 
     collector = SaveHold(request_id="c-1", job="a", onset_step=38, step=45, issued=0.0)
     assert orders.hold_job(collector) == 2
@@ -693,3 +701,76 @@ def test_a_miss_reported_by_another_jobs_rank_does_not_move_a_local_hold(
     ranks.report("a", 1, 101, first.request_id, first.step + 3, "missed")
     again = decode_agent_message(ranks.sockets[("a", 0)].recv(4096))
     assert isinstance(again, SaveHold) and again.replaces == first.request_id
+
+
+def test_a_reissued_hold_changes_no_decision_on_a_step_no_rank_has_reached(
+        ranks: Ranks, tmp_path: Path) -> None:
+    """Issue 15: two real Monitors, the agent's own hold. Rank 1 is far ahead when the hold
+    lands: it holds from its next step and reports ``missed``. The re-issued hold reaches
+    rank 0 first. Whether or not it has reached rank 1 yet, both ranks must make the same
+    decision at every step neither has reached (else a rank refuses a collective save its
+    peer makes), and rank 0 saves what rank 1 passed unheld."""
+    agent = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # the Monitors' agent socket
+    agent.bind(str(tmp_path / "agent.sock"))
+    agent.settimeout(5.0)
+    mons = [Monitor(job="a", rank=r, world_size=2, local_rank=r, handle_sigterm=False,
+                    socket_path=str(tmp_path / "agent.sock"), beat_interval_s=0.1)
+            for r in (0, 1)]
+    try:
+        for r, mon in enumerate(mons):
+            ranks.add("a", r, 100 + r, reply_to=mon.reply_path)
+            ranks.step("a", r, 100 + r, 40)
+        for step in range(41):
+            mons[0].step(step, loss=1.0, grad_norm=1.0)
+        for step in range(201):  # rank 1 ran on after its last report the agent saw
+            mons[1].step(step, loss=1.0, grad_norm=1.0)
+        held_back: list[bytes] = []
+        sent = ranks.send
+
+        def send(path: str, data: bytes) -> bool:  # the re-issue reaches rank 1 late
+            msg = decode_agent_message(data)
+            if path == mons[1].reply_path and isinstance(msg, SaveHold) and msg.replaces:
+                held_back.append(data)
+                return True
+            return sent(path, data)
+
+        orders = CheckpointOrders(ranks.table, send, clock=ranks.clock)
+        nan = Finding(check="nan_loss", health=Health.UNHEALTHY,
+                      subject=Subject(kind="rank", node="n", job="a", rank=0, gpu=0),
+                      reason="loss nan", action=SuggestedAction.RESTART_JOB,
+                      evidence={"bad_step": 38}, time=0.0)
+        orders.fast_path([nan])
+        wait_for(lambda: mons[0].saves_held(200), 5, "the hold at rank 0")
+        missed = None
+        while missed is None:  # the socket's 5 s timeout ends a wait for nothing
+            msg = decode_hook_message(agent.recv(65536))
+            if isinstance(msg, CheckpointReport) and msg.phase == "missed":
+                missed = msg
+        assert (missed.rank, missed.step) == (1, 200)
+        ranks.report("a", 1, 101, missed.request_id, missed.step, "missed")
+        assert held_back, "no re-issue"
+        # rank 1 passed step 200 unheld: rank 0 may save it too
+        wait_for(lambda: not mons[0].saves_held(200), 5, "the re-issue at rank 0")
+        for step in range(201, 300):
+            assert mons[0].saves_held(step) == mons[1].saves_held(step), step
+
+        for step in range(201, 211):  # rank 1 holds on meanwhile
+            mons[1].step(step, loss=1.0, grad_norm=1.0)
+        ranks.send(mons[1].reply_path, held_back[0])  # the re-issue reaches rank 1 at last
+        advice = IntervalAdvice(job="a", every_steps=1000, from_step=10_000, interval_s=60.0,
+                                issued=ranks.clock())
+        ranks.send(mons[1].reply_path, encode(advice))  # taken after the re-issue
+        wait_for(lambda: mons[1].advice == advice, 5, "the re-issue at rank 1")
+        for step in range(201, 300):
+            assert mons[0].saves_held(step) == mons[1].saves_held(step), step
+        # rank 1 was holding there already: it has not missed the re-issue (no chain)
+        agent.settimeout(0.3)
+        deadline = time.monotonic() + 0.5  # beats keep coming: read for a while, no longer
+        with contextlib.suppress(TimeoutError):
+            while time.monotonic() < deadline:
+                msg = decode_hook_message(agent.recv(65536))
+                assert not (isinstance(msg, CheckpointReport) and msg.phase == "missed"), msg
+    finally:
+        for mon in mons:
+            mon.close()
+        agent.close()

@@ -109,8 +109,10 @@ def test_shadow_mode_records_the_hold_and_sends_nothing(tmp_path: Path) -> None:
 
 def test_a_rank_past_the_holds_step_reports_missed_and_every_node_gets_it_again(
         svc: Service) -> None:
-    """The ordering rule, as for a missed order: the hold is issued again for a step past
-    the step the rank reported, replacing the missed one on every node of the job."""
+    """The hold is issued again from the step after the one the rank reported (the last it
+    passed unheld), replacing the missed one on every node of the job: not further ahead,
+    which would free steps no rank has reached for the ranks it reached first (issue 15,
+    :func:`forewarn.ordering.reissued_hold`)."""
     svc.push("node1", findings=[_numerics_finding("nan_loss", 1, "node1", 480)])
     (first,) = _holds(_commands(svc, "node1"))
     assert _holds(_commands(svc, "node2")) == [first]
@@ -122,5 +124,5 @@ def test_a_rank_past_the_holds_step_reports_missed_and_every_node_gets_it_again(
     assert again["node1"] == again["node2"] and len(again["node1"]) == 1, again
     (second,) = again["node1"]
     assert second.replaces == first.request_id and second.request_id != first.request_id
-    assert second.step > late and second.onset_step == 480
+    assert second.step == late + 1 and second.onset_step == 480
     wait_for(lambda: _numerics(svc)["held_from_step"] == second.step, 10, "the re-issue")

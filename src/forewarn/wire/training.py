@@ -135,11 +135,11 @@ class SaveHold(Struct, frozen=True, kw_only=True, tag="hold"):
     as a checkpoint order's step is, so every rank stops saving at the same step and no
     rank waits in a collective save for a peer that refused.
 
-    A rank that has already reported ``step`` when the hold arrives holds from its next step
-    and reports ``missed`` (a :class:`CheckpointReport` with the hold's ``request_id`` and
-    its current step); whoever issued the hold issues it again past that step (the ordering
-    rule's ``floor``), with ``replaces`` naming the hold it replaces: every rank then holds
-    from the new ``step`` instead."""
+    A rank that has already passed ``step`` unheld when the hold arrives holds from the step
+    after and reports ``missed`` (a :class:`CheckpointReport` with the hold's ``request_id``
+    and the last step it passed unheld); whoever issued the hold issues it again from the
+    step after that one (:func:`forewarn.ordering.replacement_hold`), with ``replaces`` naming
+    the hold it replaces: every rank then holds from the new ``step`` instead."""
 
     v: Version = WIRE_VERSION
     request_id: Annotated[str, Meta(min_length=1, max_length=128)]
