@@ -649,3 +649,23 @@ def test_a_signal_repeated_while_the_preemption_exit_closes_still_exits_128_plus
         "ex.after_save(signal.SIGTERM)\n")
     r = subprocess.run([sys.executable, str(script)], timeout=60, capture_output=True)
     assert r.returncode == 128 + signal.SIGTERM, (r.returncode, r.stderr[-2000:])
+
+
+def test_numpy_integer_steps_keep_beats_records_and_missed_reports_going(
+        agent: FakeAgent) -> None:
+    # `for step in np.arange(n)` is a common loop: every step is a numpy.int64, which the
+    # wire's msgpack cannot encode as it is. A beat carrying it would never go out, and the
+    # agent would call a training rank hung.
+    np = pytest.importorskip("numpy")
+    with _monitor(agent.path) as mon:
+        beat = agent.beat()
+        for s in np.arange(10):
+            mon.step(s, loss=1.0, grad_norm=1.0)
+        last = agent.wait_for(lambda m: isinstance(m, wire.Beat) and m.last_step == 9)
+        assert isinstance(last, wire.Beat) and type(last.last_step) is int
+        agent.order(beat.reply_to, "job-a", 5, "late")
+        missed = agent.wait_for(lambda m: isinstance(m, wire.CheckpointReport))
+        assert isinstance(missed, wire.CheckpointReport)
+        assert (missed.phase, missed.step) == ("missed", 9)
+        mon.close()
+        assert mon.stats.dropped == 0
