@@ -34,6 +34,9 @@ thread:
   ``probability`` and ``horizon_s``, so the cost-aware checkpoint decision uses P). An
   alarmed GPU's finding is passed on again only after ``predict_refresh_s`` or when its
   health worsens (the policy would drop it as a duplicate anyway).
+* The same scoring compares every GPU with the other GPUs of its job
+  (:mod:`forewarn.models.job_peers`; which job a GPU runs comes from the batches' rank
+  summaries): ``models.job_peers`` findings, passed on alike.
 
 Metrics (registered on the collector's registry, rendered from the last scoring):
 ``forewarn_gpu_failure_probability{node,gpu}`` (every GPU scored),
@@ -205,7 +208,7 @@ class PredictorService:
         fleet's failure rate is measured over."""
         self.samples = {"fed": 0, "thinned": 0, "error": 0, "loading": 0}
         self._fed: dict[tuple[str, int], float] = {}
-        self._submitted: dict[tuple[str, int], tuple[float, Health]] = {}
+        self._submitted: dict[tuple[str, str, int], tuple[float, Health]] = {}
 
     @classmethod
     def from_config(cls, config: CollectorConfig) -> PredictorService | None:
@@ -320,6 +323,9 @@ class PredictorService:
                     scorer.observe_xid(x)
                 except Exception:
                     counts["error"] += 1
+            for r in b.ranks:  # which job each GPU runs: its job peers
+                if r.gpu is not None:
+                    scorer.assign_job(r.node, r.gpu, r.job, b.created)
 
     def due(self, now: float) -> bool:
         """Whether a scoring is due at ``now``."""
@@ -341,6 +347,7 @@ class PredictorService:
         self._rec.last = self._rec.features = None
         findings = scorer.score(now)
         last = self._rec.last
+        findings += scorer.job_findings(now)
         if self.drift is not None and self._rec.features is not None:
             self.drift.update(self._rec.features, now)
         scores = RiskScores(now, *last) if last is not None else _empty_scores(now)
@@ -356,7 +363,7 @@ class PredictorService:
     def _to_submit(self, findings: list[Finding], now: float) -> list[Finding]:
         out = []
         for f in findings:
-            key = (f.subject.node, f.subject.gpu or 0)
+            key = (f.check, f.subject.node, f.subject.gpu or 0)
             seen = self._submitted.get(key)
             if (seen is None or now - seen[0] >= self.refresh_s or now < seen[0]
                     or f.health.severity > seen[1].severity):
