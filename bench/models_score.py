@@ -3,7 +3,9 @@
 Goal (issue 17): score a 100,000-GPU fleet every 10 s (the collector's
 ``predict_interval_s``) using under 10% of one core: the CPU time of the six scorings of
 a minute under 6 s. The first scoring of a minute computes every GPU's features and
-probability; the later ones reuse them (features change once a minute).
+probability; the later ones reuse them (features change once a minute). Every GPU runs in
+a job of 32 (4 nodes x 8), and each scoring compares it with its job peers as the
+collector does (``LiveScorer.job_findings``).
 
 Run: ``python bench/models_score.py [--gpus 20000] [--model PATH] [--train-nodes 8]``.
 Pins itself to one CPU and one OpenMP thread so the figures are per core.
@@ -58,7 +60,7 @@ def bench_scoring(model_path: str | None, gpus: int, minutes: int,
     base = {"ecc": np.zeros(gpus, np.int64)}
     t0 = 1_767_225_600.0
     calls = int(60 // interval_s)
-    observe_s, first_s, later_s, minute_s = 0.0, [], [], []
+    observe_s, first_s, later_s, minute_s, peers_s = 0.0, [], [], [], []
     findings: Sequence[object] = []
     for m in range(minutes):
         batch = _samples(gpus, t0 + m * 60 + 5, rng, base)
@@ -66,11 +68,19 @@ def bench_scoring(model_path: str | None, gpus: int, minutes: int,
         for sample in batch:
             scorer.observe(sample)
         observe_s += time.process_time() - s
+        for sample in batch:  # the rank summaries' job map (not timed: the collector's)
+            scorer.assign_job(sample.node, sample.gpu, f"job{int(sample.node[4:]) // 4}",
+                              sample.time)
         took = []
         for k in range(calls):
             s = time.process_time()
-            findings = scorer.score(t0 + (m + 1) * 60 + 1 + k * interval_s)
+            now = t0 + (m + 1) * 60 + 1 + k * interval_s
+            findings = scorer.score(now)
+            p = time.process_time()
+            findings = [*findings, *scorer.job_findings(now)]
             took.append(time.process_time() - s)
+            if k == 0 and m:
+                peers_s.append(time.process_time() - p)
         if m:  # the first minute warms up (no GPU has a full window yet)
             first_s.append(took[0])
             later_s += took[1:]
@@ -81,6 +91,7 @@ def bench_scoring(model_path: str | None, gpus: int, minutes: int,
         "score_first_in_minute_seconds_median": round(float(np.median(first_s)), 4),
         "score_later_in_minute_seconds_median": round(float(np.median(later_s)), 4)
         if later_s else 0.0,
+        "job_peers_of_first_scoring_seconds_median": round(float(np.median(peers_s)), 4),
         "cpu_share_scoring_every_10s": round(per_minute / 60.0, 4),
         "observe_us_per_sample": round(observe_s / (gpus * minutes) * 1e6, 2),
         "cpu_share_observe_one_sample_per_gpu_per_10s":

@@ -6,7 +6,8 @@ The store is the collector's, found as the collector finds it (``--config``, the
 ``FOREWARN_COLLECTOR_*`` environment, ``--data-dir``, ``--state``, ``--postgres-dsn``), or
 an export in the replay format (``--data DIR``: samples, XIDs, optional ``labels.csv``).
 The model registry is ``<data_dir>/models`` (``--registry`` to choose another); the
-collector runs its current version from the next start.
+running collector switches to its current version at its next scoring (it follows the
+registry: :mod:`forewarn.collector.decide.model_watch`).
 
 ``retrain``   train a candidate, judge it in shadow against the running model, promote or
               refuse it (:mod:`forewarn.models.retrain`, :mod:`forewarn.models.gate`)
@@ -154,8 +155,8 @@ def _retrain(args: argparse.Namespace) -> int:
               f"{fig['false_alarms_per_1000_gpu_days']:.2f} false alarms / 1,000 GPU-days, "
               f"threshold {fig['threshold']:.2f}, median lead {fig['median_lead_min']:.0f} min")
     print("\n".join(_drift_lines(res.drift, 10)))
-    print(f"registry {registry.root}: running version {registry.current()} (the collector "
-          "loads it at its next start)")
+    print(f"registry {registry.root}: running version {registry.current()} (a running "
+          "collector switches to it at its next scoring)")
     return 0
 
 
@@ -210,6 +211,6 @@ def _rollback(args: argparse.Namespace) -> int:
         registry.rollback(args.version, reason=args.reason)
     except (InputError, OSError) as exc:
         return _fail("rollback", exc)
-    print(f"registry {registry.root}: running version {args.version} (the collector loads "
-          "it at its next start)")
+    print(f"registry {registry.root}: running version {args.version} (a running collector "
+          "switches to it at its next scoring)")
     return 0

@@ -106,7 +106,8 @@ def register(sub: Any) -> Any:
                     help="only this family (repeatable; default: every family)")
     ef.add_argument("--threads", type=int, default=1,
                     help="OpenMP/BLAS threads (default 1: a shared machine)")
-    ef.add_argument("--out", help="write the per-fold results to this CSV")
+    ef.add_argument("--out", help="write each fold's results to this CSV as it finishes; "
+                    "a rerun with the same file skips the folds it holds")
     ef.add_argument("--markdown", help="replace the table in this Markdown file (between "
                     "its eval-families markers)")
     ef.set_defaults(func=_eval_families)
@@ -300,15 +301,32 @@ def _replace_marked(path: str, name: str, text: str) -> bool:
 def _eval_families(args: argparse.Namespace) -> int:
     import time
 
+    import pandas as pd
     from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
 
-    from forewarn.models.lofo import best_detector, family_pool, leave_family_out, markdown
+    from forewarn.models.lofo import (
+        FoldFile,
+        best_detector,
+        family_pool,
+        leave_family_out,
+        markdown,
+    )
 
     started = time.monotonic()
+    folds = FoldFile(args.out, args.scale) if args.out else None
+    try:
+        done = folds.read() if folds else None
+    except ValueError as exc:
+        print(f"forewarn models eval-families: {exc}", file=sys.stderr)
+        return 2
     with threadpool_limits(args.threads):
         pool = family_pool(scale=args.scale)
         res = leave_family_out(pool, families=args.family or None,
-                               progress=lambda m: print(m, file=sys.stderr, flush=True))
+                               progress=lambda m: print(m, file=sys.stderr, flush=True),
+                               skip=set() if done is None else set(done["family"]),
+                               on_fold=folds.append if folds else None)
+    if done is not None and len(done):
+        res = pd.concat([done, res], ignore_index=True)
     rate = pool.real_precursor_per_1000_gpu_days
     gpu_days = len(pool.features) * 60 / 86400
     table = (f"Pool: 3 simulated fleets, {gpu_days:,.0f} GPU-days, {len(pool.labels)} failures "
@@ -318,8 +336,6 @@ def _eval_families(args: argparse.Namespace) -> int:
              f"leave-family-out (recall x precision at the real rate): "
              f"**{best_detector(res, rate)}**.\n\n" + markdown(res, rate))
     print(table)
-    if args.out:
-        res.drop(columns="lead_times_s").to_csv(args.out, index=False)
     if args.markdown and not _replace_marked(args.markdown, "eval-families", table):
         return 2
     return 0

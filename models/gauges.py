@@ -14,8 +14,8 @@ from typing import Final
 import numpy as np
 import pandas as pd
 
-__all__ = ["ROUNDING", "gauge_levels", "own_levels", "peer_deviation", "window_mean",
-           "window_std"]
+__all__ = ["MIN_ROBUST_PEERS", "ROUNDING", "gauge_levels", "own_levels", "peer_deviation",
+           "peer_robust_z", "window_mean", "window_std"]
 
 
 def window_mean(sum_a: np.ndarray, sum_b: np.ndarray, n_a: np.ndarray, n_b: np.ndarray,
@@ -120,3 +120,29 @@ def peer_deviation(values: Mapping[str, np.ndarray], group: np.ndarray | None,
         else:
             out[k] = v - m
     return out
+
+
+MIN_ROBUST_PEERS: Final = 3
+"""Members a group needs for a robust z-score: with two, the median is their midpoint and
+the MAD half their gap, so each reads |z| <= 0.67 whichever of them moved -- a comparison of
+two says that they differ, never which."""
+
+
+def peer_robust_z(values: Mapping[str, np.ndarray], group: np.ndarray,
+                  floors: Mapping[str, float]) -> tuple[dict[str, np.ndarray],
+                                                        dict[str, np.ndarray]]:
+    """Each value's robust z-score within its ``group`` (e.g. the GPUs of one job at one
+    minute), (x - median) / max(1.4826 MAD, floor), and the group's median: ``(z,
+    median)``. Rows of group -1, or of a group of fewer than :data:`MIN_ROBUST_PEERS`,
+    read z zero. The same grouping as :func:`peer_deviation`, scaled."""
+    df = pd.DataFrame(dict(values))
+    grouped = df.groupby(group, sort=False)
+    med = grouped.transform("median")
+    mad = (df - med).abs().groupby(group, sort=False).transform("median")
+    size = grouped[df.columns[0]].transform("size").to_numpy()
+    ok = (group >= 0) & (size >= MIN_ROBUST_PEERS)
+    z: dict[str, np.ndarray] = {}
+    for k in values:
+        scale = np.maximum(1.4826 * mad[k].to_numpy(), floors[k])
+        z[k] = np.where(ok, (df[k].to_numpy() - med[k].to_numpy()) / scale, 0.0)
+    return z, {k: med[k].to_numpy() for k in values}

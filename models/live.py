@@ -21,6 +21,7 @@ from typing import Final
 import numpy as np
 
 from forewarn.gpu import FATAL_XIDS
+from forewarn.models.alarms import AlarmMemory
 from forewarn.models.explain import SIGNALS, explain
 from forewarn.models.features import (
     ACTIVE,
@@ -34,6 +35,7 @@ from forewarn.models.features import (
     derive,
     xid_class,
 )
+from forewarn.models.job_peers import JobPeers, JobScores, job_scores
 from forewarn.models.live_fold import COLS as _COLS
 from forewarn.models.live_fold import IX as _IX
 from forewarn.models.live_fold import N_CUM as _N_CUM
@@ -78,12 +80,6 @@ class ShadowStats:
             if v is not None:
                 out[f"forewarn_model_shadow_{name}"] = float(v)
         return out
-
-
-@dataclasses.dataclass
-class _Episode:
-    start: float
-    end: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,17 +138,20 @@ class LiveScorer:
                  bar_step: float = 0.5, alarm_budget: int = 3) -> None:
         self.model = model
         self.stale_s = stale_s
-        self.merge_gap_s = merge_gap_s
-        self.lead_min_s = lead_min_s
-        self.release = release
-        self.memory_s = memory_s
-        self.bar_step = bar_step
-        self.alarm_budget = alarm_budget
-        self._false_at: dict[int, list[float]] = {}
-        self._recent: dict[int, list[float]] = {}
-        self.suppressed = 0
-        """Scorings where a GPU was at or above the model's threshold but below its own
-        raised bar or over its alarm budget (no finding)."""
+        def memory() -> AlarmMemory:
+            return AlarmMemory(horizon_s=model.horizon_s, merge_gap_s=merge_gap_s,
+                               lead_min_s=lead_min_s, release=release, memory_s=memory_s,
+                               bar_step=bar_step, alarm_budget=alarm_budget)
+
+        self.memory = memory()
+        """The predictor's alarm episodes and per-GPU bars (GPU slots as keys)."""
+        self.peers = JobPeers(memory=memory())
+        """Job peers (:meth:`job_findings`), with an alarm memory of their own alike."""
+        self._jobs: dict[int, tuple[str, float]] = {}
+        """GPU slot -> (the job it runs, when a rank said so)."""
+        self._jobs_changed = 0
+        self._job_scores: tuple[_MinuteScores, int, np.ndarray, JobScores] | None = None
+        self.job_stale_s = 600.0
         self._index: dict[tuple[str, int], int] = {}
         self._nodes: list[str] = []
         self._gpus: list[int] = []
@@ -173,8 +172,7 @@ class LiveScorer:
         self._last = np.zeros((len(LAST_COLUMNS), capacity))
         self._scores: _MinuteScores | None = None
         self._minute: int | None = None  # last minute snapshotted
-        self._episodes: dict[int, list[_Episode]] = {}
-        self._alarms = self._true = self._false = 0
+        self._true = self._false = 0
         self._failures = self._caught = 0
         self._leads: list[float] = []
         self._last_failure: dict[int, float] = {}
@@ -362,57 +360,69 @@ class LiveScorer:
                 col[rows] = v
                 evidence[k] = col
             col = np.full(len(live), None, dtype=object)
-            col[rows] = [f"{nodes[j]}/{gpus[j]}@{self._episodes[int(live[j])][-1].start:.0f}"
-                         for j in rows]
+            col[rows] = [f"{nodes[j]}/{gpus[j]}@"
+                         f"{self.memory.episodes[int(live[j])][-1].start:.0f}" for j in rows]
             evidence["episode"] = col
             bar = np.full(len(live), np.nan)
             bar[rows] = [self.bar(int(live[j]), now) for j in rows]
             evidence["bar"] = bar
         return self.model.findings(nodes, gpus, probs, now, evidence, alarm=alarm)
 
+    def assign_job(self, node: str, gpu: int, job: str, t: float) -> None:
+        """A rank of ``job`` runs on ``node`` GPU ``gpu`` (a rank summary at ``t``)."""
+        i = self._slot(node, gpu)
+        if self._jobs.get(i, ("",))[0] != job:
+            self._jobs_changed += 1
+        self._jobs[i] = (job, t)
+
+    def job_findings(self, now: float) -> list[Finding]:
+        """Findings for the GPUs in a job-peer alarm episode (:mod:`.job_peers`): each GPU
+        against the other GPUs of its job (a rank summary within :attr:`job_stale_s`)."""
+        if not self._jobs:
+            return []
+        c, pos = self._scored(now)
+        live = c.slots[pos]
+        return self.peers.findings(self._compared(c, pos, now), live,
+                                   np.asarray(self._nodes, dtype=object)[live],
+                                   np.asarray(self._gpus)[live], now)
+
+    def _compared(self, c: _MinuteScores, pos: np.ndarray, now: float) -> JobScores:
+        """The job-peer comparison of the minute's GPUs ``pos``: computed once a minute, as
+        the features, and again when the job map changed or another set of GPUs is fresh."""
+        got = self._job_scores
+        if got is not None and got[0] is c and got[1] == self._jobs_changed \
+                and np.array_equal(got[2], pos):
+            return got[3]
+        codes: dict[str, int] = {}
+        job = np.full(len(pos), -1, np.int64)
+        for j, i in enumerate(c.slots[pos].tolist()):
+            seen = self._jobs.get(i)
+            if seen is not None and now - seen[1] <= self.job_stale_s:
+                job[j] = codes.setdefault(seen[0], len(codes))
+        sc = job_scores({k: v[pos] for k, v in c.feats.items() if k in _SIGNAL_FEATURES},
+                        job, list(codes))
+        self._job_scores = (c, self._jobs_changed, pos, sc)
+        return sc
+
     # -- alarms with memory -------------------------------------------------------------
+    @property
+    def suppressed(self) -> int:
+        """Scorings where a GPU was at or above the model's threshold but below its own
+        raised bar or over its alarm budget (no finding)."""
+        return self.memory.suppressed
+
     def bar(self, i: int, now: float) -> float:
-        """GPU slot ``i``'s own alarm bar: the model's threshold, raised for every alarm
-        episode of this GPU that ended without a failure in the last :attr:`memory_s`
-        (each takes ``1 - bar_step`` of the remaining distance to 1)."""
-        k = sum(1 for t in self._false_at.get(i, ()) if now - t <= self.memory_s)
-        return 1.0 - (1.0 - self.model.threshold) * self.bar_step ** k
+        """GPU slot ``i``'s own alarm bar (:meth:`AlarmMemory.bar`)."""
+        return self.memory.bar(i, self.model.threshold, now)
 
     def alarming(self, live: np.ndarray, probs: np.ndarray, now: float) -> np.ndarray:
-        """Which of the ``live`` GPU slots alarm now. An open episode (the GPU's last,
-        within :attr:`merge_gap_s`) goes on while the probability stays at or above
-        :attr:`release` x its bar (hysteresis: one episode per incident, not one per
-        crossing); a new one opens at or above the GPU's own :meth:`bar`, unless the GPU
-        already opened :attr:`alarm_budget` episodes within :attr:`memory_s`."""
-        thr = self.model.threshold
-        out = np.zeros(len(live), bool)
-        cand = np.nonzero(probs >= self.release * thr)[0]
-        for j in cand:
-            i = int(live[j])
-            bar = self.bar(i, now)
-            eps = self._episodes.get(i, [])
-            recent = self._recent.get(i, [])
-            if eps and now - eps[-1].end <= self.merge_gap_s:
-                out[j] = probs[j] >= self.release * bar
-            elif probs[j] >= bar:
-                if sum(1 for t in recent if now - t <= self.memory_s) >= self.alarm_budget:
-                    self.suppressed += 1
-                else:
-                    out[j] = True
-            elif probs[j] >= thr:
-                self.suppressed += 1
-        return out
+        """Which of the ``live`` GPU slots alarm now (:meth:`AlarmMemory.alarming`)."""
+        self.memory.horizon_s = self.model.horizon_s
+        return self.memory.alarming(live, probs, self.model.threshold, now)
 
     # -- shadow scoring ---------------------------------------------------------------
     def _alarm(self, i: int, now: float) -> None:
-        eps = self._episodes.setdefault(i, [])
-        if eps and now - eps[-1].end <= self.merge_gap_s:
-            eps[-1].end = now
-        else:
-            eps.append(_Episode(now, now))
-            self._alarms += 1
-            recent = [t for t in self._recent.get(i, []) if now - t <= self.memory_s]
-            self._recent[i] = [*recent, now]
+        self.memory.alarm(i, now)
 
     def _failure(self, i: int, t: float) -> None:
         last = self._last_failure.get(i)
@@ -420,41 +430,24 @@ class LiveScorer:
             return
         self._last_failure[i] = t
         self._failures += 1
-        best = None
-        remaining = []
-        for ep in self._episodes.get(i, []):
-            if ep.start + self.lead_min_s <= t <= ep.end + self.model.horizon_s:
-                self._true += 1
-                best = max(best or 0.0, t - ep.start)
-            elif ep.start <= t:
-                self._false += 1
-            else:
-                remaining.append(ep)
-        self._episodes[i] = remaining
+        self.peers.memory.failure(i, t)
+        true, false, best = self.memory.failure(i, t)
+        self._true += true
+        self._false += false
         if best is not None:
             self._caught += 1
             self._leads.append(best)
 
     def _settle(self, now: float) -> None:
-        for i, eps in self._episodes.items():
-            keep = []
-            for ep in eps:
-                if now - ep.end > self.model.horizon_s:
-                    self._false += 1
-                    # It alarmed and did not fail: its own bar goes up.
-                    self._false_at[i] = [t for t in self._false_at.get(i, [])
-                                         if now - t <= self.memory_s] + [now]
-                else:
-                    keep.append(ep)
-            self._episodes[i] = keep
+        self._false += self.memory.settle(now)
 
     def shadow(self) -> ShadowStats:
         """Live precision (settled alarms), recall and lead times so far."""
         settled = self._true + self._false
         leads = tuple(self._leads)
         return ShadowStats(
-            alarms=self._alarms, true_alarms=self._true, false_alarms=self._false,
-            open_alarms=sum(len(e) for e in self._episodes.values()),
+            alarms=self.memory.opened, true_alarms=self._true, false_alarms=self._false,
+            open_alarms=self.memory.open,
             failures=self._failures, caught=self._caught,
             precision=self._true / settled if settled else None,
             recall=self._caught / self._failures if self._failures else None,

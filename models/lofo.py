@@ -13,12 +13,18 @@ and by an isolation forest fitted per fold on the same training rows and feature
 Precision is given twice: as simulated (failures inflated) and **at the real base rate**
 (Meta: 6.5 failures per 1,000 node-days): expected true alarms per 1,000 GPU-days (recall
 x the real rate of failures with a precursor) over those plus the false alarms.
+
+A run takes long (an hour at full scale): :class:`FoldFile` keeps each fold's rows in a
+CSV as soon as the fold finishes (appended, flushed and fsynced), and a rerun with the same
+file skips the folds it holds.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Collection
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,8 +37,8 @@ from forewarn.models.fleetsim import FleetParams, load_params, simulate_fleet
 from forewarn.models.iforest import IsolationForestDetector
 from forewarn.models.predictor import label_rows, split_gpus, train_predictor
 
-__all__ = ["DETECTORS", "Pool", "best_detector", "family_pool", "leave_family_out", "markdown",
-           "summary"]
+__all__ = ["DETECTORS", "FoldFile", "Pool", "best_detector", "family_pool", "leave_family_out",
+           "markdown", "summary"]
 
 DETECTORS = ("model", "rules", "isolation_forest")
 
@@ -162,15 +168,22 @@ def _row(fold: _Fold, who: str, r: EvalResult, real_rate: float) -> dict[str, An
 
 def leave_family_out(pool: Pool, *, families: list[str] | None = None, seed: int = 0,
                      horizon_s: float = 3600.0, target_false_alarms: float = 1.0,
-                     max_iter: int = 80, progress: Callable[[str], None] | None = None
-                     ) -> pd.DataFrame:
-    """One row per fold and detector (:data:`DETECTORS`): see the module docstring."""
+                     max_iter: int = 80, progress: Callable[[str], None] | None = None,
+                     skip: Collection[str] = (),
+                     on_fold: Callable[[pd.DataFrame], None] | None = None) -> pd.DataFrame:
+    """One row per fold and detector (:data:`DETECTORS`): see the module docstring. Folds
+    of the families in ``skip`` are left out (done before); ``on_fold`` gets each fold's
+    rows as soon as the fold is done."""
     feats, labels = pool.features, pool.labels
     fkey = pool.keys(feats).to_numpy()
     lkey = pool.keys(labels).to_numpy()
     _y, keep = label_rows(feats, labels, horizon_s)
     rows = []
     for fold in _folds(pool, families, seed):
+        if fold.family in skip:
+            if progress:
+                progress(f"{fold.kind} family {fold.family}: done before, skipped")
+            continue
         if progress:
             progress(f"{fold.kind} family {fold.family}: train {len(fold.train)} GPUs, "
                      f"test {len(fold.test)}")
@@ -187,12 +200,57 @@ def leave_family_out(pool: Pool, *, families: list[str] | None = None, seed: int
         sc = model.score(test)
         iso_p, iso_thr = _isolation_scores(feats[tr & keep], test, tr_lab, horizon_s,
                                            target_false_alarms, seed)
+        fold_rows = []
         for who, p, thr in (("model", sc["p"].to_numpy(), model.threshold),
                             ("rules", baseline_scores(test), 0.5),
                             ("isolation_forest", iso_p, iso_thr)):
             r = evaluate_scores(sc.assign(p=p), te_lab, thr, horizon_s=horizon_s)
-            rows.append(_row(fold, who, r, pool.real_precursor_per_1000_gpu_days))
-    return pd.DataFrame(rows)
+            fold_rows.append(_row(fold, who, r, pool.real_precursor_per_1000_gpu_days))
+        if on_fold:
+            on_fold(pd.DataFrame(fold_rows))
+        rows += fold_rows
+    return pd.DataFrame(rows, columns=_COLUMNS)
+
+
+_COLUMNS = ("family", "kind", "detector", "failures", "caught", "recall", "median_lead_min",
+            "precision_sim", "precision_real", "false_alarms_per_1000_gpu_days",
+            "false_episodes", "gpu_days", "lead_times_s")
+"""The columns of :func:`leave_family_out`'s rows (:func:`_row`)."""
+
+
+class FoldFile:
+    """The per-fold results CSV at ``path``: the rows of :func:`leave_family_out` plus
+    ``scale`` (the pool's, so a rerun on another pool does not mix them in), lead times as
+    space-separated seconds. Rows are appended fold by fold, flushed and fsynced: a run cut
+    off keeps every fold it finished."""
+
+    def __init__(self, path: str | Path, scale: float) -> None:
+        self.path = Path(path)
+        self.scale = scale
+
+    def read(self) -> pd.DataFrame:
+        """The rows held (none: an empty frame). Raises ``ValueError`` when they are of a
+        pool of another scale."""
+        if not self.path.exists() or self.path.stat().st_size == 0:
+            return pd.DataFrame(columns=_COLUMNS)
+        df = pd.read_csv(self.path, keep_default_na=True)
+        if "scale" not in df.columns or not np.allclose(df["scale"], self.scale):
+            raise ValueError(f"{self.path}: holds folds of another pool (column scale, "
+                             f"not {self.scale:g}): give another --out")
+        leads = df["lead_times_s"].fillna("").astype(str)
+        df["lead_times_s"] = [[float(x) for x in v.split()] for v in leads]
+        df = df.astype(object).where(df.notna(), None)
+        return df.drop(columns="scale")
+
+    def append(self, rows: pd.DataFrame) -> None:
+        """Add one fold's rows."""
+        out = rows.assign(lead_times_s=[" ".join(f"{x:g}" for x in v)
+                                        for v in rows["lead_times_s"]], scale=self.scale)
+        header = not self.path.exists() or self.path.stat().st_size == 0
+        with open(self.path, "a", encoding="utf-8", newline="") as f:
+            out.to_csv(f, header=header, index=False)
+            f.flush()
+            os.fsync(f.fileno())
 
 
 def summary(res: pd.DataFrame, real_rate: float) -> pd.DataFrame:

@@ -13,6 +13,13 @@ reports the ``predictor`` component not ready until the model is in
 ``loading`` and not kept. An operator's ``model_path`` is loaded before serving, so a file
 that is not a model stops the start with an error naming the key.
 
+The registry is followed while the collector runs (:mod:`.model_watch`): a promotion
+(``forewarn models retrain``) or a rollback is noticed at the next scoring, the new
+version loads in the background while the running one goes on scoring, and the scorings
+after it is in use it. The scorer's state (an hour of telemetry, every GPU's own baseline,
+alarm memory, shadow counts) carries over. ``/readyz`` and ``/api/v1/risk`` name the
+version that runs. A fixed ``model_path`` is not followed.
+
 :class:`~forewarn.collector.decide.policy_service.PolicyService` drives it from the policy
 thread:
 
@@ -27,6 +34,9 @@ thread:
   ``probability`` and ``horizon_s``, so the cost-aware checkpoint decision uses P). An
   alarmed GPU's finding is passed on again only after ``predict_refresh_s`` or when its
   health worsens (the policy would drop it as a duplicate anyway).
+* The same scoring compares every GPU with the other GPUs of its job
+  (:mod:`forewarn.models.job_peers`; which job a GPU runs comes from the batches' rank
+  summaries): ``models.job_peers`` findings, passed on alike.
 
 Metrics (registered on the collector's registry, rendered from the last scoring):
 ``forewarn_gpu_failure_probability{node,gpu}`` (every GPU scored),
@@ -66,6 +76,7 @@ if TYPE_CHECKING:
     from ..config import CollectorConfig
     from ..jobs.jobview import JobInfo
     from .drift import LiveDrift
+    from .model_watch import RegistryWatch
     from .seam import DecideContext, RiskQuery
 
 __all__ = ["PredictorService", "RiskScores", "load_predictor_model"]
@@ -118,13 +129,12 @@ def load_predictor_model(model_path: Path | None, registry: Path
     :class:`~forewarn.models.persist.ModelError` (untrusted types, not a model),
     :class:`~forewarn.models.registry.RegistryError` or ``OSError``."""
     from forewarn.models.persist import load_model
-    from forewarn.models.registry import SHIPPED, ModelRegistry
+
+    from .model_watch import RegistryWatch
 
     if model_path is not None:
         return load_model(model_path), str(model_path)
-    reg = ModelRegistry(registry)
-    version = reg.current()
-    return reg.load(version), "default" if version == SHIPPED else f"registry v{version}"
+    return RegistryWatch(registry).load()
 
 
 @dataclasses.dataclass
@@ -185,6 +195,8 @@ class PredictorService:
         self.drift: LiveDrift | None = None
         self.loading = False
         """The model is loading (:meth:`load_default`)."""
+        self.watch: RegistryWatch | None = None
+        """The model registry followed (None: a fixed ``model_path``)."""
         if model is not None:
             self._install(model)
         self.scores = _empty_scores(0.0)
@@ -196,7 +208,7 @@ class PredictorService:
         fleet's failure rate is measured over."""
         self.samples = {"fed": 0, "thinned": 0, "error": 0, "loading": 0}
         self._fed: dict[tuple[str, int], float] = {}
-        self._submitted: dict[tuple[str, int], tuple[float, Health]] = {}
+        self._submitted: dict[tuple[str, str, int], tuple[float, Health]] = {}
 
     @classmethod
     def from_config(cls, config: CollectorConfig) -> PredictorService | None:
@@ -228,15 +240,18 @@ class PredictorService:
         """Load the model registry's current model (none yet: the shipped one) on a daemon
         thread (returned); until it is in, the predictor scores nothing and
         :meth:`readiness` says it is loading."""
+        from .model_watch import RegistryWatch
+
         self.loading = True
-        thread = threading.Thread(target=self._load_default, args=(registry,),
+        self.watch = RegistryWatch(registry)
+        thread = threading.Thread(target=self._load_default, args=(self.watch,),
                                   name="forewarn-model-load", daemon=True)
         thread.start()
         return thread
 
-    def _load_default(self, registry: Path) -> None:
+    def _load_default(self, watch: RegistryWatch) -> None:
         try:
-            model, self.source = load_predictor_model(None, registry)
+            model, self.source = watch.load()
             self._install(model)
         except Exception as exc:  # ModelError, RegistryError, OSError, a broken model stack
             self.error = str(exc) or type(exc).__name__
@@ -245,6 +260,8 @@ class PredictorService:
             self.loading = False
 
     def _install(self, model: FailurePredictor) -> None:
+        """Run ``model``: in a new scorer at start, in the running one (its state kept)
+        when the registry moved on."""
         from forewarn.models.live import LiveScorer
 
         from .drift import LiveDrift  # pandas, through forewarn.models.drift
@@ -252,18 +269,25 @@ class PredictorService:
         # Built whole, then published scorer last: the policy thread reads ``scorer``
         # first and only then uses ``model`` (one handoff from the loading thread).
         recording = _recording(model, self._rec)
-        scorer = LiveScorer(recording)
         ref = model.metadata.get("reference")
         self.drift = LiveDrift(ref, model.feature_names) if ref else None
         self.model = recording
-        self.scorer = scorer
+        if self.scorer is not None:  # the policy thread, between scorings
+            self.scorer.model = recording
+        else:
+            self.scorer = LiveScorer(recording)
         log.info("failure predictor: model %s (horizon %.0f s, threshold %.2f)", self.source,
                  model.horizon_s, model.threshold)
 
     def readiness(self) -> dict[str, Any]:
         """The ``predictor`` component of ``/readyz``: ready once a model is loaded."""
         if self.scorer is not None:
-            return {"ready": True, "detail": f"model {self.source}"}
+            note, watch = "", self.watch
+            if watch is not None and watch.loading:
+                note = "; reading the model registry"
+            elif watch is not None and watch.error:
+                note = f"; the registry's current version did not load: {watch.error}"
+            return {"ready": True, "detail": f"model {self.source}{note}"}
         if self.loading:
             return {"ready": False, "detail": "loading the failure model"}
         return {"ready": False, "detail": f"no failure model: {self.error or 'not loaded'}"}
@@ -299,6 +323,9 @@ class PredictorService:
                     scorer.observe_xid(x)
                 except Exception:
                     counts["error"] += 1
+            for r in b.ranks:  # which job each GPU runs: its job peers
+                if r.gpu is not None:
+                    scorer.assign_job(r.node, r.gpu, r.job, b.created)
 
     def due(self, now: float) -> bool:
         """Whether a scoring is due at ``now``."""
@@ -308,6 +335,11 @@ class PredictorService:
 
     def score(self, now: float) -> list[Finding]:
         """Score every live GPU; return the findings to pass to the policy now."""
+        if self.scorer is not None and self.watch is not None:
+            got = self.watch.poll()  # one stat: the registry may have moved on
+            if got is not None:
+                self.source = got[1]
+                self._install(got[0])
         scorer, model = self.scorer, self.model
         if scorer is None or model is None:
             return []
@@ -315,6 +347,7 @@ class PredictorService:
         self._rec.last = self._rec.features = None
         findings = scorer.score(now)
         last = self._rec.last
+        findings += scorer.job_findings(now)
         if self.drift is not None and self._rec.features is not None:
             self.drift.update(self._rec.features, now)
         scores = RiskScores(now, *last) if last is not None else _empty_scores(now)
@@ -330,7 +363,7 @@ class PredictorService:
     def _to_submit(self, findings: list[Finding], now: float) -> list[Finding]:
         out = []
         for f in findings:
-            key = (f.subject.node, f.subject.gpu or 0)
+            key = (f.check, f.subject.node, f.subject.gpu or 0)
             seen = self._submitted.get(key)
             if (seen is None or now - seen[0] >= self.refresh_s or now < seen[0]
                     or f.health.severity > seen[1].severity):

@@ -21,7 +21,9 @@ component is not ready:
 * the policy's own components (a policy with a ``readiness()`` method,
   :class:`ReadinessHook`): ``predictor``, not ready while the shipped failure model still
   loads in the background after start-up, or when it could not be loaded
-  (:meth:`~forewarn.collector.decide.predict.PredictorService.readiness`).
+  (:meth:`~forewarn.collector.decide.predict.PredictorService.readiness`); its detail names
+  the model that runs (``model registry v3``), which follows the model registry without a
+  restart (the running model stays, and ready, while a newer version loads).
 
 ``forewarn status URL`` prints it for a person.
 """

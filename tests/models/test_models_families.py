@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from forewarn.cli import main
@@ -12,6 +15,7 @@ from forewarn.models.families import BENIGN, PRECURSORS
 from forewarn.models.fleetsim import load_params, simulate_fleet
 
 from support.paths import REPO
+from support.polling import poll
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -76,3 +80,30 @@ def test_a_parameter_file_cannot_redefine_the_families(tmp_path: Path) -> None:
         path.write_text(text)
         with pytest.raises(ValueError, match=rf"fleet parameters: {key}: .*PRECURSORS"):
             load_params(path)
+
+
+@pytest.mark.system
+def test_eval_families_keeps_each_finished_fold_and_resumes(tmp_path: Path) -> None:
+    """Each fold's rows are in the CSV as soon as the fold finishes: a run killed after its
+    first fold leaves that fold's rows; run again, it skips that fold and does the rest."""
+    out = tmp_path / "lofo.csv"
+    cmd = [sys.executable, "-m", "forewarn", "models", "eval-families", "--scale", "0.1",
+           "--family", "thermal_oscillation", "--family", "hot_spells", "--out", str(out)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        def first_fold() -> bool:
+            return out.exists() and len(pd.read_csv(out)) >= 3
+        assert poll(first_fold, timeout=600, interval=0.2), "no fold was written"
+        proc.kill()  # cut off: the second fold has not finished
+    finally:
+        proc.kill()
+        proc.wait()
+    done = pd.read_csv(out)
+    assert set(done["family"]) == {"thermal_oscillation"}
+    assert sorted(done["detector"]) == ["isolation_forest", "model", "rules"]
+    rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert rerun.returncode == 0, rerun.stderr
+    assert "thermal_oscillation: done before, skipped" in rerun.stderr
+    res = pd.read_csv(out)
+    assert sorted(res["family"]) == ["hot_spells"] * 3 + ["thermal_oscillation"] * 3
+    assert "| thermal_oscillation | precursor | model |" in rerun.stdout
