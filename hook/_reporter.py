@@ -22,7 +22,7 @@ from ._identity import RankIdentity
 from ._sender import Sender
 from ._tensors import DeferredValues, read_now
 
-__all__ = ["Reporter", "checked_step"]
+__all__ = ["Reporter", "checked_step", "passed_step"]
 
 
 def checked_step(step: Any) -> int:
@@ -32,6 +32,19 @@ def checked_step(step: Any) -> int:
     if index < 0:
         raise ValueError(f"step must be >= 0, got {index}")
     return index
+
+
+def passed_step(step: Any) -> int | None:
+    """The last step passed as an int, for the background thread's beats and reports:
+    ``step()``'s fast path keeps what it was given (a ``numpy.int64`` from ``np.arange``,
+    say), which no wire record can carry. None before the first step, or when the step is
+    no index at all (that step's record was left out)."""
+    if step is None or type(step) is int:
+        return step
+    try:
+        return checked_step(step)
+    except (TypeError, ValueError):
+        return None
 
 
 class Reporter:

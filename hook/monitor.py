@@ -72,7 +72,7 @@ from ._pack import build_step_packer
 from ._phases import Phases
 from ._preempt import SignalExit, parse_signals
 from ._preempt_state import NONE, PENDING, PreemptState
-from ._reporter import Reporter, checked_step
+from ._reporter import Reporter, checked_step, passed_step
 from ._sender import Sender
 from ._stats import MonitorStats, RateLimitedLog
 
@@ -325,19 +325,6 @@ class Monitor:
                               "notice", pre.grace_s)
             pre.exit_as_before(pre.signum)
 
-    def _passed(self) -> int | None:
-        """The last step passed, as an int: the fast path keeps what ``step()`` was given
-        (a ``numpy.int64`` from ``np.arange``, say), which no wire record can carry; it is
-        converted here, on the background thread, not on the step path. None before the
-        first step, or when the step is no index at all (that step's record was left out)."""
-        step = self._last_step
-        if step is None or type(step) is int:
-            return step
-        try:
-            return checked_step(step)
-        except (TypeError, ValueError):
-            return None
-
     def _make_beat(self, sender_dropped: int) -> bytes:
         """The beat (background thread; also where the notice file is looked for)."""
         self._pre.poll_notice_file()
@@ -345,7 +332,7 @@ class Monitor:
         return wire.encode(
             wire.Beat(
                 job=i.job, rank=i.rank, local_rank=i.local_rank, world_size=i.world_size,
-                pid=i.pid, host=i.host, time=self._time(), last_step=self._passed(),
+                pid=i.pid, host=i.host, time=self._time(), last_step=passed_step(self._last_step),
                 dropped=self._out.dropped + sender_dropped, reply_to=self._ch.reply_path,
                 phase=self._phases.name, phase_started=self._phases.started,
                 phase_longest=dict(self._phases.longest),
@@ -365,9 +352,9 @@ class Monitor:
                 self._saves.advice = message
             return
         if isinstance(message, wire.SaveHold):
-            self._numerics.on_hold(message, self._passed())
+            self._numerics.on_hold(message, passed_step(self._last_step))
             return
-        self._saves.on_order(message, self._passed())
+        self._saves.on_order(message, passed_step(self._last_step))
 
     @property
     def follow_advice(self) -> bool:
