@@ -3,7 +3,7 @@
 Names and subjects are :mod:`forewarn.bus`'s. At start, :class:`BusConsumer` creates or
 verifies the two streams (batches: limits by ``bus_stream_max_age_s`` and
 ``bus_stream_max_bytes``; commands: a work queue kept ``command_ttl_s``) and the
-collectors' durable pull consumers, then runs three tasks on the app's event loop:
+collectors' durable pull consumers, then runs its tasks on the app's event loop:
 
 * **Batches.** Every replica pulls from the ONE durable consumer
   :data:`~forewarn.bus.BATCH_CONSUMER`, so each batch goes to one replica; the urgent
