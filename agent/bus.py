@@ -5,9 +5,11 @@ sealing, the write-ahead spool, its bound, replay order and metrics are the same
 that module). What changes:
 
 * **Sending.** Each spooled batch (the same msgpack bytes as over HTTP) is published to
-  ``forewarn.batch.<node>`` with header ``Nats-Msg-Id: <agent_id>:<seq>`` and the agent
-  waits for JetStream's publish acknowledgement (the batch is in the stream, replicated
-  as the stream says) before deleting it from the spool. No ack (NATS down, a timeout)
+  ``forewarn.batch.<node>``, an urgent one (a finding or a checkpoint report in it) to
+  ``forewarn.urgent.<node>`` (the urgent lane, :mod:`forewarn.bus`), with header
+  ``Nats-Msg-Id: <agent_id>:<seq>``, and the agent waits for JetStream's publish
+  acknowledgement (the batch is in the stream, replicated as the stream says) before
+  deleting it from the spool. No ack (NATS down, a timeout)
   leaves it in the spool; it is sent again in order, and JetStream's duplicate window
   plus the collector's ``(agent_id, seq)`` key store it once. The client buffers nothing
   while disconnected (``pending_size=0``): the spool is the buffer. A batch larger than
@@ -175,7 +177,8 @@ class NatsUplink(Uplink):
     def _send(self, conn: Any, seq: int, body: bytes) -> tuple[str, str]:
         msg_id = f"{self.spool.agent_id}:{seq}"
         try:
-            self._run(self._publish(bus.subject(bus.BATCH_PREFIX, self.node), body, msg_id),
+            lane = bus.URGENT_PREFIX if self.spool.urgent(seq) else bus.BATCH_PREFIX
+            self._run(self._publish(bus.subject(lane, self.node), body, msg_id),
                       self.publish_timeout_s + 5.0)
         except nats.errors.MaxPayloadError:
             return "rejected", (f"batch of {len(body)} bytes is larger than the NATS server's"

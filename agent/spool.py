@@ -106,6 +106,11 @@ class Spool:
         order = sorted(self._files, key=lambda s: (not self._files[s][2], s))
         return [(s, self._files[s][0]) for s in order]
 
+    def urgent(self, seq: int) -> bool:
+        """Whether spooled batch ``seq`` is urgent (False when it is not spooled)."""
+        entry = self._files.get(seq)
+        return entry is not None and entry[2]
+
     def remove(self, seq: int) -> None:
         entry = self._files.pop(seq, None)
         if entry is not None:

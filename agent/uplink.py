@@ -6,9 +6,11 @@ set:
 * ``on_poll`` gathers each cycle's GPU samples, XID events and finding *transitions*
   (new or changed findings, not the unchanged ones every cycle).
 * The push thread seals a batch every ``push_interval_s`` (at once when a transition is
-  unhealthy or a checkpoint report arrived: ``urgent``), adding the ranks' summaries and
+  unhealthy or a checkpoint report arrived), adding the ranks' summaries and
   checkpoint reports from its ``feed`` (:class:`~forewarn.agent.protocols.RankFeed`, the
-  rank table), and sends it.
+  rank table), and sends it. A batch with a finding transition or a checkpoint report
+  is ``urgent``: it overtakes the others on the way (spool replay, the collector's
+  writer and policy queues, the bus's urgent lane), in order among themselves.
 * **Spool, write-ahead.** Every sealed batch is written to ``spool_dir`` (one file per
   batch named by its ``seq``, fsync'd, renamed into place) *before* it is sent, and
   deleted only when the collector answered ``stored`` or ``duplicate``. So a batch
@@ -251,7 +253,11 @@ class Uplink(ComponentBase):
             del self._samples[:self.max_samples_per_batch]
             xids, self._xids = self._xids, []
             findings, self._findings = self._findings, []
-            urgent = self._urgent or bool(reports)
+            # Every finding transition rides urgent, not only the unhealthy ones that
+            # seal at once: urgent batches overtake the others (spool replay, the
+            # collector's queues, the bus's urgent lane), and a GPU's transitions must
+            # reach the policy in order (unhealthy, healthy, unhealthy ends firing).
+            urgent = self._urgent or bool(reports) or bool(findings)
             self._urgent = False
         if not (force or samples or xids or findings or ranks or reports):
             return None

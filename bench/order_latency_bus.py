@@ -12,7 +12,8 @@ agent's default), JetStream publish with ``Nats-Msg-Id``, the realistic 1.6 KB s
 their own durable consumer, answering each (as ``agent/bus.py`` does).
 
 Each trial: one node of a job publishes an urgent batch with an unhealthy ``gpu_lost``
-finding (what an agent sends on a fatal XID); the latency is until the last node of that
+finding (what an agent sends on a fatal XID), on the urgent lane
+(``forewarn.urgent.<node>``) as the agent does; the latency is until the last node of that
 job has received the order (the agent -> rank leg is a local datagram: ``bench/hook_step.py``).
 Reported: p50/p99/max, the GPU-samples/s the collector stored meanwhile against what was
 offered, its stream backlog (batches published and not yet taken: the rate is sustained
@@ -65,7 +66,8 @@ class Node:
 
     def __init__(self, name: str, gpus: int, push_s: float) -> None:
         self.name = name
-        self.subject = bus.subject(bus.BATCH_PREFIX, name)
+        self.subjects = {lane: bus.subject(lane, name)
+                         for lane in (bus.BATCH_PREFIX, bus.URGENT_PREFIX)}
         self.template = make_samples(name, gpus, 1, 0.0)
         self.push_s = push_s
         self.seq = 0
@@ -73,11 +75,18 @@ class Node:
         self.waiters: list[tuple[str, asyncio.Future[float]]] = []
 
     async def publish(self, js: JetStreamContext, **kw: Any) -> int:
-        """One batch; returns its size in bytes."""
-        body = ENCODER.encode(AgentBatch(node=self.name, agent_id=self.name, seq=self.seq,
-                                         created=time.time(), **kw))
-        await js.publish(self.subject, body, headers={"Nats-Msg-Id": f"{self.name}:{self.seq}"})
-        self.seq += 1
+        """One batch (on the urgent lane when it carries findings, as the agent sends
+        it); returns its size in bytes."""
+        # Take the seq before awaiting: a trial publishes while this node's telemetry
+        # loop awaits its own publish, and two batches under one seq would be one
+        # (JetStream's duplicate window drops the second: the trial's order never came).
+        seq, self.seq = self.seq, self.seq + 1
+        urgent = bool(kw.get("findings") or kw.get("checkpoints"))
+        body = ENCODER.encode(AgentBatch(node=self.name, agent_id=self.name, seq=seq,
+                                         created=time.time(), urgent=urgent, **kw))
+        lane = bus.URGENT_PREFIX if urgent else bus.BATCH_PREFIX
+        await js.publish(self.subjects[lane], body,
+                         headers={"Nats-Msg-Id": f"{self.name}:{seq}"})
         return len(body)
 
     def telemetry(self, end: float) -> list[Any]:
@@ -182,7 +191,7 @@ async def trial(js: JetStreamContext, jobs: dict[str, list[Node]], n: int) -> fl
                       subject=Subject(kind="gpu", node=reporter.name, gpu=n % 8),
                       reason=f"bench trial {n}")
     t0 = time.perf_counter()
-    await reporter.publish(js, urgent=True, findings=[finding])
+    await reporter.publish(js, findings=[finding])
     done = await asyncio.wait_for(asyncio.gather(*waits), 60)
     for m in members:
         m.waiters.clear()

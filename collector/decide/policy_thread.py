@@ -1,11 +1,15 @@
-"""The collector's one policy thread, with two lanes so bulk work never delays a decision.
+"""The collector's one policy thread, with three lanes so that neither telemetry nor bulk
+work delays a decision.
 
 Every policy hook runs on this thread, one at a time, so the policy need not be
 thread-safe. :meth:`PolicyThread.submit` (agent batches, acknowledgements, timers, reads of
-the policy's state) is the decision lane; :meth:`PolicyThread.submit_bulk` (alert webhook
-findings) runs only while the decision lane is empty. A fatal finding from an agent thus
-waits at most for the one bulk item in progress, however many alerts are queued; bulk
-callers keep their items small (:mod:`.policy_service` hands alerts over in chunks).
+the policy's state) is the decision lane; :meth:`PolicyThread.submit_urgent` (urgent agent
+batches: findings, checkpoint reports; findings read from shared state) runs ahead of it,
+and :meth:`PolicyThread.submit_bulk` (alert webhook findings) only while both are empty. A
+fatal finding from an agent thus waits at most for the one item in progress, however many
+telemetry batches or alerts are queued; bulk callers keep their items small
+(:mod:`.policy_service` hands alerts over in chunks). Each lane runs in the order it was
+given.
 """
 
 from __future__ import annotations
@@ -24,26 +28,31 @@ _Item = tuple["concurrent.futures.Future[Any]", Callable[..., Any], tuple[Any, .
 
 
 class PolicyThread(concurrent.futures.Executor):
-    """A one-thread executor with a decision lane and a bulk lane (module docstring).
+    """A one-thread executor with an urgent, a decision and a bulk lane (module docstring).
     Usable with ``loop.run_in_executor``; ``shutdown`` runs what is queued, then ends."""
 
     def __init__(self, name: str = "forewarn-policy") -> None:
         self._cond = threading.Condition()
-        self._lanes: tuple[collections.deque[_Item], collections.deque[_Item]] = (
-            collections.deque(), collections.deque())
+        self._lanes: tuple[collections.deque[_Item], ...] = (
+            collections.deque(), collections.deque(), collections.deque())
         self._shutdown = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
+    def submit_urgent(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any
+                      ) -> concurrent.futures.Future[T]:
+        """Queue ``fn(*args, **kwargs)`` on the urgent lane (before the decision lane)."""
+        return self._put(0, fn, args, kwargs)
+
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any
                ) -> concurrent.futures.Future[T]:
         """Queue ``fn(*args, **kwargs)`` on the decision lane."""
-        return self._put(0, fn, args, kwargs)
+        return self._put(1, fn, args, kwargs)
 
     def submit_bulk(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any
                     ) -> concurrent.futures.Future[T]:
         """Queue ``fn(*args, **kwargs)`` on the bulk lane (after every decision)."""
-        return self._put(1, fn, args, kwargs)
+        return self._put(2, fn, args, kwargs)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         with self._cond:

@@ -84,10 +84,12 @@ class CollectorContext:
     _policy_backlog: int = 0
     _backlog_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
-    async def run_policy(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run ``fn(*args)`` on the policy thread (serialised with every hook call)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._policy_pool, fn, *args)
+    async def run_policy(self, fn: Callable[..., T], *args: Any, urgent: bool = False) -> T:
+        """Run ``fn(*args)`` on the policy thread (serialised with every hook call);
+        ``urgent``: ahead of the batches queued there (findings, urgent batches)."""
+        pool = self._policy_pool
+        return await asyncio.wrap_future(
+            pool.submit_urgent(fn, *args) if urgent else pool.submit(fn, *args))
 
     def submit_bulk(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
         """Queue ``fn(*args)`` on the policy thread's bulk lane: it runs only while no
@@ -162,7 +164,14 @@ class CollectorContext:
             if batches_for_policy:
                 with self._backlog_lock:
                     self._policy_backlog += len(batches_for_policy)
-                self._policy_pool.submit(self._policy_batches, batches_for_policy)
+                # Urgent batches (findings, checkpoint reports) overtake the telemetry
+                # queued before them; each kind stays in order.
+                urgent = [b for b in batches_for_policy if b.urgent]
+                rest = [b for b in batches_for_policy if not b.urgent]
+                if urgent:
+                    self._policy_pool.submit_urgent(self._policy_batches, urgent)
+                if rest:
+                    self._policy_pool.submit(self._policy_batches, rest)
         loop, event = self.loop, self._flush_wanted
         if loop is not None and event is not None and not loop.is_closed():
             self._staged += sum(len(b.samples) for b in batches)
@@ -199,8 +208,8 @@ class CollectorContext:
                     await asyncio.to_thread(feed.resume)
                     leading = True
                 findings = await asyncio.to_thread(feed.take)
-                if findings:
-                    await self.run_policy(self._decide, findings)
+                if findings:  # decisions: ahead of the bus batches queued there
+                    await self.run_policy(self._decide, findings, urgent=True)
                 await asyncio.to_thread(feed.save)
             except Exception:
                 leading = False  # resume from the saved cursor once the store answers

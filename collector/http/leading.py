@@ -1,6 +1,7 @@
 """The leader's feed of every agent batch on the bus, with shared state
-(``state = "postgresql"``): the ``decide`` consumer (:mod:`..ingest.bus_decide`) hands
-every batch on the bus to the policy's ``on_batches``, and the batches this replica stores
+(``state = "postgresql"``): the ``decide`` consumers (:mod:`..ingest.bus_decide`, one per
+lane) hand every batch on the bus to the policy's ``on_batches`` (the urgent lane's on the
+policy thread's urgent lane), and the batches this replica stores
 from the bus then skip that hook (:meth:`.context.CollectorContext.on_stored`), so each
 reaches it once. Batches that came over HTTP reach it from the replica that stored them
 while it leads, as with embedded state. (Findings reach the leader from the store:
@@ -19,19 +20,19 @@ if TYPE_CHECKING:
     from ..ingest.bus_decide import DecideFeed
     from .context import CollectorContext
 
-__all__ = ["decide_feed"]
+__all__ = ["decide_feeds"]
 
 
-def decide_feed(ctx: CollectorContext) -> DecideFeed | None:
-    """The leader's feed of every bus batch, when the state is shared and the policy
-    hears batches (sets ``ctx.bus_decides``); ``None`` otherwise."""
+def decide_feeds(ctx: CollectorContext) -> list[DecideFeed]:
+    """The leader's feeds of every bus batch (one per lane), when the state is shared and
+    the policy hears batches (sets ``ctx.bus_decides``); none otherwise."""
     if not ctx.leader.shared or not isinstance(ctx.policy, BatchHook):
-        return None
-    from ..ingest.bus_decide import DecideFeed  # nats-py only where the bus is used
+        return []
+    from ..ingest.bus_decide import decide_feeds as feeds  # nats-py only with the bus
 
-    async def deliver(batches: list[AgentBatch]) -> None:
-        await ctx.run_policy(ctx._policy_batches, batches, False)
+    async def deliver(batches: list[AgentBatch], urgent: bool) -> None:
+        await ctx.run_policy(ctx._policy_batches, batches, False, urgent=urgent)
 
     ctx.bus_decides = True
-    return DecideFeed(ctx.config, ctx.store, ctx.leader, deliver, ctx.metrics.registry,
-                      clock=ctx.clock)
+    return feeds(ctx.config, ctx.store, ctx.leader, deliver, ctx.metrics.registry,
+                 clock=ctx.clock)

@@ -25,7 +25,7 @@ from ..storage.leader import FindingsFeed
 from ..storage.staging import StagingLog
 from ..storage.upkeep import run_upkeep
 from .context import CollectorContext
-from .leading import decide_feed
+from .leading import decide_feeds
 
 if TYPE_CHECKING:
     from ..ingest.bus import BusConsumer
@@ -68,7 +68,7 @@ async def _start(ctx: CollectorContext) -> BusConsumer | None:
 
         consumer = BusConsumer(config, ctx.writer, ctx.metrics, ctx.commands,
                                on_ack=ctx.accept_ack, series=ctx.series, clock=ctx.clock,
-                               decide=decide_feed(ctx))
+                               decide=decide_feeds(ctx))
         await consumer.start()
         ctx.bus = consumer
     if isinstance(ctx.policy, StartHook):

@@ -1,9 +1,10 @@
 """Agent batch ingest: store exactly once with group commit, after :mod:`.validate` checked
 the body (:func:`accept_batch` is the one path of HTTP and the NATS bus).
 
-:class:`IngestWriter` owns a thread that takes queued batches (urgent ones first), writes
-up to ``group_commit_max`` of them in ONE SQLite transaction (one fsync for the group) and
-only then answers each request: a batch is acknowledged only once it is durable.
+:class:`IngestWriter` owns a thread that takes queued batches (urgent ones first, each kind
+in order), writes up to ``group_commit_max`` of them in ONE SQLite transaction (one fsync
+for the group) and only then answers each request: a batch is acknowledged only once it
+is durable.
 ``(agent_id, seq)`` is the primary key of ``batches``: a batch seen before is answered
 ``duplicate`` and stores nothing, so an agent that never got its answer simply sends the
 batch again.
@@ -222,6 +223,9 @@ class IngestWriter:
         self.on_staged = on_staged
         self.staging = staging
         self.clock = clock
+        # Urgent batches go first, each queue in the order it came: a GPU's findings
+        # reach the policy in order (they all ride urgent).
+        self._urgent: collections.deque[_Item] = collections.deque()
         self._queue: collections.deque[_Item] = collections.deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -238,20 +242,17 @@ class IngestWriter:
     @property
     def queued(self) -> int:
         """Batches waiting to be committed."""
-        return len(self._queue)
+        return len(self._urgent) + len(self._queue)
 
     def submit(self, batch: AgentBatch, body: bytes, *, address: str = ""
                ) -> concurrent.futures.Future[IngestResult]:
-        """Queue ``batch`` (urgent ones ahead of the rest); the future resolves once it is
-        committed (or found to be a duplicate)."""
+        """Queue ``batch`` (urgent ones ahead of the rest, each in order); the future
+        resolves once it is committed (or found to be a duplicate)."""
         item = _Item(batch, body, self.clock(), address)
         with self._cond:
             if self._stopping:
                 raise IngestError(503, "store", "collector is shutting down")
-            if batch.urgent:
-                self._queue.appendleft(item)
-            else:
-                self._queue.append(item)
+            (self._urgent if batch.urgent else self._queue).append(item)
             self._cond.notify()
         return item.future
 
@@ -266,12 +267,12 @@ class IngestWriter:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._stopping:
+                while not self.queued and not self._stopping:
                     self._cond.wait()
-                if not self._queue and self._stopping:
+                if not self.queued and self._stopping:
                     return
-                group = [self._queue.popleft()
-                         for _ in range(min(self.group_max, len(self._queue)))]
+                group = [(self._urgent or self._queue).popleft()
+                         for _ in range(min(self.group_max, self.queued))]
             self._commit(group)
 
     def _refuse(self, item: _Item, exc: Exception) -> IngestError:

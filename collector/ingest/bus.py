@@ -3,10 +3,12 @@
 Names and subjects are :mod:`forewarn.bus`'s. At start, :class:`BusConsumer` creates or
 verifies the two streams (batches: limits by ``bus_stream_max_age_s`` and
 ``bus_stream_max_bytes``; commands: a work queue kept ``command_ttl_s``) and the
-collectors' durable pull consumers, then runs three tasks on the app's event loop:
+collectors' durable pull consumers, then runs its tasks on the app's event loop:
 
 * **Batches.** Every replica pulls from the ONE durable consumer
-  :data:`~forewarn.bus.BATCH_CONSUMER`, so each batch goes to one replica. A batch goes
+  :data:`~forewarn.bus.BATCH_CONSUMER`, so each batch goes to one replica; the urgent
+  lane likewise from :data:`~forewarn.bus.URGENT_CONSUMER`, in a task of its own (its
+  batches also go first in the writer's queue). A batch goes
   through the HTTP route's path (:func:`~.batch.accept_batch`: the same checks, record
   refusals and counts, the same writer and group commit) with the node named by its
   subject, which nats-server's permissions bind to that node's user. The message is
@@ -27,8 +29,9 @@ collectors' durable pull consumers, then runs three tasks on the app's event loo
   taken from the queue (marked delivered) and published to ``forewarn.cmd.<node>`` with
   ``Nats-Msg-Id`` = the command id, so a republish is dropped by JetStream. Nodes that
   never sent a batch over the bus keep getting theirs over the HTTP long poll.
-* **The leader's batches.** With a :class:`~.bus_decide.DecideFeed` (shared state), the
-  leader also pulls every batch through a second consumer for its decisions (see there).
+* **The leader's batches.** With :class:`~.bus_decide.DecideFeed`\\ s (shared state, one
+  per lane), the leader also pulls every batch through a second consumer per lane for
+  its decisions (see there).
 * **Answers.** Agents' :class:`~forewarn.wire.CommandAck`\\ s are pulled from
   :data:`~forewarn.bus.ACK_CONSUMER` and recorded like the HTTP acknowledgement route
   does (``on_ack``); an answer naming another node than its subject is dropped and
@@ -43,7 +46,7 @@ import contextlib
 import logging
 import ssl
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import nats
@@ -92,7 +95,7 @@ class BusError(UnavailableError, RuntimeError):
 def stream_configs(config: CollectorConfig) -> list[StreamConfig]:
     """The two streams the collectors own, from ``config``."""
     batches = StreamConfig(
-        name=bus.BATCH_STREAM, subjects=[f"{bus.BATCH_PREFIX}.*"],
+        name=bus.BATCH_STREAM, subjects=[f"{bus.BATCH_PREFIX}.*", f"{bus.URGENT_PREFIX}.*"],
         retention=RetentionPolicy.LIMITS, discard=DiscardPolicy.OLD,
         max_age=config.bus_stream_max_age_s, max_bytes=config.bus_stream_max_bytes,
         storage=StorageType.FILE, num_replicas=config.bus_stream_replicas,
@@ -120,7 +123,7 @@ class BusConsumer:
         series: RemoteWriter | None = None,
         clock: Callable[[], float] = time.time,
         startup_wait_s: float = STARTUP_WAIT_S,
-        decide: DecideFeed | None = None,
+        decide: Sequence[DecideFeed] = (),
     ) -> None:
         self.config = config
         self.writer = writer
@@ -181,18 +184,24 @@ class BusConsumer:
                     await asyncio.sleep(0.5)
         batches = await self._pull(js, f"{bus.BATCH_PREFIX}.*", bus.BATCH_CONSUMER,
                                    bus.BATCH_STREAM)
+        urgent = await self._pull(js, f"{bus.URGENT_PREFIX}.*", bus.URGENT_CONSUMER,
+                                  bus.BATCH_STREAM)
         acks = await self._pull(js, f"{bus.ACK_PREFIX}.*", bus.ACK_CONSUMER,
                                 bus.COMMAND_STREAM)
         self.commands.on_enqueue = self._command_queued
         self._tasks = [
             asyncio.create_task(self._loop_forever(self._take_batches, batches),
                                 name="bus-batches"),
+            # The urgent lane has a pull of its own always waiting: its batches are taken
+            # as they arrive, however long the telemetry backlog is.
+            asyncio.create_task(self._loop_forever(self._take_batches, urgent),
+                                name="bus-urgent"),
             asyncio.create_task(self._loop_forever(self._take_acks, acks), name="bus-acks"),
             asyncio.create_task(self._publish_commands(js), name="bus-commands"),
         ]
-        if self.decide is not None:
-            self._tasks.append(asyncio.create_task(
-                self._loop_forever(self.decide.step, js), name="bus-decide"))
+        self._tasks.extend(
+            asyncio.create_task(self._loop_forever(feed.step, js), name=f"bus-{feed.lane.name}")
+            for feed in self.decide)
 
     async def stop(self) -> None:
         """Stop the tasks (batches taken and not yet stored are redelivered), disconnect."""
@@ -220,8 +229,8 @@ class BusConsumer:
         out = {"ready": not self.error, "nodes": len(self.nodes),
                "detail": f"{where}: {self.error}" if self.error
                          else f"{where}: connected, {len(self.nodes)} node(s) on the bus"}
-        if self.decide is not None:
-            out["decide"] = self.decide.status()
+        if self.decide:
+            out["decide"] = {feed.lane.name: feed.status() for feed in self.decide}
         return out
 
     async def _pull(self, js: JetStreamContext, subject: str, durable: str, stream: str

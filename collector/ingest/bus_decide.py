@@ -1,12 +1,15 @@
-"""The leader's view of every batch on the bus: the ``decide`` durable consumer.
+"""The leader's view of every batch on the bus: the ``decide`` durable consumers.
 
 Each batch on the batch stream is stored by ONE replica (the shared ``collectors``
 consumer, :mod:`.bus`): storage, series and findings need it once. The decisions need
 every batch: the predictor's per-GPU windows, checkpoint reports (order progress, the
 measured cost of a save), rank summaries (goodput, stragglers), "this agent is alive".
 So the replica that holds the leader lock (:mod:`..storage.leader`) also pulls a second
-durable consumer of the same stream, :data:`~forewarn.bus.DECIDE_CONSUMER`, and hands
-every batch to the policy's ``on_batches``. Followers never pull it. JetStream keeps its
+durable consumer of each lane of the stream (:data:`LANES`: telemetry,
+:data:`~forewarn.bus.DECIDE_CONSUMER`, and urgent,
+:data:`~forewarn.bus.DECIDE_URGENT_CONSUMER`, one :class:`DecideFeed` and task each), and
+hands every batch to the policy's ``on_batches``, the urgent lane's ahead of the
+telemetry queued on the policy thread. Followers never pull them. JetStream keeps its
 acknowledgement floor: a new leader binds the same consumer and goes on where the old one
 acknowledged; what the old one held unacknowledged comes back after ``bus_ack_wait_s``
 (a leader that steps down negatively acknowledges what it holds, so that comes back at
@@ -23,8 +26,9 @@ gets what remains. A batch not stored within :attr:`DecideFeed.give_up_s` (inges
 it) is acknowledged and counted ``not_stored``. A batch handed over already (a
 redelivery) is not handed over again.
 
-Metric: ``forewarn_collector_decide_batches_total{result}``: ``fed``, ``refused`` (the
-batch checks failed: ingest refuses it too), ``not_stored``, ``duplicate``.
+Metric: ``forewarn_collector_decide_batches_total{result}`` (both lanes): ``fed``,
+``refused`` (the batch checks failed: ingest refuses it too), ``not_stored``,
+``duplicate``.
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ from ..storage.state import StateStore
 from .authz import NotYourJob, authorise_batch
 from .validate import IngestError, TimeWindow, check_batch
 
-__all__ = ["DecideFeed"]
+__all__ = ["LANES", "DecideFeed", "Lane", "decide_feeds"]
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +70,36 @@ KEYS_PER_QUERY = 100
 REMEMBERED = 100_000
 """Batches handed over lately, remembered so that a redelivery is not handed over again."""
 
-Deliver = Callable[[list[AgentBatch]], Awaitable[None]]
+Deliver = Callable[[list[AgentBatch], bool], Awaitable[None]]
+"""``deliver(batches, urgent)``: hand batches of a lane to the policy."""
 _Counts = tuple[int, int, int]  # ranks, checkpoints, findings as stored
+
+
+@dataclasses.dataclass(frozen=True)
+class Lane:
+    """One lane of the batch stream as the leader pulls it."""
+
+    name: str
+    """Its durable consumer."""
+    prefix: str
+    """Its subjects' prefix (``<prefix>.<node>``)."""
+    urgent: bool
+    """Its batches go to the policy ahead of queued telemetry."""
+
+
+LANES = (Lane(bus.DECIDE_CONSUMER, bus.BATCH_PREFIX, urgent=False),
+         Lane(bus.DECIDE_URGENT_CONSUMER, bus.URGENT_PREFIX, urgent=True))
+
+
+def decide_feeds(config: CollectorConfig, store: StateStore, leader: Leadership,
+                 deliver: Deliver, registry: Any, *, clock: Callable[[], float] = time.time
+                 ) -> list[DecideFeed]:
+    """One :class:`DecideFeed` per lane of :data:`LANES`, counting into one metric."""
+    count = Counter("forewarn_collector_decide_batches",
+                    "Batches of the leader's decide consumers by result: fed, refused,"
+                    " not_stored, duplicate.", ["result"], registry=registry)
+    return [DecideFeed(config, store, leader, deliver, count, lane, clock=clock)
+            for lane in LANES]
 
 
 @dataclasses.dataclass
@@ -81,16 +113,18 @@ class _Held:
 
 
 class DecideFeed:
-    """See the module docstring. ``deliver(batches)`` runs the policy's ``on_batches``
-    (on the policy thread) and returns once it has; only then are they acknowledged."""
+    """One lane's consumer (see the module docstring). ``deliver(batches, urgent)`` runs
+    the policy's ``on_batches`` (on the policy thread) and returns once it has; only then
+    are they acknowledged."""
 
     def __init__(self, config: CollectorConfig, store: StateStore, leader: Leadership,
-                 deliver: Deliver, registry: Any, *, clock: Callable[[], float] = time.time
-                 ) -> None:
+                 deliver: Deliver, count: Counter, lane: Lane, *,
+                 clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.store = store
         self.leader = leader
         self.deliver = deliver
+        self.lane = lane
         self.clock = clock
         self.give_up_s = 3 * config.bus_ack_wait_s
         """How long a batch may wait for its ingest (a dead replica's batches come back to
@@ -98,9 +132,7 @@ class DecideFeed:
         self._sub: JetStreamContext.PullSubscription | None = None
         self._held: list[_Held] = []
         self._fed: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
-        self._count = Counter("forewarn_collector_decide_batches",
-                              "Batches of the leader's decide consumer by result: fed, "
-                              "refused, not_stored, duplicate.", ["result"], registry=registry)
+        self._count = count
 
     async def step(self, js: JetStreamContext) -> None:
         """One turn (the bus consumer runs it in a loop that logs and retries NATS or
@@ -124,7 +156,7 @@ class DecideFeed:
     async def _bind(self, js: JetStreamContext) -> JetStreamContext.PullSubscription:
         """Create the consumer unless it exists (the first time: from the batches of the
         last :data:`~..storage.leader.FIRST_WINDOW_S`, not the whole stream), then bind."""
-        name, stream = bus.DECIDE_CONSUMER, bus.BATCH_STREAM
+        name, stream = self.lane.name, bus.BATCH_STREAM
         try:
             await js.consumer_info(stream, name)
         except nats.js.errors.NotFoundError:
@@ -134,7 +166,7 @@ class DecideFeed:
                 durable_name=name, ack_policy=AckPolicy.EXPLICIT,
                 deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=start,
                 ack_wait=self.config.bus_ack_wait_s, max_deliver=-1,
-                filter_subject=f"{bus.BATCH_PREFIX}.*",
+                filter_subject=f"{self.lane.prefix}.*",
                 max_ack_pending=max(1000, 8 * self.config.bus_fetch_max),
                 num_replicas=self.config.bus_stream_replicas)
             await js.add_consumer(stream, config=config)
@@ -147,7 +179,8 @@ class DecideFeed:
         for h in held:
             await h.msg.nak()
         await sub.unsubscribe()
-        log.warning("bus decide: no longer the leader; %d batch(es) handed back", len(held))
+        log.warning("bus decide: no longer the leader; %d batch(es) of %s handed back",
+                    len(held), self.lane.name)
 
     async def _take(self, sub: JetStreamContext.PullSubscription) -> None:
         try:
@@ -187,7 +220,7 @@ class DecideFeed:
         self._held = waiting
         await self._keep_waiting(now)
         if batches:
-            await self.deliver(batches)
+            await self.deliver(batches, self.lane.urgent)
             self._count.labels("fed").inc(len(batches))
             self._remember(batches)
         for h in ready:

@@ -13,6 +13,11 @@ Subjects (``<n>`` is the node's *subject token*, :func:`node_token`):
   (limits by age and bytes); every collector replica pulls through ONE durable consumer,
   :data:`BATCH_CONSUMER`, so each batch is stored by one replica; the leader alone also
   pulls the whole stream through :data:`DECIDE_CONSUMER` for its decisions.
+* ``forewarn.urgent.<n>``: the agent's *urgent* batches (``AgentBatch.urgent``: a finding
+  or a checkpoint report in it), the same bytes and header, in the same stream: the urgent
+  lane. The collectors store them through :data:`URGENT_CONSUMER` and the leader decides
+  on them through :data:`DECIDE_URGENT_CONSUMER`, each pulled beside (not behind) its
+  telemetry consumer, so a fatal finding never waits for a telemetry backlog.
 * ``forewarn.cmd.<n>``: :class:`~forewarn.wire.Command`\\ s for that node (JSON), header
   ``Nats-Msg-Id: <command id>``. Stream :data:`COMMAND_STREAM` (work queue); the agent
   pulls through its own durable consumer, :func:`command_consumer`, and acknowledges a
@@ -43,6 +48,9 @@ __all__ = [
     "COMMAND_PREFIX",
     "COMMAND_STREAM",
     "DECIDE_CONSUMER",
+    "DECIDE_URGENT_CONSUMER",
+    "URGENT_CONSUMER",
+    "URGENT_PREFIX",
     "authorization",
     "check_url",
     "command_consumer",
@@ -57,12 +65,17 @@ __all__ = [
 BATCH_STREAM = "FOREWARN_BATCHES"
 COMMAND_STREAM = "FOREWARN_COMMANDS"
 BATCH_PREFIX = "forewarn.batch"
+URGENT_PREFIX = "forewarn.urgent"
 COMMAND_PREFIX = "forewarn.cmd"
 ACK_PREFIX = "forewarn.ack"
 BATCH_CONSUMER = "collectors"
 """The one durable pull consumer every collector replica shares (work-queue style)."""
 DECIDE_CONSUMER = "decide"
-"""The durable pull consumer of the whole batch stream that only the leader pulls."""
+"""The durable pull consumer of the telemetry lane that only the leader pulls."""
+URGENT_CONSUMER = "collectors-urgent"
+"""The urgent lane's :data:`BATCH_CONSUMER`: shared by every replica, for storage."""
+DECIDE_URGENT_CONSUMER = "decide-urgent"
+"""The urgent lane's :data:`DECIDE_CONSUMER`: the leader's alone."""
 BUS_ADDRESS = "nats"
 """The address a collector records for a batch that came over the bus (not over HTTP)."""
 ACK_CONSUMER = "collectors-acks"
@@ -133,14 +146,15 @@ def nats_password(token: str) -> str:
 
 
 def _node_permissions(node: str) -> dict[str, object]:
-    """What ``node``'s NATS user may do: publish its batches and command answers, pull
-    its own command consumer, read its own inbox; nothing else."""
+    """What ``node``'s NATS user may do: publish its batches (both lanes) and command
+    answers, pull its own command consumer, read its own inbox; nothing else."""
     tok = node_token(node)
     consumer = command_consumer(node)
     cmd_subject = f"{COMMAND_PREFIX}.{tok}"
     return {
         "publish": {"allow": [
             f"{BATCH_PREFIX}.{tok}",
+            f"{URGENT_PREFIX}.{tok}",
             f"{ACK_PREFIX}.{tok}",
             f"$JS.API.CONSUMER.CREATE.{COMMAND_STREAM}.{consumer}.{cmd_subject}",
             f"$JS.API.CONSUMER.INFO.{COMMAND_STREAM}.{consumer}",

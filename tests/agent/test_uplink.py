@@ -171,6 +171,20 @@ def test_urgent_finding_is_sent_at_once(tmp_path: Path) -> None:
         col.store.close()
 
 
+def test_finding_transitions_replay_in_order_ahead_of_telemetry(tmp_path: Path) -> None:
+    # A GPU failing, recovering and failing again while the collector is away: every
+    # transition rides urgent, so the replay keeps them in order (the last one fires)
+    # while still overtaking the telemetry sealed between them.
+    up = Uplink(agent_config(tmp_path, 1, push_interval_s=3600), registry=CollectorRegistry())
+    for health in (Health.UNHEALTHY, None, Health.HEALTHY, None, Health.UNHEALTHY):
+        found = [] if health is None else [Finding(
+            check="ecc", health=health, reason="ECC", time=time.time(),
+            subject=Subject(kind="gpu", node="a", gpu=1))]
+        up.add(samples=samples("a", time.time()), findings=found)
+        up.seal()
+    assert [seq for seq, _p in up.spool.pending()] == [0, 2, 4, 1, 3]
+
+
 @dataclasses.dataclass
 class FakeOrders:
     """Stands in for the ranks component's order book (another engineer's module)."""
