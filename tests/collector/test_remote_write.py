@@ -14,12 +14,12 @@ import pytest
 
 from forewarn.collector.metrics import CollectorMetrics
 from forewarn.collector.storage.remote_write import RemoteWriter, encode_write_request
+from forewarn.demo.servers import VictoriaMetrics
 from forewarn.wire import AgentBatch, GpuSample, encode
 
 from support.collector import TOKENS, start_service, stop_service
 from support.paths import REPO
 from support.polling import free_port, wait_for
-from support.victoria import VictoriaMetrics
 
 DASHBOARDS = REPO / "dashboards"
 

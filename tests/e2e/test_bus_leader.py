@@ -21,6 +21,7 @@ import pandas as pd
 import pytest
 
 from forewarn import bus
+from forewarn.demo.servers import PostgresServer
 from forewarn.models.features import gpu_features
 from forewarn.models.persist import load_model
 from forewarn.wire import AgentBatch, CheckpointReport, XidEvent, encode
@@ -29,7 +30,6 @@ from support.bus_stack import COLLECTOR_PASSWORD, auth_block
 from support.collector import NODE, ranks_on
 from support.nats_server import NatsServer, start_server
 from support.polling import wait_for
-from support.postgres import PostgresServer
 from support.precursor import Case, make_case, ranks, samples
 from support.replicas import Replica, write_tokens
 
