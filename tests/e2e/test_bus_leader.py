@@ -117,16 +117,6 @@ def stack(tmp_path: Path, postgres_server: PostgresServer) -> Iterator[Callable[
             s.stop()
 
 
-def metric(r: Replica, name: str, **labels: str) -> float:
-    """A sample of ``r``'s /metrics with these labels (0 when absent)."""
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    for line in r.client.get("/metrics").text.splitlines():
-        key, _, value = line.rpartition(" ")
-        if key == (f"{name}{{{want}}}" if want else name):
-            return float(value)
-    return 0.0
-
-
 def _alarm_run(c: Case) -> float:
     """A feature time T at which the model alarms on the GPU at T, T+60 and T+120 (before
     the failure): a scoring anywhere in those three minutes alarms."""
@@ -223,11 +213,11 @@ def test_every_checkpoint_report_reaches_the_leader_whichever_replica_stored_it(
             for g in range(2)]}])
     wait_for(lambda: s.stored() == sum(s.seq.values()) - 1, 30, "the reports stored")
     os.kill(s.a.proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
-    wait_for(lambda: metric(s.a, "forewarn_collector_checkpoint_orders_total",
-                            event="done") == 1, 20,
+    wait_for(lambda: s.a.metric("forewarn_collector_checkpoint_orders_total",
+                                event="done") == 1, 20,
              "the leader's order done (every rank's report seen)")
-    assert metric(s.a, "forewarn_collector_decide_batches_total", result="fed") >= 4
-    assert metric(s.a, "forewarn_collector_checkpoint_orders_total", event="failed") == 0
-    wait_for(lambda: sum(metric(r, "forewarn_collector_ingest_rejected_total",
-                                reason="not_your_job") for r in (s.a, s.b)) == 1, 20,
+    assert s.a.metric("forewarn_collector_decide_batches_total", result="fed") >= 4
+    assert s.a.metric("forewarn_collector_checkpoint_orders_total", event="failed") == 0
+    wait_for(lambda: sum(r.metric("forewarn_collector_ingest_rejected_total",
+                                  reason="not_your_job") for r in (s.a, s.b)) == 1, 20,
              "the other node's report refused by ingest")
