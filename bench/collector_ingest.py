@@ -16,9 +16,9 @@ is the limit). At the end every acknowledged batch is checked to be in the datab
     python bench/collector_ingest.py --state both    # SQLite, then PostgreSQL, same load
 
 ``--state postgresql`` starts a PostgreSQL from the machine's binaries (as the tests do,
-``tests/support/postgres.py``; fsync on, as in production) and adds the database server's
-CPU in the window (``postgres_cpu_pct``): with shared state the replica's cost is the
-collector's CPU plus the share of PostgreSQL's it causes.
+:class:`forewarn.demo.servers.PostgresServer`; fsync on, as in production) and adds the
+database server's CPU in the window (``postgres_cpu_pct``): with shared state the
+replica's cost is the collector's CPU plus the share of PostgreSQL's it causes.
 
 Goal (issue 4): >= 20,000 GPU-samples/s on one core (a 20k-GPU fleet at 1 s resolution).
 """
@@ -233,10 +233,9 @@ def main() -> int:
 
 
 def _postgres() -> Any:
-    """A PostgreSQL server of the machine's binaries (tests/support/postgres.py), with
+    """A PostgreSQL server of the machine's binaries (as the tests start one), with
     fsync on: the bench measures durable commits on both backends."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-    from support.postgres import PostgresServer, find_postgres_bin
+    from forewarn.demo.servers import PostgresServer, find_postgres_bin
 
     bin_dir = find_postgres_bin()
     if bin_dir is None:

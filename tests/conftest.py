@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, settings
 
-from support.postgres import PostgresServer, find_postgres_bin
+from forewarn.demo.servers import PostgresServer, find_postgres_bin
 
 # Property tests assert properties, never speed: on a loaded machine (CI's two workers on
 # two cores) a slow example is not a failure.
@@ -38,8 +38,8 @@ def require_binary() -> Callable[[str], str]:
 
 @pytest.fixture(scope="session")
 def postgres_server() -> Iterator[PostgresServer]:
-    """A real PostgreSQL for the session (tests/support/postgres.py); skips when its
-    binaries are missing (fails under CI)."""
+    """A real PostgreSQL for the session (:class:`forewarn.demo.servers.PostgresServer`);
+    skips when its binaries are missing (fails under CI)."""
     bin_dir = find_postgres_bin()
     if bin_dir is None:
         if os.environ.get("CI"):

@@ -13,6 +13,8 @@ state directory) keeps reading it. The file is re-read when it changes (any chan
 inode, size, mtime or ctime), so enrolment needs no restart; a file that cannot be read
 or parsed is logged as an error once per change and counted (the collector's
 ``forewarn_collector_tokens_file_errors_total``), and the last good tokens stay in force.
+:func:`enroll` is the same enrolment plus the agent's token file (mode 0600), for whoever
+hands the token over as a file (the demo, the chaos lab, the tests).
 
 A token authenticates exactly one node; an agent may only post, poll and ack for that
 node. Comparison is constant-time (:func:`hmac.compare_digest`).
@@ -35,7 +37,7 @@ from pathlib import Path
 
 from forewarn.errors import InputError
 
-__all__ = ["AuthError", "TokenRegistry", "add_token", "hash_token", "node_hashes",
+__all__ = ["AuthError", "TokenRegistry", "add_token", "enroll", "hash_token", "node_hashes",
            "parse_bearer"]
 
 PREFIX = "sha256:"
@@ -204,4 +206,19 @@ def add_token(path: Path, node: str) -> str:
         raise
     os.close(fd)
     os.replace(tmp, path)
+    return token
+
+
+def enroll(tokens_file: Path, node: str, token_file: Path) -> str:
+    """Enrol ``node`` in ``tokens_file`` (:func:`add_token`) and write its token to the
+    agent's ``token_file``, readable by its owner only (mode 0600 from its creation on,
+    whatever the umask or the mode an earlier file had); returns the token."""
+    token = add_token(tokens_file, node)
+    # O_NOFOLLOW: a planted symlink must not redirect the secret elsewhere.
+    fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, (token + "\n").encode())
+    finally:
+        os.close(fd)
     return token

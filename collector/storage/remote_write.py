@@ -178,6 +178,8 @@ class RemoteWriter:
         self._shards = [_Shard(self._lock) for _ in range(shards)]
         self._queued = 0
         self._stopping = False
+        self._stopped = threading.Event()
+        """Set by :meth:`stop`: it wakes a sender waiting out a retry's backoff."""
         self._waiters: collections.deque[tuple[list[int], concurrent.futures.Future[None]]] = \
             collections.deque()
         """:meth:`written` futures with each shard's position they wait for, oldest first
@@ -268,6 +270,7 @@ class RemoteWriter:
             self._stopping = True
             for shard in self._shards:
                 shard.wake.notify()
+        self._stopped.set()
         deadline = time.monotonic() + timeout_s
         for thread in self._threads:
             if thread.ident is not None:  # started
@@ -343,12 +346,15 @@ class RemoteWriter:
                           samples, detail)
                 return True
             self.metrics.remote_write_retries.inc()
+            if not self._stopping:
+                log.warning("remote write %s failed (%s); retried in %.1f s", self.url,
+                            detail, delay)
+                # Not time.sleep: stop() must wake the wait, or it would return (and close
+                # the client) while this thread still sleeps.
+                self._stopped.wait(delay)
             if self._stopping:
                 self.metrics.remote_write_dropped.labels("shutdown").inc(samples)
                 return False
-            log.warning("remote write %s failed (%s); retried in %.1f s", self.url, detail,
-                        delay)
-            time.sleep(delay)
             delay = min(delay * 2, self.backoff_max_s)
 
 

@@ -18,11 +18,11 @@ from forewarn.agent.config import AgentConfig
 from forewarn.agent.uplink import Uplink
 from forewarn.collector.storage.postgres import PostgresStore, migrations
 from forewarn.collector.storage.store import StoreError
+from forewarn.demo.servers import PostgresServer
 from forewarn.wire import Finding, GpuSample, Health, RankSummary, Subject, SuggestedAction
 
 from support.collector import TOKENS
 from support.polling import wait_for
-from support.postgres import PostgresServer
 from support.replicas import Replica, write_tokens
 
 

@@ -24,9 +24,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from forewarn.collector.http.auth import enroll
+
 from support.paths import REPO
 from support.polling import START_TIMEOUT_S, free_port, poll, wait_for
-from support.stack import agent_command, enroll
+from support.stack import agent_command
 
 NOFILE = 1024
 ATTACK_SOCKETS = 1100

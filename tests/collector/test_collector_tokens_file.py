@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from forewarn.collector.http.auth import AuthError, TokenRegistry, add_token
+from forewarn.collector.http.auth import AuthError, TokenRegistry, add_token, enroll
 
 NOBODY = 65534
 
@@ -37,6 +37,23 @@ def test_a_new_tokens_file_belongs_to_its_folders_owner(tmp_path: Path) -> None:
     add_token(state / "tokens.toml", "node-1")
     st = (state / "tokens.toml").stat()
     assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (NOBODY, 0o600)
+
+
+def test_enroll_writes_the_hash_and_a_private_token_file(tmp_path: Path) -> None:
+    """What the demo, the chaos lab and the tests hand an agent: the tokens file gets the
+    hash, the agent's token file the token itself, readable by its owner only (even when
+    it existed with a wider mode, and whatever the umask)."""
+    tokens, token_file = tmp_path / "tokens.toml", tmp_path / "node-1.token"
+    token_file.write_text("stale\n")
+    token_file.chmod(0o644)
+    old = os.umask(0)
+    try:
+        token = enroll(tokens, "node-1", token_file)
+    finally:
+        os.umask(old)
+    assert token_file.read_text() == token + "\n"
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    assert TokenRegistry(tokens).authenticate(_bearer(token)) == "node-1"
 
 
 def _bearer(token: str) -> str:

@@ -5,7 +5,9 @@ full queue drops new samples, counted."""
 
 from __future__ import annotations
 
+import http.server
 import json
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,12 +16,12 @@ import pytest
 
 from forewarn.collector.metrics import CollectorMetrics
 from forewarn.collector.storage.remote_write import RemoteWriter, encode_write_request
+from forewarn.demo.servers import VictoriaMetrics
 from forewarn.wire import AgentBatch, GpuSample, encode
 
 from support.collector import TOKENS, start_service, stop_service
 from support.paths import REPO
 from support.polling import free_port, wait_for
-from support.victoria import VictoriaMetrics
 
 DASHBOARDS = REPO / "dashboards"
 
@@ -118,6 +120,57 @@ def test_unreachable_store_is_retried_and_a_full_queue_drops_counted() -> None:
     # stopped before the store took them: whoever waits (the bus) must not acknowledge
     with pytest.raises(RuntimeError, match="stopped"):
         pending.result(timeout=0)
+
+
+class Unavailable(http.server.BaseHTTPRequestHandler):
+    """A store that answers every remote write 503 (retry later), counting them."""
+
+    posts = 0
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).posts += 1
+        self.send_response(503)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_stop_during_a_retry_ends_the_sender_without_touching_the_closed_client(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """stop() while the sender waits out a backoff wakes it: the thread is gone when stop()
+    returns, so no request goes out on the client stop() closed and no error is raised
+    in the thread."""
+    class Store(Unavailable):
+        posts = 0  # this test's own count
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Store)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    errors: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
+    metrics = CollectorMetrics()
+    writer = RemoteWriter(f"http://127.0.0.1:{server.server_address[1]}/api/v1/write",
+                          metrics, backoff_s=5.0)
+    try:
+        writer.start()
+        writer.offer(gpu_samples("n", time.time()))
+        wait_for(lambda: metric(metrics, "forewarn_collector_remote_write_retries_total"),
+                 what="the first request refused, the sender in its backoff")
+        writer.stop(timeout_s=2.0)
+        alive = [t for t in writer._threads if t.is_alive()]
+        posts = Store.posts
+        for t in alive:
+            t.join(15)  # where it outlived stop(): let it wake and act
+        assert errors == []
+        assert Store.posts == posts  # nothing sent after stop() returned
+        assert alive == []
+        assert metric(metrics, "forewarn_collector_remote_write_dropped_samples_total",
+                      reason="shutdown") == 4
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_written_is_done_once_the_store_took_every_sample_offered(vm: VictoriaMetrics

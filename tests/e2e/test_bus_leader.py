@@ -21,6 +21,7 @@ import pandas as pd
 import pytest
 
 from forewarn import bus
+from forewarn.demo.servers import PostgresServer
 from forewarn.models.features import gpu_features
 from forewarn.models.persist import load_model
 from forewarn.wire import AgentBatch, CheckpointReport, XidEvent, encode
@@ -29,7 +30,6 @@ from support.bus_stack import COLLECTOR_PASSWORD, auth_block
 from support.collector import NODE, ranks_on
 from support.nats_server import NatsServer, start_server
 from support.polling import wait_for
-from support.postgres import PostgresServer
 from support.precursor import Case, make_case, ranks, samples
 from support.replicas import Replica, write_tokens
 
@@ -115,16 +115,6 @@ def stack(tmp_path: Path, postgres_server: PostgresServer) -> Iterator[Callable[
     finally:
         for s in started:
             s.stop()
-
-
-def metric(r: Replica, name: str, **labels: str) -> float:
-    """A sample of ``r``'s /metrics with these labels (0 when absent)."""
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    for line in r.client.get("/metrics").text.splitlines():
-        key, _, value = line.rpartition(" ")
-        if key == (f"{name}{{{want}}}" if want else name):
-            return float(value)
-    return 0.0
 
 
 def _alarm_run(c: Case) -> float:
@@ -223,11 +213,11 @@ def test_every_checkpoint_report_reaches_the_leader_whichever_replica_stored_it(
             for g in range(2)]}])
     wait_for(lambda: s.stored() == sum(s.seq.values()) - 1, 30, "the reports stored")
     os.kill(s.a.proc.pid, signal.SIGCONT)  # type: ignore[union-attr]
-    wait_for(lambda: metric(s.a, "forewarn_collector_checkpoint_orders_total",
-                            event="done") == 1, 20,
+    wait_for(lambda: s.a.metric("forewarn_collector_checkpoint_orders_total",
+                                event="done") == 1, 20,
              "the leader's order done (every rank's report seen)")
-    assert metric(s.a, "forewarn_collector_decide_batches_total", result="fed") >= 4
-    assert metric(s.a, "forewarn_collector_checkpoint_orders_total", event="failed") == 0
-    wait_for(lambda: sum(metric(r, "forewarn_collector_ingest_rejected_total",
-                                reason="not_your_job") for r in (s.a, s.b)) == 1, 20,
+    assert s.a.metric("forewarn_collector_decide_batches_total", result="fed") >= 4
+    assert s.a.metric("forewarn_collector_checkpoint_orders_total", event="failed") == 0
+    wait_for(lambda: sum(r.metric("forewarn_collector_ingest_rejected_total",
+                                  reason="not_your_job") for r in (s.a, s.b)) == 1, 20,
              "the other node's report refused by ingest")

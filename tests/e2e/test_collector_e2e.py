@@ -18,9 +18,10 @@ import httpx
 import pytest
 
 from forewarn.collector.decide.webhooks import WebhookVerifier
+from forewarn.collector.http.auth import enroll
 
 from support.polling import START_TIMEOUT_S, wait_for
-from support.stack import Processes, enroll, start_agent, start_collector
+from support.stack import Processes, start_agent, start_collector
 from support.webhooks import Receiver
 
 SECRET = "e2e-webhook-secret"
@@ -61,7 +62,9 @@ def test_failure_on_node2_gpu1_checkpoints_every_rank_at_one_step(tmp_path: Path
     receiver = Receiver()
     procs = Processes(tmp_path)
     tokens = tmp_path / "tokens.toml"
-    token_files = {node: enroll(tokens, node, tmp_path / f"{node}.token") for node in NODES}
+    token_files = {node: tmp_path / f"{node}.token" for node in NODES}
+    for node, token_file in token_files.items():
+        enroll(tokens, node, token_file)
     try:
         # checkpoint_default_s: the job has run for seconds only; with the 60 s default the
         # cost model would (rightly) not find a few seconds of work worth a checkpoint.

@@ -13,13 +13,12 @@ import psycopg
 import pytest
 
 from forewarn.chaos.scale_account import account_scale
-from forewarn.demo.servers import PostgresServer
+from forewarn.demo.servers import PostgresServer, VictoriaMetrics
 
 from support.bus_stack import COLLECTOR_PASSWORD, TOKENS, FedAgent, auth_block
 from support.nats_server import start_server
 from support.polling import wait_for
 from support.replicas import Replica
-from support.victoria import VictoriaMetrics
 
 QUEUED = "forewarn_collector_remote_write_queued_samples"
 """GPU samples a replica holds for the series store."""

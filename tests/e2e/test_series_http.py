@@ -17,11 +17,11 @@ import pytest
 
 from forewarn.chaos.procs import scrape
 from forewarn.collector.http.auth import hash_token
+from forewarn.demo.servers import VictoriaMetrics
 
 from support.bus_stack import TOKENS, FedAgent
 from support.polling import free_port, poll, wait_for
 from support.stack import Processes, http_get, write_config
-from support.victoria import VictoriaMetrics
 
 MATCH = 'forewarn_gpu_info{node=~"gpu.*"}'
 

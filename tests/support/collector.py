@@ -9,7 +9,6 @@ replaying simulated telemetry from the past)."""
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -24,6 +23,8 @@ from forewarn.collector.http.app import create_app
 from forewarn.collector.http.auth import TokenRegistry
 from forewarn.collector.storage.state import StateStore, open_state
 from forewarn.wire import AgentBatch, RankSummary, encode
+
+from support.metrics import sample
 
 __all__ = ["ALERT_TOKEN", "NODE", "NODE_TOKENS", "STATE", "TOKENS", "Clock", "ClockedService",
            "Service", "poll_commands", "ranks_on", "serve", "start_clocked", "start_job_service",
@@ -156,14 +157,7 @@ class ClockedService:
 
     def metric(self, name: str, **labels: str) -> float | None:
         """One sample of the exposition (labels matched exactly, in any order)."""
-        for line in self.client.get("/metrics").text.splitlines():
-            m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})? (\S+)$", line)
-            if m is None or m.group(1) != name:
-                continue
-            got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-            if got == labels:
-                return float(m.group(3))
-        return None
+        return sample(self.client.get("/metrics").text, name, **labels)
 
 
 def start_clocked(tmp_path: Path, clock: Clock, **overrides: Any) -> ClockedService:

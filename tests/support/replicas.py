@@ -17,6 +17,7 @@ import httpx
 from forewarn.wire import AgentBatch, encode
 
 from support.collector import TOKENS, poll_commands
+from support.metrics import sample
 from support.polling import START_TIMEOUT_S, free_port, wait_for
 from support.stack import stop as stop_process
 from support.stack import write_config
@@ -81,12 +82,9 @@ class Replica:
         except httpx.HTTPError:
             return False
 
-    def metric(self, name: str) -> float:
-        """The value of an unlabelled sample in /metrics (0 when absent)."""
-        for line in self.client.get("/metrics").text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-        return 0.0
+    def metric(self, name: str, **labels: str) -> float:
+        """The sample of /metrics with exactly these labels (0 when absent)."""
+        return sample(self.client.get("/metrics").text, name, **labels) or 0.0
 
     def push(self, node: str, **kw: Any) -> httpx.Response:
         seq = self.seq.get(node, 0)

@@ -38,10 +38,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from forewarn.collector.http.auth import enroll
+
 from support.polling import START_TIMEOUT_S, free_port, wait_for
 
 __all__ = ["CLUSTER", "DASHBOARDS", "JOB", "NODE", "RULES", "Processes", "PromError", "Stack",
-           "agent_command", "enroll", "http_get", "running_stack", "start_agent",
+           "agent_command", "http_get", "running_stack", "start_agent",
            "start_collector", "start_prometheus", "stop", "toml_value"]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -160,16 +162,6 @@ def write_config(path: Path, **keys: Any) -> Path:
     """A flat TOML config file of ``keys``."""
     path.write_text("".join(f"{k} = {toml_value(v)}\n" for k, v in keys.items()))
     return path
-
-
-def enroll(tokens: Path, node: str, token_file: Path) -> Path:
-    """Enroll ``node`` in the collector's ``tokens`` file; its token goes to
-    ``token_file`` (mode 0600), as ``forewarn collector token add`` would hand it out."""
-    from forewarn.collector.http.auth import add_token  # only tests that enroll need it
-
-    token_file.write_text(add_token(tokens, node) + "\n")
-    token_file.chmod(0o600)
-    return token_file
 
 
 def agent_command(node: str, *, scenario: Path | None = None, socket: Path | None = None,
@@ -362,7 +354,8 @@ class Stack:
         the agent's first sample on (the scenario's faults end seconds after its start)."""
         self.started = time.time()
         tokens = self.tmp / "tokens.toml"
-        token_file = enroll(tokens, NODE, self.tmp / f"{NODE}.token")
+        token_file = self.tmp / f"{NODE}.token"
+        enroll(tokens, NODE, token_file)
         # checkpoint_default_s: the job has run for seconds only; with the 60 s default the
         # cost model would (rightly) find a few seconds of work not worth a checkpoint.
         # predict_*: score every second, on every sample: risk panels fill within the test.

@@ -68,15 +68,12 @@ class LabCollector(_Daemon):
             "command_redeliver_s = 2.0\n"
             "flush_interval_s = 0.5\n"
             'log_level = "warning"\n' + extra)
-        from forewarn.collector.http.auth import add_token
+        from forewarn.collector.http.auth import enroll
 
         self.tokens: dict[str, Path] = {}
         for node in nodes:
-            token = add_token(self.dir / "tokens.toml", node)
-            path = self.dir / f"{node}.token"
-            path.write_text(token + "\n")
-            path.chmod(0o600)
-            self.tokens[node] = path
+            self.tokens[node] = self.dir / f"{node}.token"
+            enroll(self.dir / "tokens.toml", node, self.tokens[node])
         self.start()
 
     def start(self) -> None:

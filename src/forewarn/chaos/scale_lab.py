@@ -42,7 +42,7 @@ class ScaleRig:
 
     def __init__(self, lab: Lab) -> None:
         from forewarn import bus
-        from forewarn.collector.http.auth import add_token, hash_token
+        from forewarn.collector.http.auth import enroll, hash_token
 
         self.lab = lab
         self.dir = lab.dir / "scale"
@@ -50,11 +50,8 @@ class ScaleRig:
         self.tokens: dict[str, Path] = {}
         hashes = {}
         for node in NODES:
-            token = add_token(self.dir / "tokens.toml", node)
             self.tokens[node] = self.dir / f"{node}.token"
-            self.tokens[node].write_text(token + "\n")
-            self.tokens[node].chmod(0o600)
-            hashes[node] = hash_token(token)
+            hashes[node] = hash_token(enroll(self.dir / "tokens.toml", node, self.tokens[node]))
         password = secrets.token_hex(16)
         self.nats = servers.nats_cluster(self.dir / "nats", 3,
                                          authorization=bus.authorization(hashes, password))

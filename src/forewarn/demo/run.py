@@ -120,13 +120,10 @@ class Demo:
 
     def write_tokens(self) -> None:
         """Enrol both demo nodes: the collector's tokens file and one token file each."""
-        from forewarn.collector.http.auth import add_token
+        from forewarn.collector.http.auth import enroll
 
         for node in NODES:
-            token = add_token(self.dir / "tokens.toml", node)
-            path = self.dir / f"{node}.token"
-            path.write_text(token + "\n")
-            path.chmod(0o600)
+            enroll(self.dir / "tokens.toml", node, self.dir / f"{node}.token")
 
     def collector_config(self, name: str, port: int, extra: str = "") -> Path:
         """Write collector ``name``'s config (listening on ``port``); returns its path."""

@@ -1,0 +1,32 @@
+"""tests/support/metrics.sample, the one way the tests read a sample of /metrics: labels
+match exactly but in any order (the exposition keeps the metric's declared label order,
+not sorted), escaped values are unescaped, and an unlabelled sample is not confused with
+its labelled siblings."""
+
+from __future__ import annotations
+
+from support.metrics import sample
+
+TEXT = """\
+# HELP forewarn_x_total x
+# TYPE forewarn_x_total counter
+forewarn_x_total 3.0
+forewarn_x_total{node="n1",gpu="0"} 5.0
+forewarn_x_total{node="n1",gpu="1"} 7.0
+forewarn_x_total{node="a \\"quoted\\" name",gpu="0"} 11.0
+"""
+
+
+def test_labels_match_in_any_order() -> None:
+    assert sample(TEXT, "forewarn_x_total", gpu="1", node="n1") == 7.0
+    assert sample(TEXT, "forewarn_x_total", node="n1", gpu="0") == 5.0
+
+
+def test_an_unlabelled_sample_and_absent_ones() -> None:
+    assert sample(TEXT, "forewarn_x_total") == 3.0
+    assert sample(TEXT, "forewarn_x_total", node="n1") is None  # a subset is not a match
+    assert sample(TEXT, "forewarn_y_total") is None
+
+
+def test_escaped_label_values() -> None:
+    assert sample(TEXT, "forewarn_x_total", node='a "quoted" name', gpu="0") == 11.0
