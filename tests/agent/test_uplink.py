@@ -303,6 +303,43 @@ def test_checkpoint_command_reaches_order_job_and_is_acked_once(tmp_path: Path) 
         col.store.close()
 
 
+def test_a_batch_answered_with_a_server_error_is_kept_by_the_bound(tmp_path: Path) -> None:
+    """A 5xx may come after the batch was stored (503: stored, the series store slow):
+    the bound drops the batches after it, not it."""
+    seen: list[int] = []
+    stored: list[int] = []
+    ok = threading.Event()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/api/v1/commands":
+            return httpx.Response(200, json=[])
+        seen.append(decode(request.content, AgentBatch).seq)
+        if not ok.is_set():
+            return httpx.Response(503, json={"error": "series_store"})
+        stored.append(seen[-1])
+        return httpx.Response(200, json={"result": "stored"})
+
+    reg = CollectorRegistry()
+    cfg = agent_config(tmp_path, 1, push_interval_s=3600, spool_max_bytes=4096)
+    up = Uplink(cfg, transport=httpx.MockTransport(handler), registry=reg, retry_s=0.01)
+    up.start()
+    try:
+        up.add(samples=samples("a", 1.0, gpus=8), urgent=True)
+        wait_for(lambda: seen)
+
+        def overflow() -> bool:
+            up.add(samples=samples("a", 2.0, gpus=8), urgent=True)
+            return metric(reg, "forewarn_uplink_dropped_batches_total") >= 2
+
+        wait_for(overflow, what="the spool dropping batches", interval=0.02)
+        ok.set()
+        wait_for(lambda: len(up.spool) == 0)
+    finally:
+        up.stop()
+    assert seen[0] == 0 and stored[0] == 0  # kept and sent again, the others dropped
+    assert metric(reg, "forewarn_uplink_dropped_batches_total") >= 2
+
+
 def test_refused_batch_is_dropped_and_server_errors_are_retried(tmp_path: Path) -> None:
     answers = [503, 413, 200]
     seen: list[int] = []
