@@ -19,10 +19,8 @@ set:
   stores each ``(agent_id, seq)`` once, so a batch sent twice (the answer was lost) is
   stored once. ``agent_id`` and the next ``seq`` live in ``spool_dir/state.json``.
 * **Bounded.** Above ``spool_max_bytes`` the oldest batches are dropped and counted
-  (``forewarn_uplink_dropped_batches_total``). A batch that was sent and got no answer
-  (the connection dropped, a timeout) or a server error may be stored all the same: it is
-  *in doubt* and the bound keeps it until it is sent again and answered, so every batch
-  counted as dropped is one the collector never got.
+  (``forewarn_uplink_dropped_batches_total``), never one in doubt (sent, no answer or a
+  5xx: it may be stored), so a batch counted as dropped is one the collector never got.
 * **Refused for good.** A batch the collector answers with a 4xx other than 401 (a token
   can be fixed), 408 or 429 (try later) would never be accepted: it is moved to
   ``spool_dir/rejected/`` with the answer beside it (``<seq>.<u|n>.txt``), logged, counted
@@ -354,9 +352,8 @@ class Uplink(ComponentBase):
             return "stored", ""
         if 400 <= r.status_code < 500 and r.status_code not in _RETRY_4XX:
             return "rejected", f"collector answered {r.status_code}: {r.text[:2000]}"
-        # A 5xx may come after the batch was stored (the series store slow: 503).
-        return ("in_doubt" if r.status_code >= 500 else "retry",
-                f"collector answered {r.status_code}: {r.text[:300]}")
+        again = "in_doubt" if r.status_code >= 500 else "retry"  # a 503 may follow storing
+        return again, f"collector answered {r.status_code}: {r.text[:300]}"
 
     def _target(self) -> str:
         """Where batches go, for /readyz."""
