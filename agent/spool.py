@@ -3,9 +3,11 @@
 Every sealed batch is written to the spool directory (one file per batch named by its
 ``seq``, fsync'd, renamed into place) *before* it is sent, and deleted only when the
 collector stored it; urgent batches jump the queue. Above ``max_bytes`` the oldest batches
-are dropped and counted. A batch refused for good is moved to ``rejected/`` with the answer
-beside it. ``agent_id`` and the next ``seq`` live in ``state.json``. See
-:mod:`forewarn.agent.uplink` for how the uplink uses it.
+are dropped and counted, except a batch *in doubt* (sent, and the collector may have stored
+it without the answer arriving, :meth:`Spool.in_doubt`): it stays until it is answered, so
+a batch counted as dropped is one the collector never got. A batch refused for good is
+moved to ``rejected/`` with the answer beside it. ``agent_id`` and the next ``seq`` live in
+``state.json``. See :mod:`forewarn.agent.uplink` for how the uplink uses it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class Spool:
         self.max_bytes = max_bytes
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.dropped = 0
+        self._in_doubt: set[int] = set()
         for tmp in self.root.glob("*.tmp"):
             tmp.unlink(missing_ok=True)
         self._files: dict[int, tuple[Path, int, bool]] = {}
@@ -96,6 +99,8 @@ class Spool:
         for seq in sorted(self._files)[:-1]:
             if total <= self.max_bytes:
                 break
+            if seq in self._in_doubt:
+                continue
             total -= self._files[seq][1]
             self.remove(seq)
             self.dropped += 1
@@ -111,7 +116,16 @@ class Spool:
         entry = self._files.get(seq)
         return entry is not None and entry[2]
 
+    def in_doubt(self, seq: int) -> None:
+        """Batch ``seq`` was sent and may be stored (no answer came back, or a server
+        error): the bound must not drop it, or it would count as dropped a batch the
+        collector has. It stays in doubt until it leaves the spool (sent again and
+        answered ``stored``/``duplicate``, or refused for good)."""
+        if seq in self._files:
+            self._in_doubt.add(seq)
+
     def remove(self, seq: int) -> None:
+        self._in_doubt.discard(seq)
         entry = self._files.pop(seq, None)
         if entry is not None:
             entry[0].unlink(missing_ok=True)
@@ -119,6 +133,7 @@ class Spool:
     def reject(self, seq: int, why: str) -> Path | None:
         """Move batch ``seq`` to ``rejected/`` with ``why`` beside it, out of the queue;
         ``rejected/`` keeps at most ``max_bytes`` (oldest dropped). Returns where it went."""
+        self._in_doubt.discard(seq)
         entry = self._files.pop(seq, None)
         if entry is None:
             return None

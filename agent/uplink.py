@@ -19,7 +19,8 @@ set:
   stores each ``(agent_id, seq)`` once, so a batch sent twice (the answer was lost) is
   stored once. ``agent_id`` and the next ``seq`` live in ``spool_dir/state.json``.
 * **Bounded.** Above ``spool_max_bytes`` the oldest batches are dropped and counted
-  (``forewarn_uplink_dropped_batches_total``).
+  (``forewarn_uplink_dropped_batches_total``), never one in doubt (sent, no answer or a
+  5xx: it may be stored), so a batch counted as dropped is one the collector never got.
 * **Refused for good.** A batch the collector answers with a 4xx other than 401 (a token
   can be fixed), 408 or 429 (try later) would never be accepted: it is moved to
   ``spool_dir/rejected/`` with the answer beside it (``<seq>.<u|n>.txt``), logged, counted
@@ -318,6 +319,8 @@ class Uplink(ComponentBase):
                           " be sent again", seq, detail[:300], where)
                 self.metrics.rejected.inc()
             else:
+                if outcome == "in_doubt":
+                    self.spool.in_doubt(seq)
                 self._count_error(detail)
                 return False
             self._update_gauges()
@@ -334,19 +337,23 @@ class Uplink(ComponentBase):
         conn.close()
 
     def _send(self, conn: Any, seq: int, body: bytes) -> tuple[str, str]:
-        """Send one spooled batch: ``("stored" | "rejected" | "retry", why)``. Stored
-        includes a duplicate; rejected means it would never be accepted."""
+        """Send one spooled batch: ``("stored" | "rejected" | "retry" | "in_doubt", why)``.
+        Stored includes a duplicate; rejected means it would never be accepted; in doubt:
+        send it again, but it may be stored (no answer, or a server error)."""
         try:
             r = conn.post("/api/v1/ingest", content=body, headers={
                 "content-type": "application/msgpack", SENT_AT_HEADER: f"{self.clock():.3f}"})
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            return "retry", f"collector unreachable: {exc!r}"  # nothing was sent
         except httpx.HTTPError as exc:
-            return "retry", f"collector unreachable: {exc!r}"
+            return "in_doubt", f"collector unreachable: {exc!r}"
         if r.status_code == 200:
             _log_refused(seq, r)
             return "stored", ""
         if 400 <= r.status_code < 500 and r.status_code not in _RETRY_4XX:
             return "rejected", f"collector answered {r.status_code}: {r.text[:2000]}"
-        return "retry", f"collector answered {r.status_code}: {r.text[:300]}"
+        again = "in_doubt" if r.status_code >= 500 else "retry"  # a 503 may follow storing
+        return again, f"collector answered {r.status_code}: {r.text[:300]}"
 
     def _target(self) -> str:
         """Where batches go, for /readyz."""

@@ -259,7 +259,8 @@ class Monitor:
                       **extras: Any) -> None:
         """Send values of an already reported ``step`` that were known only later (e.g. a
         trainer's logging hook). The record has no ``step_seconds``, so the agent's
-        step-time statistics are not touched. Never raises."""
+        step-time statistics are not touched, and the rank's last step stays where
+        :meth:`step` left it (an order or hold is judged against it). Never raises."""
         try:
             if not self._ch.up:
                 self._out.dropped += 1
@@ -277,7 +278,6 @@ class Monitor:
     ) -> bytes | None:
         """The slow path's record (see :meth:`._reporter.Reporter.record`)."""
         step = checked_step(step)
-        self._last_step = step
         try:
             return self._out.record(step, now, ss, loss, grad_norm, extras)
         finally:

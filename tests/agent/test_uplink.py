@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from forewarn.agent.build import build_uplink
 from forewarn.agent.config import AgentConfig
 from forewarn.agent.spool import Spool
 from forewarn.agent.uplink import Uplink
+from forewarn.chaos.procs import TcpProxy
 from forewarn.collector.cli import ServerThread
 from forewarn.collector.config import CollectorConfig
 from forewarn.collector.http.app import create_app
@@ -63,9 +65,10 @@ class Collector:
         self.server: ServerThread | None = None
         self.app: Any = None
 
-    def start(self) -> None:
+    def start(self, wrap: Callable[[Any], Any] | None = None) -> None:
         self.app = create_app(self.cfg, self.store, tokens=TokenRegistry(tokens={"a": TOKEN}))
-        self.server = ServerThread(self.app, self.cfg).start()
+        served = self.app if wrap is None else wrap(self.app)
+        self.server = ServerThread(served, self.cfg).start()
 
     def stop(self) -> None:
         if self.server is not None:
@@ -185,6 +188,79 @@ def test_finding_transitions_replay_in_order_ahead_of_telemetry(tmp_path: Path) 
     assert [seq for seq, _p in up.spool.pending()] == [0, 2, 4, 1, 3]
 
 
+class HoldFirstAnswer:
+    """ASGI wrapper around the real collector app: the first batch is stored, then its
+    answer waits (``stored`` set) until ``release`` is set."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.state = app.state  # what ServerThread reads
+        self.stored = threading.Event()
+        self.release = threading.Event()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] != "/api/v1/ingest" or \
+                self.stored.is_set():
+            await self.app(scope, receive, send)
+            return
+
+        async def held(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                self.stored.set()
+                while not self.release.is_set():
+                    await asyncio.sleep(0.01)
+            await send(message)
+
+        await self.app(scope, receive, held)
+
+
+@pytest.mark.system
+def test_a_batch_stored_whose_answer_was_lost_is_not_counted_as_dropped(
+        tmp_path: Path) -> None:
+    """The network drops the connection while the collector answers: the batch is stored
+    but the agent does not know. The spool then overflows; the bound must keep that batch
+    (sent again later: a duplicate), or the dropped count says it was lost (the chaos
+    spool_full flake: 20 batches missing, 21 counted as dropped)."""
+    col = Collector(tmp_path)
+    held: list[HoldFirstAnswer] = []
+
+    def wrap(app: Any) -> HoldFirstAnswer:
+        held.append(HoldFirstAnswer(app))
+        return held[0]
+
+    col.start(wrap=wrap)
+    proxy = TcpProxy(("127.0.0.1", col.port))
+    reg = CollectorRegistry()
+    up = Uplink(agent_config(tmp_path, proxy.port, spool_max_bytes=4096), registry=reg,
+                poll_wait_s=1.0, retry_s=0.05)
+    up.start()
+    try:
+        up.add(samples=samples("a", time.time(), gpus=8), urgent=True)
+        wait_for(held[0].stored.is_set, what="the first batch stored")
+        proxy.cut(refuse=True)  # the answer is lost with the connection
+        held[0].release.set()
+        in_doubt = col.seqs()
+        assert len(in_doubt) == 1
+        wait_for(lambda: metric(reg, "forewarn_uplink_push_errors_total") >= 1)
+
+        def overflow() -> bool:
+            up.add(samples=samples("a", time.time(), gpus=8))
+            return metric(reg, "forewarn_uplink_dropped_batches_total") >= 3
+
+        wait_for(overflow, what="the spool dropping batches", interval=0.1)
+        proxy.restore()
+        wait_for(lambda: in_doubt[0] in col.seqs() and len(up.spool) <= 1)
+    finally:
+        up.stop()
+        proxy.close()
+    missing = set(range(up.spool.next_seq)) - set(col.seqs())
+    assert len(up.spool) == 0
+    assert in_doubt[0] not in missing
+    assert metric(reg, "forewarn_uplink_dropped_batches_total") == len(missing) > 0
+    col.stop()
+    col.store.close()
+
+
 @dataclasses.dataclass
 class FakeOrders:
     """Stands in for the ranks component's order book (another engineer's module)."""
@@ -225,6 +301,43 @@ def test_checkpoint_command_reaches_order_job_and_is_acked_once(tmp_path: Path) 
         up.stop()
         col.stop()
         col.store.close()
+
+
+def test_a_batch_answered_with_a_server_error_is_kept_by_the_bound(tmp_path: Path) -> None:
+    """A 5xx may come after the batch was stored (503: stored, the series store slow):
+    the bound drops the batches after it, not it."""
+    seen: list[int] = []
+    stored: list[int] = []
+    ok = threading.Event()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/api/v1/commands":
+            return httpx.Response(200, json=[])
+        seen.append(decode(request.content, AgentBatch).seq)
+        if not ok.is_set():
+            return httpx.Response(503, json={"error": "series_store"})
+        stored.append(seen[-1])
+        return httpx.Response(200, json={"result": "stored"})
+
+    reg = CollectorRegistry()
+    cfg = agent_config(tmp_path, 1, push_interval_s=3600, spool_max_bytes=4096)
+    up = Uplink(cfg, transport=httpx.MockTransport(handler), registry=reg, retry_s=0.01)
+    up.start()
+    try:
+        up.add(samples=samples("a", 1.0, gpus=8), urgent=True)
+        wait_for(lambda: seen)
+
+        def overflow() -> bool:
+            up.add(samples=samples("a", 2.0, gpus=8), urgent=True)
+            return metric(reg, "forewarn_uplink_dropped_batches_total") >= 2
+
+        wait_for(overflow, what="the spool dropping batches", interval=0.02)
+        ok.set()
+        wait_for(lambda: len(up.spool) == 0)
+    finally:
+        up.stop()
+    assert seen[0] == 0 and stored[0] == 0  # kept and sent again, the others dropped
+    assert metric(reg, "forewarn_uplink_dropped_batches_total") >= 2
 
 
 def test_refused_batch_is_dropped_and_server_errors_are_retried(tmp_path: Path) -> None:

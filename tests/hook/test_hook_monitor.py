@@ -238,6 +238,26 @@ def test_order_for_a_passed_step_is_reported_missed(agent: FakeAgent) -> None:
         assert mon.stats.missed == 1
 
 
+def test_values_reported_late_do_not_move_the_last_step_back(agent: FakeAgent) -> None:
+    """report_values() for an older step sends its values; the rank is still at its last
+    step: an order for a step between is missed, beats say the last step."""
+    with _monitor(agent.path) as mon:
+        beat = agent.beat()
+        for s in range(10):
+            mon.step(s, loss=1.0, grad_norm=1.0)
+        mon.report_values(3, loss=0.5, tokens=4096)
+        late = agent.wait_for(lambda m: isinstance(m, wire.StepRecord) and m.step == 3
+                              and m.step_seconds is None)
+        assert isinstance(late, wire.StepRecord) and late.loss == 0.5
+        after = agent.wait_for(lambda m: isinstance(m, wire.Beat) and m.time > late.time)
+        assert isinstance(after, wire.Beat) and after.last_step == 9
+        agent.order(beat.reply_to, "job-a", 5, "late")
+        missed = agent.wait_for(lambda m: isinstance(m, wire.CheckpointReport))
+        assert isinstance(missed, wire.CheckpointReport)
+        assert (missed.phase, missed.step, missed.request_id) == ("missed", 9, "late")
+        assert not any(mon.should_checkpoint(s) for s in range(10, 12))
+
+
 def test_orders_for_other_jobs_duplicates_and_junk_are_ignored(agent: FakeAgent) -> None:
     with _monitor(agent.path) as mon:
         beat = agent.beat()
