@@ -73,6 +73,11 @@ COMMAND_ACK_WAIT_S = 10.0
 """A command delivered but not acknowledged is delivered again after this long."""
 
 
+class _Unanswered(Exception):
+    """A publish went out but no acknowledgement came back (a timeout, a connection lost
+    meanwhile): the server may have stored it."""
+
+
 class NatsUplink(Uplink):
     """The uplink over NATS JetStream (see the module docstring)."""
 
@@ -183,13 +188,20 @@ class NatsUplink(Uplink):
         except nats.errors.MaxPayloadError:
             return "rejected", (f"batch of {len(body)} bytes is larger than the NATS server's"
                                 " max_payload (raise it in the nats-server config)")
-        except Exception as exc:  # any NATS trouble: the batch stays in the spool
+        except _Unanswered as exc:  # the stream may hold it: the spool's bound keeps it
+            return "in_doubt", f"NATS: {exc}"
+        except Exception as exc:  # no connection: the batch stays in the spool
             return "retry", f"NATS: {type(exc).__name__}: {exc}"
         return "stored", ""
 
     async def _publish(self, subject: str, body: bytes, msg_id: str) -> None:
         js = await self._connect()
-        await js.publish(subject, body, headers={"Nats-Msg-Id": msg_id})
+        try:
+            await js.publish(subject, body, headers={"Nats-Msg-Id": msg_id})
+        except nats.errors.MaxPayloadError:
+            raise  # refused by the client before anything was sent
+        except Exception as exc:
+            raise _Unanswered(f"{type(exc).__name__}: {exc}") from exc
 
     # -- commands (command thread) ----------------------------------------------------
 
