@@ -7,6 +7,11 @@ more are dropped and counted, their rows and findings stored all the same) and h
 :data:`ALERT_CHUNK` at a time on the policy thread's bulk lane (:mod:`.policy_thread`), so
 a storm never holds up the decision lane. Alerts re-sent while firing keep their findings
 from expiring.
+
+With shared state (several replicas) the replica that receives an alert only stores it:
+the leader reads the stored findings back from its feed and queues them here
+(:meth:`AlertIntake.queue`), so each alert is decided once, by the leader, whichever
+replica received it.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ if TYPE_CHECKING:
     from ..ingest.alerts import AlertPayload
     from .seam import DecideContext
 
-__all__ = ["ALERT_CHUNK", "ALERT_FLUSH_S", "ALERT_QUEUE_MAX", "AlertIntake", "AlertLimits"]
+__all__ = ["ALERT_CHUNK", "ALERT_FLUSH_S", "ALERT_QUEUE_MAX", "ALERT_SOURCES", "AlertIntake",
+           "AlertLimits"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +48,8 @@ ALERT_QUEUE_MAX = 10_000
 """Alert findings (distinct check and subject) waiting for the policy; more are dropped
 and counted: their rows and findings are stored all the same."""
 ALERT_FLUSH_S = 0.5
+ALERT_SOURCES = frozenset({"alertmanager", "grafana"})
+"""The webhooks' sources, which are also the origin their findings are stored with."""
 BULK_SAVE_S = 1.0
 """How often the bulk lane writes the incidents that changed while alerts keep coming."""
 
@@ -114,7 +122,9 @@ class AlertIntake:
         intake = await asyncio.to_thread(book.accept, payload, source, ctx.jobs, ctx.clock())
         for f in intake.findings + intake.cleared:
             ctx.metrics.findings.labels(f.health.value, source).inc()
-        dropped = self._enqueue(intake.findings + intake.cleared, source, ctx)
+        # Shared state: the leader queues them from its feed once the book stored them.
+        dropped = 0 if ctx.leader.shared else self.queue(intake.findings + intake.cleared,
+                                                          source)
         if intake.refreshed:
             ctx.submit_bulk(self._refresh, intake.refreshed, source, ctx.clock())
         for result, n in (("new", len(intake.findings)), ("duplicate", intake.duplicates),
@@ -125,10 +135,13 @@ class AlertIntake:
         return {"findings": len(intake.findings), "duplicates": intake.duplicates,
                 "resolved": intake.resolved, "skipped": intake.skipped}
 
-    def _enqueue(self, findings: list[Finding], source: str, ctx: DecideContext) -> int:
+    def queue(self, findings: list[Finding], source: str) -> int:
         """Coalesce new alert findings (and the healthy ones of resolved alerts) by check,
         subject and health for the bulk lane; returns how many were dropped because the
         queue is full."""
+        ctx = self._ctx
+        if ctx is None:
+            raise RuntimeError("alert findings before the policy service started")
         dropped = 0
         with self._lock:
             for f in findings:

@@ -277,6 +277,14 @@ class IncidentBook:
         out, self._changed = list(self._changed.values()), {}
         return out
 
+    def reload(self, rows: Iterable[dict[str, Any]], now: float) -> int:
+        """Forget what this book holds and take back the open incidents in ``rows`` (a
+        replica that leads again: another one decided meanwhile); returns how many."""
+        self._open.clear()
+        self._alive.clear()
+        self._changed.clear()
+        return self.load(rows, now)
+
     def load(self, rows: Iterable[dict[str, Any]], now: float) -> int:
         """Take back the open incidents a previous run stored; returns how many. Their
         findings' sources get ``ttl_s`` from now to speak again."""

@@ -6,7 +6,9 @@ thread.
 A tracked finding is resolved by its source (the agent's healthy finding, a resolved alert)
 or expired when its source is silent for ``finding_ttl_s`` (:meth:`FindingLedger.expire`,
 called every :data:`EXPIRE_EVERY_S`): a closing ``unknown`` finding is stored for it, so
-its GPU's colour clears. Open incidents are taken back from the store at start.
+its GPU's colour clears. Open incidents are taken back from the store at start, and again
+when a replica starts to lead (:meth:`FindingLedger.take_over`): with shared state another
+replica decided until then.
 
 Runs on the policy thread only (not thread-safe, like :class:`~.incidents.IncidentBook`).
 """
@@ -33,6 +35,7 @@ log = logging.getLogger(__name__)
 
 EXPIRE_EVERY_S = 5.0
 """How often silent sources' findings are checked for expiry."""
+_OPEN_INCIDENTS = "SELECT * FROM incidents WHERE state = 'open'"
 
 
 class FindingLedger:
@@ -51,12 +54,20 @@ class FindingLedger:
         self._ctx = ctx
         book = IncidentBook(ttl_s=self.ttl_s, window_s=self.window_s, clock=ctx.clock,
                             registry=ctx.metrics.registry)
-        reopened = book.load(
-            ctx.store.query("SELECT * FROM incidents WHERE state = 'open'"), ctx.clock())
+        reopened = book.load(ctx.store.query(_OPEN_INCIDENTS), ctx.clock())
         if reopened:
             log.info("%d open incident(s) taken back from the store", reopened)
         self.book = book
         return book
+
+    def take_over(self) -> None:
+        """This replica leads now: the incidents as the last leader stored them, their
+        sources given ``ttl_s`` from now to speak (this replica did not hear them)."""
+        ctx, book = self._ctx, self.book
+        if ctx is None or book is None:
+            return
+        taken = book.reload(ctx.store.query(_OPEN_INCIDENTS), ctx.clock())
+        log.warning("leading: %d open incident(s) taken over from the store", taken)
 
     def heard(self, liveness: str, now: float) -> None:
         """A source spoke (``agent:<node>``): its findings are not silent."""

@@ -19,6 +19,13 @@ Every finding goes through the one policy: agents' findings on the decision lane
 collector's own detectors' findings stored first, alerts' and operators' findings with the
 cost model bypassed. :meth:`PolicyService.api` tells the HTTP layer what to mount.
 
+Only the leader decides (shared state, several replicas: :mod:`..storage.leader`): the
+timers, alert turns and operators' orders act only while this replica leads. A follower
+stores the alerts and operators' orders it receives (an order under the origin
+``operator`` + :data:`RELAYED`); the leader's feed hands them back with their origins
+(:meth:`PolicyService.on_feed`) and decides each once, as if it had come in there. A
+replica that starts to lead takes the open incidents over from the store first.
+
 Threads: the hooks run on the service's single policy thread; the webhook sender runs on
 the event loop; drains run on their own one-thread pool (:mod:`.dispatch`).
 """
@@ -37,7 +44,7 @@ from ..config import secret
 from . import service_config
 from .actions import ActionPipeline, store_decisions
 from .advisors import Advisors
-from .alert_intake import AlertIntake, AlertLimits
+from .alert_intake import ALERT_SOURCES, AlertIntake, AlertLimits
 from .costmodel import CheckpointCostTracker
 from .dispatch import ActionDispatch
 from .ledger import EXPIRE_EVERY_S, FindingLedger
@@ -49,9 +56,13 @@ if TYPE_CHECKING:
     from ..config import CollectorConfig
     from ..storage.state import StateStore
 
-__all__ = ["PolicyService"]
+__all__ = ["RELAYED", "PolicyService"]
 
 log = logging.getLogger(__name__)
+
+RELAYED = ":relayed"
+"""Suffix of the origin under which a follower stores an operator's findings for the
+leader (``operator:relayed``)."""
 
 
 class PolicyService:
@@ -76,6 +87,7 @@ class PolicyService:
         self.pipeline: ActionPipeline | None = None
         self._ctx: DecideContext | None = None
         self._timers: list[concurrent.futures.Future[None]] = []
+        self._leading = False
 
     @classmethod
     def from_config(cls, config: CollectorConfig) -> PolicyService:
@@ -114,11 +126,13 @@ class PolicyService:
         self.pipeline = self.dispatch.start(ctx, self.policy, orders)
         self.alerts.start(ctx)
         self.advisors.start(ctx)
+        self._leading = ctx.leader.is_leader  # the incidents were just loaded
         if ctx.loop is not None:
-            self._timers.append(_every(EXPIRE_EVERY_S, ctx, self.ledger.expire, "expiry"))
+            self._timers.append(_every(EXPIRE_EVERY_S, ctx, self._when_leading(
+                self.ledger.expire), "expiry"))
             tick_s = self.advisors.tick_s
             if tick_s is not None:
-                self._timers.append(_every(tick_s, ctx, self.tick, "tick"))
+                self._timers.append(_every(tick_s, ctx, self._when_leading(self.tick), "tick"))
 
     def stop(self) -> None:
         """Stop the timers, store the last alerts, stop the actuators."""
@@ -130,13 +144,37 @@ class PolicyService:
     def on_findings(self, findings: Sequence[Finding], store: StateStore, now: float) -> None:
         """New findings: through the policy, actions carried out; orders go straight to
         the command queues, so nothing is returned."""
+        if not self._leads():
+            return
         self._decide(findings, "agent")
         self.ledger.save()
+
+    def on_feed(self, found: Sequence[tuple[str, Finding]], now: float) -> None:
+        """The leader's feed (shared state): alerts to the alert queue, operators' orders
+        a follower relayed through the policy as :meth:`api`'s ``operator`` runs them,
+        the rest (agents' findings) as :meth:`on_findings`."""
+        ctx = self._ctx
+        if ctx is None or not self._leads():
+            return
+        plain: list[Finding] = []
+        by_origin: dict[str, list[Finding]] = {}
+        for origin, finding in found:
+            if origin in ALERT_SOURCES or origin.endswith(RELAYED):
+                by_origin.setdefault(origin, []).append(finding)
+            else:
+                plain.append(finding)
+        for origin, findings in by_origin.items():
+            if origin in ALERT_SOURCES:
+                self.alerts.queue(findings, origin)
+            else:
+                self._forced_findings(findings, origin.removesuffix(RELAYED))
+        if plain:
+            self.on_findings(plain, ctx.store, now)
 
     def on_batches(self, batches: Sequence[AgentBatch], now: float) -> None:
         """Checkpoint reports: measured cost, order progress, reissue on a miss; the
         batches to the advisors; a scoring when due."""
-        if self.pipeline is None:
+        if self.pipeline is None or not self._leads():
             return
         for batch in batches:
             self.ledger.heard(f"agent:{batch.node}", now)  # the agent is alive: its findings too
@@ -168,6 +206,29 @@ class PolicyService:
         self._detected(self.advisors.score(now), now, "predictor")
         self.advisors.refresh_goodput(now)
 
+    # -- leadership (policy thread) -------------------------------------------------------
+
+    def _leads(self) -> bool:
+        """Whether this replica decides now; when it starts to, the open incidents are
+        taken over from the store first (with shared state another replica decided)."""
+        ctx = self._ctx
+        if ctx is None:
+            return False
+        leads = ctx.leader.is_leader
+        if leads and not self._leading:
+            self.ledger.take_over()
+        self._leading = leads
+        return leads
+
+    def _when_leading(self, fn: Callable[[float], object]) -> Callable[[float], None]:
+        """A timer's ``fn``, run only while this replica leads."""
+
+        def run(now: float) -> None:
+            if self._leads():
+                fn(now)
+
+        return run
+
     # -- findings into the policy (policy thread) ---------------------------------------
 
     def _detected(self, findings: list[Finding], now: float, origin: str) -> None:
@@ -181,14 +242,20 @@ class PolicyService:
 
     def _alert_finding(self, finding: Finding, source: str) -> None:
         """Bulk lane: one alert finding, the cost model bypassed (an alert rule asked)."""
-        self._decide([finding], source, force=True)
+        if self._leads():
+            self._decide([finding], source, force=True)
 
     async def _submit_forced(
         self, ctx: DecideContext, findings: list[Finding], source: str
     ) -> dict[str, Any]:
         """Store ``findings`` and run them through the policy with the cost model bypassed
         (an operator asked), on the decision lane; the decisions taken. (Alerts take the
-        alert book and the bulk lane instead: :mod:`.alert_intake`.)"""
+        alert book and the bulk lane instead: :mod:`.alert_intake`.) A follower stores
+        them for the leader (see the module docstring) and answers ``relayed``."""
+        if ctx.leader.shared and not ctx.leader.is_leader:
+            await asyncio.to_thread(self.ledger.record, findings, source + RELAYED,
+                                    ctx.clock())
+            return {"findings": len(findings), "decisions": [], "relayed": "leader"}
         await asyncio.to_thread(self.ledger.record, findings, source, ctx.clock())
         taken = await ctx.run_policy(self._forced_findings, findings, source)
         decisions = [{"id": d.id, "action": d.action, "target": d.target,

@@ -2,9 +2,10 @@
 offers, typed here so that nothing in ``decide/`` imports the HTTP layer.
 
 A policy is any object with ``on_findings`` (:class:`FindingsPolicy`) and optionally any of
-the hooks :class:`StartHook`, :class:`StopHook`, :class:`BatchHook`, :class:`AckHook` and
-:class:`ApiHook`; :func:`forewarn.collector.http.app.create_app` tells by ``isinstance``
-which ones a policy has (a method set to ``None`` counts as absent) and calls those.
+the hooks :class:`StartHook`, :class:`StopHook`, :class:`BatchHook`, :class:`AckHook`,
+:class:`FeedHook` and :class:`ApiHook`; :func:`forewarn.collector.http.app.create_app`
+tells by ``isinstance`` which ones a policy has (a method set to ``None`` counts as absent)
+and calls those.
 
 The policy sees the running service through :class:`DecideContext`, which the HTTP layer's
 ``CollectorContext`` implements. Routes are built by the HTTP layer only: a policy that
@@ -30,10 +31,12 @@ if TYPE_CHECKING:
     from ..jobs.jobmap import StoreJobView
     from ..metrics import CollectorMetrics
     from ..storage.commands import CommandQueue, NodeCommand
+    from ..storage.leader import Leadership
     from ..storage.state import StateStore
 
 __all__ = [
-    "AckHook", "AlertHandler", "ApiHook", "BatchHook", "DecideContext", "FindingsPolicy",
+    "AckHook", "AlertHandler", "ApiHook", "BatchHook", "DecideContext", "FeedHook",
+    "FindingsPolicy",
     "ForcedHandler", "PolicyApi", "RiskQuery", "StartHook", "StopHook",
 ]
 
@@ -73,6 +76,12 @@ class DecideContext(Protocol):
     @property
     def clock(self) -> Callable[[], float]:
         """Unix time now."""
+        ...
+
+    @property
+    def leader(self) -> Leadership:
+        """Whether this replica decides now (``is_leader``) and whether the state is shared
+        with other replicas (``shared``): a follower's policy decides nothing."""
         ...
 
     @property
@@ -133,6 +142,15 @@ class AckHook(Protocol):
 
     def on_ack(self, ack: CommandAck, node: str) -> None:
         """An acknowledgement from ``node``'s agent (leader only)."""
+
+
+@runtime_checkable
+class FeedHook(Protocol):
+    """A policy that tells findings apart by where they came in (shared state)."""
+
+    def on_feed(self, found: Sequence[tuple[str, Finding]], now: float) -> None:
+        """Findings any replica stored, each with its origin, read by the leader's feed
+        (leader only; without this hook they go to ``on_findings``)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ from forewarn.wire import AgentBatch, CommandAck, Finding
 
 from ..config import CollectorConfig
 from ..decide.policy_thread import PolicyThread
-from ..decide.seam import AckHook, BatchHook, FindingsPolicy
+from ..decide.seam import AckHook, BatchHook, FeedHook, FindingsPolicy
 from ..ingest.batch import IngestWriter
 from ..jobs.jobmap import StoreJobView
 from ..metrics import CollectorMetrics
@@ -125,6 +125,21 @@ class CollectorContext:
             if isinstance(item, NodeCommand):
                 self.commands.enqueue(item.node, item.command)
 
+    def _decide_fed(self, found: list[tuple[str, Finding]]) -> None:
+        """The leader's feed: findings with their origins to a policy that tells them
+        apart (:class:`~..decide.seam.FeedHook`), the findings alone to any other."""
+        policy = self.policy
+        if not isinstance(policy, FeedHook):
+            self._decide([f for _origin, f in found])
+            return
+        if not self.leader.is_leader:
+            return
+        try:
+            policy.on_feed(found, self.clock())
+        except Exception:
+            self.metrics.policy_errors.inc()
+            log.exception("policy.on_feed failed on %d findings", len(found))
+
     def _policy_batches(self, batches: list[AgentBatch], backlog: bool = True) -> None:
         if backlog:
             with self._backlog_lock:
@@ -207,9 +222,9 @@ class CollectorContext:
                 if not leading:
                     await asyncio.to_thread(feed.resume)
                     leading = True
-                findings = await asyncio.to_thread(feed.take)
-                if findings:  # decisions: ahead of the bus batches queued there
-                    await self.run_policy(self._decide, findings, urgent=True)
+                found = await asyncio.to_thread(feed.take)
+                if found:  # decisions: ahead of the bus batches queued there
+                    await self.run_policy(self._decide_fed, found, urgent=True)
                 await asyncio.to_thread(feed.save)
             except Exception:
                 leading = False  # resume from the saved cursor once the store answers

@@ -42,7 +42,9 @@ POLICY_LOCK = 0x666F7265_706F6C69
 
 LOCAL_ORIGINS = frozenset({"operator"})
 """Findings decided by the replica that received them, not through the feed: an operator's
-order is answered with its decisions, so it runs where it came in (on the leader)."""
+order that came in on the leader is answered with its decisions. (A follower stores one it
+receives under another origin, which the feed hands to the leader:
+:mod:`forewarn.collector.decide.policy_service`.)"""
 
 FIRST_WINDOW_S = 60.0
 """With no saved cursor, the feed starts with the findings received this recently."""
@@ -200,8 +202,9 @@ class FindingsFeed:
         self._cursor = int(saved or 0)
         self._gaps.clear()
 
-    def take(self) -> list[Finding]:
-        """Findings stored since the last call (and skipped ids that became visible)."""
+    def take(self) -> list[tuple[str, Finding]]:
+        """Findings stored since the last call (and skipped ids that became visible), each
+        with the origin it was stored with."""
         if self._cursor is None:
             self.resume()
         assert self._cursor is not None
@@ -225,7 +228,7 @@ class FindingsFeed:
             if row["origin"] in LOCAL_ORIGINS:
                 continue
             try:
-                out.append(_finding_decoder.decode(row["body"]))
+                out.append((str(row["origin"]), _finding_decoder.decode(row["body"])))
             except msgspec.DecodeError as exc:  # stored by ingest, so valid; never wedge
                 log.error("finding %d cannot be decoded for the policy: %s", found, exc)
         return out

@@ -12,6 +12,7 @@ from forewarn.collector.decide.seam import (
     AckHook,
     ApiHook,
     BatchHook,
+    FeedHook,
     FindingsPolicy,
     StartHook,
     StopHook,
@@ -19,7 +20,7 @@ from forewarn.collector.decide.seam import (
 
 from support.paths import REPO
 
-HOOKS = (StartHook, StopHook, BatchHook, AckHook, ApiHook)
+HOOKS = (StartHook, StopHook, BatchHook, AckHook, FeedHook, ApiHook)
 
 
 def test_the_collector_policy_implements_every_hook() -> None:
