@@ -13,10 +13,10 @@ from typing import Any
 import psycopg
 import pytest
 
+from forewarn.demo.servers import PostgresServer
 from forewarn.wire import Finding, Health, RankSummary, Subject, SuggestedAction
 
 from support.polling import wait_for
-from support.postgres import PostgresServer
 from support.replicas import Replica, write_tokens
 from support.webhooks import Receiver
 
