@@ -40,11 +40,14 @@ log = logging.getLogger(__name__)
 POLICY_LOCK = 0x666F7265_706F6C69
 """Advisory lock key ("forepoli") whose holder runs the policy."""
 
-LOCAL_ORIGINS = frozenset({"operator"})
-"""Findings decided by the replica that received them, not through the feed: an operator's
-order that came in on the leader is answered with its decisions. (A follower stores one it
+LOCAL_ORIGINS = frozenset({"operator", "expiry", "peers", "predictor"})
+"""Findings decided by the replica that stored them, not through the feed: an operator's
+order that came in on the leader is answered with its decisions (a follower stores one it
 receives under another origin, which the feed hands to the leader:
-:mod:`forewarn.collector.decide.policy_service`.)"""
+:mod:`forewarn.collector.decide.policy_service`); the collector's own findings (the
+expiry of a silent source, the job-peers comparison, the predictor) are made only while a
+replica leads, and that leader runs them through its policy as it stores them. Read back,
+they would be decided a second time, as an agent's."""
 
 FIRST_WINDOW_S = 60.0
 """With no saved cursor, the feed starts with the findings received this recently."""

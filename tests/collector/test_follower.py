@@ -1,7 +1,9 @@
 """Only the leader decides (issue 16): two real replicas sharing a real PostgreSQL. A
 follower's timers expire nothing while the leader hears the sources; alerts and operator
 orders sent to a follower are decided once, by the leader, with the force flag they would
-have had there; a follower that takes over runs the timers from the shared state."""
+have had there; a follower that takes over runs the timers from the shared state; the
+collector's own findings (expiry, job peers) are decided once, by the leader that made them,
+not again when its feed reads them back."""
 
 from __future__ import annotations
 
@@ -13,10 +15,10 @@ from typing import Any
 import psycopg
 import pytest
 
+from forewarn.demo.servers import PostgresServer
 from forewarn.wire import Finding, Health, RankSummary, Subject, SuggestedAction
 
 from support.polling import wait_for
-from support.postgres import PostgresServer
 from support.replicas import Replica, write_tokens
 from support.webhooks import Receiver
 
@@ -98,6 +100,11 @@ def test_a_follower_expires_nothing_and_expires_once_it_leads(
     a.kill()
     assert wait_for(lambda: b.role() == "leader", what="b leads")
     assert wait_for(lambda: rows(dsn, expiry) == [(1,)], 30, "the new leader expires it")
+    # ... and its feed, reading the expiry finding back, does not run it through the
+    # policy again (as an agent's "unknown" finding).
+    last = "SELECT (SELECT last_id FROM policy_cursor) >= (SELECT MAX(id) FROM findings)"
+    assert wait_for(lambda: rows(dsn, last) == [(True,)], 30, "the feed read it")
+    assert b.metric("forewarn_collector_policy_findings_total", result="healthy") == 0
 
 
 def alert(job: str) -> dict[str, Any]:
@@ -167,3 +174,49 @@ def test_alerts_and_orders_sent_to_a_follower_are_decided_once_by_the_leader(
         assert sum(b"LossSpike" in e for e in events) == 1, events
     finally:
         hooks.close()
+
+
+def straggling(now: float, slow: bool) -> list[RankSummary]:
+    """Four ranks of ``train-3`` on node1; rank 3 computes 45% slower when ``slow``."""
+    return [RankSummary(job="train-3", rank=g, world_size=4, node="node1", gpu=g,
+                        pid=100 + g, last_step=int(now * 4), last_step_time=now,
+                        step_seconds_p50=0.3,
+                        compute_seconds_p50=0.29 if slow and g == 3 else 0.2)
+            for g in range(4)]
+
+
+@pytest.mark.timeout(180)
+def test_the_leaders_own_findings_are_decided_once_not_again_from_its_feed(
+        tmp_path: Path, cluster: tuple[str, Path, list[Replica]]) -> None:
+    dsn, tokens, started = cluster
+    # A short dedup, so that a second pass through the policy shows as a decision (the
+    # default 300 s would drop it as a duplicate, but still track it under another source).
+    a, _b = leader_and_follower(tmp_path, dsn, tokens, started, straggler_bucket_s=0.5,
+                                policy_dedup_s=0.05)
+
+    def found() -> list[tuple[Any, ...]]:
+        return rows(dsn, "SELECT id, origin FROM findings WHERE check_name = 'job_straggler'")
+
+    def fed() -> bool:
+        cursor = rows(dsn, "SELECT last_id FROM policy_cursor")
+        return bool(cursor) and cursor[0][0] >= max(i for i, _o in found())
+
+    # The agent of node1 talks to the leader: its collector compares the ranks' pace
+    # (the job-peers detector) and stores a straggler finding with the origin "peers".
+    start = time.monotonic()
+    while not found() and time.monotonic() < start + 30.0:
+        slow = time.monotonic() > start + 3.0  # its peers' pace learned first
+        assert a.push("node1", ranks=straggling(time.time(), slow)).status_code == 200
+        time.sleep(0.1)  # the agent's cadence, not a wait for a result
+    assert found(), "no straggler finding"
+    assert {o for _i, o in found()} == {"peers"}
+    assert wait_for(fed, 30, "the leader's feed read the straggler findings")
+    # Every finding stored went through the leader's policy once (before the fix twice:
+    # from the detector, then from the feed as an agent's) ...
+    seen = sum(a.metric("forewarn_collector_policy_findings_total", result=r)
+               for r in ("evaluated", "duplicate", "healthy"))
+    assert seen == rows(dsn, "SELECT count(*) FROM findings")[0][0]
+    # ... so each decision about it is the detector's, none an agent's.
+    sources = rows(dsn, "SELECT DISTINCT inputs::json->>'source' FROM decisions"
+                        " WHERE inputs::json->>'check' = 'job_straggler'")
+    assert sources == [("peers",)]
