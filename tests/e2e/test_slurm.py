@@ -200,7 +200,10 @@ def test_scancel_every_rank_saves_one_step_and_a_new_job_resumes(
     out = tmp_path / "train.out"
     _wait_output(out, r"^step 20 ")
     idle.run([*scancel, job])
-    idle.wait_job(job, ("CANCELLED", "COMPLETED", "FAILED"), timeout=60)
+    try:
+        idle.wait_job(job, ("CANCELLED", "COMPLETED", "FAILED"), timeout=60)
+    except AssertionError as exc:  # say what the ranks printed (once seen under CI load)
+        raise AssertionError(f"{exc}\n--- {out.name}\n{out.read_text()[-3000:]}") from None
     saved = _saved_steps(out.read_text())
     assert set(saved) == {0, 1} and len(set(saved.values())) == 1, out.read_text()[-3000:]
     step = saved[0]
