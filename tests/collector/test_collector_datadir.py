@@ -31,6 +31,7 @@ from forewarn.collector.storage.store import MIGRATIONS, Store
 from forewarn.collector.storage.telemetry import TelemetryWriter
 from forewarn.wire import AgentBatch, GpuSample, encode
 
+from support.metrics import value
 from support.polling import START_TIMEOUT_S, free_port, wait_for
 
 DAY = 86400.0
@@ -158,9 +159,7 @@ def serve(data: Path, **overrides: Any) -> tuple[ServerThread, Store, Any]:
 
 
 def quarantined(metrics: CollectorMetrics, reason: str) -> float:
-    value = metrics.registry.get_sample_value(
-        "forewarn_collector_quarantined_files_total", {"reason": reason})
-    return value or 0.0
+    return value(metrics.registry, "forewarn_collector_quarantined_files_total", reason=reason)
 
 
 def test_start_with_an_older_database_quarantines_the_newer_files_and_deletes_nothing(

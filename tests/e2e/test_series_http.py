@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from forewarn.chaos.cmdline import write_config
-from forewarn.chaos.procs import scrape
+from forewarn.chaos.exposition import scrape
 from forewarn.collector.http.auth import hash_token
 from forewarn.demo.servers import VictoriaMetrics
 

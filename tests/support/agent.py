@@ -12,9 +12,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from forewarn.chaos.cmdline import agent_command
+from forewarn.chaos.exposition import total
 from forewarn.chaos.procs import Procs
 
 from support.polling import START_TIMEOUT_S, free_port, wait_for
@@ -60,14 +59,9 @@ class AgentProc:
         return self._get("/healthz") is not None
 
     def metric(self, name: str, **labels: str) -> float | None:
+        """The sum of the samples ``name`` carrying ``labels`` (None: none, or no answer)."""
         body = self._get("/metrics")
-        if body is None:
-            return None
-        for fam in text_string_to_metric_families(body.decode()):
-            for s in fam.samples:
-                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                    return float(s.value)
-        return None
+        return None if body is None else total(body.decode(), name, **labels)
 
     def findings(self) -> list[dict[str, Any]]:
         body = self._get("/api/v1/findings")

@@ -22,6 +22,7 @@ from forewarn.collector.http.auth import hash_token
 from forewarn.collector.storage.store import Store
 from forewarn.wire import GpuSample
 
+from support.metrics import value
 from support.polling import wait_for
 
 __all__ = ["COLLECTOR_PASSWORD", "TOKENS", "FedAgent", "ReplicaProc", "auth_block",
@@ -114,7 +115,7 @@ class FedAgent:
         self.uplink.stop()
 
     def metric(self, name: str) -> float:
-        return self.registry.get_sample_value(name) or 0.0
+        return value(self.registry, name)
 
 
 def stored(db: Path, node: str) -> dict[str, Any]:

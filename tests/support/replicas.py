@@ -13,11 +13,11 @@ from typing import Any
 import httpx
 
 from forewarn.chaos.cmdline import collector_command, write_config
+from forewarn.chaos.exposition import sample
 from forewarn.chaos.procs import Procs
 from forewarn.wire import AgentBatch, encode
 
 from support.collector import TOKENS, poll_commands
-from support.metrics import sample
 from support.polling import START_TIMEOUT_S, free_port, wait_for
 
 __all__ = ["Replica", "write_tokens"]

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forewarn.chaos.cmdline import agent_command, collector_command
-from forewarn.chaos.procs import get_json, scrape
+from forewarn.chaos.exposition import scrape
+from forewarn.chaos.procs import get_json
 from forewarn.demo.launch import free_port
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["Procs", "TcpProxy", "get_json", "leader_role", "log_tail", "one_leader", "readyz",
-           "scrape", "stop_process", "wait_http", "wait_ready", "wait_until"]
+           "stop_process", "wait_http", "wait_ready", "wait_until"]
 
 
 def get_json(url: str, timeout: float = 2.0) -> Any:
@@ -58,22 +58,6 @@ def one_leader(urls: dict[str, str], timeout: float = 30.0) -> dict[str, str] | 
 
     found: dict[str, str] | None = wait_until(roles, timeout)
     return found
-
-
-def scrape(url: str, name: str, labels: dict[str, str] | None = None,
-           timeout: float = 2.0) -> float | None:
-    """Sum of the samples named ``name`` (with these ``labels``) at a Prometheus
-    ``/metrics`` URL; None when there is none."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        text = r.read().decode()
-    total = None
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
-                total = (total or 0.0) + s.value
-    return total
 
 
 def wait_until(cond: Callable[[], Any], timeout: float, step: float = 0.1) -> Any:
