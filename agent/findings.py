@@ -84,8 +84,7 @@ class FindingsTable:
                     or (reported is not None and escalates(reported, f))):
                 # Materially worse evidence under the same health (remapped rows growing
                 # under "remap pending") is re-reported too: forewarn.escalation.
-                out.append(Transition(old.health if old else None,
-                                      old.action if old else None, f))
+                out.append(Transition(old.health if old else None, f))
                 self._reported[key] = f
         if drop_missing:
             out.extend(self._drop(check, seen, now))
@@ -103,5 +102,5 @@ class FindingsTable:
                     old, health=Health.UNKNOWN, action=SuggestedAction.NONE, time=now,
                     reason=f"{check} no longer judges this subject (was: {old.reason})"[:4000],
                 )
-                out.append(Transition(old.health, old.action, cleared))
+                out.append(Transition(old.health, cleared))
         return out

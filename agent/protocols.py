@@ -62,7 +62,6 @@ from forewarn.wire import (
     IntervalAdvice,
     RankSummary,
     SaveHold,
-    SuggestedAction,
     XidEvent,
 )
 
@@ -91,7 +90,6 @@ class Transition:
 
     previous: Health | None
     """Health before; None when the check had not judged this subject before."""
-    previous_action: SuggestedAction | None
     finding: Finding
 
 

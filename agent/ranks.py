@@ -150,14 +150,6 @@ class RankTable:
         interval = beat_interval_s or lim.default_beat_interval_s
         return max(lim.gone_floor_s, lim.beat_misses * max(interval, lim.min_beat_interval_s))
 
-    def _live(self, st: RankState, now: float) -> bool:
-        if st.finished:
-            return False  # a clean end frees the slot at once
-        silent = now - st.last_msg
-        if silent > max(self.gone_after(st.beat_interval_s), self.limits.hang_floor_s):
-            return False
-        return self.proc.alive(st.os_pid, st.start_time)
-
     def admit(self, msg: HookRecord, cred: Credentials, now: float) -> str | None:
         """Apply ``msg`` if believable; return the drop reason otherwise (see module doc).
 
@@ -211,7 +203,7 @@ class RankTable:
         if self._owns_another_slot(key, os_pid, now):
             return "wrong_job"
         st = self._ranks.get(key)
-        if st is not None and st.os_pid != os_pid and self._live(st, now):
+        if st is not None and st.os_pid != os_pid and self.alive(st, now):
             return "slot_taken"
         if self._world_size_disagrees(msg, os_pid, now):
             return "world_size_mismatch"
@@ -225,7 +217,7 @@ class RankTable:
         if other is None or other == key:
             return False
         owner = self._ranks.get(other)
-        return owner is not None and owner.os_pid == os_pid and self._live(owner, now)
+        return owner is not None and owner.os_pid == os_pid and self.alive(owner, now)
 
     def _world_size_disagrees(self, msg: StepRecord | Beat, os_pid: int, now: float) -> bool:
         """Another live process of the job reports another world size."""
@@ -233,7 +225,7 @@ class RankTable:
             peer.job == msg.job
             and peer.world_size != msg.world_size
             and peer.os_pid != os_pid
-            and self._live(peer, now)
+            and self.alive(peer, now)
             for peer in self._ranks.values()
         )
 
@@ -304,7 +296,7 @@ class RankTable:
         ``evict_after_s``, or "gone while peers run: will hang" beside the new ranks."""
         job = key[0]
         others = [k for k in self._ranks if k[0] == job and k != key]
-        if any(self._live(self._ranks[k], now) for k in others):
+        if any(self.alive(self._ranks[k], now) for k in others):
             old = [k for k in others if self._ranks[k].world_size != world_size]
         else:
             old = others
@@ -372,12 +364,14 @@ class RankTable:
         with self._lock:
             return len(self._ranks)
 
-    def alive(self, view: RankView, now: float) -> bool:
+    def alive(self, rank: RankState | RankView, now: float) -> bool:
         """True when the rank spoke within the gone timeout and its process still exists
-        (a rank that finished cleanly is not alive, and not gone either)."""
-        if view.finished or now - view.last_msg > self.gone_after(view.beat_interval_s):
+        (a rank that finished cleanly is not alive, and not gone either). The one rule:
+        the checks read it from views, and admission from the table's own state (a slot
+        whose owner is not alive is free for a restart)."""
+        if rank.finished or now - rank.last_msg > self.gone_after(rank.beat_interval_s):
             return False
-        return self.proc.alive(view.os_pid, view.start_time)
+        return self.proc.alive(rank.os_pid, rank.start_time)
 
     # -- findings marks for metrics (step at which a check last fired) -----------------------
     def note_finding(self, job: str, rank: int, check: str, step: int | None, now: float) -> bool:

@@ -30,7 +30,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 
@@ -71,15 +70,9 @@ def _free_port() -> int:
 
 
 def _metric(port: int, name: str, labels: dict[str, str]) -> float | None:
-    from prometheus_client.parser import text_string_to_metric_families
+    from forewarn.chaos.exposition import scrape
 
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                return float(s.value)
-    return None
+    return scrape(f"http://127.0.0.1:{port}/metrics", name, labels, timeout=5)
 
 
 def _pct(values: list[float], q: float) -> float:

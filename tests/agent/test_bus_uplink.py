@@ -19,6 +19,7 @@ from forewarn.collector.config import CollectorConfig
 from forewarn.collector.ingest.bus import stream_configs
 from forewarn.wire import GpuSample
 
+from support.metrics import value
 from support.nats_server import start_server
 from support.polling import wait_for
 
@@ -50,10 +51,6 @@ def _samples() -> list[GpuSample]:
                       temperature_c=50.0) for g in range(8)]
 
 
-def _metric(registry: CollectorRegistry, name: str) -> float:
-    return registry.get_sample_value(name) or 0.0
-
-
 @pytest.mark.system
 def test_a_batch_published_to_a_stalled_server_is_not_counted_as_dropped(
         tmp_path: Path) -> None:
@@ -76,12 +73,12 @@ def test_a_batch_published_to_a_stalled_server_is_not_counted_as_dropped(
         server.proc.send_signal(signal.SIGSTOP)
         try:
             up.add(samples=_samples(), urgent=True)  # written to the socket, never answered
-            wait_for(lambda: _metric(reg, "forewarn_uplink_push_errors_total") >= 1, 60,
+            wait_for(lambda: value(reg, "forewarn_uplink_push_errors_total") >= 1, 60,
                      "the publish timing out")
 
             def overflow() -> bool:
                 up.add(samples=_samples())
-                return _metric(reg, "forewarn_uplink_dropped_batches_total") >= 3
+                return value(reg, "forewarn_uplink_dropped_batches_total") >= 3
 
             wait_for(overflow, 30, "the spool dropping batches", interval=0.1)
         finally:
@@ -93,4 +90,4 @@ def test_a_batch_published_to_a_stalled_server_is_not_counted_as_dropped(
     server.stop()
     missing = set(range(up.spool.next_seq)) - stored
     assert 1 in stored  # the batch the stalled server took
-    assert _metric(reg, "forewarn_uplink_dropped_batches_total") == len(missing) > 0
+    assert value(reg, "forewarn_uplink_dropped_batches_total") == len(missing) > 0

@@ -20,6 +20,7 @@ from forewarn.agent.config import AgentConfig
 from forewarn.agent.daemon import Agent
 from forewarn.agent.exporter import HEALTH_VALUE
 from forewarn.agent.testing import FakeClock, ScriptedBackend
+from forewarn.chaos.exposition import matching
 from forewarn.wire import GpuState, Health, NvlinkCounters
 
 from support.paths import TESTS
@@ -126,8 +127,7 @@ def samples_of(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
 
 
 def value(text: str, name: str, **labels: str) -> float:
-    found = [v for lab, v in samples_of(text).get(name, [])
-             if all(lab.get(k) == want for k, want in labels.items())]
+    found = matching(text, name, **labels)
     assert len(found) == 1, (name, labels, found)
     return found[0]
 

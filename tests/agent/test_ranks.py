@@ -179,6 +179,27 @@ def test_slot_taken_while_owner_lives_then_restart(proc: FakeProcTree) -> None:
     assert v.steps_total == 1  # history starts afresh
 
 
+def test_a_rank_the_checks_call_gone_gives_up_its_slot(proc: FakeProcTree) -> None:
+    """One rule says whether a rank is live. A rank silent past its gone timeout (fast
+    beats: 1.5 s) while its process still exists is not alive to the checks; a new process
+    for its slot is then a restart, not ``slot_taken`` (admission had a timeout of its own,
+    at least ``hang_floor_s``, so the two disagreed between 1.5 and 2 s of silence)."""
+    proc.add(100)
+    proc.add(101)
+    table = table_for(proc)
+    t = T0
+    for _ in range(6):  # beats every 0.2 s: gone after max(gone_floor_s, 3 x 0.2 s)
+        t += 0.2
+        assert table.admit(beat(100, t=t), cred(100), t) is None
+    v = table.get("j", 0)
+    assert v is not None and table.gone_after(v.beat_interval_s) < 1.8
+    now = t + 1.8
+    assert not table.alive(v, now)
+    assert table.admit(step(101, 1, t=now), cred(101), now) is None
+    v = table.get("j", 0)
+    assert v is not None and v.os_pid == 101 and v.restarts == 1
+
+
 def test_reused_pid_is_not_the_owner(proc: FakeProcTree) -> None:
     proc.add(100, start=1000)
     proc.add(101)

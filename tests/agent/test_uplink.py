@@ -38,6 +38,7 @@ from forewarn.wire import (
     decode,
 )
 
+from support.metrics import value
 from support.polling import free_port, wait_for
 
 TOKEN = "node-a-token-0123456789"
@@ -46,12 +47,6 @@ TOKEN = "node-a-token-0123456789"
 def samples(node: str, t: float, gpus: int = 4) -> list[GpuSample]:
     return [GpuSample(node=node, gpu=g, time=t, source="sim", simulated=True,
                       temperature_c=50.0) for g in range(gpus)]
-
-
-def metric(registry: CollectorRegistry, name: str, labels: dict[str, str] | None = None
-           ) -> float:
-    value = registry.get_sample_value(name, labels or {})
-    return 0.0 if value is None else value
 
 
 class Collector:
@@ -129,16 +124,16 @@ def test_batches_reach_the_collector_and_survive_a_cut_off(tmp_path: Path) -> No
         for _ in range(5):
             up.add(samples=samples("a", time.time()))
             time.sleep(0.1)
-        wait_for(lambda: metric(reg, "forewarn_uplink_spool_batches") >= 2)
-        assert metric(reg, "forewarn_uplink_push_errors_total") >= 1
-        spooled = metric(reg, "forewarn_uplink_spool_bytes")
+        wait_for(lambda: value(reg, "forewarn_uplink_spool_batches") >= 2)
+        assert value(reg, "forewarn_uplink_push_errors_total") >= 1
+        spooled = value(reg, "forewarn_uplink_spool_bytes")
         assert spooled > 0
         col.start()
-        wait_for(lambda: metric(reg, "forewarn_uplink_spool_batches") == 0)
+        wait_for(lambda: value(reg, "forewarn_uplink_spool_batches") == 0)
         up.add(samples=samples("a", time.time()))
         produced = up.spool.next_seq
         wait_for(lambda: len(col.seqs()) >= produced - 1 and
-                 metric(reg, "forewarn_uplink_spool_batches") == 0)
+                 value(reg, "forewarn_uplink_spool_batches") == 0)
     finally:
         up.stop()
     produced = up.spool.next_seq
@@ -147,7 +142,7 @@ def test_batches_reach_the_collector_and_survive_a_cut_off(tmp_path: Path) -> No
     history = col.app.state.ctx.telemetry.read()  # Parquet (flushed at the stop) + staging
     assert stored == len(history) == 4 * 7
     assert not history.duplicated(["agent_id", "seq", "gpu", "time"]).any()
-    assert metric(reg, "forewarn_uplink_last_success_timestamp_seconds") > 0
+    assert value(reg, "forewarn_uplink_last_success_timestamp_seconds") > 0
     col.stop()
     col.store.close()
 
@@ -241,11 +236,11 @@ def test_a_batch_stored_whose_answer_was_lost_is_not_counted_as_dropped(
         held[0].release.set()
         in_doubt = col.seqs()
         assert len(in_doubt) == 1
-        wait_for(lambda: metric(reg, "forewarn_uplink_push_errors_total") >= 1)
+        wait_for(lambda: value(reg, "forewarn_uplink_push_errors_total") >= 1)
 
         def overflow() -> bool:
             up.add(samples=samples("a", time.time(), gpus=8))
-            return metric(reg, "forewarn_uplink_dropped_batches_total") >= 3
+            return value(reg, "forewarn_uplink_dropped_batches_total") >= 3
 
         wait_for(overflow, what="the spool dropping batches", interval=0.1)
         proxy.restore()
@@ -256,7 +251,7 @@ def test_a_batch_stored_whose_answer_was_lost_is_not_counted_as_dropped(
     missing = set(range(up.spool.next_seq)) - set(col.seqs())
     assert len(up.spool) == 0
     assert in_doubt[0] not in missing
-    assert metric(reg, "forewarn_uplink_dropped_batches_total") == len(missing) > 0
+    assert value(reg, "forewarn_uplink_dropped_batches_total") == len(missing) > 0
     col.stop()
     col.store.close()
 
@@ -329,7 +324,7 @@ def test_a_batch_answered_with_a_server_error_is_kept_by_the_bound(tmp_path: Pat
 
         def overflow() -> bool:
             up.add(samples=samples("a", 2.0, gpus=8), urgent=True)
-            return metric(reg, "forewarn_uplink_dropped_batches_total") >= 2
+            return value(reg, "forewarn_uplink_dropped_batches_total") >= 2
 
         wait_for(overflow, what="the spool dropping batches", interval=0.02)
         ok.set()
@@ -337,7 +332,7 @@ def test_a_batch_answered_with_a_server_error_is_kept_by_the_bound(tmp_path: Pat
     finally:
         up.stop()
     assert seen[0] == 0 and stored[0] == 0  # kept and sent again, the others dropped
-    assert metric(reg, "forewarn_uplink_dropped_batches_total") >= 2
+    assert value(reg, "forewarn_uplink_dropped_batches_total") >= 2
 
 
 def test_refused_batch_is_dropped_and_server_errors_are_retried(tmp_path: Path) -> None:
@@ -359,12 +354,12 @@ def test_refused_batch_is_dropped_and_server_errors_are_retried(tmp_path: Path) 
         up.add(samples=samples("a", 1.0), urgent=True)
         wait_for(lambda: len(seen) >= 2)
         up.add(samples=samples("a", 2.0), urgent=True)
-        wait_for(lambda: metric(reg, "forewarn_uplink_batches_sent_total") >= 1)
+        wait_for(lambda: value(reg, "forewarn_uplink_batches_sent_total") >= 1)
     finally:
         up.stop()
     assert seen[:3] == [0, 0, 1]  # 503 kept and retried; 413 dropped; the next one sent
-    assert metric(reg, "forewarn_uplink_rejected_batches_total") == 1
-    assert metric(reg, "forewarn_uplink_push_errors_total") == 1
+    assert value(reg, "forewarn_uplink_rejected_batches_total") == 1
+    assert value(reg, "forewarn_uplink_push_errors_total") == 1
     assert len(up.spool) == 0
 
 
@@ -386,8 +381,8 @@ def test_a_refused_batch_is_moved_aside_and_a_bad_token_is_retried(
     try:
         impostor.add(samples=samples("b", time.time()), urgent=True)
         bad_token.add(samples=samples("a", time.time()), urgent=True)
-        wait_for(lambda: metric(reg, "forewarn_uplink_rejected_batches_total") == 1)
-        wait_for(lambda: metric(reg_w, "forewarn_uplink_push_errors_total") >= 2)
+        wait_for(lambda: value(reg, "forewarn_uplink_rejected_batches_total") == 1)
+        wait_for(lambda: value(reg_w, "forewarn_uplink_push_errors_total") >= 2)
     finally:
         for up in (impostor, bad_token):
             up.stop()
@@ -462,7 +457,7 @@ def test_an_unwritable_spool_keeps_records_in_memory_until_it_works(tmp_path: Pa
     up.spool.append = full  # type: ignore[method-assign]
     with pytest.raises(OSError):
         up.seal()
-    assert metric(reg, "forewarn_uplink_spool_write_errors_total") == 1
+    assert value(reg, "forewarn_uplink_spool_write_errors_total") == 1
     assert not list(spool_dir.glob("*.msgpack"))
     up.spool.append = real_append  # type: ignore[method-assign]
     up.add(samples=samples("a", 2.0))

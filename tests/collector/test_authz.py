@@ -41,13 +41,6 @@ def post(svc: Service, node: str, **kw: object) -> tuple[int, str]:
     return r.status_code, str(body.get("error", body.get("result")))
 
 
-def metric(svc: Service, line_start: str) -> float:
-    for line in svc.client.get("/metrics").text.splitlines():
-        if line.startswith(line_start + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
 def rank(job: str, r: int, node: str, now: float, *, alive: bool = True) -> RankSummary:
     return RankSummary(job=job, rank=r, world_size=4, node=node, gpu=r % 2, pid=100 + r,
                        last_step=500, last_step_time=now, step_seconds_p50=0.2,
@@ -102,11 +95,10 @@ def test_node_cannot_forge_checkpoints_order_or_move_ranks_of_another_nodes_job(
         status, _ = post(svc, "node2", ranks=[rank("train-1", 0, "node2", now), *train2])
         assert status == 200
         assert holders(svc, "train-1") == {0: "node1", 1: "node1"}
-        assert metric(svc, 'forewarn_collector_ingest_rejected_total{reason="not_your_job"}') == 3
-        assert metric(svc, 'forewarn_collector_ingest_ignored_records_total'
-                           '{reason="rank_held"}') == 1
-        assert metric(svc, 'forewarn_collector_ingest_ignored_records_total'
-                           '{reason="other_node"}') == 1
+        assert svc.metric("forewarn_collector_ingest_rejected_total", reason="not_your_job") == 3
+        ignored = "forewarn_collector_ingest_ignored_records_total"
+        assert svc.metric(ignored, reason="rank_held") == 1
+        assert svc.metric(ignored, reason="other_node") == 1
 
         # node1's finding orders train-1; node2's reports about its own job (ranks 2 and 3
         # of train-2) cannot complete train-1's order
@@ -126,7 +118,7 @@ def test_node_cannot_forge_checkpoints_order_or_move_ranks_of_another_nodes_job(
             assert post(svc, "node1", checkpoints=[real])[0] == 200
         # world size 4: two real reports of four do not complete it, two forged ones neither
         time.sleep(0.5)
-        assert metric(svc, 'forewarn_collector_checkpoint_orders_total{event="done"}') == 0
+        assert svc.metric("forewarn_collector_checkpoint_orders_total", event="done") == 0
     finally:
         stop_service(svc)
 
@@ -146,8 +138,8 @@ def test_a_rank_moves_when_its_old_node_reports_it_gone(tmp_path: Path) -> None:
         assert holders(svc, "train-1") == {0: "node2"}
         assert post(svc, "node1", ranks=[rank("train-1", 0, "node1", now, alive=False)])[0] == 200
         assert holders(svc, "train-1") == {0: "node2"}
-        assert poll(lambda: metric(svc, 'forewarn_collector_ingest_ignored_records_total'
-                                        '{reason="rank_moved"}') == 1)
+        assert poll(lambda: svc.metric("forewarn_collector_ingest_ignored_records_total",
+                                       reason="rank_moved") == 1)
         # the new holder's checkpoint report is accepted
         done = CheckpointReport(job="train-1", rank=0, step=700, phase="done", time=now)
         assert post(svc, "node2", checkpoints=[done])[0] == 200
@@ -175,8 +167,8 @@ def test_operator_actions_need_the_operator_token(tmp_path: Path) -> None:
             r = svc.client.post("/api/v1/orders", json=order, headers=headers)
             assert r.status_code == status and words in r.json()["error"], r.text
         assert svc.commands("node1", wait=0.2) == []
-        assert metric(svc, 'forewarn_collector_ingest_rejected_total'
-                           '{reason="operator_auth"}') == len(refused)
+        assert svc.metric("forewarn_collector_ingest_rejected_total",
+                          reason="operator_auth") == len(refused)
 
         op = {"authorization": f"Bearer {OPERATOR}"}
         bad = svc.client.post("/api/v1/orders", json={"node": "node1"}, headers=op)

@@ -10,7 +10,6 @@ import os
 import shutil
 import sqlite3
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from forewarn.chaos.cmdline import collector_command, write_config
 from forewarn.collector.cli import ServerThread
 from forewarn.collector.config import CollectorConfig
 from forewarn.collector.http.app import create_app
@@ -31,6 +31,7 @@ from forewarn.collector.storage.store import MIGRATIONS, Store
 from forewarn.collector.storage.telemetry import TelemetryWriter
 from forewarn.wire import AgentBatch, GpuSample, encode
 
+from support.metrics import value
 from support.polling import START_TIMEOUT_S, free_port, wait_for
 
 DAY = 86400.0
@@ -80,15 +81,15 @@ def history_in(data: Path, days: int, start: float = T0) -> None:
 
 
 def start_cli(tmp_path: Path, data: Path) -> tuple[subprocess.Popen[str], str]:
+    """``forewarn collector`` on ``data`` (predictor off), its output piped: it may exit."""
     port = free_port()
     tokens = tmp_path / "tokens.toml"
     add_token(tokens, "n1")
-    config = tmp_path / "collector.toml"
-    config.write_text(f'listen = "127.0.0.1:{port}"\ndata_dir = "{data}"\n'
-                      f'tokens_file = "{tokens}"\npredictor_enabled = false\n')
-    proc = subprocess.Popen([sys.executable, "-m", "forewarn", "collector", "--config",
-                             str(config)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    config = write_config(tmp_path / "collector.toml", listen=f"127.0.0.1:{port}",
+                          data_dir=str(data), tokens_file=str(tokens), predictor_enabled=False)
+    proc = subprocess.Popen(collector_command(config), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -158,9 +159,7 @@ def serve(data: Path, **overrides: Any) -> tuple[ServerThread, Store, Any]:
 
 
 def quarantined(metrics: CollectorMetrics, reason: str) -> float:
-    value = metrics.registry.get_sample_value(
-        "forewarn_collector_quarantined_files_total", {"reason": reason})
-    return value or 0.0
+    return value(metrics.registry, "forewarn_collector_quarantined_files_total", reason=reason)
 
 
 def test_start_with_an_older_database_quarantines_the_newer_files_and_deletes_nothing(

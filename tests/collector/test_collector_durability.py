@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from forewarn.chaos.cmdline import collector_command
 from forewarn.collector.http.auth import add_token
 from forewarn.collector.metrics import CollectorMetrics
 from forewarn.collector.storage.staging import StagingLog
@@ -69,8 +70,7 @@ def test_kill_9_collector_and_agent_lose_nothing_and_store_nothing_twice(
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
     def start_collector() -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen([sys.executable, "-m", "forewarn", "collector", "--config",
-                                 str(config)], env=env)
+        proc = subprocess.Popen(collector_command(config), env=env)
 
         def up() -> bool:
             assert proc.poll() is None, "collector exited"

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from forewarn.agent.config import AgentConfig
 from forewarn.agent.uplink import Uplink
+from forewarn.chaos.cmdline import agent_command
 from forewarn.collector.cli import ServerThread
 from forewarn.collector.config import CollectorConfig
 from forewarn.collector.http.app import create_app
@@ -24,7 +25,6 @@ from forewarn.collector.storage.store import Store
 from forewarn.wire import CheckpointOrder, GpuSample
 
 from support.polling import wait_for
-from support.stack import agent_command
 
 TOKEN = "sim-node-token-0123456789"
 

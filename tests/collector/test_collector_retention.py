@@ -7,8 +7,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from forewarn.wire import Finding, GpuSample, Health, RankSummary, Subject, XidEvent
 
 from support.collector import TOKENS, Clock, Service, serve, stop_service
@@ -29,15 +27,6 @@ def samples(node: str, t: float) -> list[GpuSample]:
 def finding(node: str, check: str, health: Health, t: float) -> Finding:
     return Finding(check=check, health=health, reason=f"{check} {health.value}", time=t,
                    subject=Subject(kind="gpu", node=node, gpu=0))
-
-
-def metric(svc: Service, name: str, **labels: str) -> float | None:
-    """One sample of the collector's /metrics."""
-    for family in text_string_to_metric_families(svc.client.get("/metrics").text):
-        for sample in family.samples:
-            if sample.name == name and sample.labels == labels:
-                return float(sample.value)
-    return None
 
 
 def count(svc: Service, sql: str) -> int:
@@ -66,7 +55,7 @@ def test_the_running_collector_prunes_old_records_but_never_live_state(
         clock.t = start + 5 * DAY
         svc.push("node2", ranks=ranks("live-job", "node2", clock.t),
                  samples=samples("node2", clock.t))
-        wait_for(lambda: metric(svc, "forewarn_collector_pruned_rows_total", table="nodes"),
+        wait_for(lambda: svc.metric("forewarn_collector_pruned_rows_total", table="nodes"),
                  timeout=30, what="a retention pass")
         assert [r["node"] for r in svc.store.query("SELECT node FROM nodes")] == ["node2"]
         assert [r["job"] for r in svc.store.query("SELECT job FROM jobs")] == ["live-job"]
@@ -80,8 +69,8 @@ def test_the_running_collector_prunes_old_records_but_never_live_state(
         assert count(svc, f"SELECT COUNT(*) FROM actions WHERE time < {start + DAY}") == 0
         assert count(svc, "SELECT COUNT(*) FROM decisions WHERE reason = 'old'") == 0
         assert count(svc, "SELECT COUNT(*) FROM batches") == 1  # node2's newest
-        assert metric(svc, "forewarn_collector_pruned_rows_total", table="findings") == 3
-        size = metric(svc, "forewarn_collector_data_bytes", part="sqlite")
+        assert svc.metric("forewarn_collector_pruned_rows_total", table="findings") == 3
+        size = svc.metric("forewarn_collector_data_bytes", part="sqlite")
         assert size is not None and size > 0
         # Live state keeps working after a pass: node1 comes back and is stored again.
         svc.push("node1")

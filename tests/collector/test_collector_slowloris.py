@@ -15,7 +15,6 @@ import resource
 import socket
 import sqlite3
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -24,11 +23,11 @@ from pathlib import Path
 import httpx
 import pytest
 
+from forewarn.chaos.cmdline import agent_command, collector_command
 from forewarn.collector.http.auth import enroll
 
 from support.paths import REPO
 from support.polling import START_TIMEOUT_S, free_port, poll, wait_for
-from support.stack import agent_command
 
 NOFILE = 1024
 ATTACK_SOCKETS = 1100
@@ -52,7 +51,7 @@ def collector(tmp_path: Path, **keys: str) -> Iterator[tuple[str, Path, Path]]:
     log = tmp_path / "collector.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "forewarn", "collector", "--config", str(config), "run"],
+            collector_command(config),
             stdout=out, stderr=subprocess.STDOUT, preexec_fn=_limit_nofile,
             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"

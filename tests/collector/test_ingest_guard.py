@@ -7,7 +7,6 @@ other record and every other agent's data keeps flowing."""
 from __future__ import annotations
 
 import math
-import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,17 +43,6 @@ def post(svc: Service, node: str, batch: AgentBatch | bytes,
     body = batch if isinstance(batch, bytes) else encode(batch)
     return svc.client.post("/api/v1/ingest", content=body,
                            headers={**MSGPACK, **auth(node), **(headers or {})})
-
-
-def metric(svc: Service, name: str, **labels: str) -> float:
-    """One sample of the collector's exposition (0 when absent)."""
-    for line in svc.client.get("/metrics").text.splitlines():
-        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})? (\S+)$", line)
-        if m is None or m.group(1) != name:
-            continue
-        if dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or "")) == labels:
-            return float(m.group(3))
-    return 0.0
 
 
 def ctx(svc: Service) -> Any:
@@ -104,7 +92,7 @@ def test_a_poisoned_sample_is_refused_by_field_and_every_other_row_is_flushed(
 
     ctx(svc).telemetry.flush()
     assert parquet_rows(svc) == [("node1", 0, now), ("node2", 0, now)]
-    assert sum(metric(svc, "forewarn_collector_ingest_refused_records_total",
+    assert sum(svc.metric("forewarn_collector_ingest_refused_records_total",
                       record="samples", reason=reason)
                for reason in ("time", "non_finite", "range")) == 1
     # later flushes keep working
@@ -181,7 +169,7 @@ def test_another_node_posting_with_my_agent_id_is_refused_and_burns_nothing(
         assert "agent_id" in r.json()["error"]
     for seq in range(3, 8):
         assert post(svc, "node1", batch("node1", seq)).json()["result"] == "stored"
-    assert metric(svc, "forewarn_collector_ingest_rejected_total",
+    assert svc.metric("forewarn_collector_ingest_rejected_total",
                   reason="identity_mismatch") == 5
     rows = svc.store.query("SELECT node, COUNT(*) AS n FROM batches GROUP BY node")
     assert [(r["node"], r["n"]) for r in rows] == [("node1", 8)]
@@ -279,8 +267,8 @@ def test_clock_skew_is_measured_per_agent(svc: Service) -> None:
                                        created=now + skew, samples=[sample(node, 0, now)]),
                  headers={"forewarn-sent-at": repr(time.time() + skew)})
         assert r.status_code == 200, r.text
-    got1 = metric(svc, "forewarn_collector_agent_clock_skew_seconds", node="node1")
-    got2 = metric(svc, "forewarn_collector_agent_clock_skew_seconds", node="node2")
+    got1 = svc.metric("forewarn_collector_agent_clock_skew_seconds", node="node1")
+    got2 = svc.metric("forewarn_collector_agent_clock_skew_seconds", node="node2")
     assert 115 < got1 < 121 and -35 < got2 < -29, (got1, got2)
     r = post(svc, "node3", AgentBatch(node="node3", agent_id="agent-node3", seq=0,
                                       created=now), headers={"forewarn-sent-at": "nan"})

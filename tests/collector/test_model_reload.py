@@ -4,9 +4,6 @@ the model the live predictor scores with at its next scoring (docs/models.md).""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +15,8 @@ from forewarn.collector.http.auth import add_token
 from forewarn.models.persist import load_default_model
 from forewarn.models.registry import ModelRegistry
 
-from support.polling import START_TIMEOUT_S, free_port, wait_for
+from support.polling import START_TIMEOUT_S
+from support.stack import Processes, start_collector
 
 pytestmark = [pytest.mark.system, pytest.mark.timeout(600)]
 
@@ -34,30 +32,25 @@ def _predictor(url: str) -> dict[str, Any]:
 
 def test_a_promotion_and_a_rollback_reach_the_running_collector(tmp_path: Path) -> None:
     data = tmp_path / "data"
-    port = free_port()
     tokens = tmp_path / "tokens.toml"
     add_token(tokens, "n1")
-    config = tmp_path / "collector.toml"
-    config.write_text(f'listen = "127.0.0.1:{port}"\ndata_dir = "{data}"\n'
-                      f'tokens_file = "{tokens}"\npredict_interval_s = 0.5\n')
-    url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen([sys.executable, "-m", "forewarn", "collector", "--config",
-                             str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    procs = Processes(tmp_path)
     try:
-        wait_for(lambda: _predictor(url).get("detail") == "model default",
-                 START_TIMEOUT_S + 120, "the shipped model running")
+        url = start_collector(procs, tokens, data_dir=str(data), predict_interval_s=0.5)
+        procs.wait_for("the shipped model running",
+                       lambda: _predictor(url).get("detail") == "model default",
+                       START_TIMEOUT_S + 120)
         registry = ModelRegistry(data / "models")
         assert registry.add(load_default_model(), promote=True,
                             reason="test: a retrained candidate") == 1
-        got = wait_for(lambda: (p := _predictor(url)).get("detail") == "model registry v1"
-                       and p, 120, "the promoted version running")
+        got = procs.wait_for("the promoted version running",
+                             lambda: (p := _predictor(url)).get("detail") == "model registry v1"
+                             and p, 120)
         assert got["ready"] is True
         # The operator's rollback, through the CLI as they run it.
         assert main(["models", "rollback", "0", "--registry", str(data / "models")]) == 0
-        wait_for(lambda: _predictor(url).get("detail") == "model default", 120,
-                 "the rolled-back version running")
-        assert proc.poll() is None  # the same process throughout: no restart
+        procs.wait_for("the rolled-back version running",
+                       lambda: _predictor(url).get("detail") == "model default", 120)
+        assert procs.procs["collector"].poll() is None  # the same process throughout
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        procs.close()

@@ -20,6 +20,7 @@ from forewarn.agent.backend import GpuInfo
 from forewarn.agent.config import AgentConfig
 from forewarn.agent.daemon import Agent
 from forewarn.agent.testing import ScriptedBackend
+from forewarn.chaos.exposition import samples
 from forewarn.collector.decide.webhooks import WebhookEndpoint, WebhookSender, WebhookVerifier
 from forewarn.labels import LABEL_MAX
 from forewarn.wire import AgentBatch, RankSummary, encode
@@ -31,8 +32,7 @@ from support.webhooks import Receiver
 
 
 def labels_of(text: str, name: str) -> list[dict[str, str]]:
-    return [s.labels for fam in text_string_to_metric_families(text) for s in fam.samples
-            if s.name == name]
+    return [labels for labels, _ in samples(text, name)]
 
 
 class HostileBackend(ScriptedBackend):

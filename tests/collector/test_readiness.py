@@ -4,9 +4,7 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -17,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from forewarn.chaos.cmdline import agent_command
 from forewarn.collector.cli import ServerThread
 from forewarn.collector.config import CollectorConfig
 from forewarn.collector.http.app import create_app
@@ -24,7 +23,8 @@ from forewarn.collector.http.auth import TokenRegistry
 from forewarn.collector.storage.store import Store
 from forewarn.wire import AgentBatch, GpuSample, encode
 
-from support.polling import START_TIMEOUT_S, free_port, poll, wait_for
+from support.polling import START_TIMEOUT_S, free_port, poll
+from support.stack import Processes
 
 
 def status(url: str) -> tuple[int, str]:
@@ -46,35 +46,18 @@ def get(url: str) -> tuple[int, Any]:
 
 
 def start_agent(tmp_path: Path, *args: str, env: dict[str, str] | None = None
-                ) -> tuple[str, subprocess.Popen[bytes]]:
-    port = free_port()
-    log = (tmp_path / "agent.log").open("wb")
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("FOREWARN_")}
-    clean.pop("NOTIFY_SOCKET", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "forewarn", "agent", "--node", "r1", "--interval", "0.25",
-         "--listen", f"127.0.0.1:{port}", "--no-kmsg", *args],
-        stdout=log, stderr=subprocess.STDOUT,
-        env={**clean, "FOREWARN_AGENT_WATCHDOG": "0",
-             "FOREWARN_AGENT_SPOOL_DIR": str(tmp_path / "spool"), **(env or {})})
-    log.close()
-    url = f"http://127.0.0.1:{port}"
-
-    def alive() -> bool:
-        assert proc.poll() is None, (tmp_path / "agent.log").read_text()
-        return get(url + "/healthz")[0] == 200
-
-    wait_for(alive, START_TIMEOUT_S, "agent /healthz")
-    return url, proc
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+                ) -> tuple[str, Processes]:
+    """``forewarn agent`` of node r1 with ``args`` (its source among them); its URL once
+    ``/healthz`` answers, and its process (:meth:`Processes.close` stops it)."""
+    address = f"127.0.0.1:{free_port()}"
+    procs = Processes(tmp_path)
+    procs.spawn("agent", agent_command("r1", source=None, listen=address, interval=0.25,
+                                       extra=args),
+                env={"FOREWARN_AGENT_WATCHDOG": "0",
+                     "FOREWARN_AGENT_SPOOL_DIR": str(tmp_path / "spool"), **(env or {})})
+    url = f"http://{address}"
+    procs.wait_for("agent /healthz", lambda: get(url + "/healthz")[0] == 200, START_TIMEOUT_S)
+    return url, procs
 
 
 @pytest.mark.timeout(300)
@@ -85,7 +68,7 @@ def test_agent_is_alive_but_not_ready_without_rank_socket_source_or_collector(
     token = tmp_path / "token"
     token.write_text("some-token-0123456789\n")
     closed = f"http://127.0.0.1:{free_port()}"
-    url, proc = start_agent(
+    url, agent = start_agent(
         tmp_path, "--source", "dcgm", "--dcgm-url", f"{closed}/metrics",
         "--socket", str(taken), "--collector", closed, "--token-file", str(token),
         env={"FOREWARN_AGENT_PUSH_INTERVAL_S": "0.3"})
@@ -111,12 +94,12 @@ def test_agent_is_alive_but_not_ready_without_rank_socket_source_or_collector(
         assert rc == 1, out
         assert "NOT READY" in out and "rank_socket" in out and "not a socket" in out
     finally:
-        stop(proc)
+        agent.close()
 
 
 @pytest.mark.timeout(300)
 def test_agent_ready_when_source_socket_and_checks_work(tmp_path: Path) -> None:
-    url, proc = start_agent(tmp_path, "--source", "sim", "--socket",
+    url, agent = start_agent(tmp_path, "--source", "sim", "--socket",
                             str(tmp_path / "agent.sock"))
     try:
         code, body = poll(lambda: (r := get(url + "/readyz"))[0] == 200 and r, 30, 0.2) or \
@@ -132,7 +115,7 @@ def test_agent_ready_when_source_socket_and_checks_work(tmp_path: Path) -> None:
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0 and json.loads(r.stdout)["ready"] is True, r.stdout
     finally:
-        stop(proc)
+        agent.close()
 
 
 @pytest.fixture

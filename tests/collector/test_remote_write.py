@@ -20,6 +20,7 @@ from forewarn.demo.servers import VictoriaMetrics
 from forewarn.wire import AgentBatch, GpuSample, encode
 
 from support.collector import TOKENS, start_service, stop_service
+from support.metrics import value
 from support.paths import REPO
 from support.polling import free_port, wait_for
 
@@ -38,10 +39,6 @@ def gpu_samples(node: str, t: float) -> list[GpuSample]:
                       simulated=True, temperature_c=60.0 + g, power_w=300.0 + t % 7,
                       gpu_util_pct=90.0, sm_clock_mhz=1980.0, pstate=0)
             for g in range(4)]
-
-
-def metric(metrics: CollectorMetrics, name: str, **labels: str) -> float:
-    return metrics.registry.get_sample_value(name, labels) or 0.0
 
 
 def test_every_accepted_sample_reaches_victoriametrics_once(
@@ -107,13 +104,14 @@ def test_unreachable_store_is_retried_and_a_full_queue_drops_counted() -> None:
     try:
         writer.offer(gpu_samples("n", time.time()))  # 4 fit
         writer.offer(gpu_samples("n", time.time()))  # 2 of these fit (2 went to the sender)
-        wait_for(lambda: metric(metrics, "forewarn_collector_remote_write_retries_total") >= 3,
+        wait_for(lambda: value(metrics.registry,
+                               "forewarn_collector_remote_write_retries_total") >= 3,
                  what="retries")
         assert writer.last_error.startswith("ConnectError")
-        dropped = metric(metrics, "forewarn_collector_remote_write_dropped_samples_total",
+        dropped = value(metrics.registry, "forewarn_collector_remote_write_dropped_samples_total",
                          reason="queue_full")
         assert dropped == 8 - writer.queued - 2  # what neither the queue nor the request holds
-        assert metric(metrics, "forewarn_collector_remote_write_samples_total") == 0
+        assert value(metrics.registry, "forewarn_collector_remote_write_samples_total") == 0
         pending = writer.written()
     finally:
         writer.stop(timeout_s=0.5)
@@ -156,7 +154,7 @@ def test_stop_during_a_retry_ends_the_sender_without_touching_the_closed_client(
     try:
         writer.start()
         writer.offer(gpu_samples("n", time.time()))
-        wait_for(lambda: metric(metrics, "forewarn_collector_remote_write_retries_total"),
+        wait_for(lambda: value(metrics.registry, "forewarn_collector_remote_write_retries_total"),
                  what="the first request refused, the sender in its backoff")
         writer.stop(timeout_s=2.0)
         alive = [t for t in writer._threads if t.is_alive()]
@@ -166,7 +164,7 @@ def test_stop_during_a_retry_ends_the_sender_without_touching_the_closed_client(
         assert errors == []
         assert Store.posts == posts  # nothing sent after stop() returned
         assert alive == []
-        assert metric(metrics, "forewarn_collector_remote_write_dropped_samples_total",
+        assert value(metrics.registry, "forewarn_collector_remote_write_dropped_samples_total",
                       reason="shutdown") == 4
     finally:
         server.shutdown()
@@ -187,7 +185,7 @@ def test_written_is_done_once_the_store_took_every_sample_offered(vm: VictoriaMe
         writer.start()
         both.result(timeout=20)
         assert first.done()
-        assert metric(metrics, "forewarn_collector_remote_write_samples_total") == 8
+        assert value(metrics.registry, "forewarn_collector_remote_write_samples_total") == 8
     finally:
         writer.stop()
 

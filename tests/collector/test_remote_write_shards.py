@@ -16,6 +16,7 @@ from forewarn.collector.metrics import CollectorMetrics
 from forewarn.collector.storage.remote_write import RemoteWriter
 from forewarn.wire import GpuSample
 
+from support.metrics import value
 from support.polling import wait_for
 
 
@@ -88,10 +89,6 @@ def samples(nodes: int = 2, gpus: int = 8, t: float | None = None) -> list[GpuSa
             for g in range(gpus)]
 
 
-def metric(metrics: CollectorMetrics, name: str) -> float:
-    return metrics.registry.get_sample_value(name) or 0.0
-
-
 def test_a_slow_store_gets_several_requests_at_once(store: HeldStore) -> None:
     writer = RemoteWriter(store.url, CollectorMetrics(), backoff_s=0.05)
     writer.start()
@@ -119,8 +116,8 @@ def test_written_waits_for_every_request_its_samples_span(store: HeldStore) -> N
             if store.waiting():  # a request not answered yet carries some of its samples
                 assert not done.done()
                 store.release_one()  # the first answers 503: retried, not counted
-        assert metric(metrics, "forewarn_collector_remote_write_retries_total") == 1
-        assert metric(metrics, "forewarn_collector_remote_write_samples_total") == 16
+        assert value(metrics.registry, "forewarn_collector_remote_write_retries_total") == 1
+        assert value(metrics.registry, "forewarn_collector_remote_write_samples_total") == 16
         assert writer.queued == 0
     finally:
         writer.stop(timeout_s=1.0)

@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from forewarn.chaos.cmdline import collector_command
+
 from support.polling import free_port, poll
 
 HEAVY = ("sklearn", "skops", "pandas", "torch")
@@ -78,8 +80,7 @@ def test_readyz_says_when_the_predictor_is_ready(tmp_path: Path) -> None:
     config.write_text(f'listen = "127.0.0.1:{port}"\ndata_dir = "{tmp_path / "data"}"\n'
                       'log_level = "warning"\n')
     log = (tmp_path / "collector.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-m", "forewarn", "collector", "--config",
-                             str(config), "run"], stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(collector_command(config), stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         def ready() -> object:

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from forewarn.chaos.procs import scrape
+from forewarn.chaos.cmdline import write_config
+from forewarn.chaos.exposition import scrape
 from forewarn.collector.http.auth import hash_token
 from forewarn.demo.servers import VictoriaMetrics
 
 from support.bus_stack import TOKENS, FedAgent
 from support.polling import free_port, poll, wait_for
-from support.stack import Processes, http_get, write_config
+from support.stack import Processes, http_get
 
 MATCH = 'forewarn_gpu_info{node=~"gpu.*"}'
 ERRORS = "forewarn_uplink_push_errors_total"

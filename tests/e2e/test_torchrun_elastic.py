@@ -89,7 +89,7 @@ class Rig:
 
     def agent_ranks(self, node: str) -> dict[int, float]:
         """rank -> forewarn_rank_alive on ``node``'s agent, for the job."""
-        from forewarn.chaos.procs import scrape
+        from forewarn.chaos.exposition import scrape
 
         out = {}
         for rank in range(4):

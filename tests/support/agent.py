@@ -1,22 +1,22 @@
 """A real ``forewarn agent --source sim`` subprocess on a Unix socket, for end-to-end tests
 of training ranks (tests/e2e/test_training_e2e.py, tests/hook/test_preemption.py): the
-agent of :mod:`support.stack` (its command line) as one object with its metrics and
-findings, its settings as ``FOREWARN_AGENT_*`` variables."""
+agent of :mod:`support.stack` (its command line: :mod:`forewarn.chaos.cmdline`) as one
+object with its metrics and findings, its settings as ``FOREWARN_AGENT_*`` variables."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import subprocess
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
+from forewarn.chaos.cmdline import agent_command
+from forewarn.chaos.exposition import total
+from forewarn.chaos.procs import Procs
 
 from support.polling import START_TIMEOUT_S, free_port, wait_for
-from support.stack import agent_command
 
 __all__ = ["AgentProc"]
 
@@ -35,16 +35,16 @@ class AgentProc:
         config.touch()
         self.log = workdir / f"agent-{name}.log"
         full_env = {**os.environ, **{f"FOREWARN_AGENT_{k.upper()}": v for k, v in env.items()}}
-        self.proc = subprocess.Popen(
-            agent_command(node, scenario=scenario, socket=sock, listen=f"127.0.0.1:{self.port}",
-                          interval=0.2, config=config),
-            env=full_env, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+        self.group = Procs()
+        self.proc = self.group.spawn(
+            "agent", agent_command(node, scenario=scenario, socket=sock,
+                                   listen=f"127.0.0.1:{self.port}", interval=0.2, config=config),
+            self.log, full_env)
         try:
             wait_for(self._ready, START_TIMEOUT_S, f"agent {name} to serve (see {self.log})")
             wait_for(sock.exists, START_TIMEOUT_S, "the agent socket")
         except BaseException:
-            self.proc.kill()  # never leave an agent behind when its start fails
-            self.proc.wait()
+            self.group.kill9("agent")  # never leave an agent behind when its start fails
             raise
 
     def _get(self, path: str) -> bytes | None:
@@ -59,24 +59,17 @@ class AgentProc:
         return self._get("/healthz") is not None
 
     def metric(self, name: str, **labels: str) -> float | None:
+        """The sum of the samples ``name`` carrying ``labels`` (None: none, or no answer)."""
         body = self._get("/metrics")
-        if body is None:
-            return None
-        for fam in text_string_to_metric_families(body.decode()):
-            for s in fam.samples:
-                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                    return float(s.value)
-        return None
+        return None if body is None else total(body.decode(), name, **labels)
 
     def findings(self) -> list[dict[str, Any]]:
         body = self._get("/api/v1/findings")
         return [] if body is None else list(json.loads(body))
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        """SIGTERM (SIGKILL after 30 s) or, given ``signal.SIGKILL``, kill -9."""
+        if sig == signal.SIGKILL:
+            self.group.kill9("agent")
+        else:
+            self.group.stop("agent")

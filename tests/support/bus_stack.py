@@ -17,12 +17,13 @@ from forewarn import bus
 from forewarn.agent.bus import NatsUplink
 from forewarn.agent.config import AgentConfig
 from forewarn.agent.uplink import Uplink
+from forewarn.chaos.procs import stop_process
 from forewarn.collector.http.auth import hash_token
 from forewarn.collector.storage.store import Store
 from forewarn.wire import GpuSample
 
+from support.metrics import value
 from support.polling import wait_for
-from support.stack import stop as stop_process
 
 __all__ = ["COLLECTOR_PASSWORD", "TOKENS", "FedAgent", "ReplicaProc", "auth_block",
            "stored"]
@@ -57,7 +58,7 @@ class ReplicaProc:
         self.proc.wait(10)
 
     def stop(self) -> None:
-        stop_process(self.proc, timeout=20)
+        stop_process(self.proc, timeout=20, group=False)
 
 
 class FedAgent:
@@ -114,7 +115,7 @@ class FedAgent:
         self.uplink.stop()
 
     def metric(self, name: str) -> float:
-        return self.registry.get_sample_value(name) or 0.0
+        return value(self.registry, name)
 
 
 def stored(db: Path, node: str) -> dict[str, Any]:

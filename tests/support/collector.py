@@ -16,6 +16,7 @@ from typing import Any
 
 import httpx
 
+from forewarn.chaos.exposition import sample
 from forewarn.collector.cli import ServerThread
 from forewarn.collector.config import CollectorConfig
 from forewarn.collector.decide.policy_service import PolicyService
@@ -23,8 +24,6 @@ from forewarn.collector.http.app import create_app
 from forewarn.collector.http.auth import TokenRegistry
 from forewarn.collector.storage.state import StateStore, open_state
 from forewarn.wire import AgentBatch, RankSummary, encode
-
-from support.metrics import sample
 
 __all__ = ["ALERT_TOKEN", "NODE", "NODE_TOKENS", "STATE", "TOKENS", "Clock", "ClockedService",
            "Service", "poll_commands", "ranks_on", "serve", "start_clocked", "start_job_service",
@@ -73,6 +72,11 @@ class Service:
 
     def commands(self, node: str, wait: float = 0.0) -> list[dict[str, Any]]:
         return poll_commands(self.client, node, wait)
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sample of /metrics with exactly these labels (0 when absent: a labelled
+        counter has no sample before its first increment)."""
+        return sample(self.client.get("/metrics").text, name, **labels) or 0.0
 
     def alert(self, path: str = "alertmanager", token: str | None = ALERT_TOKEN,
               **kw: Any) -> httpx.Response:

@@ -1,18 +1,15 @@
-"""Reading one sample out of a Prometheus text exposition (a /metrics body), parsed with
-prometheus_client's own parser: label order and escaping are the parser's business."""
+"""Reading one sample of an in-process Prometheus registry (a collector's or an uplink's
+``CollectorRegistry``), 0 when it has none yet. A ``/metrics`` body is read with
+:mod:`forewarn.chaos.exposition`."""
 
 from __future__ import annotations
 
-from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client import CollectorRegistry
 
-__all__ = ["sample"]
+__all__ = ["value"]
 
 
-def sample(text: str, name: str, **labels: str) -> float | None:
-    """The value of the sample ``name`` in ``text`` whose labels are exactly ``labels``
-    (in any order; none for an unlabelled sample), or ``None`` when there is none."""
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and s.labels == labels:
-                return float(s.value)
-    return None
+def value(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    """The sample ``name`` with exactly ``labels`` in ``registry``; 0 when absent (a
+    labelled counter has no sample before its first increment)."""
+    return registry.get_sample_value(name, labels) or 0.0

@@ -5,22 +5,20 @@ from __future__ import annotations
 
 import hashlib
 import os
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from forewarn.chaos.cmdline import collector_command, write_config
+from forewarn.chaos.exposition import sample
+from forewarn.chaos.procs import Procs
 from forewarn.wire import AgentBatch, encode
 
 from support.collector import TOKENS, poll_commands
-from support.metrics import sample
 from support.polling import START_TIMEOUT_S, free_port, wait_for
-from support.stack import stop as stop_process
-from support.stack import write_config
 
 __all__ = ["Replica", "write_tokens"]
 
@@ -46,15 +44,14 @@ class Replica:
                     **keys}
         self.config = self.dir / "collector.toml"
         write_config(self.config, **settings)
-        self.log = (self.dir / "log").open("ab")
+        self.group = Procs()
         self.proc: subprocess.Popen[bytes] | None = None
         self.client = httpx.Client(base_url=self.url, timeout=30)
         self.seq: dict[str, int] = {}
 
     def start(self) -> Replica:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "forewarn", "collector", "--config", str(self.config)],
-            stdout=self.log, stderr=self.log, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.proc = self.group.spawn("collector", collector_command(self.config),
+                                     self.dir / "log", {**os.environ, "PYTHONUNBUFFERED": "1"})
         wait_for(self._up, START_TIMEOUT_S, f"collector {self.url} start")
         return self
 
@@ -99,11 +96,9 @@ class Replica:
     def kill(self) -> None:
         """SIGKILL: no shutdown, the process's sessions just end."""
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
+            self.group.kill9("collector")
 
     def stop(self) -> None:
         if self.proc is not None:
-            stop_process(self.proc)
+            self.group.stop("collector")
         self.client.close()
-        self.log.close()

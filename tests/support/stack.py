@@ -8,7 +8,6 @@ Building blocks, used by every test that starts the product's processes:
 * :func:`start_collector` (``forewarn collector run`` from a written config, waiting for
   ``/healthz``), :func:`enroll` (a node's token), :func:`start_agent` (``forewarn agent
   --source sim`` on a scenario, waiting for ``/healthz`` and its socket),
-  :func:`agent_command` (the agent's command line, for tests that run it themselves),
   :func:`start_prometheus` (Debian's Prometheus scraping given targets);
 * :class:`Stack`: all of them at once -- a collector, one simulated node whose scenario
   plays ECC, thermal, PCIe (ending in XID 79), row-remap and NVLink faults within seconds,
@@ -17,7 +16,10 @@ Building blocks, used by every test that starts the product's processes:
   ``dashboards/rules/forewarn.rules.yml`` loaded (tests/dashboards/test_dashboards_prometheus.py,
   tests/collector/test_status_page_browser.py).
 
-The in-process collector (no subprocess) is :mod:`support.collector`.
+The daemons' command lines and config files are the product's
+(:mod:`forewarn.chaos.cmdline`, shared with the chaos lab and the demo; tests that run
+an agent themselves use its ``agent_command``). The in-process collector (no subprocess)
+is :mod:`support.collector`.
 """
 
 from __future__ import annotations
@@ -38,13 +40,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from forewarn.chaos.cmdline import agent_command, collector_command, write_config
+from forewarn.chaos.procs import Procs, log_tail
 from forewarn.collector.http.auth import enroll
 
 from support.polling import START_TIMEOUT_S, free_port, wait_for
 
 __all__ = ["CLUSTER", "DASHBOARDS", "JOB", "NODE", "RULES", "Processes", "PromError", "Stack",
-           "agent_command", "http_get", "running_stack", "start_agent",
-           "start_collector", "start_prometheus", "stop", "toml_value"]
+           "http_get", "running_stack", "start_agent", "start_collector", "start_prometheus"]
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARDS = ROOT / "dashboards"
@@ -134,85 +137,31 @@ def http_get(url: str, timeout: float = 5) -> tuple[int, bytes]:
         return 0, b""
 
 
-def stop(proc: subprocess.Popen[bytes], timeout: float = 30) -> int:
-    """SIGTERM, then SIGKILL after ``timeout`` s; the exit status. (The collector takes
-    about 8 s to stop on an idle machine, more on a loaded one.)"""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return int(proc.returncode)
-
-
-def toml_value(value: Any) -> str:
-    """``value`` (bool, number, string or list of them) as a TOML value."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(toml_value(v) for v in value) + "]"
-    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def write_config(path: Path, **keys: Any) -> Path:
-    """A flat TOML config file of ``keys``."""
-    path.write_text("".join(f"{k} = {toml_value(v)}\n" for k, v in keys.items()))
-    return path
-
-
-def agent_command(node: str, *, scenario: Path | None = None, socket: Path | None = None,
-                  listen: str = "127.0.0.1:0", interval: float = 0.25,
-                  config: Path | None = None, collector: str = "",
-                  token_file: Path | None = None, sim_speed: float | None = None,
-                  extra: tuple[str, ...] = ()) -> list[str]:
-    """``forewarn agent --source sim`` for a simulated ``node`` (without ``scenario``: the
-    embedded one), listening on ``listen``, polling every ``interval`` s, without the
-    kernel log; reporting to ``collector`` with ``token_file`` when given."""
-    args = [sys.executable, "-m", "forewarn", "agent"]
-    if config is not None:
-        args += ["--config", str(config)]
-    args += ["--source", "sim", "--node", node, "--listen", listen, "--no-kmsg",
-             "--interval", f"{interval:g}"]
-    if scenario is not None:
-        args += ["--scenario", str(scenario)]
-    if sim_speed is not None:
-        args += ["--sim-speed", f"{sim_speed:g}"]
-    if socket is not None:
-        args += ["--socket", str(socket)]
-    if collector:
-        assert token_file is not None, "an agent reporting to a collector needs its token"
-        args += ["--collector", collector, "--token-file", str(token_file)]
-    return [*args, *extra]
-
-
 class Processes:
-    """Named real processes of one test, logging to ``<tmp>/<name>.log``. Children get the
-    test's environment without ``FOREWARN_*`` settings and ``NOTIFY_SOCKET`` (a developer's
-    or CI's own must not leak in), unbuffered."""
+    """Named real processes of one test, logging to ``<tmp>/<name>.log``: the product's
+    :class:`~forewarn.chaos.procs.Procs` (each in a process group of its own), with what
+    tests add. Children get the test's environment without ``FOREWARN_*`` settings and
+    ``NOTIFY_SOCKET`` (a developer's or CI's own must not leak in), unbuffered; a wait
+    fails as soon as any of them died; :meth:`close` stops them the last started first."""
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self.logs: list[Any] = []
+        self.group = Procs()
+
+    @property
+    def procs(self) -> dict[str, subprocess.Popen[bytes]]:
+        """The process of each name (the newest of a name started again)."""
+        return self.group.procs
 
     def spawn(self, name: str, args: list[str], env: dict[str, str] | None = None,
               cwd: Path | None = None) -> subprocess.Popen[bytes]:
-        log = (self.tmp / f"{name}.log").open("wb")
-        self.logs.append(log)
         base = {k: v for k, v in os.environ.items()
                 if not k.startswith("FOREWARN_") and k != "NOTIFY_SOCKET"}
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
-                                env={**base, "PYTHONUNBUFFERED": "1", **(env or {})}, cwd=cwd)
-        self.procs[name] = proc
-        return proc
+        return self.group.spawn(name, args, self.tmp / f"{name}.log",
+                                {**base, "PYTHONUNBUFFERED": "1", **(env or {})}, cwd)
 
     def log_tail(self, name: str, n: int = 3000) -> str:
-        path = self.tmp / f"{name}.log"
-        return path.read_text(errors="replace")[-n:] if path.exists() else ""
+        return log_tail(self.tmp / f"{name}.log", n)
 
     def wait_for(self, what: str, probe: Callable[[], Any], timeout: float = 60,
                  every: float = 0.25) -> Any:
@@ -228,10 +177,15 @@ class Processes:
         return wait_for(alive_and_probe, timeout, what, every)
 
     def close(self) -> dict[str, int]:
-        """Stop every process, the last started first; exit status per process."""
-        codes = {name: stop(proc) for name, proc in reversed(self.procs.items())}
-        for log in self.logs:
-            log.close()
+        """Stop every process, the last started first (SIGTERM, SIGKILL after 30 s: the
+        collector takes about 8 s to stop on an idle machine, more on a loaded one); exit
+        status per process."""
+        codes = {}
+        for name in reversed(self.procs):
+            code = self.group.stop(name)
+            assert code is not None, name  # stop() waited for it
+            codes[name] = code
+        self.group.close()  # any process a later one of its name replaced
         return codes
 
 
@@ -245,8 +199,7 @@ def start_collector(procs: Processes, tokens: Path, name: str = "collector",
     config = write_config(procs.tmp / f"{name}.toml", **{
         "listen": url.removeprefix("http://"), "data_dir": str(procs.tmp / "data"),
         "tokens_file": str(tokens), "log_level": "warning", **keys})
-    procs.spawn(name, [sys.executable, "-m", "forewarn", "collector", "--config", str(config),
-                       "run"])
+    procs.spawn(name, collector_command(config))
     procs.wait_for(f"{name} /healthz", lambda: http_get(f"{url}/healthz")[0] == 200, timeout)
     return url
 

@@ -7,7 +7,10 @@
 * :mod:`forewarn.chaos.lab`: the real processes they run against (collectors, agents on
   simulated nodes, training jobs), one module per rig (``training_rig``, ``hardware_rig``,
   ``telemetry_rig``, ``scale_lab``) built of :mod:`forewarn.chaos.daemons`, and
-  :mod:`forewarn.chaos.procs` (process groups, a cuttable TCP proxy);
+  :mod:`forewarn.chaos.procs` (process groups, a cuttable TCP proxy); the daemons' command
+  lines and configs are :mod:`forewarn.chaos.cmdline`, and :mod:`forewarn.chaos.exposition`
+  reads their ``/metrics`` (the demo and the tests start and read them with the same
+  pieces);
 * :mod:`forewarn.chaos.workload`: the training ranks, with faults injected by a control
   file;
 * :mod:`forewarn.chaos.accounting`: telemetry produced by an agent against stored by its

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from forewarn.chaos.procs import get_json, scrape, wait_http
+from forewarn.chaos.cmdline import agent_command, collector_command
+from forewarn.chaos.exposition import scrape
+from forewarn.chaos.procs import get_json
 from forewarn.demo.launch import free_port
 
 if TYPE_CHECKING:
@@ -77,10 +78,8 @@ class LabCollector(_Daemon):
         self.start()
 
     def start(self) -> None:
-        proc = self.lab.procs.spawn(
-            self.name, [sys.executable, "-m", "forewarn", "collector", "--config",
-                        str(self.config), "run"], self.log)
-        wait_http(self.url + "/healthz", 60, proc, self.log)
+        self.lab.procs.start(self.name, collector_command(self.config), self.log,
+                             self.url + "/healthz")
 
     def get(self, path: str) -> Any:
         return get_json(self.url + path)
@@ -104,12 +103,10 @@ class LabAgent(_Daemon):
         self.socket = str(self.dir / "agent.sock")
         self.spool = spool or self.dir / "spool"
         (self.dir / "scenario.toml").write_text(scenario)
-        self.argv = [sys.executable, "-m", "forewarn", "agent", "--node", node, "--listen",
-                     f"127.0.0.1:{self.port}", "--socket", self.socket, "--no-kmsg",
-                     "--collector", collector_url, "--token-file", str(token),
-                     "--interval", str(interval_s), "--source", "sim", "--scenario",
-                     str(self.dir / "scenario.toml"), "--sim-speed", str(sim_speed),
-                     "--log-level", "warning"]
+        self.argv = agent_command(
+            node, scenario=self.dir / "scenario.toml", socket=self.socket,
+            listen=f"127.0.0.1:{self.port}", interval=interval_s, collector=collector_url,
+            token_file=token, sim_speed=sim_speed, extra=("--log-level", "warning"))
         self.env = dict(os.environ)
         self.env.update(FOREWARN_AGENT_SPOOL_DIR=str(self.spool),
                         FOREWARN_AGENT_PUSH_INTERVAL_S=str(push_s), **(env or {}))
@@ -117,10 +114,9 @@ class LabAgent(_Daemon):
         self.start()
 
     def start(self) -> None:
-        log = self.dir / "agent.log"
         self.started = time.time()
-        proc = self.lab.procs.spawn(self.name, self.argv, log, self.env)
-        wait_http(self.url + "/healthz", 60, proc, log)
+        self.lab.procs.start(self.name, self.argv, self.dir / "agent.log",
+                             self.url + "/healthz", env=self.env)
 
     def findings(self) -> list[dict[str, Any]]:
         data = get_json(self.url + "/api/v1/findings")

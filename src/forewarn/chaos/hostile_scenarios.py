@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
+from forewarn.chaos.exposition import fetch, samples, total
 from forewarn.chaos.lab import Lab
 from forewarn.chaos.outcome import Outcome
 from forewarn.chaos.procs import wait_until
@@ -226,19 +226,12 @@ def _log_lines(path: Path) -> int:
 def _late_batches(rig: TelemetryRig, after_s: float) -> tuple[int, int]:
     """(batches received, batches received more than ``after_s`` after they were sealed)
     by the rig's collector so far (its ingest lag histogram)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    got = {}
-    with urllib.request.urlopen(rig.collector.url + "/metrics", timeout=5) as r:
-        text = r.read().decode()  # one scrape: the count and the bucket agree
-    for fam in text_string_to_metric_families(text):
-        for smp in fam.samples:
-            if smp.name == "forewarn_collector_ingest_lag_seconds_count" or (
-                    smp.name == "forewarn_collector_ingest_lag_seconds_bucket"
-                    and float(smp.labels.get("le", "nan")) == after_s):
-                got[smp.name.rsplit("_", 1)[1]] = int(smp.value)
-    total = got.get("count", 0)
-    return total, total - got.get("bucket", 0)
+    text = fetch(rig.collector.url + "/metrics", timeout=5)  # one scrape: the two agree
+    name = "forewarn_collector_ingest_lag_seconds"
+    total_n = int(total(text, f"{name}_count") or 0)
+    in_time = sum(value for labels, value in samples(text, f"{name}_bucket")
+                  if float(labels.get("le", "nan")) == after_s)
+    return total_n, total_n - int(in_time)
 
 
 SLOWLORIS_LATE_S = 5.0

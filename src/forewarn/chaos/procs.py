@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["Procs", "TcpProxy", "get_json", "leader_role", "log_tail", "one_leader", "readyz",
-           "scrape", "wait_http", "wait_ready", "wait_until"]
+           "stop_process", "wait_http", "wait_ready", "wait_until"]
 
 
 def get_json(url: str, timeout: float = 2.0) -> Any:
@@ -58,22 +58,6 @@ def one_leader(urls: dict[str, str], timeout: float = 30.0) -> dict[str, str] | 
 
     found: dict[str, str] | None = wait_until(roles, timeout)
     return found
-
-
-def scrape(url: str, name: str, labels: dict[str, str] | None = None,
-           timeout: float = 2.0) -> float | None:
-    """Sum of the samples named ``name`` (with these ``labels``) at a Prometheus
-    ``/metrics`` URL; None when there is none."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        text = r.read().decode()
-    total = None
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
-                total = (total or 0.0) + s.value
-    return total
 
 
 def wait_until(cond: Callable[[], Any], timeout: float, step: float = 0.1) -> Any:
@@ -126,6 +110,28 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes] | None, lo
     wait_ready(answers, timeout, proc, log, url)
 
 
+def stop_process(p: subprocess.Popen[bytes], timeout: float = 30.0, *, group: bool = True
+                 ) -> int | None:
+    """SIGTERM ``p`` (with ``group``: the process group it leads, as :class:`Procs` starts
+    them) and wait; SIGKILL after ``timeout``. Its exit code."""
+    if p.poll() is None:
+        _send(p, signal.SIGTERM, group)
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _send(p, signal.SIGKILL, group)
+            p.wait(timeout=5)
+    return p.returncode
+
+
+def _send(p: subprocess.Popen[bytes], sig: int, group: bool) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        if group:
+            os.killpg(p.pid, sig)
+        else:
+            p.send_signal(sig)
+
+
 class Procs:
     """Named daemon processes, each in its own process group."""
 
@@ -134,51 +140,47 @@ class Procs:
         self._all: list[subprocess.Popen[bytes]] = []
 
     def spawn(self, name: str, argv: list[str], log: Path,
-              env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+              env: dict[str, str] | None = None, cwd: Path | None = None
+              ) -> subprocess.Popen[bytes]:
         """Start ``argv`` (no shell) with stdout and stderr appended to ``log``."""
         with log.open("ab") as out:
-            p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+            p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd,
                                  start_new_session=True)
         self.procs[name] = p
         self._all.append(p)
         return p
 
+    def start(self, name: str, argv: list[str], log: Path, health_url: str,
+              timeout: float = 60.0, env: dict[str, str] | None = None
+              ) -> subprocess.Popen[bytes]:
+        """:meth:`spawn`, then wait until ``health_url`` answers (:func:`wait_http`)."""
+        proc = self.spawn(name, argv, log, env)
+        wait_http(health_url, timeout, proc, log)
+        return proc
+
     def kill9(self, name: str) -> float:
         """``kill -9`` the process group of ``name``; returns the time of the kill."""
         p = self.procs[name]
         t = time.time()
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGKILL)
+        _send(p, signal.SIGKILL, group=True)
         p.wait(timeout=10)
         return t
 
     def stop(self, name: str, timeout: float = 30.0) -> int | None:
         """SIGTERM ``name`` and wait (SIGKILL after ``timeout``); returns its exit code."""
-        p = self.procs[name]
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
-            try:
-                p.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=5)
-        return p.returncode
+        return stop_process(self.procs[name], timeout)
 
     def close(self) -> None:
         """End everything started here: SIGTERM, then SIGKILL after 10 s."""
         live = [p for p in self._all if p.poll() is None]
         for p in live:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGTERM)
+            _send(p, signal.SIGTERM, group=True)
         deadline = time.monotonic() + 10
         for p in live:
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGKILL)
+                _send(p, signal.SIGKILL, group=True)
                 p.wait(timeout=5)
 
 

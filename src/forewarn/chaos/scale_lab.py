@@ -11,14 +11,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from forewarn.chaos.cmdline import collector_command
 from forewarn.chaos.daemons import LabAgent
+from forewarn.chaos.exposition import scrape
 from forewarn.chaos.lab import Lab
-from forewarn.chaos.procs import get_json, leader_role, one_leader, scrape, wait_http, wait_until
+from forewarn.chaos.procs import get_json, leader_role, one_leader, wait_http, wait_until
 from forewarn.chaos.scale_account import ScaleAccount, account_scale
 from forewarn.demo import servers
 from forewarn.demo.launch import free_port
@@ -97,8 +98,7 @@ class ScaleRig:
             f'remote_write_url = "{self.vm.write_url}"\n')
 
     def start_replica(self, name: str, wait: bool = True) -> None:
-        self.lab.procs.spawn(name, [sys.executable, "-m", "forewarn", "collector", "--config",
-                                    str(self.dir / f"{name}.toml"), "run"],
+        self.lab.procs.spawn(name, collector_command(self.dir / f"{name}.toml"),
                              self.dir / f"{name}.log")
         if wait:
             self._wait_replica(name)

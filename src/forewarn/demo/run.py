@@ -11,14 +11,14 @@ import os
 import queue
 import shutil
 import signal
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from forewarn.chaos.procs import Procs, get_json, wait_http
+from forewarn.chaos.cmdline import agent_command, collector_command
+from forewarn.chaos.procs import Procs, get_json
 from forewarn.demo.launch import Node, TorchrunJob, free_port
 from forewarn.demo.report import DemoResult, summary_lines
 
@@ -144,11 +144,8 @@ class Demo:
 
     def spawn_collector(self, name: str, port: int, config: Path) -> None:
         """Start collector ``name`` and wait until it answers."""
-        log = self.dir / f"{name}.log"
-        proc = self.stack.spawn(
-            name, [sys.executable, "-m", "forewarn", "collector", "--config", str(config),
-                   "run"], log)
-        wait_http(f"http://127.0.0.1:{port}/healthz", 60, proc, log)
+        self.stack.start(name, collector_command(config), self.dir / f"{name}.log",
+                         f"http://127.0.0.1:{port}/healthz")
 
     def start_collector(self) -> None:
         port = free_port()
@@ -165,29 +162,23 @@ class Demo:
             port = free_port()
             self.agent_urls[node] = f"http://127.0.0.1:{port}"
             self.sockets[node] = str(ndir / "agent.sock")
-            argv = [sys.executable, "-m", "forewarn", "agent", "--node", node,
-                    "--listen", f"127.0.0.1:{port}", "--socket", self.sockets[node],
-                    "--no-kmsg", "--collector", self.collector_url,
-                    "--token-file", str(self.dir / f"{node}.token"), "--interval", "0.5"]
-            if i == 1 and real:
-                argv += ["--source", "nvml"]
-            else:
-                scenario = ndir / "scenario.toml"
-                if i == 2:
-                    scenario.write_text(_scenario(self.t, failing_gpu=0,
-                                                  start_file=self.storm_start))
-                else:
-                    scenario.write_text('name = "demo-node-1"\ndescription = "healthy"\n'
-                                        "gpus = 4\nseed = 3\n")
-                argv += ["--source", "sim", "--scenario", str(scenario)]
+            scenario = None if i == 1 and real else ndir / "scenario.toml"
+            if scenario is not None and i == 2:
+                scenario.write_text(_scenario(self.t, failing_gpu=0, start_file=self.storm_start))
+            elif scenario is not None:
+                scenario.write_text('name = "demo-node-1"\ndescription = "healthy"\n'
+                                    "gpus = 4\nseed = 3\n")
+            argv = agent_command(node, scenario=scenario, source="sim" if scenario else "nvml",
+                                 socket=self.sockets[node], listen=f"127.0.0.1:{port}",
+                                 interval=0.5, collector=self.collector_url,
+                                 token_file=self.dir / f"{node}.token")
             env = dict(os.environ)
             env.update(FOREWARN_AGENT_SPOOL_DIR=str(ndir / "spool"),
                        FOREWARN_AGENT_PUSH_INTERVAL_S="0.5",
                        FOREWARN_AGENT_HANG_ACTION="terminate",
                        FOREWARN_AGENT_HANG_GRACE_S="1.0", **self.agent_env)
-            log = ndir / "agent.log"
-            proc = self.stack.spawn(node, argv, log, env)
-            wait_http(self.agent_urls[node] + "/healthz", 30, proc, log)
+            self.stack.start(node, argv, ndir / "agent.log", self.agent_urls[node] + "/healthz",
+                             30, env)
         self.agents_started = time.time()
 
     def start_job(self) -> None:

@@ -8,11 +8,11 @@ import contextlib
 import dataclasses
 import os
 import secrets
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from forewarn.chaos.cmdline import collector_command
 from forewarn.chaos.procs import get_json, leader_role, one_leader, wait_http, wait_until
 from forewarn.chaos.scale_account import ScaleAccount, account_scale
 from forewarn.demo import servers
@@ -114,9 +114,8 @@ class ScaleDemo(Demo):
         ports = {name: free_port() for name in REPLICAS}
         # both start together (a replica's start takes seconds on a loaded machine)
         configs = {n: self.collector_config(n, p, extra) for n, p in ports.items()}
-        procs = {n: self.stack.spawn(n, [sys.executable, "-m", "forewarn", "collector",
-                                         "--config", str(configs[n]), "run"],
-                                     self.dir / f"{n}.log") for n in REPLICAS}
+        procs = {n: self.stack.spawn(n, collector_command(configs[n]), self.dir / f"{n}.log")
+                 for n in REPLICAS}
         for n, port in ports.items():
             self.urls[n] = f"http://127.0.0.1:{port}"
             wait_http(self.urls[n] + "/healthz", 60, procs[n], self.dir / f"{n}.log")
