@@ -133,7 +133,7 @@ def main() -> None:
                 res = json.loads(out.strip().splitlines()[-1])
                 event_t = res["event_t"]
                 t = _metric(port, "forewarn_rank_finding_timestamp_seconds",
-                            {"job": job, "rank": "0", "check": check[kind]})
+                            {"training_job": job, "rank": "0", "check": check[kind]})
                 if t is None:
                     print(f"{job}: not detected", file=sys.stderr)
                     continue
