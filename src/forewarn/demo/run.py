@@ -179,7 +179,6 @@ class Demo:
                        FOREWARN_AGENT_HANG_GRACE_S="1.0", **self.agent_env)
             self.stack.start(node, argv, ndir / "agent.log", self.agent_urls[node] + "/healthz",
                              30, env)
-        self.agents_started = time.time()
 
     def start_job(self) -> None:
         self.control = self.dir / "control"
