@@ -385,8 +385,12 @@ class BusConsumer:
             wanted, self._wanted = self._wanted, set()
             try:
                 due = set(await asyncio.to_thread(self.commands.due_nodes))
-                for node in sorted((wanted | due) & self.nodes):
-                    for command in await asyncio.to_thread(self.commands.take, node):
+                # All nodes' commands in one transaction (a decision's, for every node of
+                # its job), then published.
+                taken = await asyncio.to_thread(self.commands.take_many,
+                                                (wanted | due) & self.nodes)
+                for node, commands in sorted(taken.items()):
+                    for command in commands:
                         # A failed publish leaves it delivered-but-unacknowledged: the
                         # queue makes it due again after command_redeliver_s.
                         await js.publish(bus.subject(bus.COMMAND_PREFIX, node),
