@@ -284,6 +284,9 @@ class BusConsumer:
         window = TimeWindow(self.clock(), c.ingest_max_age_s, c.ingest_max_future_s)
         queued: list[tuple[Msg, AgentBatch, asyncio.Future[IngestResult]]] = []
         for msg in msgs:
+            # A turn for the other tasks between batches: decoding a whole fetched group
+            # at once kept the urgent lane's batch waiting behind it.
+            await asyncio.sleep(0)
             try:
                 node = self._node(msg)
                 if len(msg.data) > c.max_body_bytes:

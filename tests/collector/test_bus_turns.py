@@ -1,0 +1,142 @@
+"""The bus tasks share the collector's event loop: a task working through a large fetched
+group of telemetry batches gives the others (the urgent lane's) a turn between batches
+instead of decoding the whole group at once (issue 16). A real nats-server; the real
+bus consumer, ingest writer and the leader's decide feed; order of events only."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+
+import nats
+import pytest
+from nats.js import JetStreamContext
+from prometheus_client import CollectorRegistry
+
+from forewarn import bus
+from forewarn.collector.config import CollectorConfig
+from forewarn.collector.ingest.batch import IngestWriter
+from forewarn.collector.ingest.bus import BusConsumer, stream_configs
+from forewarn.collector.ingest.bus_decide import decide_feeds
+from forewarn.collector.metrics import CollectorMetrics
+from forewarn.collector.storage.commands import CommandQueue
+from forewarn.collector.storage.leader import SoleLeader
+from forewarn.collector.storage.store import Store
+from forewarn.wire import AgentBatch, GpuSample, encode
+
+from support.nats_server import NatsServer, start_server
+
+GROUP = 64
+NODE = "gpu.a"
+
+
+@pytest.fixture
+def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
+    server = start_server(tmp_path / "nats")
+    yield server
+    server.stop()
+
+
+def config(tmp: Path, url: str) -> CollectorConfig:
+    return CollectorConfig(data_dir=tmp / "collector", tokens_file=tmp / "none.toml",
+                           bus_url=url, bus_fetch_max=GROUP)
+
+
+async def publish_group(js: JetStreamContext, cfg: CollectorConfig) -> None:
+    """The streams, and ``GROUP`` telemetry batches of one node in them."""
+    for stream in stream_configs(cfg):
+        await js.add_stream(stream)
+    now = time.time()
+    for seq in range(GROUP):
+        batch = AgentBatch(node=NODE, agent_id=NODE, seq=seq, created=now,
+                           samples=[GpuSample(node=NODE, gpu=g, time=now, source="sim",
+                                              simulated=True, temperature_c=50.0)
+                                    for g in range(8)])
+        await js.publish(bus.subject(bus.BATCH_PREFIX, NODE), encode(batch))
+
+
+def watched(url: str, cfg: CollectorConfig,
+            work: Callable[[JetStreamContext], Awaitable[None]],
+            progress: Callable[[], int]) -> set[int]:
+    """With ``GROUP`` batches in the stream, run ``work(js)`` beside another task that
+    notes ``progress()`` at each of its turns; returns what it noted."""
+    seen: set[int] = set()
+
+    async def scenario() -> None:
+        nc = await nats.connect(url)
+        done = asyncio.Event()
+
+        async def other_task() -> None:
+            while not done.is_set():
+                seen.add(progress())
+                await asyncio.sleep(0)
+
+        try:
+            js = nc.jetstream()
+            await publish_group(js, cfg)
+            other = asyncio.create_task(other_task())
+            try:
+                await work(js)
+            finally:
+                done.set()
+                await other
+        finally:
+            await nc.close()
+
+    asyncio.run(scenario())
+    return seen
+
+
+@pytest.mark.system
+def test_the_ingest_task_gives_other_tasks_a_turn_within_a_fetched_group(
+        tmp_path: Path, nats_server: NatsServer) -> None:
+    cfg = config(tmp_path, nats_server.url)
+    store = Store(cfg.db_path)
+    metrics = CollectorMetrics()
+    writer = IngestWriter(store, metrics)  # started once the group is queued
+    consumer = BusConsumer(cfg, writer, metrics, CommandQueue(store, metrics),
+                           on_ack=lambda ack, node: "unknown")
+
+    async def ingest_group(js: JetStreamContext) -> None:
+        sub = await js.pull_subscribe(f"{bus.BATCH_PREFIX}.*", durable="test",
+                                      stream=bus.BATCH_STREAM)
+        msgs = await sub.fetch(GROUP, timeout=10)
+        assert len(msgs) == GROUP
+        ingest = asyncio.create_task(consumer.ingest(msgs))
+        while writer.queued < GROUP:
+            await asyncio.sleep(0)
+        writer.start()
+        await ingest
+
+    try:
+        seen = watched(nats_server.url, cfg, ingest_group, lambda: writer.queued)
+    finally:
+        writer.stop()
+        store.close()
+    # The other task ran while the group was being queued, not only before and after.
+    assert seen & set(range(1, GROUP)), sorted(seen)
+
+
+@pytest.mark.system
+def test_the_leaders_telemetry_lane_gives_other_tasks_a_turn_within_a_fetched_group(
+        tmp_path: Path, nats_server: NatsServer) -> None:
+    cfg = config(tmp_path, nats_server.url)
+    store = Store(cfg.db_path)
+
+    async def deliver(_batches: list[AgentBatch], _urgent: bool) -> None:
+        raise AssertionError("nothing was stored: nothing is handed to the policy")
+
+    feed = decide_feeds(cfg, store, SoleLeader(), deliver, CollectorRegistry())[0]
+    assert not feed.lane.urgent
+
+    async def hold_group(js: JetStreamContext) -> None:
+        while feed.status()["waiting"] < GROUP:  # not stored: they wait for their ingest
+            await feed.step(js)
+
+    try:
+        seen = watched(nats_server.url, cfg, hold_group, lambda: feed.status()["waiting"])
+    finally:
+        store.close()
+    assert seen & set(range(1, GROUP)), sorted(seen)
