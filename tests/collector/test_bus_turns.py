@@ -90,33 +90,43 @@ def watched(url: str, cfg: CollectorConfig,
 
 
 @pytest.mark.system
-def test_the_ingest_task_gives_other_tasks_a_turn_within_a_fetched_group(
+def test_an_urgent_batch_is_queued_before_a_large_fetched_group_is_decoded(
         tmp_path: Path, nats_server: NatsServer) -> None:
+    """The telemetry task checks its group a batch at a time, giving the urgent lane's
+    task a turn: the urgent batch reaches the writer first. The group still reaches the
+    writer at once (one group commit, not one fsync per batch)."""
     cfg = config(tmp_path, nats_server.url)
     store = Store(cfg.db_path)
     metrics = CollectorMetrics()
-    writer = IngestWriter(store, metrics)  # started once the group is queued
+    writer = IngestWriter(store, metrics)  # started once everything is queued
     consumer = BusConsumer(cfg, writer, metrics, CommandQueue(store, metrics),
                            on_ack=lambda ack, node: "unknown")
 
-    async def ingest_group(js: JetStreamContext) -> None:
-        sub = await js.pull_subscribe(f"{bus.BATCH_PREFIX}.*", durable="test",
-                                      stream=bus.BATCH_STREAM)
-        msgs = await sub.fetch(GROUP, timeout=10)
-        assert len(msgs) == GROUP
-        ingest = asyncio.create_task(consumer.ingest(msgs))
-        while writer.queued < GROUP:
+    async def ingest_both(js: JetStreamContext) -> None:
+        now = time.time()
+        urgent = AgentBatch(node=NODE, agent_id=NODE, seq=GROUP, created=now, urgent=True,
+                            checkpoints=[])
+        await js.publish(bus.subject(bus.URGENT_PREFIX, NODE), encode(urgent))
+        lanes = [await js.pull_subscribe(f"{prefix}.*", durable=f"test-{n}",
+                                         stream=bus.BATCH_STREAM)
+                 for n, prefix in enumerate((bus.BATCH_PREFIX, bus.URGENT_PREFIX))]
+        group, one = [await sub.fetch(n, timeout=10) for sub, n in zip(lanes, (GROUP, 1),
+                                                                       strict=True)]
+        assert (len(group), len(one)) == (GROUP, 1)
+        # The telemetry task takes its turn first, as when its fetch came in first.
+        tasks = [asyncio.create_task(consumer.ingest(m)) for m in (group, one)]
+        while writer.queued < GROUP + 1:
             await asyncio.sleep(0)
         writer.start()
-        await ingest
+        await asyncio.gather(*tasks)
 
     try:
-        seen = watched(nats_server.url, cfg, ingest_group, lambda: writer.queued)
+        seen = watched(nats_server.url, cfg, ingest_both, lambda: writer.queued)
     finally:
         writer.stop()
         store.close()
-    # The other task ran while the group was being queued, not only before and after.
-    assert seen & set(range(1, GROUP)), sorted(seen)
+    assert 1 in seen, f"the urgent batch was not queued alone first: {sorted(seen)}"
+    assert not seen & set(range(2, GROUP + 1)), f"the group came piecemeal: {sorted(seen)}"
 
 
 @pytest.mark.system
