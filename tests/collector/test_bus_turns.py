@@ -10,6 +10,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
+import msgspec
 import nats
 import pytest
 from nats.js import JetStreamContext
@@ -17,6 +18,7 @@ from prometheus_client import CollectorRegistry
 
 from forewarn import bus
 from forewarn.collector.config import CollectorConfig
+from forewarn.collector.decide.policy_thread import PolicyThread
 from forewarn.collector.ingest.batch import IngestWriter
 from forewarn.collector.ingest.bus import BusConsumer, stream_configs
 from forewarn.collector.ingest.bus_decide import decide_feeds
@@ -150,3 +152,46 @@ def test_the_leaders_telemetry_lane_gives_other_tasks_a_turn_within_a_fetched_gr
     finally:
         store.close()
     assert seen & set(range(1, GROUP)), sorted(seen)
+
+
+@pytest.mark.system
+def test_urgent_policy_work_runs_before_the_rest_of_a_large_telemetry_group(
+        tmp_path: Path, nats_server: NatsServer) -> None:
+    """The leader's telemetry lane hands a large stored group to the policy thread in
+    parts: urgent work that arrives while the policy runs the first part goes before the
+    rest, not after the whole group."""
+    cfg = config(tmp_path, nats_server.url)
+    store = Store(cfg.db_path)
+    writer = IngestWriter(store, CollectorMetrics())
+    writer.start()
+    pool = PolicyThread()
+    ran: list[str] = []
+
+    def on_batches(batches: list[AgentBatch]) -> None:  # on the policy thread
+        if not ran:
+            pool.submit_urgent(ran.append, "urgent")  # a fatal finding comes in
+        ran.extend(f"telemetry {b.seq}" for b in batches)
+
+    async def deliver(batches: list[AgentBatch], urgent: bool) -> None:
+        assert not urgent
+        await asyncio.wrap_future(pool.submit(on_batches, batches))
+
+    feed = decide_feeds(cfg, store, SoleLeader(), deliver, CollectorRegistry())[0]
+
+    async def feed_group(js: JetStreamContext) -> None:
+        sub = await js.pull_subscribe(f"{bus.BATCH_PREFIX}.*", durable="ingest",
+                                      stream=bus.BATCH_STREAM)
+        msgs = await sub.fetch(GROUP, timeout=10)
+        for m in msgs:  # stored first: the feed hands on only what ingest stored
+            b = msgspec.msgpack.decode(m.data, type=AgentBatch)
+            await asyncio.wrap_future(writer.submit(b, m.data))
+        while len(ran) < GROUP + 1:
+            await feed.step(js)
+
+    try:
+        watched(nats_server.url, cfg, feed_group, lambda: 0)
+    finally:
+        pool.shutdown()
+        writer.stop()
+        store.close()
+    assert ran.index("urgent") < GROUP, f"urgent work ran after all {GROUP} batches"
