@@ -17,7 +17,17 @@ finding (what an agent sends on a fatal XID), on the urgent lane
 job has received the order (the agent -> rank leg is a local datagram: ``bench/hook_step.py``).
 Reported: p50/p99/max, the GPU-samples/s the collector stored meanwhile against what was
 offered, its stream backlog (batches published and not yet taken: the rate is sustained
-when it stays flat), the collector's and nats-server's CPU.
+when it stays flat), the collector's, nats-server's and the generator's CPU, and per trial
+where the time went from the collector's own records (``stages``: seconds after the
+finding until the urgent batch was handed to the writer, the order's rows were queued
+first and last, and last taken by the bus publisher; the rest is nats-server and the
+bench's pull).
+
+The generator is split so that it does not measure itself: ``--publishers`` processes
+(this script with ``--publish``) publish the telemetry of the nodes outside the jobs, each
+a slice of them; this process publishes the job nodes' batches (with their ranks), pulls
+their commands and runs the trials, so the order is seen as it arrives, not behind 500
+publishes a second on one event loop.
 
     python bench/order_latency_bus.py --nodes 2500 --trials 100
 """
@@ -27,7 +37,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
+import signal
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -59,6 +72,8 @@ from collector_ingest import cpu_seconds, free_port, make_samples
 from order_latency import BENCH_POLICY, summary
 
 ENCODER = msgspec.msgpack.Encoder()
+TRIAL_LIMIT_S = 60.0
+"""A trial whose order has not reached every node by then counts as this long."""
 
 
 class Node:
@@ -180,7 +195,18 @@ def jobs_of(nodes: list[Node], jobs: int, job_nodes: int) -> dict[str, list[Node
     return out
 
 
-async def trial(js: JetStreamContext, jobs: dict[str, list[Node]], n: int) -> float:
+class Trial(msgspec.Struct):
+    """One trial: when the finding was made (Unix time), by which node, in which batch,
+    to which job's nodes, and the latency measured."""
+
+    made: float
+    node: str
+    seq: int
+    nodes: list[str]
+    latency: float = 0.0
+
+
+async def trial(js: JetStreamContext, jobs: dict[str, list[Node]], n: int) -> Trial:
     """One fatal finding from an agent; seconds until every node of its job has the order."""
     job = sorted(jobs)[n % len(jobs)]
     members = jobs[job]
@@ -190,15 +216,66 @@ async def trial(js: JetStreamContext, jobs: dict[str, list[Node]], n: int) -> fl
                       action=SuggestedAction.RESET_GPU, time=time.time(),
                       subject=Subject(kind="gpu", node=reporter.name, gpu=n % 8),
                       reason=f"bench trial {n}")
+    out = Trial(made=finding.time, node=reporter.name, seq=reporter.seq,
+                nodes=[m.name for m in members])
     t0 = time.perf_counter()
-    await reporter.publish(js, findings=[finding])
-    done = await asyncio.wait_for(asyncio.gather(*waits), 60)
+    await reporter.publish(js, findings=[finding])  # takes reporter.seq before awaiting
+    try:
+        out.latency = max(await asyncio.wait_for(asyncio.gather(*waits), TRIAL_LIMIT_S)) - t0
+    except TimeoutError:  # counted at the limit (a lower bound), the run goes on
+        out.latency = TRIAL_LIMIT_S
+        print(f"trial {n}: no order within {TRIAL_LIMIT_S:g} s", file=sys.stderr, flush=True)
     for m in members:
         m.waiters.clear()
     # The GPU comes back: its incident ends, so a later trial on it orders again.
     await reporter.publish(js, findings=[msgspec.structs.replace(
         finding, health=Health.HEALTHY, action=SuggestedAction.NONE, time=time.time())])
-    return max(done) - t0
+    return out
+
+
+async def stream_seq(js: JetStreamContext) -> int:
+    """The batch stream's last sequence number: batches published so far."""
+    return int((await js.stream_info(bus.BATCH_STREAM)).state.last_seq)
+
+
+def start_publishers(url: str, args: argparse.Namespace) -> list[subprocess.Popen[bytes]]:
+    """``--publishers`` processes publishing the telemetry of the nodes outside the jobs."""
+    common = [f"--nodes={args.nodes}", f"--gpus={args.gpus}",
+              f"--push-interval={args.push_interval}", f"--jobs={args.jobs}",
+              f"--job-nodes={args.job_nodes}"]
+    return [subprocess.Popen([sys.executable, __file__, "--publish", url,
+                              f"--slice={i}/{args.publishers}", *common],
+                             stdout=subprocess.PIPE)
+            for i in range(args.publishers)]
+
+
+def stop_publishers(procs: list[subprocess.Popen[bytes]]) -> float:
+    """Stop them; returns how far behind schedule the furthest fell (seconds)."""
+    for p in procs:
+        p.send_signal(signal.SIGTERM)
+    late = 0.0
+    for p in procs:
+        out, _ = p.communicate(timeout=60)
+        late = max(late, float(json.loads(out.decode().strip().splitlines()[-1])["late"]))
+    return late
+
+
+async def publish_slice(url: str, args: argparse.Namespace) -> None:
+    """``--publish``: publish this slice's telemetry until SIGTERM; print how late it got."""
+    index, count = (int(x) for x in args.slice.split("/"))
+    nodes = [Node(f"n{i:05d}", args.gpus, args.push_interval)
+             for i in range(args.jobs * args.job_nodes, args.nodes)][index::count]
+    nc = await nats.connect(url)
+    load = Load(nc.jetstream(timeout=30), nodes, args.push_interval)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, load.stop.set)
+    await load.run()
+    await nc.close()
+    print(json.dumps({"late": load.late, "published": load.published}), flush=True)
+
+
+def own_cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
 
 
 async def drive(url: str, procs: dict[str, int], args: argparse.Namespace) -> dict[str, Any]:
@@ -206,47 +283,87 @@ async def drive(url: str, procs: dict[str, int], args: argparse.Namespace) -> di
     js = nc.jetstream(timeout=30)
     await wait_consumer(js, 180)
     print("collector consuming; load starts", file=sys.stderr, flush=True)
-    nodes = [Node(f"n{i:05d}", args.gpus, args.push_interval) for i in range(args.nodes)]
+    nodes = [Node(f"n{i:05d}", args.gpus, args.push_interval)
+             for i in range(args.jobs * args.job_nodes)]
     jobs = jobs_of(nodes, args.jobs, args.job_nodes)
+    publishers = start_publishers(url, args)
+    gen_pids = [p.pid for p in publishers]
+
+    def cpu() -> dict[str, float]:
+        out = {k: cpu_seconds(p) for k, p in procs.items()}
+        out["generator"] = own_cpu_seconds() + sum(cpu_seconds(p) for p in gen_pids)
+        return out
+
     stop = asyncio.Event()
     pullers = [asyncio.create_task(m.commands(js, stop)) for ms in jobs.values() for m in ms]
     load = Load(js, nodes, args.push_interval)
     gen = asyncio.create_task(load.run())
-    await asyncio.sleep(args.warmup)
-    acked0, cpu0, t0 = (await backlog(js))[0], {k: cpu_seconds(p) for k, p in procs.items()}, \
-        time.perf_counter()
-    pub0, samples0 = load.published, load.samples
-    backlogs = []
-    latencies = []
-    print("trials start", file=sys.stderr, flush=True)
-    for n in range(args.trials):
-        latencies.append(await trial(js, jobs, n))
-        print(f"trial {n}: {latencies[-1]:.3f} s", file=sys.stderr, flush=True)
-        backlogs.append((await backlog(js))[1])
-        await asyncio.sleep(args.gap)
-    acked1, t1 = (await backlog(js))[0], time.perf_counter()
-    cpu1 = {k: cpu_seconds(p) for k, p in procs.items()}
-    pub1, samples1 = load.published, load.samples
+    try:
+        await asyncio.sleep(args.warmup)
+        acked0, seq0, cpu0, t0 = (await backlog(js))[0], await stream_seq(js), cpu(), \
+            time.perf_counter()
+        backlogs = []
+        results: list[Trial] = []
+        print("trials start", file=sys.stderr, flush=True)
+        for n in range(args.trials):
+            results.append(await trial(js, jobs, n))
+            print(f"trial {n}: {results[-1].latency:.3f} s", file=sys.stderr, flush=True)
+            backlogs.append((await backlog(js))[1])
+            await asyncio.sleep(args.gap)
+        acked1, seq1, t1, cpu1 = (await backlog(js))[0], await stream_seq(js), \
+            time.perf_counter(), cpu()
+    finally:
+        late = stop_publishers(publishers)
     load.stop.set()
     stop.set()
     await gen
     await asyncio.gather(*pullers, return_exceptions=True)
     await nc.close()
     secs = t1 - t0
-    per_batch = (samples1 - samples0) / max(1, pub1 - pub0)
+    per_batch = args.gpus * round(args.push_interval)
     return {
         "gpus": args.nodes * args.gpus, "nodes": args.nodes, "job_nodes": args.job_nodes,
-        **summary(latencies),
+        "publishers": args.publishers,
+        **summary([r.latency for r in results]),
+        "trials_at_limit": sum(r.latency >= TRIAL_LIMIT_S for r in results),
         "offered_gpu_samples_per_s": args.nodes * args.gpus,
-        "published_gpu_samples_per_s": (samples1 - samples0) / secs,
+        "published_gpu_samples_per_s": (seq1 - seq0) * per_batch / secs,
         "stored_gpu_samples_per_s": (acked1 - acked0) * per_batch / secs,
         "backlog_batches_first": backlogs[0], "backlog_batches_last": backlogs[-1],
         "backlog_batches_max": max(backlogs),
-        "generator_behind_s": load.late,
+        "generator_behind_s": max(late, load.late),
         "batch_bytes": load.bytes / max(1, load.published),
-        "bytes_per_gpu_per_s": load.bytes / max(1, load.samples),
-        **{f"{k}_cpu_pct": 100 * (cpu1[k] - cpu0[k]) / secs for k in procs},
+        **{f"{k}_cpu_pct": 100 * (cpu1[k] - cpu0[k]) / secs for k in cpu1},
+        "load_average": os.getloadavg()[0],
+        "trials_detail": results,
     }
+
+
+def stages(db: Path, trials: list[Trial]) -> list[dict[str, Any]]:
+    """Per trial, from the collector's records, seconds after the finding: the urgent batch
+    handed to the writer, the order's rows queued (first, last), last taken by the
+    publisher; and the bench's latency (until the last node pulled it)."""
+    conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    out = []
+    ends = [t.made for t in trials[1:]] + [float("inf")]
+    for t, end in zip(trials, ends, strict=True):
+        received = conn.execute("SELECT received FROM batches WHERE agent_id = ? AND seq = ?",
+                                (t.node, t.seq)).fetchone()
+        marks = ", ".join("?" * len(t.nodes))
+        queued = conn.execute(
+            "SELECT MIN(created), MAX(created), MAX(delivered_at) FROM commands WHERE"
+            f" kind = 'checkpoint' AND node IN ({marks}) AND created >= ? AND created < ?",
+            (*t.nodes, t.made, end)).fetchone()
+        out.append({"writer": _after(received[0] if received else None, t.made),
+                    "queued_first": _after(queued[0], t.made),
+                    "queued_last": _after(queued[1], t.made),
+                    "taken_last": _after(queued[2], t.made), "latency": round(t.latency, 3)})
+    conn.close()
+    return out
+
+
+def _after(when: float | None, made: float) -> float | None:
+    return None if when is None else round(when - made, 3)
 
 
 def main() -> int:
@@ -259,7 +376,14 @@ def main() -> int:
     ap.add_argument("--trials", type=int, default=100)
     ap.add_argument("--gap", type=float, default=0.3, help="seconds between trials")
     ap.add_argument("--warmup", type=float, default=30.0)
+    ap.add_argument("--publishers", type=int, default=2,
+                    help="processes publishing the telemetry of the nodes outside the jobs")
+    ap.add_argument("--publish", metavar="NATS_URL", help=argparse.SUPPRESS)
+    ap.add_argument("--slice", default="0/1", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.publish:
+        asyncio.run(publish_slice(args.publish, args))
+        return 0
     tmp = Path(tempfile.mkdtemp(prefix="fw-order-bus-"))
     nats_proc, url = start_nats(tmp)
     (tmp / "collector.toml").write_text(
@@ -271,14 +395,19 @@ def main() -> int:
     try:
         result = asyncio.run(drive(url, {"collector": collector.pid, "nats": nats_proc.pid},
                                    args))
+        collector.terminate()
+        collector.wait(60)
+        result["stages"] = stages(tmp / "data" / "collector.db", result.pop("trials_detail"))
     finally:
         collector.terminate()
         collector.wait(60)
         nats_proc.terminate()
         nats_proc.wait(30)
         shutil.rmtree(tmp, ignore_errors=True)
+    slowest = max(result["stages"], key=lambda st: st["latency"])
     print(json.dumps({k: round(v, 1) if isinstance(v, float) else v
-                      for k, v in result.items()}))
+                      for k, v in result.items() if k != "stages"}))
+    print(json.dumps({"slowest_trial": slowest, "stages": result["stages"]}))
     return 0
 
 

@@ -439,6 +439,13 @@ def accept_batch(writer: IngestWriter, metrics: CollectorMetrics, body: bytes, *
     :class:`IngestError` for a batch refused whole (count it with
     :func:`.validate.count_rejection`)."""
     checked = check_batch(body, node=node, max_items=max_items, window=window)
+    return checked, submit_checked(writer, metrics, checked, address=address)
+
+
+def submit_checked(writer: IngestWriter, metrics: CollectorMetrics, checked: CheckedBatch,
+                   *, address: str = "") -> concurrent.futures.Future[IngestResult]:
+    """The second half of :func:`accept_batch`, for a batch :func:`check_batch` passed:
+    count the records left out, queue the rest for ``writer``."""
     count_refusals(metrics, checked)
-    return checked, writer.submit(checked.batch, checked.body, address=address)
+    return writer.submit(checked.batch, checked.body, address=address)
 

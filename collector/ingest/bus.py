@@ -8,11 +8,11 @@ collectors' durable pull consumers, then runs its tasks on the app's event loop:
 * **Batches.** Every replica pulls from the ONE durable consumer
   :data:`~forewarn.bus.BATCH_CONSUMER`, so each batch goes to one replica; the urgent
   lane likewise from :data:`~forewarn.bus.URGENT_CONSUMER`, in a task of its own (its
-  batches also go first in the writer's queue). A batch goes
-  through the HTTP route's path (:func:`~.batch.accept_batch`: the same checks, record
-  refusals and counts, the same writer and group commit) with the node named by its
-  subject, which nats-server's permissions bind to that node's user. The message is
-  acknowledged only after the batch is durable (or found a duplicate: the store keys
+  batches also go first in the writer's queue). A batch goes through the HTTP route's
+  path (:func:`~.batch.accept_batch`'s two halves: the same checks, record refusals and
+  counts, the same writer and group commit) with the node named by its subject, which
+  nats-server's permissions bind to that node's user. The message is acknowledged only
+  after the batch is durable (or found a duplicate: the store keys
   batches by ``(agent_id, seq)``, so a batch redelivered after a replica died between
   its commit and its ack is stored once) and, with ``remote_write_url``, after its GPU
   samples are in the series store (:meth:`RemoteWriter.written`; meanwhile the message's
@@ -72,9 +72,9 @@ from ..config import CollectorConfig, bus_password
 from ..metrics import CollectorMetrics
 from ..storage.commands import CommandQueue
 from ..storage.remote_write import RemoteWriter
-from .batch import IngestResult, IngestWriter, accept_batch
+from .batch import IngestResult, IngestWriter, submit_checked
 from .bus_decide import DecideFeed
-from .validate import IngestError, TimeWindow, count_rejection
+from .validate import CheckedBatch, IngestError, TimeWindow, check_batch, count_rejection
 
 __all__ = ["BusConsumer", "BusError"]
 
@@ -279,25 +279,35 @@ class BusConsumer:
 
     async def ingest(self, msgs: list[Msg]) -> None:
         """Store a fetched group of batches (one group commit), then acknowledge each
-        (with a series store: once their samples are in it, :meth:`_ack_when_written`)."""
+        (with a series store: once their samples are in it, :meth:`_ack_when_written`).
+        Checked one at a time, each a turn on the event loop; queued to the writer together."""
         c = self.config
         window = TimeWindow(self.clock(), c.ingest_max_age_s, c.ingest_max_future_s)
-        queued: list[tuple[Msg, AgentBatch, asyncio.Future[IngestResult]]] = []
+        checked: list[tuple[Msg, str, CheckedBatch]] = []
         for msg in msgs:
+            # A turn for the other tasks (the urgent lane's) between batches: decoding a
+            # whole fetched group at once kept an urgent batch waiting behind it.
+            await asyncio.sleep(0)
             try:
                 node = self._node(msg)
                 if len(msg.data) > c.max_body_bytes:
                     raise IngestError(413, "too_large", f"batch of {len(msg.data)} bytes"
                                       f" exceeds the limit of {c.max_body_bytes} bytes")
-                checked, stored = accept_batch(self.writer, self.metrics, msg.data,
-                                               node=node, window=window,
-                                               max_items=c.max_batch_items,
-                                               address=bus.BUS_ADDRESS)
+                checked.append((msg, node, check_batch(msg.data, node=node, window=window,
+                                                       max_items=c.max_batch_items)))
             except IngestError as exc:
+                await self._not_stored(msg, exc)
+        # Queued together, so that the writer commits them as one group (queued one by one
+        # between the turns above, each could become a group commit, an fsync, of its own).
+        queued: list[tuple[Msg, AgentBatch, asyncio.Future[IngestResult]]] = []
+        for msg, node, ok in checked:
+            try:
+                stored = submit_checked(self.writer, self.metrics, ok, address=bus.BUS_ADDRESS)
+            except IngestError as exc:  # the writer is stopping
                 await self._not_stored(msg, exc)
                 continue
             self.nodes.add(node)
-            queued.append((msg, checked.batch, asyncio.wrap_future(stored)))
+            queued.append((msg, ok.batch, asyncio.wrap_future(stored)))
         results = await asyncio.gather(*(f for _m, _s, f in queued), return_exceptions=True)
         held = []
         for (msg, batch, _f), result in zip(queued, results, strict=True):
@@ -385,8 +395,12 @@ class BusConsumer:
             wanted, self._wanted = self._wanted, set()
             try:
                 due = set(await asyncio.to_thread(self.commands.due_nodes))
-                for node in sorted((wanted | due) & self.nodes):
-                    for command in await asyncio.to_thread(self.commands.take, node):
+                # All nodes' commands in one transaction (a decision's, for every node of
+                # its job), then published.
+                taken = await asyncio.to_thread(self.commands.take_many,
+                                                (wanted | due) & self.nodes)
+                for node, commands in sorted(taken.items()):
+                    for command in commands:
                         # A failed publish leaves it delivered-but-unacknowledged: the
                         # queue makes it due again after command_redeliver_s.
                         await js.publish(bus.subject(bus.COMMAND_PREFIX, node),

@@ -76,25 +76,38 @@ class CommandQueue:
 
     def enqueue(self, node: str, command: Command) -> bool:
         """Queue ``command`` for ``node``; False when a command with that id already exists."""
-        now = self.clock()
-        with self.store.write() as conn:
-            cur = conn.execute(
-                "INSERT OR IGNORE INTO commands (id, node, kind, body, created, expires)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                (command.id, node, command.kind, encode(command), now, now + self.ttl_s),
-            )
-            added = cur.rowcount == 1
-        if added:
-            self.metrics.commands.labels(command.kind, "queued").inc()
-            self._refresh_pending()
-            self._wake(node)
-            if self.on_enqueue is not None:
-                self.on_enqueue(node)
-        return added
+        return bool(self._insert([NodeCommand(node=node, command=command)]))
 
     def enqueue_many(self, items: Iterable[NodeCommand]) -> int:
-        """Queue several commands; returns how many were new."""
-        return sum(self.enqueue(item.node, item.command) for item in items)
+        """Queue several commands in one transaction; returns how many were new."""
+        return len(self._insert(list(items)))
+
+    def _insert(self, items: list[NodeCommand]) -> list[NodeCommand]:
+        """Queue ``items`` in ONE transaction (one turn at the store's write lock for a
+        whole decision, and a publisher woken for the first node finds them all); returns
+        those that were new."""
+        if not items:
+            return []
+        now = self.clock()
+        added = []
+        with self.store.write() as conn:
+            for item in items:
+                c = item.command
+                cur = conn.execute(
+                    "INSERT OR IGNORE INTO commands (id, node, kind, body, created, expires)"
+                    " VALUES (?, ?, ?, ?, ?, ?)",
+                    (c.id, item.node, c.kind, encode(c), now, now + self.ttl_s))
+                if cur.rowcount == 1:
+                    added.append(item)
+        if added:
+            for item in added:
+                self.metrics.commands.labels(item.command.kind, "queued").inc()
+            self._refresh_pending()
+            for node in dict.fromkeys(item.node for item in added):
+                self._wake(node)
+                if self.on_enqueue is not None:
+                    self.on_enqueue(node)
+        return added
 
     def order_checkpoint(self, nodes: Iterable[str], order: CheckpointOrder) -> list[NodeCommand]:
         """Send ``order`` to every node in ``nodes`` (one command each, id
@@ -108,12 +121,10 @@ class CommandQueue:
 
     def _to_nodes(self, nodes: Iterable[str], request_id: str, issued: float, kind: str,
                   **payload: Any) -> list[NodeCommand]:
-        out = []
-        for node in sorted(set(nodes)):
-            cmd = Command(id=f"{request_id}@{node}"[:128], kind=kind, issued=issued, **payload)
-            if self.enqueue(node, cmd):
-                out.append(NodeCommand(node=node, command=cmd))
-        return out
+        return self._insert([
+            NodeCommand(node=node, command=Command(id=f"{request_id}@{node}"[:128], kind=kind,
+                                                   issued=issued, **payload))
+            for node in sorted(set(nodes))])
 
     def _wake(self, node: str) -> None:
         loop = self._loop
@@ -140,30 +151,38 @@ class CommandQueue:
 
     def take(self, node: str) -> list[Command]:
         """Commands due for delivery to ``node`` now; marks them delivered."""
+        return self.take_many([node]).get(node, [])
+
+    def take_many(self, nodes: Iterable[str]) -> dict[str, list[Command]]:
+        """Commands due for delivery now to each of ``nodes`` (those with none left out),
+        marked delivered in ONE transaction: the bus publisher takes a decision's commands
+        for all its nodes in one turn at the store's write lock."""
         now = self.clock()
+        wanted = sorted(set(nodes))
+        due_where = ("acked_at IS NULL AND expires > ?"
+                     " AND (delivered_at IS NULL OR delivered_at < ?)")
         # Most polls find nothing: ask the read connection first, so an idle fleet's long
         # polls never take the write lock (nor cost an fsync).
-        due = self.store.scalar(
-            "SELECT 1 FROM commands WHERE node = ? AND acked_at IS NULL AND expires > ?"
-            " AND (delivered_at IS NULL OR delivered_at < ?) LIMIT 1",
-            (node, now, now - self.redeliver_s))
-        if due is None:
-            return []
+        due = [n for n in wanted if self.store.scalar(
+            f"SELECT 1 FROM commands WHERE node = ? AND {due_where} LIMIT 1",
+            (n, now, now - self.redeliver_s)) is not None]
+        if not due:
+            return {}
+        out: dict[str, list[Command]] = {}
         with self.store.write() as conn:
-            rows = conn.execute(
-                "SELECT id, body FROM commands WHERE node = ? AND acked_at IS NULL"
-                " AND expires > ? AND (delivered_at IS NULL OR delivered_at < ?)"
-                " ORDER BY created, id",
-                (node, now, now - self.redeliver_s),
-            ).fetchall()
-            if rows:
-                conn.executemany(
-                    "UPDATE commands SET delivered_at = ?, deliveries = deliveries + 1"
-                    " WHERE id = ?", [(now, r["id"]) for r in rows])
-        commands = [decode(bytes(r["body"]), Command) for r in rows]
-        for c in commands:
-            self.metrics.commands.labels(c.kind, "delivered").inc()
-        return commands
+            for node in due:
+                rows = conn.execute(
+                    f"SELECT id, body FROM commands WHERE node = ? AND {due_where}"
+                    " ORDER BY created, id", (node, now, now - self.redeliver_s)).fetchall()
+                if rows:
+                    conn.executemany(
+                        "UPDATE commands SET delivered_at = ?, deliveries = deliveries + 1"
+                        " WHERE id = ?", [(now, r["id"]) for r in rows])
+                    out[node] = [decode(bytes(r["body"]), Command) for r in rows]
+        for commands in out.values():
+            for c in commands:
+                self.metrics.commands.labels(c.kind, "delivered").inc()
+        return out
 
     async def poll(self, node: str, wait_s: float) -> list[Command]:
         """Long poll: return as soon as ``node`` has commands, or ``[]`` after ``wait_s``."""

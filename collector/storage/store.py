@@ -8,8 +8,11 @@ Parquet files that hold compacted samples; see :mod:`forewarn.collector.storage.
 
 Concurrency: one write connection behind a lock (every write is one transaction, see
 :meth:`Store.write`), and one read connection per thread (WAL lets reads run beside the
-writer). Schema changes are appended to :data:`MIGRATIONS`; ``PRAGMA user_version`` says
-how many have run.
+writer). The lock is first come, first served: the ingest writer commits one group after
+another under load, and a short transaction that waits (a decision's commands, the bus
+publisher taking them) goes in before its next group instead of racing it for the lock.
+Schema changes are appended to :data:`MIGRATIONS`; ``PRAGMA user_version`` says how many
+have run.
 """
 
 from __future__ import annotations
@@ -169,6 +172,51 @@ _PRUNE: tuple[tuple[str, str], ...] = (
 )
 """What :meth:`Store.prune` deletes: table, and which of its rows are older than ``:before``."""
 
+class _FifoLock:
+    """A reentrant lock granted in the order it was asked for. ``threading.RLock`` lets a
+    thread that releases and asks again at once (the ingest writer between group commits)
+    take it back before a waiter that was woken gets to run on a busy machine."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._owner: int | None = None
+        self._depth = 0
+        self._next = 0  # the next ticket to hand out
+        self._serving = 0  # the ticket whose turn it is
+        self._gone: set[int] = set()  # tickets whose waiter gave up (interrupted)
+
+    def __enter__(self) -> None:
+        me = threading.get_ident()
+        with self._cond:
+            if self._owner == me:
+                self._depth += 1
+                return
+            ticket, self._next = self._next, self._next + 1
+            try:
+                while self._serving != ticket:
+                    self._cond.wait()
+            except BaseException:  # the turn must not wait for a waiter that left
+                self._gone.add(ticket)
+                self._advance()
+                raise
+            self._owner, self._depth = me, 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._cond:
+            self._depth -= 1
+            if self._depth == 0:
+                self._owner = None
+                self._serving += 1
+                self._advance()
+
+    def _advance(self) -> None:
+        """Skip the tickets of waiters that left; wake the one whose turn it is."""
+        while self._owner is None and self._serving in self._gone:
+            self._gone.discard(self._serving)
+            self._serving += 1
+        self._cond.notify_all()
+
+
 _KEYS = {"batches": "agent_id, seq", "gpus": "node, gpu", "ranks": "job, rank"}
 """Primary keys of the ``WITHOUT ROWID`` tables (the others are deleted by rowid)."""
 
@@ -183,7 +231,7 @@ class Store(RecordsMixin):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._synchronous = synchronous.upper()
-        self._lock = threading.RLock()
+        self._lock = _FifoLock()
         self._local = threading.local()
         self._closed = False
         try:
