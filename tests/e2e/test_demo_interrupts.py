@@ -20,7 +20,7 @@ import pytest
 from forewarn.chaos.procs import Procs
 from forewarn.demo.interrupts import interrupts_held
 
-from support.leftovers import wait_gone
+from support.leftovers import wait_gone, wait_started
 
 
 class Terminated(Exception):
@@ -75,6 +75,9 @@ def test_ctrl_c_as_a_process_starts_leaves_it_recorded_and_stopped(
         with pytest.raises(KeyboardInterrupt):
             procs.spawn("sleeper", [sys.executable, "-c", "import time; time.sleep(120)",
                                     marker], tmp_path / "sleeper.log")
+        sys.setprofile(None)
+        # Popen may return before the child's new command line shows in /proc
+        assert wait_started(marker), "the process should have started"
     finally:
         sys.setprofile(None)
         procs.close()
