@@ -27,6 +27,7 @@ from forewarn import wire
 from ._numerics import Numerics
 from ._preempt import PREEMPT_REQUEST, is_preemption
 from ._preempt_state import NONE, PENDING, SAVING, PreemptState
+from ._preempt_step import preempt_step
 from ._reporter import Reporter
 
 __all__ = ["DueOrders", "Saves", "agree", "agreeing"]
@@ -154,7 +155,8 @@ class Saves:
     def should(self, step: int, connected: bool) -> bool:
         """True when this rank must save now, at ``step``."""
         pre, orders = self._pre, self.orders
-        if pre.stage == PENDING and pre.save_alone(agreeing(orders.agree_every), connected):
+        if (pre.stage == PENDING and pre.save_alone(agreeing(orders.agree_every), connected)
+                and step >= self._save_at(step)):
             orders.clear()  # the preemption save comes first, then the exit
             pre.stage = SAVING
             self._start(step, (PREEMPT_REQUEST,))
@@ -188,6 +190,12 @@ class Saves:
             pre.stage = SAVING
         self._start(step, tuple(rid for rid, _ in now))
         return True
+
+    def _save_at(self, step: int) -> int:
+        """The step of this rank's own preemption save (decided once, at the first ask)."""
+        if self._pre.save_at is None:
+            self._pre.save_at = preempt_step(self.orders.job, step)
+        return self._pre.save_at
 
     def _start(self, step: int, request_ids: tuple[str, ...]) -> None:
         self._active = request_ids

@@ -11,7 +11,8 @@ keeps the checkpoint orders; this module keeps what a notice sets in motion:
   loop that never calls ``should_checkpoint``), ends the process *as before*;
 * a pending rank saves alone unless the job agrees on a step (agree mode, or the agent's
   order, awaited ``order_wait_s`` while an agent is connected), and ends *as before* if no
-  save started within the grace;
+  save started within the grace; alone, at the step the noticed ranks agree on in the
+  process group's store (:mod:`._preempt_step`), its next one with no process group;
 * after the save (*saving*) the process ends *after the save*.
 
 The two ways out of the process, and the handlers themselves, are :mod:`._preempt`'s.
@@ -29,11 +30,14 @@ thread, nothing on the step path). Every rank of the job then saves ONE step and
   order lands, usually the next step (reason ``preempted``). Every rank that gets that
   order saves at its step and exits, signalled or not, so ranks signalled a step apart, or
   only some ranks, save the same step. A rank whose agent does not answer within
-  ``preempt_order_wait_s`` saves alone at its next step;
+  ``preempt_order_wait_s`` saves alone (at the step below);
 * with ``agree_every=k`` (the collective fallback for jobs run without an agent): the
   ranks' ``all_reduce(MAX)`` every k steps carries the notice, and every rank saves the
   agreed step and exits;
-* with neither: each rank saves at its own next step.
+* with neither: every signalled rank saves at the same step, the next step of the first
+  rank to act on its notice (agreed in the process group's store: a rank signalled just
+  after its ``should_checkpoint`` and its peer signalled just before must not save a step
+  apart), or at its own next step without a process group.
 
 A repeated notice within ``preempt_grace_s`` of the first does not abort the save (Slurm
 22.05 preemption sends SIGTERM, SIGCONT, SIGTERM within a few ms, and torchrun forwarding
@@ -104,6 +108,8 @@ class PreemptState:
         """This process got a notice (sticky: what its beats say)."""
         self.absorbed = 0
         """Repeated notices within the grace that did not abort the save."""
+        self.save_at: int | None = None
+        """The step this rank's own save is made at, once decided (:mod:`._preempt_step`)."""
 
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
         """A preemption signal. Runs between two bytecodes of the training thread: it only
@@ -132,6 +138,7 @@ class PreemptState:
         self.signum = signum
         self.since = self._mono()
         self.noticed = True
+        self.save_at = None
         self.stage = PENDING
         self._on_notice()
 

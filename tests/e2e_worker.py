@@ -17,6 +17,7 @@ import datetime
 import json
 import math
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,9 @@ def main() -> None:
     ap.add_argument("--hang-at", type=int, default=-1, help="rank 1 stops before this step")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--agree", type=int, default=0)
+    ap.add_argument("--term-straddling", type=int, default=-1,
+                    help="SIGTERM to each rank itself at this step, rank 0 just before its "
+                         "should_checkpoint and rank 1 just after it (one notice, two steps)")
     ap.add_argument("--save-every", type=int, default=0,
                     help="the loop's own periodic save (not ordered), every N steps")
     args = ap.parse_args()
@@ -111,7 +115,13 @@ def main() -> None:
             suspect = mon.suspect_since
             event(event="suspect", step=step, onset=suspect)
         periodic = args.save_every > 0 and step > start and step % args.save_every == 0
-        if mon.should_checkpoint(step) or periodic:
+        straddle = step == args.term_straddling
+        if straddle and rank == 0:
+            os.kill(os.getpid(), signal.SIGTERM)
+        should = mon.should_checkpoint(step)
+        if straddle and rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        if should or periodic:
             # logged first: after a SIGTERM checkpoint the hook ends the process in save()
             event(event="saving", step=step, checksum=checksum(), preempted=mon.preempted,
                   time=time.time())

@@ -5,7 +5,9 @@ the SAME step, exit with 128 + SIGTERM, and ``load_latest`` must return that ste
 * Slurm 22.05 preemption: SIGTERM, SIGCONT, SIGTERM within ~5 ms to every rank;
 * a signal to only one of the two ranks;
 * signals to the two ranks one step apart;
-* no agent at all, a signal to one rank: the collective fallback (``agree_every``).
+* no agent at all, a signal to one rank: the collective fallback (``agree_every``);
+* no agent at all, both ranks signalled at once but on either side of a step's
+  ``should_checkpoint`` (what ``scancel --signal=TERM`` does to a job under load).
 
 Before: the second SIGTERM killed the rank unsaved, and a rank saved at its own next step
 (different steps, or none on the rank that was not signalled).
@@ -92,7 +94,8 @@ class Job:
         try:
             return [p.wait(timeout=timeout) for p in self.procs]
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"a rank did not exit: {self.logs()}") from None
+            raise AssertionError(f"a rank did not exit (saves begun: "
+                                 f"{[self.saves(r) for r in (0, 1)]}): {self.logs()}") from None
 
     def kill(self) -> None:
         for p in self.procs:
@@ -177,3 +180,21 @@ def test_without_an_agent_the_collective_fallback_agrees(workroot: Path) -> None
     step, latency = _assert_one_step_saved_and_loadable(job, codes)
     print(f"\nno agent, agree_every=4: both ranks saved step {step}, the last began "
           f"{latency * 1000:.0f} ms after the signal")
+
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_without_an_agent_a_notice_straddling_a_step_saves_one_step_on_every_rank(
+        workroot: Path) -> None:
+    """Slurm signals every task at once, but a loaded rank may be a few milliseconds behind
+    its peer: here rank 0 hears the notice just before its ``should_checkpoint(20)`` and
+    rank 1 just after it. Saving at each rank's own next step (20 and 21) put the two ranks
+    in different collectives (the DCP save's barrier against DDP's all-reduce) and the job
+    hung until killed; they agree on one step through the process group's store."""
+    job = Job(workroot, "pre-straddle", workroot / "nobody.sock", "--term-straddling", "20")
+    try:
+        codes = job.wait(90)
+    finally:
+        job.kill()
+    step, _ = _assert_one_step_saved_and_loadable(job, codes)
+    assert step == 21  # the next step of the rank that heard it first

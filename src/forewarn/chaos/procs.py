@@ -23,6 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from forewarn.demo.interrupts import interrupts_held
+
 __all__ = ["Procs", "TcpProxy", "get_json", "leader_role", "log_tail", "one_leader", "readyz",
            "stop_process", "wait_http", "wait_ready", "wait_until"]
 
@@ -142,12 +144,13 @@ class Procs:
     def spawn(self, name: str, argv: list[str], log: Path,
               env: dict[str, str] | None = None, cwd: Path | None = None
               ) -> subprocess.Popen[bytes]:
-        """Start ``argv`` (no shell) with stdout and stderr appended to ``log``."""
-        with log.open("ab") as out:
+        """Start ``argv`` (no shell) with stdout and stderr appended to ``log``. A Ctrl-C
+        meanwhile waits until the process is recorded (``close()`` then ends it)."""
+        with log.open("ab") as out, interrupts_held():
             p = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd,
                                  start_new_session=True)
-        self.procs[name] = p
-        self._all.append(p)
+            self.procs[name] = p
+            self._all.append(p)
         return p
 
     def start(self, name: str, argv: list[str], log: Path, health_url: str,

@@ -32,9 +32,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
+
+from forewarn.demo.interrupts import interrupts_held
 
 __all__ = ["TORCHRUN_ENV", "Node", "TorchrunJob", "free_port", "python_module"]
 
@@ -126,7 +128,7 @@ class TorchrunJob:
         env = dict(self.env)
         env.update(TORCHRUN_ENV, FOREWARN_SOCKET=node.socket_path, OMP_NUM_THREADS="1",
                    PYTHONUNBUFFERED="1", LOGLEVEL="WARNING")
-        with _interrupts_deferred():
+        with interrupts_held():  # started and recorded, or neither
             p = subprocess.Popen(self.argv(index), env=env, stdout=subprocess.PIPE,
                                  stderr=subprocess.PIPE, text=True, start_new_session=True)
             with self._lock:
@@ -267,23 +269,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-@contextlib.contextmanager
-def _interrupts_deferred() -> Iterator[None]:
-    """Hold Ctrl-C and SIGTERM (main thread) until the block ends, then deliver them: an
-    interrupt inside Popen, after the fork, would leave a torchrun nobody recorded or
-    stops. (Not a signal mask: the children would inherit it.)"""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    got: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, _frame: got.append(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        if got:
-            signal.raise_signal(got[0])

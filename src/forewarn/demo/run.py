@@ -19,6 +19,7 @@ from typing import Any
 
 from forewarn.chaos.cmdline import agent_command, collector_command
 from forewarn.chaos.procs import Procs, get_json
+from forewarn.demo.interrupts import interrupts_held
 from forewarn.demo.launch import Node, TorchrunJob, free_port
 from forewarn.demo.report import DemoResult, summary_lines
 
@@ -433,7 +434,8 @@ def run_demo(fast: bool = False, workdir: Path | None = None, keep: bool = False
         demo.phase_nan()
         demo.finish()
     finally:
-        demo.stack.close()
+        with interrupts_held():  # a second Ctrl-C waits until everything is stopped
+            demo.stack.close()
         if made and not keep:
             shutil.rmtree(wd, ignore_errors=True)
     return demo.result

@@ -9,17 +9,21 @@ import dataclasses
 import os
 import secrets
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from forewarn.chaos.cmdline import collector_command
 from forewarn.chaos.procs import get_json, leader_role, one_leader, wait_http, wait_until
 from forewarn.chaos.scale_account import ScaleAccount, account_scale
 from forewarn.demo import servers
+from forewarn.demo.interrupts import interrupts_held
 from forewarn.demo.launch import free_port
 from forewarn.demo.run import NODES, Demo, DemoResult, Stack, run_demo, summary_lines
 
 __all__ = ["ScaleResult", "preflight", "run_scale_demo", "scale_summary_lines"]
+
+_S = TypeVar("_S")
 
 REPLICAS = ("collector-a", "collector-b")
 """The two replicas; whichever leads first is killed."""
@@ -85,18 +89,23 @@ class ScaleDemo(Demo):
         password = secrets.token_hex(16)
         hashes = {n: hash_token((self.dir / f"{n}.token").read_text().strip()) for n in NODES}
         self.say("starting nats-server (JetStream), PostgreSQL and VictoriaMetrics …")
-        nats = servers.start_nats(self.dir / "nats",
-                                  authorization=bus.authorization(hashes, password))
-        self.stack.servers.append(nats)
+        nats = self._server(lambda: servers.start_nats(
+            self.dir / "nats", authorization=bus.authorization(hashes, password)))
         self.agent_env = {"FOREWARN_AGENT_UPLINK": "nats", "FOREWARN_AGENT_NATS_URL": nats.url}
         root = None if os.geteuid() == 0 else self.dir / "postgresql"
-        pg = servers.PostgresServer(root=root)
-        self.stack.servers.append(pg)
+        pg = self._server(lambda: servers.PostgresServer(root=root))
         self.say(f"PostgreSQL data in {pg.root}")
         self.dsn = pg.database()
-        self.vm = servers.VictoriaMetrics(root=self.dir / "victoria-metrics")
-        self.stack.servers.append(self.vm)
+        self.vm = self._server(lambda: servers.VictoriaMetrics(root=self.dir / "victoria-metrics"))
         return password
+
+    def _server(self, start: Callable[[], _S]) -> _S:
+        """Start a server and record it for the cleanup: both, or neither (a Ctrl-C waits:
+        pg_ctl's postmaster outlives an interrupted pg_ctl)."""
+        with interrupts_held():
+            server = start()
+            self.stack.servers.append(server)
+        return server
 
     def start_collector(self) -> None:
         self.write_tokens()
