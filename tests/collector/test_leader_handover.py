@@ -1,0 +1,223 @@
+"""Leadership that changes hands mid-decision loses no order and duplicates none (issue 16).
+
+* A finding the leader's feed took just before its lease was lost must be decided by the
+  next leader: the feed may save its cursor past a finding only once the finding was
+  decided in the term it was taken in. Two collector services sharing a real PostgreSQL;
+  the test holds the leader's policy thread busy, ends its lock session, and holds the
+  lock itself until the old leader has given up.
+* A finding decided twice (by the old leader and again by the new one, which cannot know
+  how far the old one got) gives one order: its id comes from the finding and the job, so
+  the second is the same command (the queue keeps it once, JetStream drops its copy by
+  ``Nats-Msg-Id`` and agents apply a command id once).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+
+from forewarn.collector.cli import ServerThread
+from forewarn.collector.config import CollectorConfig
+from forewarn.collector.decide.actions import ActionPipeline
+from forewarn.collector.decide.orders import OrderBook
+from forewarn.collector.decide.policy import Policy, PolicySettings
+from forewarn.collector.decide.policy_service import PolicyService
+from forewarn.collector.http.app import create_app
+from forewarn.collector.http.auth import TokenRegistry
+from forewarn.collector.http.context import CollectorContext
+from forewarn.collector.metrics import CollectorMetrics
+from forewarn.collector.storage.commands import CommandQueue
+from forewarn.collector.storage.leader import POLICY_LOCK
+from forewarn.collector.storage.state import StateStore, open_state
+from forewarn.demo.servers import PostgresServer
+from forewarn.wire import (
+    AgentBatch,
+    Finding,
+    Health,
+    RankSummary,
+    Subject,
+    SuggestedAction,
+    encode,
+)
+
+from support.collector import TOKENS
+from support.policy import Clock, fleet, gpu_finding
+from support.polling import wait_for
+
+
+class Service:
+    """One collector service in this process, on shared PostgreSQL state."""
+
+    def __init__(self, root: Path, dsn: str) -> None:
+        cfg = CollectorConfig(listen="127.0.0.1:0", data_dir=root / "data",
+                              tokens_file=root / "none.toml", flush_interval_s=3600,
+                              state="postgresql", postgres_dsn=dsn, advise_hooks=False,
+                              predictor_enabled=False)
+        self.store: StateStore = open_state(cfg)
+        app = create_app(cfg, self.store, policy=PolicyService.from_config(cfg),
+                         tokens=TokenRegistry(tokens=dict(TOKENS)))
+        self.ctx: CollectorContext = app.state.ctx
+        self.server = ServerThread(app, cfg).start()
+        self.seq = 0
+
+    def push(self, node: str, **kw: Any) -> None:
+        import httpx
+
+        self.seq += 1
+        batch = AgentBatch(node=node, agent_id=f"agent-{node}-{id(self)}", seq=self.seq,
+                           created=time.time(), **kw)
+        r = httpx.post(f"{self.server.url}/api/v1/ingest", content=encode(batch), timeout=30,
+                       headers={"content-type": "application/msgpack",
+                                "authorization": f"Bearer {TOKENS[node]}"})
+        assert r.status_code == 200, r.text
+
+    def leads(self) -> bool:
+        return self.ctx.leader.is_leader
+
+    def policy_idle(self) -> None:
+        """Return once everything queued on the policy thread before this call ran."""
+        self.ctx.submit_bulk(lambda: None).result(60)
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.store.close()
+
+
+def rows(dsn: str, sql: str, *params: Any) -> list[tuple[Any, ...]]:
+    with psycopg.connect(dsn) as conn:
+        return conn.execute(sql, params).fetchall()
+
+
+def ranks(job: str, node: str, now: float) -> list[RankSummary]:
+    return [RankSummary(job=job, rank=g, world_size=2, node=node, gpu=g, pid=100 + g,
+                        last_step=500, last_step_time=now, step_seconds_p50=0.2,
+                        last_checkpoint_step=100, last_checkpoint_time=now - 3600,
+                        checkpoint_seconds=30.0) for g in range(2)]
+
+
+def gpu_lost(node: str) -> Finding:
+    return Finding(check="gpu_lost", health=Health.UNHEALTHY, action=SuggestedAction.DRAIN,
+                   subject=Subject(kind="gpu", node=node, gpu=0), time=time.time(),
+                   reason="GPU 0 lost (NVML_ERROR_GPU_IS_LOST)")
+
+
+@pytest.fixture
+def services(tmp_path: Path, postgres_server: PostgresServer
+             ) -> Iterator[tuple[str, list[Service]]]:
+    started: list[Service] = []
+    try:
+        yield postgres_server.database(), started
+    finally:
+        for s in started:
+            s.stop()
+
+
+class LockHolder:
+    """The test's own session waiting for the policy lock (``pg_advisory_lock`` queues: it
+    gets the lock the moment the holder's session ends, before any replica's next try)."""
+
+    def __init__(self, dsn: str) -> None:
+        self.conn = psycopg.connect(dsn, autocommit=True)
+        self.held = threading.Event()
+        self._thread = threading.Thread(target=self._wait, daemon=True)
+        self._thread.start()
+
+    def _wait(self) -> None:
+        self.conn.execute("SELECT pg_advisory_lock(%s)", (POLICY_LOCK,))
+        self.held.set()
+
+    def release(self) -> None:
+        self.conn.close()  # the session ends: the lock is free
+
+
+def end_leader_session(dsn: str) -> None:
+    """End the session that holds the policy lock, as a lost connection would."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        pids = conn.execute("SELECT l.pid FROM pg_locks l JOIN pg_stat_activity a"
+                            " ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.granted"
+                            " AND a.application_name = 'forewarn-leader'").fetchall()
+        assert len(pids) == 1, pids
+        conn.execute("SELECT pg_terminate_backend(%s)", (pids[0][0],))
+
+
+@pytest.mark.system
+@pytest.mark.timeout(240)
+def test_a_finding_taken_as_the_lease_is_lost_is_decided_by_the_next_leader(
+        tmp_path: Path, services: tuple[str, list[Service]]) -> None:
+    dsn, started = services
+    a = Service(tmp_path / "a", dsn)
+    started.append(a)
+    wait_for(a.leads, 60, "a leads")
+    b = Service(tmp_path / "b", dsn)
+    started.append(b)
+    assert not b.leads()
+    a.push("node1", ranks=ranks("train-1", "node1", time.time()))
+
+    # a's policy thread is busy (as with a long decision) when the finding arrives at b.
+    busy, free = threading.Event(), threading.Event()
+
+    def long_decision() -> None:
+        busy.set()
+        free.wait(120)
+
+    a.ctx.submit_bulk(long_decision)
+    assert busy.wait(30)
+    b.push("node1", findings=[gpu_lost("node1")])
+    # a's feed took it and waits for the policy thread: the cursor stops being saved.
+    wait_for(lambda: rows(dsn, "SELECT extract(epoch FROM now()) - updated"
+                               " FROM policy_cursor")[0][0] > 1.5, 30,
+             "a's feed to wait for its policy thread")
+
+    holder = LockHolder(dsn)
+    try:
+        end_leader_session(dsn)
+        assert holder.held.wait(30), "the test's session did not get the lock"
+        wait_for(lambda: not a.leads(), 30, "a to notice it lost the lock")
+        free.set()  # a's feed now hands the finding to a policy that no longer leads
+        a.policy_idle()
+    finally:
+        free.set()
+        holder.release()
+    wait_for(lambda: a.leads() or b.leads(), 30, "a new leader")
+
+    def orders() -> int:
+        return int(rows(dsn, "SELECT count(*) FROM commands WHERE node = 'node1'"
+                             " AND kind = 'checkpoint'")[0][0])
+
+    wait_for(lambda: orders() >= 1, 30, "the next leader to order the job")
+    fed = ("SELECT (SELECT last_id FROM policy_cursor) >="
+           " (SELECT MAX(id) FROM findings WHERE check_name = 'gpu_lost')")
+    wait_for(lambda: rows(dsn, fed) == [(True,)], 30, "the feed to read past the finding")
+    assert orders() == 1
+
+
+def pipeline(store: StateStore, clock: Clock) -> ActionPipeline:
+    """A leader's policy and order book (fresh: a new leader starts with empty ones)."""
+    metrics = CollectorMetrics()
+    policy = Policy(PolicySettings(), fleet(), clock=clock)
+    return ActionPipeline(policy, OrderBook(CommandQueue(store, metrics), clock=clock))
+
+
+def test_a_finding_decided_again_by_the_next_leader_orders_the_job_once(
+        tmp_path: Path) -> None:
+    store = open_state(CollectorConfig(data_dir=tmp_path / "data",
+                                       tokens_file=tmp_path / "none.toml"))
+    try:
+        clock = Clock()
+        finding = gpu_finding("n0", check="gpu_lost", action=SuggestedAction.DRAIN)
+        old, new = pipeline(store, clock), pipeline(store, clock)
+        first = old.handle_findings([finding])
+        clock.t += 2.0  # the new leader decides it a moment later, with its own S
+        second = new.handle_findings([finding])
+        assert [d.outcome for d in first if d.action == "checkpoint"] == ["act"]
+        assert [d.outcome for d in second if d.action == "checkpoint"] == ["act"]
+        commands = store.query("SELECT id, node FROM commands WHERE kind = 'checkpoint'")
+        assert [c["node"] for c in commands] == ["n0"], commands
+    finally:
+        store.close()
