@@ -141,6 +141,11 @@ class CollectorContext:
             self.metrics.policy_errors.inc()
             log.exception("policy.on_feed failed on %d findings", len(found))
 
+    def _feed_settled(self) -> bool:
+        """Whether the policy decided everything the feed handed it (:class:`FeedHook`)."""
+        policy = self.policy
+        return not isinstance(policy, FeedHook) or policy.settled()
+
     def _policy_batches(self, batches: list[AgentBatch], backlog: bool = True) -> None:
         if backlog:
             with self._backlog_lock:
@@ -214,25 +219,33 @@ class CollectorContext:
         """Shared state: while this replica leads, every finding any replica stored goes
         through the policy (once; the cursor is saved after each group)."""
         leading, term = False, 0
+        held: int | None = None  # the saved cursor stays at or before this
         while True:
             await asyncio.sleep(FEED_INTERVAL_S)
             try:
                 if not leading or not leads_in(self.leader, term):
-                    leading, term = False, self.leader.term
+                    leading, term, held = False, self.leader.term, None
                     if not self.leader.is_leader:
                         continue
                     await asyncio.to_thread(feed.resume)
                     leading = True
+                before = feed.mark()
                 found = await asyncio.to_thread(feed.take)
                 if found:  # decisions: ahead of the bus batches queued there
                     await self.run_policy(self._decide_fed, found, term, urgent=True)
+                # Findings handed over but not decided yet (alerts wait on the bulk lane)
+                # keep the saved cursor before them until they are.
+                if self._feed_settled():
+                    held = None
+                elif held is None:
+                    held = before
                 if not leads_in(self.leader, term):
                     # The lease was lost before these were decided (or while they were):
                     # the cursor stays where it was, so the next leader decides them. One
                     # decided here already gets the same order id there (one order).
                     leading = False
                     continue
-                await asyncio.to_thread(feed.save)
+                await asyncio.to_thread(feed.save, held)
             except Exception:
                 leading = False  # resume from the saved cursor once the store answers
                 log.exception("leader feed failed; retried in %.1f s", FEED_INTERVAL_S)

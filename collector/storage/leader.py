@@ -259,11 +259,21 @@ class FindingsFeed:
                 log.error("finding %d cannot be decoded for the policy: %s", found, exc)
         return out
 
-    def save(self) -> None:
-        """Record how far the policy got: below the oldest id still looked for."""
+    def mark(self) -> int | None:
+        """What :meth:`save` records now: below the oldest id still looked for (``None``
+        before the first :meth:`resume`)."""
         if self._cursor is None:
+            return None
+        return min(self._gaps, default=self._cursor + 1) - 1
+
+    def save(self, upto: int | None = None) -> None:
+        """Record how far the policy got (:meth:`mark`), but not past ``upto`` when given
+        (findings after it were handed over and are not all decided yet)."""
+        mark = self.mark()
+        if mark is None:
             return
-        mark = min(self._gaps, default=self._cursor + 1) - 1
+        if upto is not None:
+            mark = min(mark, upto)
         with self.store.write() as tx:
             tx.execute("INSERT INTO policy_cursor (name, last_id, updated) VALUES (?, ?, ?)"
                        " ON CONFLICT (name) DO UPDATE SET last_id = excluded.last_id,"

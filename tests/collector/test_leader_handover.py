@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -50,6 +52,8 @@ from support.collector import TOKENS
 from support.policy import Clock, fleet, gpu_finding
 from support.polling import wait_for
 
+ALERT_TOKEN = "alert-token-handover-test"
+
 
 class Service:
     """One collector service in this process, on shared PostgreSQL state."""
@@ -58,13 +62,14 @@ class Service:
         cfg = CollectorConfig(listen="127.0.0.1:0", data_dir=root / "data",
                               tokens_file=root / "none.toml", flush_interval_s=3600,
                               state="postgresql", postgres_dsn=dsn, advise_hooks=False,
-                              predictor_enabled=False)
+                              predictor_enabled=False, alert_token=ALERT_TOKEN)
         self.store: StateStore = open_state(cfg)
         app = create_app(cfg, self.store, policy=PolicyService.from_config(cfg),
                          tokens=TokenRegistry(tokens=dict(TOKENS)))
         self.ctx: CollectorContext = app.state.ctx
         self.server = ServerThread(app, cfg).start()
         self.seq = 0
+        self._releases: list[threading.Event] = []
 
     def push(self, node: str, **kw: Any) -> None:
         import httpx
@@ -77,6 +82,38 @@ class Service:
                                 "authorization": f"Bearer {TOKENS[node]}"})
         assert r.status_code == 200, r.text
 
+    def alert(self, job: str) -> None:
+        """An Alertmanager alert naming ``job``, firing."""
+        import httpx
+
+        body = {"version": "4", "status": "firing", "receiver": "forewarn",
+                "groupLabels": {}, "commonLabels": {}, "alerts": [{
+                    "status": "firing", "annotations": {"summary": "loss spikes"},
+                    "labels": {"alertname": "LossSpike", "job": job, "severity": "critical"},
+                    "startsAt": "2026-01-01T00:00:00Z", "fingerprint": "00000000000000aa"}]}
+        r = httpx.post(f"{self.server.url}/api/v1/alerts/alertmanager", json=body,
+                       headers={"authorization": f"Bearer {ALERT_TOKEN}"}, timeout=30)
+        assert r.status_code == 200, r.text
+
+    def hold_policy(self, urgent: bool = False) -> tuple[threading.Event, threading.Event]:
+        """Occupy the policy thread with test code (as a long decision would): returns
+        (started, release). ``urgent``: queued on the urgent lane, behind what waits
+        there; else on the bulk lane."""
+        started, release = threading.Event(), threading.Event()
+        self._releases.append(release)
+
+        def long_decision() -> None:
+            started.set()
+            release.wait(120)
+
+        if urgent:
+            assert self.ctx.loop is not None
+            asyncio.run_coroutine_threadsafe(
+                self.ctx.run_policy(long_decision, urgent=True), self.ctx.loop)
+        else:
+            self.ctx.submit_bulk(long_decision)
+        return started, release
+
     def leads(self) -> bool:
         return self.ctx.leader.is_leader
 
@@ -85,6 +122,8 @@ class Service:
         self.ctx.submit_bulk(lambda: None).result(60)
 
     def stop(self) -> None:
+        for release in self._releases:
+            release.set()
         self.server.stop()
         self.store.close()
 
@@ -160,30 +199,67 @@ def test_a_finding_taken_as_the_lease_is_lost_is_decided_by_the_next_leader(
     a.push("node1", ranks=ranks("train-1", "node1", time.time()))
 
     # a's policy thread is busy (as with a long decision) when the finding arrives at b.
-    busy, free = threading.Event(), threading.Event()
-
-    def long_decision() -> None:
-        busy.set()
-        free.wait(120)
-
-    a.ctx.submit_bulk(long_decision)
+    busy, free = a.hold_policy()
     assert busy.wait(30)
     b.push("node1", findings=[gpu_lost("node1")])
-    # a's feed took it and waits for the policy thread: the cursor stops being saved.
-    wait_for(lambda: rows(dsn, "SELECT extract(epoch FROM now()) - updated"
-                               " FROM policy_cursor")[0][0] > 1.5, 30,
-             "a's feed to wait for its policy thread")
+    wait_for(lambda: feed_waits(dsn), 30, "a's feed to wait for its policy thread")
+    with lease_lost(dsn, a):
+        free.set()  # a's feed now hands the finding to a policy that no longer leads
+        a.policy_idle()
+    next_leader_orders_once(dsn, a, b, "gpu_lost")
 
+
+@pytest.mark.system
+@pytest.mark.timeout(240)
+def test_an_alert_waiting_for_the_bulk_lane_as_the_lease_is_lost_is_decided_by_the_next(
+        tmp_path: Path, services: tuple[str, list[Service]]) -> None:
+    dsn, started = services
+    a = Service(tmp_path / "a", dsn)
+    started.append(a)
+    wait_for(a.leads, 60, "a leads")
+    b = Service(tmp_path / "b", dsn)
+    started.append(b)
+    a.push("node1", ranks=ranks("train-1", "node1", time.time()))
+
+    busy, free = a.hold_policy()
+    assert busy.wait(30)
+    b.alert("train-1")  # b stores it; a's feed reads it and waits for the policy thread
+    wait_for(lambda: feed_waits(dsn), 30, "a's feed to wait for its policy thread")
+    # Behind the feed's turn, more decision work: the alert it queues for the bulk lane
+    # waits, and meanwhile the feed saved its cursor (before the fix, past the alert).
+    busy2, free2 = a.hold_policy(urgent=True)
+    free.set()
+    assert busy2.wait(30)
+    wait_for(lambda: not feed_waits(dsn, 0.5), 30, "a's feed to go on")
+    with lease_lost(dsn, a):
+        free2.set()  # the alert's turn now finds a no longer leads
+        a.policy_idle()
+    next_leader_orders_once(dsn, a, b, "alert:LossSpike")
+
+
+def feed_waits(dsn: str, for_s: float = 1.5) -> bool:
+    """Whether the leader's feed has not saved its cursor for ``for_s`` (it saves every
+    0.2 s unless it waits for its policy thread)."""
+    late = rows(dsn, "SELECT extract(epoch FROM now()) - updated FROM policy_cursor")
+    return bool(late) and float(late[0][0]) > for_s
+
+
+@contextlib.contextmanager
+def lease_lost(dsn: str, leader: Service) -> Iterator[None]:
+    """``leader``'s lock session ends and nobody leads until the block ends (the test's
+    session holds the lock meanwhile)."""
     holder = LockHolder(dsn)
     try:
         end_leader_session(dsn)
         assert holder.held.wait(30), "the test's session did not get the lock"
-        wait_for(lambda: not a.leads(), 30, "a to notice it lost the lock")
-        free.set()  # a's feed now hands the finding to a policy that no longer leads
-        a.policy_idle()
+        wait_for(lambda: not leader.leads(), 30, "the leader to notice it lost the lock")
+        yield
     finally:
-        free.set()
         holder.release()
+
+
+def next_leader_orders_once(dsn: str, a: Service, b: Service, check: str) -> None:
+    """Whichever leads next orders node1's job once about the finding of ``check``."""
     wait_for(lambda: a.leads() or b.leads(), 30, "a new leader")
 
     def orders() -> int:
@@ -192,8 +268,8 @@ def test_a_finding_taken_as_the_lease_is_lost_is_decided_by_the_next_leader(
 
     wait_for(lambda: orders() >= 1, 30, "the next leader to order the job")
     fed = ("SELECT (SELECT last_id FROM policy_cursor) >="
-           " (SELECT MAX(id) FROM findings WHERE check_name = 'gpu_lost')")
-    wait_for(lambda: rows(dsn, fed) == [(True,)], 30, "the feed to read past the finding")
+           " (SELECT MAX(id) FROM findings WHERE check_name = %s)")
+    wait_for(lambda: rows(dsn, fed, check) == [(True,)], 30, "the feed to read past it")
     assert orders() == 1
 
 
