@@ -185,11 +185,9 @@ def end_leader_session(dsn: str) -> None:
         conn.execute("SELECT pg_terminate_backend(%s)", (pids[0][0],))
 
 
-@pytest.mark.system
-@pytest.mark.timeout(240)
-def test_a_finding_taken_as_the_lease_is_lost_is_decided_by_the_next_leader(
-        tmp_path: Path, services: tuple[str, list[Service]]) -> None:
-    dsn, started = services
+def leader_and_follower(tmp_path: Path, dsn: str, started: list[Service]
+                        ) -> tuple[Service, Service]:
+    """a leads, b follows; the job train-1 runs on node1 (two ranks)."""
     a = Service(tmp_path / "a", dsn)
     started.append(a)
     wait_for(a.leads, 60, "a leads")
@@ -197,6 +195,15 @@ def test_a_finding_taken_as_the_lease_is_lost_is_decided_by_the_next_leader(
     started.append(b)
     assert not b.leads()
     a.push("node1", ranks=ranks("train-1", "node1", time.time()))
+    return a, b
+
+
+@pytest.mark.system
+@pytest.mark.timeout(240)
+def test_a_finding_taken_as_the_lease_is_lost_is_decided_by_the_next_leader(
+        tmp_path: Path, services: tuple[str, list[Service]]) -> None:
+    dsn, started = services
+    a, b = leader_and_follower(tmp_path, dsn, started)
 
     # a's policy thread is busy (as with a long decision) when the finding arrives at b.
     busy, free = a.hold_policy()
@@ -214,12 +221,7 @@ def test_a_finding_taken_as_the_lease_is_lost_is_decided_by_the_next_leader(
 def test_an_alert_waiting_for_the_bulk_lane_as_the_lease_is_lost_is_decided_by_the_next(
         tmp_path: Path, services: tuple[str, list[Service]]) -> None:
     dsn, started = services
-    a = Service(tmp_path / "a", dsn)
-    started.append(a)
-    wait_for(a.leads, 60, "a leads")
-    b = Service(tmp_path / "b", dsn)
-    started.append(b)
-    a.push("node1", ranks=ranks("train-1", "node1", time.time()))
+    a, b = leader_and_follower(tmp_path, dsn, started)
 
     busy, free = a.hold_policy()
     assert busy.wait(30)
