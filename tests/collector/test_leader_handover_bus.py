@@ -8,35 +8,22 @@ the test holds the leader's policy thread and takes its lease away
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import nats
 import pytest
-from prometheus_client import CollectorRegistry
 
 from forewarn import bus
-from forewarn.agent.bus import NatsUplink
-from forewarn.agent.config import AgentConfig
 from forewarn.demo.servers import PostgresServer
-from forewarn.wire import GpuSample
 
-from support.bus_stack import COLLECTOR_PASSWORD, TOKENS, auth_block
+from support.bus_stack import COLLECTOR_PASSWORD, TOKENS, send_one_batch
 from support.handover import Service, lease_lost, rows
-from support.nats_server import NatsServer, start_server
+from support.nats_server import NatsServer
 from support.polling import wait_for
 
 pytestmark = pytest.mark.system
 
 NODE = "gpu.a"
-
-
-@pytest.fixture
-def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
-    server = start_server(tmp_path / "nats", authorization=auth_block())
-    yield server
-    server.stop()
 
 
 def decide_unacked(url: str) -> int:
@@ -60,9 +47,9 @@ def fed(service: Service) -> float:
 
 @pytest.mark.timeout(240)
 def test_a_batch_handed_to_the_policy_as_the_lease_is_lost_reaches_the_next_leader(
-        tmp_path: Path, postgres_server: PostgresServer, nats_server: NatsServer) -> None:
+        tmp_path: Path, postgres_server: PostgresServer, bus_nats: NatsServer) -> None:
     dsn = postgres_server.database()
-    keys = {"bus_url": nats_server.url, "bus_password": COLLECTOR_PASSWORD,
+    keys = {"bus_url": bus_nats.url, "bus_password": COLLECTOR_PASSWORD,
             "bus_ack_wait_s": 2.0}
     a = Service(tmp_path / "a", dsn, TOKENS, **keys)
     b: Service | None = None
@@ -76,23 +63,12 @@ def test_a_batch_handed_to_the_policy_as_the_lease_is_lost_reaches_the_next_lead
 
         busy, free = a.hold_policy()
         assert busy.wait(30)
-        up = NatsUplink(AgentConfig(node=NODE, uplink="nats", nats_url=nats_server.url,
-                                    token=TOKENS[NODE], spool_dir=tmp_path / "spool",
-                                    push_interval_s=0.2),
-                        registry=CollectorRegistry(), retry_s=0.05, publish_timeout_s=2.0,
-                        fetch_wait_s=0.5)
-        up.start()
-        try:
-            up.add(samples=[GpuSample(node=NODE, gpu=0, time=time.time(), source="sim",
-                                      simulated=True, temperature_c=50.0)])
-            wait_for(lambda: rows(dsn, "SELECT 1 FROM batches WHERE node = %s", NODE), 30,
-                     "the batch stored")
-        finally:
-            up.stop()
+        send_one_batch(bus_nats.url, NODE, tmp_path / "spool", lambda: rows(
+            dsn, "SELECT 1 FROM batches WHERE node = %s", NODE))
         # a's decide feed found it stored (none waits for its ingest) and waits for its
         # policy thread with it, unacknowledged.
         lane = a.ctx.bus.decide[0]
-        wait_for(lambda: decide_unacked(nats_server.url) == 1
+        wait_for(lambda: decide_unacked(bus_nats.url) == 1
                  and lane.status()["waiting"] == 0, 30, "a's feed to hand it over")
         with lease_lost(dsn, a):
             free.set()  # a's feed hands the batch to a policy that no longer leads
