@@ -64,6 +64,8 @@ def leader_and_follower(tmp_path: Path, dsn: str, started: list[Service]
     a = Service(tmp_path / "a", dsn)
     started.append(a)
     wait_for(a.leads, 60, "a leads")
+    # Its feed runs (it saves its cursor every turn): feed_waits can tell when it stops.
+    wait_for(lambda: rows(dsn, "SELECT 1 FROM policy_cursor"), 60, "a's feed to run")
     b = Service(tmp_path / "b", dsn)
     started.append(b)
     assert not b.leads()
