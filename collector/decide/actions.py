@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from forewarn.wire import CheckpointReport, CommandAck, Finding, SaveHold
 
 from .drain import DrainError, DrainRunner
-from .orders import JobOrder, OrderBook
+from .orders import JobOrder, OrderBook, order_key
 from .policy import Decision, PlannedAction, Policy
 from .severity import ActionKind, Outcome
 
@@ -132,7 +132,8 @@ class ActionPipeline:
             if shadow or action.job is None:
                 self._record(action, "shadow", {"inputs": d.inputs})
                 return None
-            order = self.orders.issue(action.job, action.finding.reason, decision_id=d.id)
+            order = self.orders.issue(action.job, action.finding.reason, decision_id=d.id,
+                                      key=order_key(action.finding, action.job.job))
             self._record(
                 action, "ordered",
                 {"request_id": order.request_id, "step": order.step, "nodes": list(order.nodes),
@@ -144,7 +145,8 @@ class ActionPipeline:
             if shadow or action.job is None:
                 self._record(action, "shadow", {"onset_step": onset})
                 return None
-            hold = self.orders.hold(action.job, int(onset), action.finding.reason)
+            hold = self.orders.hold(action.job, int(onset), action.finding.reason,
+                                    key="hold|" + order_key(action.finding, action.job.job))
             self._record(action, "ordered", {"request_id": hold.request_id,
                                              "onset_step": hold.onset_step, "step": hold.step,
                                              "nodes": list(action.job.nodes)})

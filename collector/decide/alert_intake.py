@@ -82,6 +82,8 @@ class AlertIntake:
             collections.OrderedDict())
         self._lock = threading.Lock()
         self._turn_queued = False
+        self._deciding = 0
+        """Alert findings taken off the queue by a turn and not yet through the policy."""
         self._flusher: concurrent.futures.Future[None] | None = None
         self._bulk_saved = 0.0
 
@@ -160,6 +162,11 @@ class AlertIntake:
             ctx.submit_bulk(self._turn, ctx)
         return dropped
 
+    def idle(self) -> bool:
+        """Whether every alert finding queued has been through the policy (any thread)."""
+        with self._lock:
+            return not self._queue and not self._deciding
+
     def _turn(self, ctx: DecideContext) -> None:
         """Bulk lane: run up to :data:`ALERT_CHUNK` alert findings through the policy,
         then queue the next turn behind any decision work that arrived meanwhile."""
@@ -169,14 +176,19 @@ class AlertIntake:
             self._m_queue.set(len(self._queue))
             more = bool(self._queue)
             self._turn_queued = more
+            self._deciding = len(chunk)
         if more:
             ctx.submit_bulk(self._turn, ctx)
-        for finding, source in chunk:
-            try:
-                self._decide(finding, source)
-            except Exception:
-                ctx.metrics.policy_errors.inc()
-                log.exception("policy failed on alert finding %s", finding.check)
+        try:
+            for finding, source in chunk:
+                try:
+                    self._decide(finding, source)
+                except Exception:
+                    ctx.metrics.policy_errors.inc()
+                    log.exception("policy failed on alert finding %s", finding.check)
+        finally:
+            with self._lock:
+                self._deciding = 0
         # During a storm the incidents are written once a second and when the queue runs
         # dry, not after every chunk: a write per turn would hold up the decision lane.
         mono = time.monotonic()

@@ -35,7 +35,7 @@ import enum
 import json
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import msgspec
@@ -47,7 +47,7 @@ from forewarn.wire import Finding, Health, Subject
 from ..storage.state import StateStore
 
 __all__ = ["FindingState", "Incident", "IncidentBook", "Observation", "TrackedFinding",
-           "finding_key", "incident_scope", "save_incidents"]
+           "finding_key", "incident_scope", "save_incidents", "tracked_key"]
 
 DEFAULT_WINDOW_S = 300.0
 """Findings about one scope within this long of the incident's last one join it."""
@@ -63,7 +63,12 @@ class FindingState(enum.StrEnum):
 
 def finding_key(finding: Finding, source: str) -> str:
     """The identity of what ``finding`` is about: source, subject and check."""
-    return f"{source}|{finding.subject.key()}|{finding.check}"
+    return tracked_key(source, finding.subject.key(), finding.check)
+
+
+def tracked_key(source: str, subject: str, check: str) -> str:
+    """:func:`finding_key` from its parts (``subject``: :meth:`Subject.key`)."""
+    return f"{source}|{subject}|{check}"
 
 
 def incident_scope(subject: Subject) -> tuple[str, str]:
@@ -245,6 +250,15 @@ class IncidentBook:
         tracked = incident.findings.get(finding_key(finding, source)) if incident else None
         if tracked is not None and tracked.state == FindingState.FIRING:
             tracked.last_seen = now
+
+    def refresh_seen(self, seen: Mapping[str, float]) -> None:
+        """Firing findings by key (:func:`tracked_key`) -> when their source last re-sent
+        them, as another replica heard it: none of them is silent since then."""
+        for incident in self._open.values():
+            for tracked in incident.findings.values():
+                when = seen.get(tracked.key)
+                if when is not None and tracked.state == FindingState.FIRING:
+                    tracked.last_seen = max(tracked.last_seen, when)
 
     def heard(self, liveness: str, now: float) -> None:
         """A source spoke (``agent:<node>`` for each of its batches)."""

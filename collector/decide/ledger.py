@@ -23,8 +23,9 @@ import msgspec
 
 from forewarn.wire import Finding, Health, SuggestedAction
 
+from ..ingest.alert_book import firing_heard
 from ..ingest.batch import store_findings
-from .incidents import IncidentBook, TrackedFinding, save_incidents
+from .incidents import IncidentBook, TrackedFinding, save_incidents, tracked_key
 
 if TYPE_CHECKING:
     from .seam import DecideContext
@@ -96,6 +97,7 @@ class FindingLedger:
         book = self.book
         if book is None:
             return []
+        self._alerts_heard(now)
         expired = book.expire(now)
         if expired:
             log.warning("%d finding(s) expired: their source was silent for %.0f s: %s",
@@ -107,6 +109,22 @@ class FindingLedger:
             self.record(closing, "expiry", now)
         self.save()
         return expired
+
+    def _alerts_heard(self, now: float) -> None:
+        """Shared state: a firing alert re-sent to another replica is not silent either.
+        That replica only stores it (its row's ``last_seen``), so the leader reads the rows
+        before it expires anything."""
+        ctx, book = self._ctx, self.book
+        if ctx is None or book is None or not ctx.leader.shared:
+            return
+        try:
+            heard = firing_heard(ctx.store, now - book.ttl_s)
+        except Exception:  # the store is down: what this replica heard itself stands
+            ctx.metrics.policy_errors.inc()
+            log.exception("reading the alerts other replicas heard failed")
+            return
+        book.refresh_seen({tracked_key(source, subject, check): seen
+                           for source, subject, check, seen in heard})
 
     def save(self) -> None:
         """Write the incidents that changed; a failure is logged and counted."""

@@ -29,19 +29,21 @@ for the step after that one, naming the hold it ``replaces``
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
+import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
 from forewarn.ordering import IssuedHolds, order_step, replacement_hold
-from forewarn.wire import CheckpointOrder, CheckpointReport, CommandAck, SaveHold
+from forewarn.wire import CheckpointOrder, CheckpointReport, CommandAck, Finding, SaveHold
 
 from ..jobs.jobview import JobInfo
 
-__all__ = ["CommandSink", "JobOrder", "OrderBook", "OrderSettings", "choose_step"]
+__all__ = ["CommandSink", "JobOrder", "OrderBook", "OrderSettings", "choose_step", "order_key"]
 
 
 class CommandSink(Protocol):
@@ -131,6 +133,19 @@ def _new_request_id() -> str:
     return "ord-" + uuid.uuid4().hex[:16]
 
 
+def order_key(finding: Finding, job: str) -> str:
+    """What an order for ``job`` about ``finding`` is, whoever decides it: the finding's
+    whole content and the job. A new leader that decides a finding the old one decided
+    too (it cannot know how far the old one got) gets the same key, hence the same
+    request id and command ids: the command queue keeps one, JetStream drops the copy
+    (``Nats-Msg-Id``), an agent applies a command id once and the hook a request id once."""
+    return f"{job}|{msgspec.json.encode(finding).decode()}"
+
+
+def _keyed_request_id(key: str) -> str:
+    return "ord-" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
 class OrderBook:
     """Issues job-wide orders and follows them to done (see the module docstring).
 
@@ -165,14 +180,16 @@ class OrderBook:
 
     def issue(
         self, job: JobInfo, reason: str, *, decision_id: str = "", floor: int | None = None,
-        attempt: int = 0,
+        attempt: int = 0, key: str = "",
     ) -> JobOrder:
-        """Choose S for ``job`` and queue the order for each of its nodes."""
+        """Choose S for ``job`` and queue the order for each of its nodes. ``key``
+        (:func:`order_key`): the request id comes from it, so the same order decided
+        again is the same order; without it, a new id."""
         now = self._clock()
         step, inputs = choose_step(job, now, self.settings, floor)
         order = CheckpointOrder(
-            request_id=self._new_id(), job=job.job, step=step, reason=reason[:4096], issued=now
-        )
+            request_id=self._request_id(key), job=job.job, step=step, reason=reason[:4096],
+            issued=now)
         record = JobOrder(
             request_id=order.request_id, job=job.job, step=step, reason=order.reason,
             issued=now, nodes=job.nodes, world_size=job.world_size, inputs=inputs,
@@ -188,17 +205,21 @@ class OrderBook:
         self._m_orders.labels("issued" if attempt == 0 else "reissued").inc()
         return record
 
-    def hold(self, job: JobInfo, onset_step: int, reason: str) -> SaveHold:
+    def hold(self, job: JobInfo, onset_step: int, reason: str, *, key: str = "") -> SaveHold:
         """Tell every node of ``job`` that its state is suspect since ``onset_step`` and
         that its ranks stop saving at a step chosen as an order's S (ahead of the fastest
-        rank, so all of them stop at the same step): :class:`~forewarn.wire.SaveHold`."""
+        rank, so all of them stop at the same step): :class:`~forewarn.wire.SaveHold`.
+        ``key`` as for :meth:`issue`."""
         now = self._clock()
         step, _inputs = choose_step(job, now, self.settings)
-        hold = SaveHold(request_id=self._new_id(), job=job.job, onset_step=onset_step,
+        hold = SaveHold(request_id=self._request_id(key), job=job.job, onset_step=onset_step,
                         step=max(step, onset_step), reason=reason[:4096], issued=now)
         self._send_hold(job, hold, 0)
         self._m_orders.labels("hold").inc()
         return hold
+
+    def _request_id(self, key: str) -> str:
+        return _keyed_request_id(key) if key else self._new_id()
 
     def _send_hold(self, job: JobInfo, hold: SaveHold, attempt: int) -> None:
         self._holds.add(hold, attempt, job)
@@ -278,6 +299,7 @@ class OrderBook:
             decision_id=order.decision_id,
             floor=floor,
             attempt=order.attempt + 1,
+            key=f"{order.request_id}|reissue",
         )
         order.status = "reissued"
         order.next_id = new.request_id

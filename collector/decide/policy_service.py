@@ -171,6 +171,10 @@ class PolicyService:
         if plain:
             self.on_findings(plain, ctx.store, now)
 
+    def settled(self) -> bool:
+        """Whether the alerts :meth:`on_feed` queued have all been through the policy."""
+        return self.alerts.idle()
+
     def on_batches(self, batches: Sequence[AgentBatch], now: float) -> None:
         """Checkpoint reports: measured cost, order progress, reissue on a miss; the
         batches to the advisors; a scoring when due."""

@@ -152,6 +152,11 @@ class FeedHook(Protocol):
         """Findings any replica stored, each with its origin, read by the leader's feed
         (leader only; without this hook they go to ``on_findings``)."""
 
+    def settled(self) -> bool:
+        """Whether every finding handed to :meth:`on_feed` has been decided (some wait
+        on a lane of their own: alerts). Until it is, the feed's saved cursor stays
+        before them, so a next leader reads them again. Any thread."""
+
 
 @dataclasses.dataclass(frozen=True)
 class RiskQuery:

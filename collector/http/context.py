@@ -24,7 +24,7 @@ from ..ingest.batch import IngestWriter
 from ..jobs.jobmap import StoreJobView
 from ..metrics import CollectorMetrics
 from ..storage.commands import CommandQueue, NodeCommand
-from ..storage.leader import FindingsFeed, Leadership, SoleLeader
+from ..storage.leader import FindingsFeed, Leadership, SoleLeader, leads_in
 from ..storage.remote_write import RemoteWriter
 from ..storage.state import StateStore
 from ..storage.telemetry import TelemetryWriter
@@ -125,20 +125,26 @@ class CollectorContext:
             if isinstance(item, NodeCommand):
                 self.commands.enqueue(item.node, item.command)
 
-    def _decide_fed(self, found: list[tuple[str, Finding]]) -> None:
+    def _decide_fed(self, found: list[tuple[str, Finding]], term: int) -> None:
         """The leader's feed: findings with their origins to a policy that tells them
-        apart (:class:`~..decide.seam.FeedHook`), the findings alone to any other."""
+        apart (:class:`~..decide.seam.FeedHook`), the findings alone to any other; only
+        while this replica still leads in the ``term`` the feed took them in."""
+        if not leads_in(self.leader, term):
+            return
         policy = self.policy
         if not isinstance(policy, FeedHook):
             self._decide([f for _origin, f in found])
-            return
-        if not self.leader.is_leader:
             return
         try:
             policy.on_feed(found, self.clock())
         except Exception:
             self.metrics.policy_errors.inc()
             log.exception("policy.on_feed failed on %d findings", len(found))
+
+    def _feed_settled(self) -> bool:
+        """Whether the policy decided everything the feed handed it (:class:`FeedHook`)."""
+        policy = self.policy
+        return not isinstance(policy, FeedHook) or policy.settled()
 
     def _policy_batches(self, batches: list[AgentBatch], backlog: bool = True) -> None:
         if backlog:
@@ -212,20 +218,34 @@ class CollectorContext:
     async def leader_feed(self, feed: FindingsFeed) -> None:
         """Shared state: while this replica leads, every finding any replica stored goes
         through the policy (once; the cursor is saved after each group)."""
-        leading = False
+        leading, term = False, 0
+        held: int | None = None  # the saved cursor stays at or before this
         while True:
             await asyncio.sleep(FEED_INTERVAL_S)
             try:
-                if not self.leader.is_leader:
-                    leading = False
-                    continue
-                if not leading:
+                if not leading or not leads_in(self.leader, term):
+                    leading, term, held = False, self.leader.term, None
+                    if not self.leader.is_leader:
+                        continue
                     await asyncio.to_thread(feed.resume)
                     leading = True
+                before = feed.mark()
                 found = await asyncio.to_thread(feed.take)
                 if found:  # decisions: ahead of the bus batches queued there
-                    await self.run_policy(self._decide_fed, found, urgent=True)
-                await asyncio.to_thread(feed.save)
+                    await self.run_policy(self._decide_fed, found, term, urgent=True)
+                # Findings handed over but not decided yet (alerts wait on the bulk lane)
+                # keep the saved cursor before them until they are.
+                if self._feed_settled():
+                    held = None
+                elif held is None:
+                    held = before
+                if not leads_in(self.leader, term):
+                    # The lease was lost before these were decided (or while they were):
+                    # the cursor stays where it was, so the next leader decides them. One
+                    # decided here already gets the same order id there (one order).
+                    leading = False
+                    continue
+                await asyncio.to_thread(feed.save, held)
             except Exception:
                 leading = False  # resume from the saved cursor once the store answers
                 log.exception("leader feed failed; retried in %.1f s", FEED_INTERVAL_S)

@@ -36,7 +36,7 @@ from ..jobs.jobview import JobView
 from .alerts import AlertPayload, alert_finding, alert_labels
 from .batch import store_findings
 
-__all__ = ["AlertBook", "AlertIntake"]
+__all__ = ["AlertBook", "AlertIntake", "firing_heard"]
 
 WRITE_CHUNK = 100
 """Rows (or findings) per write transaction of a flush."""
@@ -91,6 +91,17 @@ def alert_key(source: str, labels: dict[str, str]) -> str:
     hash of the labels too, but a sender may leave it out)."""
     text = json.dumps(sorted(labels.items()), separators=(",", ":"))
     return f"{source}:{hashlib.sha256(text.encode()).hexdigest()[:32]}"
+
+
+def firing_heard(store: Any, since: float) -> list[tuple[str, str, str, float]]:
+    """``(source, subject, check, last seen)`` of the firing alerts any replica heard
+    since ``since`` (their rows, re-sends included: each replica's book writes its own):
+    with several replicas, a re-send may reach one that does not decide."""
+    rows = store.query("SELECT source, alertname, subject, MAX(last_seen) AS seen"
+                       " FROM alerts WHERE status = 'firing' AND last_seen > ?"
+                       " AND subject <> '' GROUP BY source, alertname, subject", (since,))
+    return [(str(r["source"]), str(r["subject"]), f"alert:{r['alertname']}"[:256],
+             float(r["seen"])) for r in rows]
 
 
 class AlertBook:

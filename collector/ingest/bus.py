@@ -25,10 +25,13 @@ collectors' durable pull consumers, then runs its tasks on the app's event loop:
   a second. A replica that dies holding batches loses nothing: JetStream redelivers
   them to another after ``bus_ack_wait_s``.
 * **Commands.** When a command is queued (:attr:`CommandQueue.on_enqueue`) and every
-  ``command_redeliver_s`` for commands still due, commands of nodes seen on the bus are
+  ``command_redeliver_s`` for commands still due, commands of nodes on the bus are
   taken from the queue (marked delivered) and published to ``forewarn.cmd.<node>`` with
-  ``Nats-Msg-Id`` = the command id, so a republish is dropped by JetStream. Nodes that
-  never sent a batch over the bus keep getting theirs over the HTTP long poll.
+  ``Nats-Msg-Id`` = the command id, so a republish is dropped by JetStream. A node is on
+  the bus when its batches reached this replica over NATS or, in the shared state, its
+  last batch came over NATS (whichever replica stored it): so a command whose publish
+  was in doubt when its replica died is published again by the next. Nodes whose
+  batches come over HTTP keep getting theirs over the HTTP long poll.
 * **The leader's batches.** With :class:`~.bus_decide.DecideFeed`\\ s (shared state, one
   per lane), the leader also pulls every batch through a second consumer per lane for
   its decisions (see there).
@@ -378,7 +381,7 @@ class BusConsumer:
     def _command_queued(self, node: str) -> None:
         """CommandQueue.on_enqueue (any thread): wake the publisher for ``node``."""
         loop = self._loop
-        if loop is None or loop.is_closed() or node not in self.nodes:
+        if loop is None or loop.is_closed():
             return
         with contextlib.suppress(RuntimeError):  # loop shutting down
             loop.call_soon_threadsafe(self._want, node)
@@ -395,6 +398,7 @@ class BusConsumer:
             wanted, self._wanted = self._wanted, set()
             try:
                 due = set(await asyncio.to_thread(self.commands.due_nodes))
+                await self._learn_bus_nodes((wanted | due) - self.nodes)
                 # All nodes' commands in one transaction (a decision's, for every node of
                 # its job), then published.
                 taken = await asyncio.to_thread(self.commands.take_many,
@@ -412,6 +416,20 @@ class BusConsumer:
             except Exception as exc:
                 self.error = f"{type(exc).__name__}: {exc}"
                 log.warning("bus: publishing commands failed: %s", self.error)
+
+    async def _learn_bus_nodes(self, nodes: set[str]) -> None:
+        """Which of ``nodes`` send their batches over the bus, from the shared state (the
+        address of each node's last batch), not only from what reached this process: a
+        command another replica queued, or marked delivered and died before its publish
+        was answered, is published by this one when it falls due again."""
+        if not nodes:
+            return
+        marks = ", ".join("?" * len(nodes))
+        rows = await asyncio.to_thread(
+            self.commands.store.query,
+            f"SELECT node FROM nodes WHERE address = ? AND node IN ({marks})",
+            [bus.BUS_ADDRESS, *sorted(nodes)])
+        self.nodes.update(str(r["node"]) for r in rows)
 
     async def _take_acks(self, sub: JetStreamContext.PullSubscription) -> None:
         try:

@@ -53,7 +53,7 @@ from forewarn import bus
 from forewarn.wire import AgentBatch
 
 from ..config import CollectorConfig
-from ..storage.leader import FIRST_WINDOW_S, Leadership
+from ..storage.leader import FIRST_WINDOW_S, Leadership, leads_in
 from ..storage.state import StateStore
 from .authz import NotYourJob, authorise_batch
 from .validate import IngestError, TimeWindow, check_batch
@@ -133,6 +133,8 @@ class DecideFeed:
         another after ``bus_ack_wait_s``)."""
         self._sub: JetStreamContext.PullSubscription | None = None
         self._held: list[_Held] = []
+        self._term = 0
+        """The leader's term this replica pulls in (:func:`~..storage.leader.leads_in`)."""
         self._fed: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
         self._count = count
 
@@ -140,13 +142,14 @@ class DecideFeed:
         """One turn (the bus consumer runs it in a loop that logs and retries NATS or
         store trouble): while this replica leads, pull the decide consumer and feed the
         policy; otherwise let go of it and wait."""
+        if self._sub is not None and not leads_in(self.leader, self._term):
+            sub, self._sub = self._sub, None
+            await self._let_go(sub)
         if not self.leader.is_leader:
-            if self._sub is not None:
-                sub, self._sub = self._sub, None
-                await self._let_go(sub)
             await asyncio.sleep(IDLE_S)
             return
         if self._sub is None:
+            self._term = self.leader.term
             self._sub = await self._bind(js)
         await self._take(self._sub)
 
@@ -227,6 +230,12 @@ class DecideFeed:
         for i in range(0, len(batches), POLICY_PART):
             part = batches[i:i + POLICY_PART]
             await self.deliver(part, self.lane.urgent)
+            if not leads_in(self.leader, self._term):
+                # The lease was lost before the policy took this part (it skips it then),
+                # or while it did: the group comes back to the next leader at once.
+                for h in ready:
+                    await h.msg.nak()
+                return
             self._count.labels("fed").inc(len(part))
             self._remember(part)
         for h in ready:

@@ -33,7 +33,8 @@ from forewarn.wire import Finding
 
 from .state import StateStore
 
-__all__ = ["POLICY_LOCK", "AdvisoryLockLeader", "FindingsFeed", "Leadership", "SoleLeader"]
+__all__ = ["POLICY_LOCK", "AdvisoryLockLeader", "FindingsFeed", "Leadership", "SoleLeader",
+           "leads_in"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,13 @@ class Leadership(Protocol):
         ...
 
     @property
+    def term(self) -> int:
+        """How many times this replica became the leader: work begun as leader may keep
+        its effects (a saved cursor, an acknowledgement) only while the term it began in
+        goes on (:func:`leads_in`)."""
+        ...
+
+    @property
     def shared(self) -> bool:
         """Whether other replicas share the state (the leader then reads findings from the
         store's feed instead of from its own ingest)."""
@@ -86,6 +94,7 @@ class SoleLeader:
     """The embedded collector: the only replica, always the leader."""
 
     is_leader = True
+    term = 1
     shared = False
 
     def status(self) -> dict[str, Any]:
@@ -114,6 +123,7 @@ class AdvisoryLockLeader:
         self.on_change = on_change
         self.clock = clock
         self._leader = False
+        self._term = 0
         self._since = clock()
         self._error = ""
         self._stop = threading.Event()
@@ -122,6 +132,10 @@ class AdvisoryLockLeader:
     @property
     def is_leader(self) -> bool:
         return self._leader
+
+    @property
+    def term(self) -> int:
+        return self._term
 
     def status(self) -> dict[str, Any]:
         return {"role": "leader" if self._leader else "follower", "since": self._since,
@@ -138,6 +152,8 @@ class AdvisoryLockLeader:
     def _set(self, leader: bool) -> None:
         if leader == self._leader:
             return
+        if leader:
+            self._term += 1  # before _leader: a reader that sees it leading sees this term
         self._leader, self._since = leader, self.clock()
         log.warning("this replica is now the %s", "leader" if leader else "follower")
         if self.on_change is not None:
@@ -178,6 +194,13 @@ class AdvisoryLockLeader:
         self._set(False)
         if conn is not None:
             conn.close()  # the session ends: the lock goes to another replica at once
+
+
+def leads_in(leader: Leadership, term: int) -> bool:
+    """Whether ``leader`` still leads in ``term``: it has led without a break since then
+    (a replica that lost the lock and took it again is in a later term: another may
+    have decided meanwhile)."""
+    return leader.is_leader and leader.term == term
 
 
 class FindingsFeed:
@@ -236,11 +259,21 @@ class FindingsFeed:
                 log.error("finding %d cannot be decoded for the policy: %s", found, exc)
         return out
 
-    def save(self) -> None:
-        """Record how far the policy got: below the oldest id still looked for."""
+    def mark(self) -> int | None:
+        """What :meth:`save` records now: below the oldest id still looked for (``None``
+        before the first :meth:`resume`)."""
         if self._cursor is None:
+            return None
+        return min(self._gaps, default=self._cursor + 1) - 1
+
+    def save(self, upto: int | None = None) -> None:
+        """Record how far the policy got (:meth:`mark`), but not past ``upto`` when given
+        (findings after it were handed over and are not all decided yet)."""
+        mark = self.mark()
+        if mark is None:
             return
-        mark = min(self._gaps, default=self._cursor + 1) - 1
+        if upto is not None:
+            mark = min(mark, upto)
         with self.store.write() as tx:
             tx.execute("INSERT INTO policy_cursor (name, last_id, updated) VALUES (?, ?, ?)"
                        " ON CONFLICT (name) DO UPDATE SET last_id = excluded.last_id,"

@@ -264,8 +264,15 @@ class RemoteWriter:
             return False
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Send what is queued for up to ``timeout_s``, then end the threads (what is left
-        is dropped and counted)."""
+        """Send what is queued for up to ``timeout_s``, then end: what was not written is
+        dropped and counted, and no :meth:`written` future waiting for it succeeds (its
+        batches stay unacknowledged, so the bus delivers them again and agents resend).
+
+        In order: the senders drain (a shard whose request fails while stopping sends
+        nothing after it, so a later success cannot acknowledge it); the waiters still
+        waiting fail; only then is the client closed. A request still in flight to a
+        hung store ends on its own (its read times out on the closed client); its
+        sender thread then ends without raising."""
         with self._lock:
             self._stopping = True
             for shard in self._shards:
@@ -304,8 +311,22 @@ class RemoteWriter:
                 return  # stopping and drained
             self.metrics.remote_write_queued.set(self._queued)
             body = _compress(encode_write_request(series_of(batch, self.labels)))
-            if self._send(body, len(batch)):
-                self._done(shard, len(batch))
+            if not self._send(body, len(batch)):
+                # Stopping, and this request was not written: send nothing after it.
+                # ``finished`` must stay a prefix of what was offered, or a later success
+                # would acknowledge these samples (:meth:`written`).
+                self._drop_rest(shard)
+                return
+            self._done(shard, len(batch))
+
+    def _drop_rest(self, shard: _Shard) -> None:
+        """The writer stops and ``shard`` sends no more: its queue is dropped, counted."""
+        with self._lock:
+            left = len(shard.queue)
+            shard.queue.clear()
+            self._queued -= left
+        if left:
+            self.metrics.remote_write_dropped.labels("shutdown").inc(left)
 
     def _done(self, shard: _Shard, samples: int) -> None:
         """``samples`` more of ``shard`` are done with: wake the :meth:`written` futures
@@ -333,6 +354,10 @@ class RemoteWriter:
                 status: int | str = r.status_code
             except httpx.HTTPError as exc:
                 status, r = type(exc).__name__, None
+            except RuntimeError as exc:  # the client was closed by stop(): not sent
+                if not self._stopping:
+                    raise
+                status, r = f"{type(exc).__name__}: {exc}", None
             self.metrics.remote_write_seconds.observe(time.perf_counter() - started)
             if isinstance(status, int) and 200 <= status < 300:
                 self.metrics.remote_write_samples.inc(samples)

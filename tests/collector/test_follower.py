@@ -220,3 +220,33 @@ def test_the_leaders_own_findings_are_decided_once_not_again_from_its_feed(
     sources = rows(dsn, "SELECT DISTINCT inputs::json->>'source' FROM decisions"
                         " WHERE inputs::json->>'check' = 'job_straggler'")
     assert sources == [("peers",)]
+
+
+@pytest.mark.timeout(180)
+def test_a_firing_alert_re_sent_only_to_a_follower_does_not_expire_on_the_leader(
+        tmp_path: Path, cluster: tuple[str, Path, list[Replica]]) -> None:
+    dsn, tokens, started = cluster
+    a, b = leader_and_follower(tmp_path, dsn, tokens, started, alert_token=ALERT_TOKEN,
+                               finding_ttl_s=4, policy_breaker_checkpoint_share=1.0)
+    assert a.push("node1", ranks=ranks("train-1", "node1", time.time())).status_code == 200
+
+    def send_to_the_follower() -> None:
+        r = b.client.post("/api/v1/alerts/alertmanager", json=alert("train-1"),
+                          headers={"authorization": f"Bearer {ALERT_TOKEN}"})
+        assert r.status_code == 200, r.text
+
+    send_to_the_follower()
+    decided = ("SELECT count(*) FROM decisions WHERE inputs::json->>'check' ="
+               " 'alert:LossSpike'")
+    assert wait_for(lambda: rows(dsn, decided)[0][0] >= 1, 30, "the leader decides it")
+    # Alertmanager re-sends the firing alert every 0.5 s for three times the TTL, always
+    # to the follower. (Before the fix the leader never heard of the re-sends and stored
+    # an "expiry" finding for it after the TTL.)
+    until = time.monotonic() + 13.0
+    while time.monotonic() < until:
+        send_to_the_follower()
+        time.sleep(0.5)  # the sender's cadence, not a wait for a result
+    expiry = "SELECT count(*) FROM findings WHERE origin = 'expiry'"
+    assert rows(dsn, expiry) == [(0,)]
+    # Once the re-sends stop, the alert's source is silent: it expires, once.
+    assert wait_for(lambda: rows(dsn, expiry) == [(1,)], 30, "the silent alert to expire")

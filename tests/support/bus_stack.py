@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from support.metrics import value
 from support.polling import wait_for
 
 __all__ = ["COLLECTOR_PASSWORD", "TOKENS", "FedAgent", "ReplicaProc", "auth_block",
-           "stored"]
+           "send_one_batch", "stored"]
 
 TOKENS = {"gpu.a": "token-a-0123456789", "gpu_b": "token-b-0123456789"}
 COLLECTOR_PASSWORD = "collector-password-0123456789"
@@ -37,6 +38,22 @@ def auth_block() -> str:
     """The nats-server authorization for :data:`TOKENS` and the collector."""
     return bus.authorization({n: hash_token(t) for n, t in TOKENS.items()},
                              COLLECTOR_PASSWORD)
+
+
+def send_one_batch(url: str, node: str, spool: Path, stored: Callable[[], object]) -> None:
+    """One batch (one GPU sample) from ``node``'s real NATS uplink; returns once
+    ``stored()`` is true, with the uplink stopped: the node says nothing more."""
+    up = NatsUplink(AgentConfig(node=node, uplink="nats", nats_url=url, token=TOKENS[node],
+                                spool_dir=spool, push_interval_s=0.2),
+                    registry=CollectorRegistry(), retry_s=0.05, publish_timeout_s=2.0,
+                    fetch_wait_s=0.5)
+    up.start()
+    try:
+        up.add(samples=[GpuSample(node=node, gpu=0, time=time.time(), source="sim",
+                                  simulated=True, temperature_c=50.0)])
+        wait_for(stored, 30, f"{node}'s batch stored")
+    finally:
+        up.stop()
 
 
 class ReplicaProc:

@@ -1,0 +1,20 @@
+"""Fixtures of the collector tests that several files share."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from support.bus_stack import auth_block
+from support.nats_server import NatsServer, start_server
+
+
+@pytest.fixture
+def bus_nats(tmp_path: Path) -> Iterator[NatsServer]:
+    """A real nats-server with JetStream and the nodes' and collector's users of
+    :mod:`support.bus_stack`."""
+    server = start_server(tmp_path / "nats", authorization=auth_block())
+    yield server
+    server.stop()

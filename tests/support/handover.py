@@ -1,0 +1,165 @@
+"""Leadership taken away mid-decision, on purpose: collector services in the test's own
+process on a shared PostgreSQL (so a test can hold a service's policy thread with test
+code, as a long decision would), and the test's own session that ends the leader's lock
+session and holds the lock until the old leader has noticed (nobody leads meanwhile)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+
+from forewarn.collector.cli import ServerThread
+from forewarn.collector.config import CollectorConfig
+from forewarn.collector.decide.policy_service import PolicyService
+from forewarn.collector.http.app import create_app
+from forewarn.collector.http.auth import TokenRegistry
+from forewarn.collector.http.context import CollectorContext
+from forewarn.collector.storage.leader import POLICY_LOCK
+from forewarn.collector.storage.state import StateStore, open_state
+from forewarn.wire import AgentBatch, encode
+
+from support.collector import TOKENS
+from support.polling import wait_for
+
+__all__ = ["ALERT_TOKEN", "LockHolder", "Service", "end_leader_session", "feed_waits",
+           "lease_lost", "rows"]
+
+
+ALERT_TOKEN = "alert-token-handover-test"
+
+
+class Service:
+    """One collector service in this process, on shared PostgreSQL state."""
+
+    def __init__(self, root: Path, dsn: str, tokens: Mapping[str, str] = TOKENS,
+                 **keys: Any) -> None:
+        cfg = CollectorConfig(listen="127.0.0.1:0", data_dir=root / "data",
+                              tokens_file=root / "none.toml", flush_interval_s=3600,
+                              state="postgresql", postgres_dsn=dsn, advise_hooks=False,
+                              predictor_enabled=False, alert_token=ALERT_TOKEN, **keys)
+        self.tokens = dict(tokens)
+        self.store: StateStore = open_state(cfg)
+        app = create_app(cfg, self.store, policy=PolicyService.from_config(cfg),
+                         tokens=TokenRegistry(tokens=self.tokens))
+        self.ctx: CollectorContext = app.state.ctx
+        self.server = ServerThread(app, cfg).start()
+        self.seq = 0
+        self._releases: list[threading.Event] = []
+        self._running = True
+
+    def push(self, node: str, **kw: Any) -> None:
+        self.seq += 1
+        batch = AgentBatch(node=node, agent_id=f"agent-{node}-{id(self)}", seq=self.seq,
+                           created=time.time(), **kw)
+        r = httpx.post(f"{self.server.url}/api/v1/ingest", content=encode(batch), timeout=30,
+                       headers={"content-type": "application/msgpack",
+                                "authorization": f"Bearer {self.tokens[node]}"})
+        assert r.status_code == 200, r.text
+
+    def alert(self, job: str) -> None:
+        """An Alertmanager alert naming ``job``, firing."""
+        body = {"version": "4", "status": "firing", "receiver": "forewarn",
+                "groupLabels": {}, "commonLabels": {}, "alerts": [{
+                    "status": "firing", "annotations": {"summary": "loss spikes"},
+                    "labels": {"alertname": "LossSpike", "job": job, "severity": "critical"},
+                    "startsAt": "2026-01-01T00:00:00Z", "fingerprint": "00000000000000aa"}]}
+        r = httpx.post(f"{self.server.url}/api/v1/alerts/alertmanager", json=body,
+                       headers={"authorization": f"Bearer {ALERT_TOKEN}"}, timeout=30)
+        assert r.status_code == 200, r.text
+
+    def hold_policy(self, urgent: bool = False) -> tuple[threading.Event, threading.Event]:
+        """Occupy the policy thread with test code (as a long decision would): returns
+        (started, release). ``urgent``: queued on the urgent lane, behind what waits
+        there; else on the bulk lane."""
+        started, release = threading.Event(), threading.Event()
+        self._releases.append(release)
+
+        def long_decision() -> None:
+            started.set()
+            release.wait(120)
+
+        if urgent:
+            assert self.ctx.loop is not None
+            asyncio.run_coroutine_threadsafe(
+                self.ctx.run_policy(long_decision, urgent=True), self.ctx.loop)
+        else:
+            self.ctx.submit_bulk(long_decision)
+        return started, release
+
+    def leads(self) -> bool:
+        return self.ctx.leader.is_leader
+
+    def policy_idle(self) -> None:
+        """Return once everything queued on the policy thread before this call ran."""
+        self.ctx.submit_bulk(lambda: None).result(60)
+
+    def stop(self) -> None:
+        """Stop it (again: nothing)."""
+        for release in self._releases:
+            release.set()
+        if self._running:
+            self._running = False
+            self.server.stop()
+            self.store.close()
+
+
+def rows(dsn: str, sql: str, *params: Any) -> list[tuple[Any, ...]]:
+    with psycopg.connect(dsn) as conn:
+        return conn.execute(sql, params).fetchall()
+
+
+class LockHolder:
+    """The test's own session waiting for the policy lock (``pg_advisory_lock`` queues: it
+    gets the lock the moment the holder's session ends, before any replica's next try)."""
+
+    def __init__(self, dsn: str) -> None:
+        self.conn = psycopg.connect(dsn, autocommit=True)
+        self.held = threading.Event()
+        self._thread = threading.Thread(target=self._wait, daemon=True)
+        self._thread.start()
+
+    def _wait(self) -> None:
+        self.conn.execute("SELECT pg_advisory_lock(%s)", (POLICY_LOCK,))
+        self.held.set()
+
+    def release(self) -> None:
+        self.conn.close()  # the session ends: the lock is free
+
+
+def end_leader_session(dsn: str) -> None:
+    """End the session that holds the policy lock, as a lost connection would."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        pids = conn.execute("SELECT l.pid FROM pg_locks l JOIN pg_stat_activity a"
+                            " ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.granted"
+                            " AND a.application_name = 'forewarn-leader'").fetchall()
+        assert len(pids) == 1, pids
+        conn.execute("SELECT pg_terminate_backend(%s)", (pids[0][0],))
+
+
+def feed_waits(dsn: str, for_s: float = 1.5) -> bool:
+    """Whether the leader's feed has not saved its cursor for ``for_s`` (it saves every
+    0.2 s unless it waits for its policy thread)."""
+    late = rows(dsn, "SELECT extract(epoch FROM now()) - updated FROM policy_cursor")
+    return bool(late) and float(late[0][0]) > for_s
+
+
+@contextlib.contextmanager
+def lease_lost(dsn: str, leader: Service) -> Iterator[None]:
+    """``leader``'s lock session ends and nobody leads until the block ends (the test's
+    session holds the lock meanwhile)."""
+    holder = LockHolder(dsn)
+    try:
+        end_leader_session(dsn)
+        assert holder.held.wait(30), "the test's session did not get the lock"
+        wait_for(lambda: not leader.leads(), 30, "the leader to notice it lost the lock")
+        yield
+    finally:
+        holder.release()
