@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,9 @@ def register(sub: Any) -> Any:
                     help="only this family (repeatable; default: every family)")
     ef.add_argument("--threads", type=int, default=1,
                     help="OpenMP/BLAS threads (default 1: a shared machine)")
+    ef.add_argument("--seed", type=_seed_list, default=[0], metavar="N[,N...]",
+                    help="the pool's seed (default 0); several, comma-separated, pool the "
+                    "folds of as many pools (a ranking that is not one pool's luck)")
     ef.add_argument("--out", help="write each fold's results to this CSV as it finishes; "
                     "a rerun with the same file skips the folds it holds")
     ef.add_argument("--markdown", help="replace the table in this Markdown file (between "
@@ -319,18 +323,26 @@ def _eval_families(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"forewarn models eval-families: {exc}", file=sys.stderr)
         return 2
+    def progress(seed: int) -> Callable[[str], None]:
+        return lambda m: print(f"seed {seed}: {m}", file=sys.stderr, flush=True)
+
+    parts, gpu_days, failures = [], 0.0, 0
     with threadpool_limits(args.threads):
-        pool = family_pool(scale=args.scale)
-        res = leave_family_out(pool, families=args.family or None,
-                               progress=lambda m: print(m, file=sys.stderr, flush=True),
-                               skip=set() if done is None else set(done["family"]),
-                               on_fold=folds.append if folds else None)
-    if done is not None and len(done):
-        res = pd.concat([done, res], ignore_index=True)
+        for seed in args.seed:
+            pool = family_pool(scale=args.scale, seed=seed)
+            skip = set() if done is None else set(done.loc[done["seed"] == seed, "family"])
+            parts.append(leave_family_out(
+                pool, families=args.family or None, seed=seed, progress=progress(seed),
+                skip=skip, on_fold=folds.append if folds else None))
+            gpu_days += len(pool.features) * 60 / 86400
+            failures += len(pool.labels)
+    if done is not None and len(done):  # folds of these seeds done before
+        parts.insert(0, done[done["seed"].isin(args.seed)])
+    res = pd.concat(parts, ignore_index=True)
     rate = pool.real_precursor_per_1000_gpu_days
-    gpu_days = len(pool.features) * 60 / 86400
-    table = (f"Pool: 3 simulated fleets, {gpu_days:,.0f} GPU-days, {len(pool.labels)} failures "
-             f"(`forewarn models eval-families --scale {args.scale:g}`, "
+    seeds = ",".join(str(k) for k in args.seed)
+    table = (f"Pool: 3 simulated fleets per seed, {gpu_days:,.0f} GPU-days, {failures} failures "
+             f"(`forewarn models eval-families --scale {args.scale:g} --seed {seeds}`, "
              f"{time.monotonic() - started:,.0f} s). Precision at the real rate assumes "
              f"{rate:.2f} failures with a precursor per 1,000 GPU-days. Best on "
              f"leave-family-out (recall x precision at the real rate): "
@@ -339,6 +351,12 @@ def _eval_families(args: argparse.Namespace) -> int:
     if args.markdown and not _replace_marked(args.markdown, "eval-families", table):
         return 2
     return 0
+
+
+def _seed_list(text: str) -> list[int]:
+    """``--seed``: one seed or several, comma-separated (argparse names the option when one
+    is not a number)."""
+    return [int(x) for x in text.split(",")]
 
 
 def _rank_backtest(args: argparse.Namespace) -> int:

@@ -107,3 +107,27 @@ def test_eval_families_keeps_each_finished_fold_and_resumes(tmp_path: Path) -> N
     res = pd.read_csv(out)
     assert sorted(res["family"]) == ["hot_spells"] * 3 + ["thermal_oscillation"] * 3
     assert "| thermal_oscillation | precursor | model |" in rerun.stdout
+
+
+def test_eval_families_seed_picks_the_pool(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """``--seed N`` draws another pool (and split): the same seed gives the same rows, another
+    seed other rows; ``--seed A,B`` pools the folds of both and names each seed's figures."""
+    from forewarn.models.lofo import family_pool
+
+    a, again, b = (family_pool(scale=0.1, seed=s) for s in (1, 1, 2))
+    pd.testing.assert_frame_equal(a.features, again.features)
+    pd.testing.assert_frame_equal(a.labels, again.labels)
+    assert not a.labels[["gpu", "time"]].equals(b.labels[["gpu", "time"]])
+    assert set(family_pool(scale=0.1).labels["node"].str[:5]) == {"f301:", "f302:", "f303:"}
+    with pytest.raises(ValueError, match="seed"):
+        family_pool(scale=0.1, seed=-1)
+    out = tmp_path / "lofo.csv"
+    assert main(["models", "eval-families", "--scale", "0.1", "--family", "one_off_bursts",
+                 "--seed", "1,2", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "--seed 1,2" in text
+    for who in ("model", "rules", "isolation_forest"):
+        assert f"| **{who}** (seed 1) |" in text and f"| **{who}** (seed 2) |" in text
+        assert f"| **{who}** |" in text  # the folds of both pools together
+    assert sorted(set(pd.read_csv(out)["seed"])) == [1, 2]
