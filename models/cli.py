@@ -49,6 +49,10 @@ def register(sub: Any) -> Any:
                    help="train on the built-in simulated training suite instead")
     t.add_argument("--scale", type=float, default=1.0, help="size of the simulated suite")
     t.add_argument("--out", required=True, help="model file to write (.skops)")
+    t.add_argument("--detector", choices=("model", "rules_forest"), default="model",
+                   help="model (shipped): the gradient-boosted failure predictor; "
+                   "rules_forest: repeated hardware XIDs or an isolation forest far out "
+                   "(docs/models.md)")
     t.add_argument("--horizon-min", type=float, default=60.0, help="prediction horizon H")
     t.add_argument("--threshold", type=float, help="operating threshold (default: tuned)")
     t.add_argument("--target-false-alarms", type=float, default=0.5,
@@ -181,6 +185,7 @@ def _simulate(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from forewarn.models.persist import save_model
     from forewarn.models.predictor import train_predictor
+    from forewarn.models.rules_forest import train_rules_forest
     from forewarn.models.schema import DataError
     from forewarn.models.suites import simulate_features, train_suite, tune_params
 
@@ -194,9 +199,14 @@ def _train(args: argparse.Namespace) -> int:
         else:
             print("forewarn models train: give --data DIR or --simulate", file=sys.stderr)
             return 2
-        model = train_predictor(sets, tune=tune, horizon_s=args.horizon_min * 60,
-                                threshold=args.threshold,
-                                target_false_alarms=args.target_false_alarms)
+        if args.detector == "model":
+            model = train_predictor(sets, tune=tune, horizon_s=args.horizon_min * 60,
+                                    threshold=args.threshold,
+                                    target_false_alarms=args.target_false_alarms)
+        else:
+            model = train_rules_forest(sets, tune_set=tune, horizon_s=args.horizon_min * 60,
+                                       target_false_alarms=args.target_false_alarms)
+            model.threshold = args.threshold or model.threshold
     except (DataError, ValueError) as exc:
         print(f"forewarn models train: {exc}", file=sys.stderr)
         return 2

@@ -6,9 +6,11 @@ that fail by F, and judged on every GPU that fails by F plus the second half's G
 never fail: recall, median lead time and false alarms per 1,000 GPU-days on behaviour it
 never saw. For each benign family B, it is trained without the GPUs that show B and judged
 on the second half's GPUs that show B and never fail: false alarms only. The same test
-sets are scored by the rules-only baseline (:func:`~forewarn.models.evaluate.baseline_scores`)
-and by an isolation forest fitted per fold on the same training rows and features
-(unsupervised: no labels), its cutoff tuned like the model's threshold.
+sets are scored by the rules-only baseline (:func:`~forewarn.models.evaluate.baseline_scores`),
+by an isolation forest fitted per fold on the same training rows and features
+(unsupervised: no labels), its cutoff tuned like the model's threshold on a quarter of the
+training GPUs, and by the rules with that forest's second opinion
+(:mod:`~forewarn.models.rules_forest`, tuned on the same quarter).
 
 Precision is given twice: as simulated (failures inflated) and **at the real base rate**
 (Meta: 6.5 failures per 1,000 node-days): expected true alarms per 1,000 GPU-days (recall
@@ -34,13 +36,13 @@ from forewarn.models.evaluate import EvalResult, baseline_scores, evaluate_score
 from forewarn.models.families import BENIGN, PRECURSORS
 from forewarn.models.features import gpu_features
 from forewarn.models.fleetsim import FleetParams, load_params, simulate_fleet
-from forewarn.models.iforest import IsolationForestDetector
-from forewarn.models.predictor import label_rows, split_gpus, train_predictor
+from forewarn.models.predictor import label_rows, train_predictor
+from forewarn.models.rules_forest import THRESHOLD, train_rules_forest
 
 __all__ = ["DETECTORS", "POOL_SEEDS", "FoldFile", "Pool", "best_detector", "by_family",
            "family_pool", "leave_family_out", "markdown", "pool_fleet_seeds", "summary"]
 
-DETECTORS = ("model", "rules", "isolation_forest")
+DETECTORS = ("model", "rules", "isolation_forest", "rules_forest")
 
 
 @dataclasses.dataclass
@@ -136,29 +138,6 @@ def _folds(pool: Pool, families: list[str] | None, seed: int) -> list[_Fold]:
     return out
 
 
-def _isolation_scores(train: pd.DataFrame, test: pd.DataFrame, labels: pd.DataFrame,
-                      horizon_s: float, target: float, seed: int) -> tuple[np.ndarray, float]:
-    """Isolation forest fitted on the training rows; (test scores as 0..1 'p', threshold):
-    p = 1 - rank of the anomaly score, the cutoff tuned on a quarter of the training GPUs
-    to the most sensitive quantile whose false alarms stay under ``target``."""
-    (fit, _fl), (tune, tune_l) = split_gpus(train, labels, 0.25, seed)
-    det = IsolationForestDetector(n_estimators=50, max_samples=2048, seed=seed).fit(fit)
-    ref = np.sort(det.scores(fit.sample(min(len(fit), 50_000), random_state=seed)))
-
-    def p_of(df: pd.DataFrame) -> np.ndarray:
-        out: np.ndarray = 1.0 - np.searchsorted(ref, det.scores(df)) / len(ref)
-        return out
-
-    scored = tune[["node", "gpu", "time"]].assign(p=p_of(tune))
-    thr = 1.0
-    for q in (1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5):
-        r = evaluate_scores(scored, tune_l, 1.0 - q, horizon_s=horizon_s)
-        if r.false_alarms_per_1000_gpu_days <= target:
-            thr = 1.0 - q
-            break
-    return p_of(test), thr
-
-
 def _row(fold: _Fold, who: str, r: EvalResult, real_rate: float, seed: int
          ) -> dict[str, Any]:
     fa = r.false_alarms_per_1000_gpu_days
@@ -212,12 +191,13 @@ def leave_family_out(pool: Pool, *, families: list[str] | None = None, seed: int
                                 max_iter=max_iter, neg_stride=10)
         test = feats[te]
         sc = model.score(test)
-        iso_p, iso_thr = _isolation_scores(feats[tr & keep], test, tr_lab, horizon_s,
-                                           target_false_alarms, seed)
+        rf = train_rules_forest([(feats[tr], tr_lab)], horizon_s=horizon_s,
+                                target_false_alarms=target_false_alarms, seed=seed).classifier
         fold_rows = []
         for who, p, thr in (("model", sc["p"].to_numpy(), model.threshold),
                             ("rules", baseline_scores(test), 0.5),
-                            ("isolation_forest", iso_p, iso_thr)):
+                            ("isolation_forest", rf.forest_alone(test).astype(np.float64), 0.5),
+                            ("rules_forest", rf.alarm_score(test), THRESHOLD)):
             r = evaluate_scores(sc.assign(p=p), te_lab, thr, horizon_s=horizon_s)
             fold_rows.append(_row(fold, who, r, pool.real_precursor_per_1000_gpu_days, seed))
         if on_fold:
