@@ -264,7 +264,7 @@ def summary(res: pd.DataFrame, real_rate: float) -> pd.DataFrame:
         recall = caught / fails if fails else 0.0
         fa = float(d["false_alarms_per_1000_gpu_days"].mean())
         true_real = recall * real_rate
-        pooled = by_family(pre)
+        pooled = by_family(pre, real_rate)
         worst = pooled.sort_values("recall").iloc[0] if len(pooled) else None
         out.append({
             "detector": who, "failures": fails, "caught": caught,
@@ -283,10 +283,11 @@ def _cell(v: Any, fmt: str) -> str:
     return "–" if v is None or (isinstance(v, float) and np.isnan(v)) else format(v, fmt)
 
 
-def by_family(res: pd.DataFrame) -> pd.DataFrame:
+def by_family(res: pd.DataFrame, real_rate: float) -> pd.DataFrame:
     """The folds of every seed pooled per family and detector: failures, caught and
     episodes summed, lead times joined, false alarms per 1,000 GPU-days over the summed
-    GPU-days (one seed: its rows as they are)."""
+    GPU-days, precision at the real rate from the pooled recall and false alarms (one
+    seed: its rows as they are)."""
     if res["seed"].nunique() <= 1:
         return res
     out = []
@@ -296,6 +297,8 @@ def by_family(res: pd.DataFrame) -> pd.DataFrame:
         true, false = int(d["true_episodes"].sum()), int(d["false_episodes"].sum())
         leads = [x for v in d["lead_times_s"] for x in v]
         days = float(d["gpu_days"].sum())
+        fa = round(false / days * 1000, 2) if days else 0.0
+        true_real = caught / fails * real_rate if pre and fails else 0.0
         out.append({
             "seed": None, "family": fam, "kind": kind, "detector": who, "failures": fails,
             "caught": caught, "recall": round(caught / fails, 3) if pre and fails else None,
@@ -303,8 +306,9 @@ def by_family(res: pd.DataFrame) -> pd.DataFrame:
             else (0.0 if pre else None),
             "precision_sim": round(true / (true + false), 3) if pre and true + false
             else (1.0 if pre else None),
-            "precision_real": None,
-            "false_alarms_per_1000_gpu_days": round(false / days * 1000, 2) if days else 0.0,
+            "precision_real": round(true_real / (true_real + fa), 3) if true_real + fa
+            else None,
+            "false_alarms_per_1000_gpu_days": fa,
             "true_episodes": true, "false_episodes": false, "gpu_days": round(days, 1),
             "lead_times_s": leads})
     return pd.DataFrame(out, columns=_COLUMNS)
@@ -316,7 +320,7 @@ def markdown(res: pd.DataFrame, real_rate: float) -> str:
     lines = ["| family | kind | detector | failures | recall | median lead (min) "
              "| precision (sim) | precision (real rate) | false alarms / 1000 GPU-days |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for r in by_family(res).itertuples(index=False):
+    for r in by_family(res, real_rate).itertuples(index=False):
         lines.append(
             f"| {r.family} | {r.kind} | {r.detector} | {r.failures or '–'} | "
             f"{_cell(r.recall, '.2f')} | {_cell(r.median_lead_min, '.1f')} | "
