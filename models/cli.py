@@ -49,10 +49,10 @@ def register(sub: Any) -> Any:
                    help="train on the built-in simulated training suite instead")
     t.add_argument("--scale", type=float, default=1.0, help="size of the simulated suite")
     t.add_argument("--out", required=True, help="model file to write (.skops)")
-    t.add_argument("--detector", choices=("model", "rules_forest"), default="model",
-                   help="model (shipped): the gradient-boosted failure predictor; "
-                   "rules_forest: repeated hardware XIDs or an isolation forest far out "
-                   "(docs/models.md)")
+    t.add_argument("--detector", choices=("rules_forest", "model"), default="rules_forest",
+                   help="rules_forest (shipped): repeated hardware XIDs, a counter beyond "
+                   "the GPU's own rate most of the hour, or an isolation forest far out; "
+                   "model: the gradient-boosted failure predictor (docs/models.md)")
     t.add_argument("--horizon-min", type=float, default=60.0, help="prediction horizon H")
     t.add_argument("--threshold", type=float, help="operating threshold (default: tuned)")
     t.add_argument("--target-false-alarms", type=float, default=0.5,

@@ -1,4 +1,4 @@
-"""Repeated error codes or an isolation forest far out: a detector for unseen behaviour.
+"""Repeated error codes, errors beyond a GPU's own rate, or an isolation forest far out.
 
 Leave-one-family-out (docs/models.md) judges detectors on behaviour they never saw. There
 the supervised model learns its training families and little else; the rules (a hardware
@@ -8,10 +8,14 @@ XID (a single row remap, XID 63, or a burst of correctable errors, XID 92, is ro
 healthy GPUs of real fleets); an isolation forest over the same features catches what is
 far out for the fleet. Together::
 
-    alarm = remap_u_total > 0 or hardware XIDs in the hour >= 2 or q <= cutoff
+    alarm = remap_u_total > 0 or hardware XIDs in the hour >= 2
+            or minutes of the hour with a counter beyond its own rate >= 45 or q <= cutoff
 
 A hardware XID alone is no alarm; a second within the hour is (the precursors that write
-error codes repeat them: remaps one after another, contained SRAM errors, ECC storms).
+error codes repeat them: remaps one after another, contained SRAM errors, ECC storms). A
+counter (correctable ECC, PCIe replays, NVLink errors, ...) beyond the GPU's own long-run
+rate in most minutes of the hour alarms: a chronic trickle, once learned, reads zero; a
+one-off burst lasts minutes; an accelerating rate lasts.
 ``q`` is the share of the forest's reference rows (those it was fitted on) that are more
 anomalous than the row: 0 is more unusual than anything it saw. ``cutoff`` is tuned on
 GPUs held out of the fit (:func:`tune`): the most sensitive quantile whose false alarms stay
@@ -20,16 +24,17 @@ need not resemble a failure it has seen.
 
 It plugs in as a :class:`~.predictor.FailurePredictor`'s classifier (the live scorer, the
 alarm memory, the model file and the registry do not change): ``predict_proba`` gives an
-alarm score, the larger of ``1 - 2 ** -(n / 2)`` for ``n`` hardware XIDs in the hour (1.0
-with an uncorrectable remap on record) and ``2 ** -(q / cutoff)``, at threshold 0.5
-exactly where the rule above alarms and graded so that a GPU's raised bar (0.75 needs 4
-XIDs, or ``q`` within 0.42 of the cutoff) asks for more. It is a score, not a calibrated
+alarm score, the largest of ``1 - 2 ** -(n / 2)`` for ``n`` hardware XIDs in the hour,
+``1 - 2 ** -(m / 45)`` for ``m`` such minutes (1.0 with an uncorrectable remap on record)
+and ``2 ** -(q / cutoff)``, at threshold 0.5 exactly where the rule above alarms and
+graded so that a GPU's raised bar (0.75 needs 4 XIDs, or ``q`` within 0.42 of the cutoff)
+asks for more. It is a score, not a calibrated
 probability.
 
-Not shipped (docs/models.md): on leave-one-family-out it beats the rules on recall and
-false alarms, but its forest does not tell a correctable-ECC trickle accelerating on one
-GPU (issue 17's test) from a node-wide heat spell, so the collector still runs the
-gradient-boosted model. ``forewarn models train --detector rules_forest`` builds it.
+Shipped (``models/data/default_model.skops``, built by ``forewarn models train
+--simulate``): on leave-one-family-out it beats the rules on recall and false alarms on
+every pool measured (docs/models.md); the gradient-boosted model is
+``--detector model``.
 """
 
 from __future__ import annotations
@@ -44,13 +49,18 @@ from forewarn.models.evaluate import RULE_COLUMNS, evaluate_scores
 from forewarn.models.features import FEATURE_NAMES
 from forewarn.models.predictor import FailurePredictor, label_rows, split_gpus
 
-__all__ = ["QUANTILES", "REPEATS", "THRESHOLD", "RulesForest", "train_rules_forest", "tune"]
+__all__ = ["ACTIVE_MINUTES", "QUANTILES", "REPEATS", "THRESHOLD", "RulesForest",
+           "train_rules_forest", "tune"]
 
 QUANTILES = (1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5)
 """The cutoffs tried on ``q``, most sensitive first."""
 
 REPEATS = 2
 """Hardware XIDs in the hour that make an alarm (a single one is routine)."""
+
+ACTIVE_MINUTES = 45
+"""Minutes of the last hour with a counter's errors beyond the GPU's own rate that make an
+alarm (a one-off burst lasts minutes; a learned chronic trickle reads zero)."""
 
 THRESHOLD = 0.5
 """The operating threshold of the alarm score: two XIDs, or ``q`` at the cutoff."""
@@ -70,6 +80,7 @@ class RulesForest:
         self.seed = seed
         self.xid_columns = [feature_names.index(c) for c in RULE_COLUMNS if c.startswith("xid")]
         self.remap_column = feature_names.index("remap_u_total")
+        self.active_columns = [i for i, c in enumerate(feature_names) if c.endswith("active60")]
         self.feature_names = list(feature_names)
         self.reference = np.zeros(0)
         self.cutoff = 0.0
@@ -97,12 +108,15 @@ class RulesForest:
         return q
 
     def rules(self, features: pd.DataFrame | np.ndarray) -> np.ndarray:
-        """The rules' score: ``1 - 2 ** -(n / REPEATS)`` for ``n`` hardware XIDs in the
-        hour, 1.0 with an uncorrectable remap on record (0.5 and more: they alarm)."""
+        """The rules' score, the larger of ``1 - 2 ** -(n / REPEATS)`` for ``n`` hardware
+        XIDs in the hour and ``1 - 2 ** -(m / ACTIVE_MINUTES)`` for ``m`` minutes of the
+        hour with a counter's errors beyond the GPU's own rate; 1.0 with an uncorrectable
+        remap on record (0.5 and more: they alarm)."""
         x = self._x(features)
         n = x[:, self.xid_columns].sum(axis=1)
-        score: np.ndarray = np.where(x[:, self.remap_column] > 0, 1.0,
-                                     1.0 - np.exp2(-n / REPEATS))
+        m = x[:, self.active_columns].max(axis=1)
+        score: np.ndarray = np.where(x[:, self.remap_column] > 0, 1.0, 1.0 - np.exp2(
+            -np.maximum(n / REPEATS, m / ACTIVE_MINUTES)))
         return score
 
     def forest_alone(self, features: pd.DataFrame | np.ndarray) -> np.ndarray:

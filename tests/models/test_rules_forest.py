@@ -55,6 +55,18 @@ def test_one_hardware_xid_is_no_alarm_a_second_within_the_hour_is(
     assert detector.threshold == THRESHOLD
 
 
+def test_errors_beyond_own_rate_most_of_the_hour_alarm_a_short_burst_does_not(
+        detector: FailurePredictor, usual: pd.Series) -> None:
+    """A counter beyond the GPU's own rate in 50 minutes of the hour (a trickle
+    accelerating) alarms without any error code; in 10 minutes (a one-off burst) not."""
+    rows = _rows(usual, 3)
+    rows.loc[1, "ecc_active60"] = 10
+    rows.loc[2, "pcie_active60"] = 50
+    assert baseline_scores(rows).tolist() == [0, 0, 0]
+    assert (detector.predict_proba(rows) >= detector.threshold).tolist() == [
+        False, False, True]
+
+
 def test_forest_alarms_alone_on_a_gpu_far_from_the_fleet(detector: FailurePredictor,
                                                          usual: pd.Series) -> None:
     """No error code at all, but correctable ECC and PCIe replays far beyond the GPU's own
@@ -81,13 +93,13 @@ def test_detector_round_trips_through_the_allow_listed_model_file(
     assert back.threshold == detector.threshold
 
 
-def test_train_builds_it_on_request(tmp_path: Path) -> None:
-    """`forewarn models train --detector rules_forest` writes it; the default stays the
-    gradient-boosted model (the shipped one: docs/models.md says why)."""
+def test_shipped_detector_is_the_one_train_builds(tmp_path: Path) -> None:
+    """The collector's predictor runs the detector that held on behaviour it never saw
+    (docs/models.md, leave-one-family-out), and `forewarn models train` builds it by
+    default (`--detector model`: the gradient-boosted predictor)."""
+    shipped = load_default_model()
+    assert isinstance(shipped.classifier, RulesForest)
+    assert shipped.metadata["detector"] == "rules_forest" and shipped.threshold == THRESHOLD
     out = tmp_path / "rf.skops"
-    assert main(["models", "train", "--simulate", "--scale", "0.125", "--detector",
-                 "rules_forest", "--out", str(out)]) == 0
-    built = load_model(out)
-    assert isinstance(built.classifier, RulesForest)
-    assert built.metadata["detector"] == "rules_forest" and built.threshold == THRESHOLD
-    assert not isinstance(load_default_model().classifier, RulesForest)
+    assert main(["models", "train", "--simulate", "--scale", "0.125", "--out", str(out)]) == 0
+    assert isinstance(load_model(out).classifier, RulesForest)
