@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,10 @@ def register(sub: Any) -> Any:
                    help="train on the built-in simulated training suite instead")
     t.add_argument("--scale", type=float, default=1.0, help="size of the simulated suite")
     t.add_argument("--out", required=True, help="model file to write (.skops)")
+    t.add_argument("--detector", choices=("rules_forest", "model"), default="rules_forest",
+                   help="rules_forest (shipped): repeated hardware XIDs, a counter beyond "
+                   "the GPU's own rate most of the hour, or an isolation forest far out; "
+                   "model: the gradient-boosted failure predictor (docs/models.md)")
     t.add_argument("--horizon-min", type=float, default=60.0, help="prediction horizon H")
     t.add_argument("--threshold", type=float, help="operating threshold (default: tuned)")
     t.add_argument("--target-false-alarms", type=float, default=0.5,
@@ -106,6 +111,9 @@ def register(sub: Any) -> Any:
                     help="only this family (repeatable; default: every family)")
     ef.add_argument("--threads", type=int, default=1,
                     help="OpenMP/BLAS threads (default 1: a shared machine)")
+    ef.add_argument("--seed", type=_seed_list, default=[0], metavar="N[,N...]",
+                    help="the pool's seed (default 0); several, comma-separated, pool the "
+                    "folds of as many pools (a ranking that is not one pool's luck)")
     ef.add_argument("--out", help="write each fold's results to this CSV as it finishes; "
                     "a rerun with the same file skips the folds it holds")
     ef.add_argument("--markdown", help="replace the table in this Markdown file (between "
@@ -177,6 +185,7 @@ def _simulate(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from forewarn.models.persist import save_model
     from forewarn.models.predictor import train_predictor
+    from forewarn.models.rules_forest import train_rules_forest
     from forewarn.models.schema import DataError
     from forewarn.models.suites import simulate_features, train_suite, tune_params
 
@@ -190,9 +199,14 @@ def _train(args: argparse.Namespace) -> int:
         else:
             print("forewarn models train: give --data DIR or --simulate", file=sys.stderr)
             return 2
-        model = train_predictor(sets, tune=tune, horizon_s=args.horizon_min * 60,
-                                threshold=args.threshold,
-                                target_false_alarms=args.target_false_alarms)
+        if args.detector == "model":
+            model = train_predictor(sets, tune=tune, horizon_s=args.horizon_min * 60,
+                                    threshold=args.threshold,
+                                    target_false_alarms=args.target_false_alarms)
+        else:
+            model = train_rules_forest(sets, tune_set=tune, horizon_s=args.horizon_min * 60,
+                                       target_false_alarms=args.target_false_alarms)
+            model.threshold = args.threshold or model.threshold
     except (DataError, ValueError) as exc:
         print(f"forewarn models train: {exc}", file=sys.stderr)
         return 2
@@ -319,18 +333,26 @@ def _eval_families(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"forewarn models eval-families: {exc}", file=sys.stderr)
         return 2
+    def progress(seed: int) -> Callable[[str], None]:
+        return lambda m: print(f"seed {seed}: {m}", file=sys.stderr, flush=True)
+
+    parts, gpu_days, failures = [], 0.0, 0
     with threadpool_limits(args.threads):
-        pool = family_pool(scale=args.scale)
-        res = leave_family_out(pool, families=args.family or None,
-                               progress=lambda m: print(m, file=sys.stderr, flush=True),
-                               skip=set() if done is None else set(done["family"]),
-                               on_fold=folds.append if folds else None)
-    if done is not None and len(done):
-        res = pd.concat([done, res], ignore_index=True)
+        for seed in args.seed:
+            pool = family_pool(scale=args.scale, seed=seed)
+            skip = set() if done is None else set(done.loc[done["seed"] == seed, "family"])
+            parts.append(leave_family_out(
+                pool, families=args.family or None, seed=seed, progress=progress(seed),
+                skip=skip, on_fold=folds.append if folds else None))
+            gpu_days += len(pool.features) * 60 / 86400
+            failures += len(pool.labels)
+    if done is not None and len(done):  # folds of these seeds done before
+        parts.insert(0, done[done["seed"].isin(args.seed)])
+    res = pd.concat(parts, ignore_index=True)
     rate = pool.real_precursor_per_1000_gpu_days
-    gpu_days = len(pool.features) * 60 / 86400
-    table = (f"Pool: 3 simulated fleets, {gpu_days:,.0f} GPU-days, {len(pool.labels)} failures "
-             f"(`forewarn models eval-families --scale {args.scale:g}`, "
+    seeds = ",".join(str(k) for k in args.seed)
+    table = (f"Pool: 3 simulated fleets per seed, {gpu_days:,.0f} GPU-days, {failures} failures "
+             f"(`forewarn models eval-families --scale {args.scale:g} --seed {seeds}`, "
              f"{time.monotonic() - started:,.0f} s). Precision at the real rate assumes "
              f"{rate:.2f} failures with a precursor per 1,000 GPU-days. Best on "
              f"leave-family-out (recall x precision at the real rate): "
@@ -339,6 +361,12 @@ def _eval_families(args: argparse.Namespace) -> int:
     if args.markdown and not _replace_marked(args.markdown, "eval-families", table):
         return 2
     return 0
+
+
+def _seed_list(text: str) -> list[int]:
+    """``--seed``: one seed or several, comma-separated (argparse names the option when one
+    is not a number)."""
+    return [int(x) for x in text.split(",")]
 
 
 def _rank_backtest(args: argparse.Namespace) -> int:

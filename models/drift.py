@@ -5,7 +5,11 @@ A retrained model carries its training distribution (:func:`reference`, in the m
 (duplicates removed, so a feature that is mostly zero gets a bin of its own for zero) and
 the share of training rows in each bin, ``(-inf, e0], (e0, e1], ..., (ek, inf)``. Drift is
 the population stability index of the current rows over the same bins:
-``PSI = sum((a - e) * ln(a / e))`` over bins, shares floored at ``1e-4``. Usual reading:
+``PSI = sum((a - e) * ln(a / e))`` over bins, shares floored at ``1e-4``. The current
+shares ``a`` start from the reference as if :data:`PRIOR_ROWS` rows had been seen
+(``a = (counts + PRIOR_ROWS * e) / (n + PRIOR_ROWS)``): a small fleet's few dozen rows
+leave most bins empty by chance, and an empty bin is no evidence of a shift; with
+thousands of rows the prior weighs nothing. Usual reading:
 below 0.1 stable, 0.1 to 0.25 moving, above :data:`DRIFTED` drifted (the model sees data
 unlike what it learned from: retrain, and judge the candidate on the shadow gate).
 
@@ -24,7 +28,7 @@ from typing import Any, Final
 import numpy as np
 import pandas as pd
 
-__all__ = ["DRIFTED", "UNMEASURED", "bin_counts", "psi", "psi_of_counts", "reference",
+__all__ = ["DRIFTED", "PRIOR_ROWS", "UNMEASURED", "bin_counts", "psi", "psi_of_counts", "reference",
            "steady_rows"]
 
 DRIFTED: Final = 0.25
@@ -32,6 +36,9 @@ DRIFTED: Final = 0.25
 
 UNMEASURED: Final = frozenset({"baseline_hours"})
 """Features whose drift says nothing about the fleet (see the module docstring)."""
+
+PRIOR_ROWS: Final = 100.0
+"""Rows' worth of the reference the current shares start from (module docstring)."""
 
 _FLOOR = 1e-4
 _QUANTILES = np.linspace(0.1, 0.9, 9)
@@ -76,7 +83,7 @@ def psi_of_counts(expected_shares: Sequence[float] | np.ndarray, counts: np.ndar
     if total <= 0:
         return 0.0
     e = np.maximum(np.asarray(expected_shares, dtype=np.float64), _FLOOR)
-    a = np.maximum(counts / total, _FLOOR)
+    a = np.maximum((counts + PRIOR_ROWS * e) / (total + PRIOR_ROWS * e.sum()), _FLOOR)
     return float(np.sum((a - e) * np.log(a / e)))
 
 

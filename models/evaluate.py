@@ -25,6 +25,7 @@ import numpy as np
 import pandas as pd
 
 __all__ = [
+    "RULE_COLUMNS",
     "EvalResult",
     "alarm_episodes",
     "baseline_scores",
@@ -136,15 +137,14 @@ def pr_curve(scored: pd.DataFrame, labels: pd.DataFrame, *, horizon_s: float,
     return pd.DataFrame(rows)
 
 
-_HARDWARE_XID_COLUMNS = ("xid_memory_60", "xid_interconnect_60", "xid_bus_60", "xid_gsp_60",
-                         "xid_other_60")
+RULE_COLUMNS = ("xid_memory_60", "xid_interconnect_60", "xid_bus_60", "xid_gsp_60",
+                "xid_other_60", "remap_u_total")
+"""The features the rules fire on (any above zero): hardware XIDs in the hour, an
+uncorrectable row remap on record."""
 
 
 def baseline_scores(features: pd.DataFrame) -> np.ndarray:
     """Rules-only baseline: 1.0 in the hour after a hardware XID, or once an uncorrectable
     ECC error / row remap is on record; else 0.0."""
-    hw = np.zeros(len(features), bool)
-    for c in _HARDWARE_XID_COLUMNS:
-        hw |= features[c].to_numpy() > 0
-    hw |= features["remap_u_total"].to_numpy() > 0
+    hw: np.ndarray = (features[list(RULE_COLUMNS)].to_numpy() > 0).any(axis=1)
     return hw.astype(np.float64)

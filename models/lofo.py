@@ -6,9 +6,11 @@ that fail by F, and judged on every GPU that fails by F plus the second half's G
 never fail: recall, median lead time and false alarms per 1,000 GPU-days on behaviour it
 never saw. For each benign family B, it is trained without the GPUs that show B and judged
 on the second half's GPUs that show B and never fail: false alarms only. The same test
-sets are scored by the rules-only baseline (:func:`~forewarn.models.evaluate.baseline_scores`)
-and by an isolation forest fitted per fold on the same training rows and features
-(unsupervised: no labels), its cutoff tuned like the model's threshold.
+sets are scored by the rules-only baseline (:func:`~forewarn.models.evaluate.baseline_scores`),
+by an isolation forest fitted per fold on the same training rows and features
+(unsupervised: no labels), its cutoff tuned like the model's threshold on a quarter of the
+training GPUs, and by the rules with that forest's second opinion
+(:mod:`~forewarn.models.rules_forest`, tuned on the same quarter).
 
 Precision is given twice: as simulated (failures inflated) and **at the real base rate**
 (Meta: 6.5 failures per 1,000 node-days): expected true alarms per 1,000 GPU-days (recall
@@ -34,13 +36,13 @@ from forewarn.models.evaluate import EvalResult, baseline_scores, evaluate_score
 from forewarn.models.families import BENIGN, PRECURSORS
 from forewarn.models.features import gpu_features
 from forewarn.models.fleetsim import FleetParams, load_params, simulate_fleet
-from forewarn.models.iforest import IsolationForestDetector
-from forewarn.models.predictor import label_rows, split_gpus, train_predictor
+from forewarn.models.predictor import label_rows, train_predictor
+from forewarn.models.rules_forest import THRESHOLD, train_rules_forest
 
-__all__ = ["DETECTORS", "FoldFile", "Pool", "best_detector", "family_pool", "leave_family_out",
-           "markdown", "summary"]
+__all__ = ["DETECTORS", "POOL_SEEDS", "FoldFile", "Pool", "best_detector", "by_family",
+           "family_pool", "leave_family_out", "markdown", "pool_fleet_seeds", "summary"]
 
-DETECTORS = ("model", "rules", "isolation_forest")
+DETECTORS = ("model", "rules", "isolation_forest", "rules_forest")
 
 
 @dataclasses.dataclass
@@ -65,20 +67,32 @@ def _real_precursor_rate(p: FleetParams) -> float:
     return p.real_per_1000_gpu_days * float((w * share).sum() / w.sum())
 
 
-def family_pool(scale: float = 1.0, base: FleetParams | None = None,
-                seeds: tuple[int, ...] = (301, 302, 303)) -> Pool:
-    """Simulate the pool: fleets of ``round(10 * scale)`` nodes x 4 days at 250 failures
-    per 1,000 GPU-days with families balanced, precursor durations x0.7..1.4 and noise
-    x0.8..1.3 across the fleets (seeds training of the shipped model never uses)."""
+POOL_SEEDS = range(200)
+"""The pool seeds ``--seed`` takes: seed N simulates fleets 301+3N..303+3N, clear of the seeds
+the shipped model trains (101, 102), tunes (201) and is judged on (901-905) with."""
+
+
+def pool_fleet_seeds(seed: int) -> tuple[int, int, int]:
+    """The three fleet seeds of pool ``seed`` (:data:`POOL_SEEDS`)."""
+    if seed not in POOL_SEEDS:
+        raise ValueError(f"pool seed {seed}: must be 0..{POOL_SEEDS[-1]}")
+    first = 301 + 3 * seed
+    return first, first + 1, first + 2
+
+
+def family_pool(scale: float = 1.0, base: FleetParams | None = None, seed: int = 0) -> Pool:
+    """Simulate pool ``seed``: fleets of ``round(10 * scale)`` nodes x 4 days at 250
+    failures per 1,000 GPU-days with families balanced, precursor durations x0.7..1.4 and
+    noise x0.8..1.3 across the fleets (:func:`pool_fleet_seeds`)."""
     p = base or load_params()
     nodes = max(1, round(10 * scale))
     feats, labels, beh = [], [], []
-    for k, seed in enumerate(seeds):
-        q = p.replace(seed=seed, nodes=nodes, days=4.0, rate_per_1000_gpu_days=250.0,
+    for k, fleet_seed in enumerate(pool_fleet_seeds(seed)):
+        q = p.replace(seed=fleet_seed, nodes=nodes, days=4.0, rate_per_1000_gpu_days=250.0,
                       balanced_families=True, precursor_scale=(1.0, 0.7, 1.4)[k % 3],
                       noise_scale=(1.0, 1.3, 0.8)[k % 3])
         d = simulate_fleet(q)
-        tag = f"f{seed}:"
+        tag = f"f{fleet_seed}:"
         f = gpu_features(d.samples, d.xids)
         feats.append(f.assign(node=tag + f["node"].astype(str)))
         labels.append(d.labels.assign(node=tag + d.labels["node"].astype(str)))
@@ -124,35 +138,13 @@ def _folds(pool: Pool, families: list[str] | None, seed: int) -> list[_Fold]:
     return out
 
 
-def _isolation_scores(train: pd.DataFrame, test: pd.DataFrame, labels: pd.DataFrame,
-                      horizon_s: float, target: float, seed: int) -> tuple[np.ndarray, float]:
-    """Isolation forest fitted on the training rows; (test scores as 0..1 'p', threshold):
-    p = 1 - rank of the anomaly score, the cutoff tuned on a quarter of the training GPUs
-    to the most sensitive quantile whose false alarms stay under ``target``."""
-    (fit, _fl), (tune, tune_l) = split_gpus(train, labels, 0.25, seed)
-    det = IsolationForestDetector(n_estimators=50, max_samples=2048, seed=seed).fit(fit)
-    ref = np.sort(det.scores(fit.sample(min(len(fit), 50_000), random_state=seed)))
-
-    def p_of(df: pd.DataFrame) -> np.ndarray:
-        out: np.ndarray = 1.0 - np.searchsorted(ref, det.scores(df)) / len(ref)
-        return out
-
-    scored = tune[["node", "gpu", "time"]].assign(p=p_of(tune))
-    thr = 1.0
-    for q in (1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5):
-        r = evaluate_scores(scored, tune_l, 1.0 - q, horizon_s=horizon_s)
-        if r.false_alarms_per_1000_gpu_days <= target:
-            thr = 1.0 - q
-            break
-    return p_of(test), thr
-
-
-def _row(fold: _Fold, who: str, r: EvalResult, real_rate: float) -> dict[str, Any]:
+def _row(fold: _Fold, who: str, r: EvalResult, real_rate: float, seed: int
+         ) -> dict[str, Any]:
     fa = r.false_alarms_per_1000_gpu_days
     pre = fold.kind == "precursor"
     true_real = r.recall_precursor * real_rate if pre else 0.0
     return {
-        "family": fold.family, "kind": fold.kind, "detector": who,
+        "seed": seed, "family": fold.family, "kind": fold.kind, "detector": who,
         "failures": r.failures_with_precursor if pre else 0,
         "caught": r.caught_with_precursor if pre else 0,
         "recall": round(r.recall_precursor, 3) if pre else None,
@@ -161,7 +153,8 @@ def _row(fold: _Fold, who: str, r: EvalResult, real_rate: float) -> dict[str, An
         "precision_real": round(true_real / (true_real + fa), 3) if pre and true_real + fa
         else None,
         "false_alarms_per_1000_gpu_days": round(fa, 2),
-        "false_episodes": r.false_episodes, "gpu_days": round(r.gpu_days, 1),
+        "true_episodes": r.true_episodes, "false_episodes": r.false_episodes,
+        "gpu_days": round(r.gpu_days, 1),
         "lead_times_s": list(r.lead_times_precursor_s),
     }
 
@@ -198,23 +191,25 @@ def leave_family_out(pool: Pool, *, families: list[str] | None = None, seed: int
                                 max_iter=max_iter, neg_stride=10)
         test = feats[te]
         sc = model.score(test)
-        iso_p, iso_thr = _isolation_scores(feats[tr & keep], test, tr_lab, horizon_s,
-                                           target_false_alarms, seed)
+        rf = train_rules_forest([(feats[tr], tr_lab)], horizon_s=horizon_s,
+                                target_false_alarms=target_false_alarms, seed=seed).classifier
         fold_rows = []
         for who, p, thr in (("model", sc["p"].to_numpy(), model.threshold),
                             ("rules", baseline_scores(test), 0.5),
-                            ("isolation_forest", iso_p, iso_thr)):
+                            ("isolation_forest", rf.forest_alone(test).astype(np.float64), 0.5),
+                            ("rules_forest", rf.alarm_score(test), THRESHOLD)):
             r = evaluate_scores(sc.assign(p=p), te_lab, thr, horizon_s=horizon_s)
-            fold_rows.append(_row(fold, who, r, pool.real_precursor_per_1000_gpu_days))
+            fold_rows.append(_row(fold, who, r, pool.real_precursor_per_1000_gpu_days, seed))
         if on_fold:
             on_fold(pd.DataFrame(fold_rows))
         rows += fold_rows
     return pd.DataFrame(rows, columns=_COLUMNS)
 
 
-_COLUMNS = ("family", "kind", "detector", "failures", "caught", "recall", "median_lead_min",
-            "precision_sim", "precision_real", "false_alarms_per_1000_gpu_days",
-            "false_episodes", "gpu_days", "lead_times_s")
+_COLUMNS = ("seed", "family", "kind", "detector", "failures", "caught", "recall",
+            "median_lead_min", "precision_sim", "precision_real",
+            "false_alarms_per_1000_gpu_days", "true_episodes", "false_episodes", "gpu_days",
+            "lead_times_s")
 """The columns of :func:`leave_family_out`'s rows (:func:`_row`)."""
 
 
@@ -230,13 +225,17 @@ class FoldFile:
 
     def read(self) -> pd.DataFrame:
         """The rows held (none: an empty frame). Raises ``ValueError`` when they are of a
-        pool of another scale."""
+        pool of another scale or lack a column."""
         if not self.path.exists() or self.path.stat().st_size == 0:
             return pd.DataFrame(columns=_COLUMNS)
         df = pd.read_csv(self.path, keep_default_na=True)
         if "scale" not in df.columns or not np.allclose(df["scale"], self.scale):
             raise ValueError(f"{self.path}: holds folds of another pool (column scale, "
                              f"not {self.scale:g}): give another --out")
+        missing = [c for c in _COLUMNS if c not in df.columns]
+        if missing:
+            raise ValueError(f"{self.path}: written by an older forewarn (no column "
+                             f"{', '.join(missing)}): give another --out")
         leads = df["lead_times_s"].fillna("").astype(str)
         df["lead_times_s"] = [[float(x) for x in v.split()] for v in leads]
         df = df.astype(object).where(df.notna(), None)
@@ -254,9 +253,9 @@ class FoldFile:
 
 
 def summary(res: pd.DataFrame, real_rate: float) -> pd.DataFrame:
-    """Per detector over all folds: recall and median lead over the precursor folds'
-    failures, false alarms per 1,000 GPU-days as the mean over all folds, precision at
-    the real base rate from those two."""
+    """Per detector over all folds (of every seed): recall and median lead over the
+    precursor folds' failures, false alarms per 1,000 GPU-days as the mean over all folds,
+    precision at the real base rate from those two."""
     out = []
     for who, d in res.groupby("detector", sort=False):
         pre = d[d["kind"] == "precursor"]
@@ -265,7 +264,8 @@ def summary(res: pd.DataFrame, real_rate: float) -> pd.DataFrame:
         recall = caught / fails if fails else 0.0
         fa = float(d["false_alarms_per_1000_gpu_days"].mean())
         true_real = recall * real_rate
-        worst = pre.sort_values("recall").iloc[0] if len(pre) else None
+        pooled = by_family(pre, real_rate)
+        worst = pooled.sort_values("recall").iloc[0] if len(pooled) else None
         out.append({
             "detector": who, "failures": fails, "caught": caught,
             "recall": round(recall, 3),
@@ -283,25 +283,62 @@ def _cell(v: Any, fmt: str) -> str:
     return "–" if v is None or (isinstance(v, float) and np.isnan(v)) else format(v, fmt)
 
 
+def by_family(res: pd.DataFrame, real_rate: float) -> pd.DataFrame:
+    """The folds of every seed pooled per family and detector: failures, caught and
+    episodes summed, lead times joined, false alarms per 1,000 GPU-days over the summed
+    GPU-days, precision at the real rate from the pooled recall and false alarms (one
+    seed: its rows as they are)."""
+    if res["seed"].nunique() <= 1:
+        return res
+    out = []
+    for (fam, kind, who), d in res.groupby(["family", "kind", "detector"], sort=False):
+        pre = kind == "precursor"
+        fails, caught = int(d["failures"].sum()), int(d["caught"].sum())
+        true, false = int(d["true_episodes"].sum()), int(d["false_episodes"].sum())
+        leads = [x for v in d["lead_times_s"] for x in v]
+        days = float(d["gpu_days"].sum())
+        fa = round(false / days * 1000, 2) if days else 0.0
+        true_real = caught / fails * real_rate if pre and fails else 0.0
+        out.append({
+            "seed": None, "family": fam, "kind": kind, "detector": who, "failures": fails,
+            "caught": caught, "recall": round(caught / fails, 3) if pre and fails else None,
+            "median_lead_min": round(float(np.median(leads)) / 60, 1) if pre and leads
+            else (0.0 if pre else None),
+            "precision_sim": round(true / (true + false), 3) if pre and true + false
+            else (1.0 if pre else None),
+            "precision_real": round(true_real / (true_real + fa), 3) if true_real + fa
+            else None,
+            "false_alarms_per_1000_gpu_days": fa,
+            "true_episodes": true, "false_episodes": false, "gpu_days": round(days, 1),
+            "lead_times_s": leads})
+    return pd.DataFrame(out, columns=_COLUMNS)
+
+
 def markdown(res: pd.DataFrame, real_rate: float) -> str:
-    """The per-family table and the summary as Markdown."""
+    """The per-family table (seeds pooled: :func:`by_family`) and the summary (with one line
+    per seed and detector when there are several) as Markdown."""
     lines = ["| family | kind | detector | failures | recall | median lead (min) "
              "| precision (sim) | precision (real rate) | false alarms / 1000 GPU-days |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for r in res.itertuples(index=False):
+    for r in by_family(res, real_rate).itertuples(index=False):
         lines.append(
             f"| {r.family} | {r.kind} | {r.detector} | {r.failures or '–'} | "
             f"{_cell(r.recall, '.2f')} | {_cell(r.median_lead_min, '.1f')} | "
             f"{_cell(r.precision_sim, '.2f')} | {_cell(r.precision_real, '.2f')} | "
             f"{r.false_alarms_per_1000_gpu_days:.2f} |")
-    s = summary(res, real_rate)
+    seeds = sorted(set(res["seed"]))
+    parts = [("", summary(res, real_rate))]
+    if len(seeds) > 1:
+        parts += [(f" (seed {k})", summary(res[res["seed"] == k], real_rate)) for k in seeds]
     lines += ["", "| over all folds | failures (caught) | recall | median lead (min) "
               "| false alarms / 1000 GPU-days (mean) | precision (real rate) | worst family |",
               "|---|---|---|---|---|---|---|"]
-    for r in s.itertuples(index=False):
-        lines.append(f"| **{r.detector}** | {r.failures} ({r.caught}) | {r.recall:.2f} | "
-                     f"{r.median_lead_min:.1f} | {r.false_alarms_per_1000_gpu_days:.2f} | "
-                     f"{r.precision_real:.2f} | {r.worst_family} |")
+    for tag, s in parts:
+        for r in s.itertuples(index=False):
+            lines.append(f"| **{r.detector}**{tag} | {r.failures} ({r.caught}) | "
+                         f"{r.recall:.2f} | {r.median_lead_min:.1f} | "
+                         f"{r.false_alarms_per_1000_gpu_days:.2f} | {r.precision_real:.2f} | "
+                         f"{r.worst_family} |")
     return "\n".join(lines) + "\n"
 
 

@@ -67,6 +67,7 @@ TRUSTED_TYPES: Final = (
     "sklearn.tree._tree.Tree",
     "sklearn.utils._bunch.Bunch",
     "scipy.interpolate._interpolate.interp1d",
+    "forewarn.models.rules_forest.RulesForest",
 )
 """Every type a forewarn model file may contain. Anything else is refused."""
 

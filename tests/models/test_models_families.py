@@ -61,7 +61,7 @@ def test_eval_families_writes_the_per_family_table(tmp_path: Path,
                  "--out", str(tmp_path / "lofo.csv")]) == 0
     text = doc.read_text()
     assert text.startswith("before\n") and text.endswith("after\n") and "STALE-TABLE" not in text
-    for who in ("model", "rules", "isolation_forest"):
+    for who in ("model", "rules", "isolation_forest", "rules_forest"):
         assert f"| thermal_oscillation | precursor | {who} |" in text
     assert "| hot_spells | benign | model |" in text
     assert "precision (real rate)" in text and "Best on leave-family-out" in text
@@ -92,7 +92,7 @@ def test_eval_families_keeps_each_finished_fold_and_resumes(tmp_path: Path) -> N
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         def first_fold() -> bool:
-            return out.exists() and len(pd.read_csv(out)) >= 3
+            return out.exists() and len(pd.read_csv(out)) >= 4
         assert poll(first_fold, timeout=600, interval=0.2), "no fold was written"
         proc.kill()  # cut off: the second fold has not finished
     finally:
@@ -100,10 +100,34 @@ def test_eval_families_keeps_each_finished_fold_and_resumes(tmp_path: Path) -> N
         proc.wait()
     done = pd.read_csv(out)
     assert set(done["family"]) == {"thermal_oscillation"}
-    assert sorted(done["detector"]) == ["isolation_forest", "model", "rules"]
+    assert sorted(done["detector"]) == ["isolation_forest", "model", "rules", "rules_forest"]
     rerun = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, rerun.stderr
     assert "thermal_oscillation: done before, skipped" in rerun.stderr
     res = pd.read_csv(out)
-    assert sorted(res["family"]) == ["hot_spells"] * 3 + ["thermal_oscillation"] * 3
+    assert sorted(res["family"]) == ["hot_spells"] * 4 + ["thermal_oscillation"] * 4
     assert "| thermal_oscillation | precursor | model |" in rerun.stdout
+
+
+def test_eval_families_seed_picks_the_pool(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """``--seed N`` draws another pool (and split): the same seed gives the same rows, another
+    seed other rows; ``--seed A,B`` pools the folds of both and names each seed's figures."""
+    from forewarn.models.lofo import family_pool
+
+    a, again, b = (family_pool(scale=0.1, seed=s) for s in (1, 1, 2))
+    pd.testing.assert_frame_equal(a.features, again.features)
+    pd.testing.assert_frame_equal(a.labels, again.labels)
+    assert not a.labels[["gpu", "time"]].equals(b.labels[["gpu", "time"]])
+    assert set(family_pool(scale=0.1).labels["node"].str[:5]) == {"f301:", "f302:", "f303:"}
+    with pytest.raises(ValueError, match="seed"):
+        family_pool(scale=0.1, seed=-1)
+    out = tmp_path / "lofo.csv"
+    assert main(["models", "eval-families", "--scale", "0.1", "--family", "one_off_bursts",
+                 "--seed", "1,2", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "--seed 1,2" in text
+    for who in ("model", "rules", "isolation_forest"):
+        assert f"| **{who}** (seed 1) |" in text and f"| **{who}** (seed 2) |" in text
+        assert f"| **{who}** |" in text  # the folds of both pools together
+    assert sorted(set(pd.read_csv(out)["seed"])) == [1, 2]

@@ -97,3 +97,23 @@ def test_drift_compares_gpus_with_a_learned_baseline_and_not_their_age() -> None
                           "temp_vs_own": rng.normal(0, 1, 5000)})
     d = psi(ref, later)
     assert "baseline_hours" not in d and d["temp_vs_own"] < 0.1
+
+
+def test_drift_of_a_small_healthy_fleet_reads_stable() -> None:
+    """A small fleet (one node's 8 GPUs over a few minutes) drawn from the very distribution
+    the model learned from is not drifted: with a few dozen rows most bins are empty by
+    chance, and an empty bin is no evidence of a shift. A real shift still shows once
+    there are rows enough to tell."""
+    rng = np.random.default_rng(3)
+    n = 20_000
+
+    def rows(k: int, shift: float = 0.0) -> pd.DataFrame:
+        return pd.DataFrame({"temp_vs_own": rng.normal(shift, 1, k),
+                             "ecc_d15": np.where(rng.random(k) < 0.9, 0.0,
+                                                 rng.exponential(1.0 + shift, k))})
+
+    ref = reference(rows(n), ["temp_vs_own", "ecc_d15"])
+    for k in (8, 24, 40):
+        d = psi(ref, rows(k))
+        assert max(d.values()) < DRIFTED, f"{k} healthy rows read drifted: {d}"
+    assert psi(ref, rows(2000, shift=1.0))["temp_vs_own"] > DRIFTED

@@ -1,0 +1,190 @@
+"""Repeated error codes, errors beyond a GPU's own rate, or an isolation forest far out.
+
+Leave-one-family-out (docs/models.md) judges detectors on behaviour they never saw. There
+the supervised model learns its training families and little else; the rules (a hardware
+XID in the hour, an uncorrectable remap on record: :func:`~.evaluate.baseline_scores`)
+catch what announces itself with an error code and cry wolf after every benign one-off
+XID (a single row remap, XID 63, or a burst of correctable errors, XID 92, is routine on
+healthy GPUs of real fleets); an isolation forest over the same features catches what is
+far out for the fleet. Together::
+
+    alarm = remap_u_total > 0 or hardware XIDs in the hour >= 2
+            or minutes of the hour with a counter beyond its own rate >= 45 or q <= cutoff
+
+A hardware XID alone is no alarm; a second within the hour is (the precursors that write
+error codes repeat them: remaps one after another, contained SRAM errors, ECC storms). A
+counter (correctable ECC, PCIe replays, NVLink errors, ...) beyond the GPU's own long-run
+rate in most minutes of the hour alarms: a chronic trickle, once learned, reads zero; a
+one-off burst lasts minutes; an accelerating rate lasts.
+``q`` is the share of the forest's reference rows (those it was fitted on) that are more
+anomalous than the row: 0 is more unusual than anything it saw. ``cutoff`` is tuned on
+GPUs held out of the fit (:func:`tune`): the most sensitive quantile whose false alarms stay
+under the target. No labels are fitted on: the forest is unsupervised, so what it flags
+need not resemble a failure it has seen.
+
+It plugs in as a :class:`~.predictor.FailurePredictor`'s classifier (the live scorer, the
+alarm memory, the model file and the registry do not change): ``predict_proba`` gives an
+alarm score, the largest of ``1 - 2 ** -(n / 2)`` for ``n`` hardware XIDs in the hour,
+``1 - 2 ** -(m / 45)`` for ``m`` such minutes (1.0 with an uncorrectable remap on record)
+and ``2 ** -(q / cutoff)``, at threshold 0.5 exactly where the rule above alarms and
+graded so that a GPU's raised bar (0.75 needs 4 XIDs, or ``q`` within 0.42 of the cutoff)
+asks for more. It is a score, not a calibrated
+probability.
+
+Shipped (``models/data/default_model.skops``, built by ``forewarn models train
+--simulate``): on leave-one-family-out it beats the rules on recall and false alarms on
+every pool measured (docs/models.md); the gradient-boosted model is
+``--detector model``.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pandas as pd
+from sklearn.ensemble import IsolationForest
+
+from forewarn.models.evaluate import RULE_COLUMNS, evaluate_scores
+from forewarn.models.features import FEATURE_NAMES
+from forewarn.models.predictor import FailurePredictor, label_rows, split_gpus
+
+__all__ = ["ACTIVE_MINUTES", "QUANTILES", "REPEATS", "THRESHOLD", "RulesForest",
+           "train_rules_forest", "tune"]
+
+QUANTILES = (1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5)
+"""The cutoffs tried on ``q``, most sensitive first."""
+
+REPEATS = 2
+"""Hardware XIDs in the hour that make an alarm (a single one is routine)."""
+
+ACTIVE_MINUTES = 45
+"""Minutes of the last hour with a counter's errors beyond the GPU's own rate that make an
+alarm (a one-off burst lasts minutes; a learned chronic trickle reads zero)."""
+
+THRESHOLD = 0.5
+"""The operating threshold of the alarm score: two XIDs, or ``q`` at the cutoff."""
+
+_REFERENCE_ROWS = 50_000
+
+
+class RulesForest:
+    """The fitted detector: an :class:`~sklearn.ensemble.IsolationForest`, the sorted
+    anomaly scores of its reference rows, the rule columns' positions and the cutoff on
+    ``q`` (0.0: the forest never alarms alone)."""
+
+    def __init__(self, n_estimators: int = 50, max_samples: int = 2048, seed: int = 0,
+                 feature_names: tuple[str, ...] = FEATURE_NAMES) -> None:
+        self.forest = IsolationForest(n_estimators=n_estimators, max_samples=max_samples,
+                                      random_state=seed)
+        self.seed = seed
+        self.xid_columns = [feature_names.index(c) for c in RULE_COLUMNS if c.startswith("xid")]
+        self.remap_column = feature_names.index("remap_u_total")
+        self.active_columns = [i for i, c in enumerate(feature_names) if c.endswith("active60")]
+        self.feature_names = list(feature_names)
+        self.reference = np.zeros(0)
+        self.cutoff = 0.0
+
+    def fit(self, features: pd.DataFrame) -> RulesForest:
+        """Fit the forest on feature rows (no labels); keep a sample's scores as the
+        reference ``q`` is measured against."""
+        x = self._x(features)
+        self.forest.fit(x)
+        rng = np.random.default_rng(self.seed)
+        ref = x[rng.choice(len(x), min(len(x), _REFERENCE_ROWS), replace=False)]
+        self.reference = np.sort(self.forest.score_samples(ref))
+        return self
+
+    def _x(self, features: pd.DataFrame | np.ndarray) -> np.ndarray:
+        x: np.ndarray = (features.loc[:, self.feature_names].to_numpy(dtype=np.float64)
+                         if isinstance(features, pd.DataFrame)
+                         else np.asarray(features, dtype=np.float64))
+        return x
+
+    def quantile(self, features: pd.DataFrame | np.ndarray) -> np.ndarray:
+        """``q`` of each row: the share of reference rows more anomalous than it."""
+        s = self.forest.score_samples(self._x(features))
+        q: np.ndarray = np.searchsorted(self.reference, s) / len(self.reference)
+        return q
+
+    def rules(self, features: pd.DataFrame | np.ndarray) -> np.ndarray:
+        """The rules' score, the larger of ``1 - 2 ** -(n / REPEATS)`` for ``n`` hardware
+        XIDs in the hour and ``1 - 2 ** -(m / ACTIVE_MINUTES)`` for ``m`` minutes of the
+        hour with a counter's errors beyond the GPU's own rate; 1.0 with an uncorrectable
+        remap on record (0.5 and more: they alarm)."""
+        x = self._x(features)
+        n = x[:, self.xid_columns].sum(axis=1)
+        m = x[:, self.active_columns].max(axis=1)
+        score: np.ndarray = np.where(x[:, self.remap_column] > 0, 1.0, 1.0 - np.exp2(
+            -np.maximum(n / REPEATS, m / ACTIVE_MINUTES)))
+        return score
+
+    def forest_alone(self, features: pd.DataFrame | np.ndarray) -> np.ndarray:
+        """Where the forest alarms by itself (``q`` at or within ``cutoff``): the
+        isolation-forest detector of the leave-one-family-out table."""
+        if self.cutoff <= 0:
+            return np.zeros(len(self._x(features)), bool)
+        alone: np.ndarray = self.quantile(features) <= self.cutoff
+        return alone
+
+    def alarm_score(self, features: pd.DataFrame | np.ndarray) -> np.ndarray:
+        """The larger of the rules' and the forest's score: at or above :data:`THRESHOLD`
+        where the detector alarms."""
+        x = self._x(features)
+        if len(x) == 0:
+            return np.zeros(0)
+        forest = (np.exp2(-self.quantile(x) / self.cutoff) if self.cutoff > 0
+                  else np.zeros(len(x)))
+        score: np.ndarray = np.maximum(self.rules(x), forest)
+        return score
+
+    def predict_proba(self, x: np.ndarray) -> np.ndarray:
+        """Columns (1 - score, score), as a classifier's: the live scorer's interface."""
+        s = self.alarm_score(x)
+        return np.column_stack([1.0 - s, s])
+
+
+def tune(detector: RulesForest, features: pd.DataFrame, labels: pd.DataFrame, *,
+         horizon_s: float, target_false_alarms: float) -> RulesForest:
+    """Set ``cutoff`` on labelled GPUs held out of the fit (module docstring)."""
+    _y, keep = label_rows(features, labels, horizon_s)
+    rows = features.loc[keep]
+    scored = rows[["node", "gpu", "time"]]
+    q = detector.quantile(rows)
+    detector.cutoff = 0.0
+    for c in QUANTILES:
+        r = evaluate_scores(scored.assign(p=(q <= c).astype(np.float64)), labels, 0.5,
+                            horizon_s=horizon_s)
+        if r.false_alarms_per_1000_gpu_days <= target_false_alarms:
+            detector.cutoff = c
+            break
+    return detector
+
+
+def train_rules_forest(sets: list[tuple[pd.DataFrame, pd.DataFrame]], *,
+                       tune_set: tuple[pd.DataFrame, pd.DataFrame] | None = None,
+                       horizon_s: float = 3600.0, tune_share: float = 0.25,
+                       target_false_alarms: float = 0.5, seed: int = 0) -> FailurePredictor:
+    """Fit on ``(features, labels)`` pairs (the labels only to leave out rows at and
+    after a failure), tune on ``tune_set`` or on ``tune_share`` of the GPUs held out of the
+    fit; the result runs wherever a failure predictor does (threshold :data:`THRESHOLD`)."""
+    start = time.perf_counter()
+    fits, tunes = [], []
+    for k, (features, labels) in enumerate(sets):
+        if tune_set is None:
+            (features, labels), (tf, tl) = split_gpus(features, labels, tune_share, seed)
+            tunes.append((tf.assign(node=f"{k}:" + tf["node"].astype(str)),
+                          tl.assign(node=f"{k}:" + tl["node"].astype(str))))
+        _y, keep = label_rows(features, labels, horizon_s)
+        fits.append(features.loc[keep])
+    tf, tl = tune_set or (pd.concat([t[0] for t in tunes], ignore_index=True),
+                          pd.concat([t[1] for t in tunes], ignore_index=True))
+    det = RulesForest(seed=seed).fit(pd.concat(fits, ignore_index=True))
+    tune(det, tf, tl, horizon_s=horizon_s, target_false_alarms=target_false_alarms)
+    return FailurePredictor(classifier=det, horizon_s=horizon_s, threshold=THRESHOLD,
+                            metadata={
+        "detector": "rules_forest", "trained_at": time.time(),
+        "train_seconds": round(time.perf_counter() - start, 2),
+        "train_rows": int(sum(len(f) for f in fits)), "cutoff": det.cutoff,
+        "failures": int(sum(len(lab) for _, lab in sets)),
+        "horizon_s": horizon_s, "target_false_alarms_per_1000": target_false_alarms})
