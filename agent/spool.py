@@ -6,8 +6,9 @@ collector stored it; urgent batches jump the queue. Above ``max_bytes`` the olde
 are dropped and counted, except a batch *in doubt* (sent, and the collector may have stored
 it without the answer arriving, :meth:`Spool.in_doubt`): it stays until it is answered, so
 a batch counted as dropped is one the collector never got. A batch refused for good is
-moved to ``rejected/`` with the answer beside it. ``agent_id`` and the next ``seq`` live in
-``state.json``. See :mod:`forewarn.agent.uplink` for how the uplink uses it.
+moved to ``rejected/`` with the answer beside it. ``agent_id``, the next ``seq`` and the
+batches in doubt live in ``state.json`` (an agent restarted before the answer keeps them).
+See :mod:`forewarn.agent.uplink` for how the uplink uses it.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ class Spool:
         self.max_bytes = max_bytes
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.dropped = 0
-        self._in_doubt: set[int] = set()
         for tmp in self.root.glob("*.tmp"):
             tmp.unlink(missing_ok=True)
         self._files: dict[int, tuple[Path, int, bool]] = {}
@@ -54,23 +54,28 @@ class Spool:
         self.agent_id: str = state.get("agent_id") or f"{uuid.uuid4().hex}"
         self.next_seq: int = max([int(state.get("next_seq", 0)),
                                   *(s + 1 for s in self._files)])
+        self._in_doubt: set[int] = set(state["in_doubt"]) & self._files.keys()
         self._write_state()
 
     def _read_state(self) -> dict[str, Any]:
         try:
             data = json.loads((self.root / "state.json").read_text())
         except (OSError, ValueError):
-            return {}
+            return {"in_doubt": []}
         if not isinstance(data, dict):
-            return {}
+            return {"in_doubt": []}
         ok_id = isinstance(data.get("agent_id"), str) and 0 < len(data["agent_id"]) <= 256
         ok_seq = isinstance(data.get("next_seq"), int) and data["next_seq"] >= 0
+        doubt = data.get("in_doubt")
         return {"agent_id": data["agent_id"] if ok_id else None,
-                "next_seq": data["next_seq"] if ok_seq else 0}
+                "next_seq": data["next_seq"] if ok_seq else 0,
+                "in_doubt": [s for s in doubt if isinstance(s, int)]
+                if isinstance(doubt, list) else []}
 
     def _write_state(self) -> None:
         write_atomic(self.root / "state.json",
-                      json.dumps({"agent_id": self.agent_id, "next_seq": self.next_seq}).encode())
+                      json.dumps({"agent_id": self.agent_id, "next_seq": self.next_seq,
+                                  "in_doubt": sorted(self._in_doubt)}).encode())
         fsync_dir(self.root)
 
     @property
@@ -121,8 +126,9 @@ class Spool:
         error): the bound must not drop it, or it would count as dropped a batch the
         collector has. It stays in doubt until it leaves the spool (sent again and
         answered ``stored``/``duplicate``, or refused for good)."""
-        if seq in self._files:
+        if seq in self._files and seq not in self._in_doubt:
             self._in_doubt.add(seq)
+            self._write_state()
 
     def remove(self, seq: int) -> None:
         self._in_doubt.discard(seq)
