@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from forewarn.agent.config import AgentConfig
 from forewarn.agent.uplink import Uplink
+from forewarn.collector.storage.leader import POLICY_LOCK
 from forewarn.collector.storage.postgres import PostgresStore, migrations
 from forewarn.collector.storage.store import StoreError
 from forewarn.demo.servers import PostgresServer
@@ -60,7 +61,10 @@ def test_migrations_run_once_in_order_and_a_newer_schema_is_refused(
 def replicas(tmp_path: Path, postgres_server: PostgresServer) -> Iterator[list[Replica]]:
     dsn = postgres_server.database()
     tokens = write_tokens(tmp_path / "tokens.toml")
-    started = [Replica(tmp_path, name, dsn, tokens) for name in ("a", "b")]
+    # Two jobs, each ordered once: the default breaker (half the jobs per 600 s) would
+    # refuse the second; these tests are about failover, not the breaker.
+    started = [Replica(tmp_path, name, dsn, tokens, policy_breaker_checkpoint_share=1.0)
+               for name in ("a", "b")]
     try:
         yield started
     finally:
@@ -100,6 +104,44 @@ def test_sigkill_the_leader_and_the_follower_decides_within_5_s(
     assert took < 5.0, f"the follower decided {took:.1f} s after the leader was killed"
     print(f"failover: the follower decided {took:.2f} s after the leader was killed")
     assert b.role() == "leader"
+
+
+@pytest.mark.timeout(180)
+def test_a_leader_killed_before_saving_leaves_its_finding_to_the_next(
+        replicas: list[Replica]) -> None:
+    """SIGKILL right after the leader queued its orders, before it saved its incident and
+    feed cursor (the failover test's interleaving now and then, made certain here: the
+    test holds the election lock across the kill and rewinds what was not saved yet).
+    The next leader decides that finding again, as one order, and a new one too."""
+    a, b = replicas
+    a.start()
+    assert wait_for(lambda: a.role() == "leader", what="a leads")
+    b.start()
+    now = time.time()
+    assert a.push("node1", ranks=ranks("train-1", "node1", 0, now)).status_code == 200
+    assert b.push("node2", ranks=ranks("train-1", "node2", 2, now)).status_code == 200
+    assert b.push("node2", urgent=True, findings=[gpu_lost("node2", 1)]).status_code == 200
+    assert len(b.commands("node1", wait=10)) == 1
+    assert b.push("node3", ranks=ranks("train-2", "node3", 0, now)).status_code == 200
+    with psycopg.connect(a.dsn, autocommit=True) as lock:
+        lock_pid = lock.info.backend_pid
+        taken = threading.Thread(target=lambda: lock.execute(
+            "SELECT pg_advisory_lock(%s)", (POLICY_LOCK,)))
+        taken.start()  # queued behind a's session: b cannot take the lock in between
+        with psycopg.connect(a.dsn) as watch:
+            wait_for(lambda: watch.execute(
+                "SELECT 1 FROM pg_locks WHERE pid = %s AND NOT granted",
+                (lock_pid,)).fetchone() is not None, what="the test queued for the lock")
+        a.kill()
+        taken.join()
+        lock.execute("UPDATE policy_cursor SET last_id = 0")
+        lock.execute("DELETE FROM incidents")
+        lock.execute("SELECT pg_advisory_unlock(%s)", (POLICY_LOCK,))
+    assert b.push("node3", urgent=True, findings=[gpu_lost("node3", 0)]).status_code == 200
+    assert [c["order"]["job"] for c in b.commands("node3", wait=10)] == ["train-2"]
+    with psycopg.connect(a.dsn) as conn:  # train-1's order decided twice is one order
+        assert conn.execute("SELECT node FROM commands WHERE kind = 'checkpoint'"
+                            " ORDER BY node").fetchall() == [("node1",), ("node2",), ("node3",)]
 
 
 @pytest.mark.timeout(240)

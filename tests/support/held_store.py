@@ -29,14 +29,16 @@ class HeldStore:
                     store.in_flight += 1
                     store.max_in_flight = max(store.max_in_flight, store.in_flight)
                 gate.wait(30)
+                # Out of flight before the answer leaves: the client may send its next
+                # request as soon as it reads this one's, and that one's handler must not
+                # find this one still counted (it would look like two at once).
                 with store.lock:
                     status = store.answers.pop(0) if store.answers else 204
+                    store.in_flight -= 1
+                    store.answered += 1
                 self.send_response(status)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
-                with store.lock:
-                    store.in_flight -= 1
-                    store.answered += 1
 
             def log_message(self, *args: object) -> None:
                 pass

@@ -38,6 +38,7 @@ class Replica:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.dsn = dsn
         settings = {"listen": f"127.0.0.1:{self.port}", "data_dir": str(self.dir / "data"),
                     "tokens_file": str(tokens), "state": "postgresql", "postgres_dsn": dsn,
                     "log_level": "warning", "advise_hooks": False, "predictor_enabled": False,
