@@ -209,13 +209,15 @@ def _order_under_failover(rig: ScaleRig, out: Outcome, node: str,
     cmds = [c for c in get_json(rig.survivor() + "/api/v1/commands/log?limit=10000")
             if c.get("kind") == "checkpoint" and c["command"]["order"].get("job") == ORDER_JOB]
     nodes = sorted({c["node"] for c in cmds})
+    steps = len({c["command"]["order"].get("step") for c in cmds if c["node"] == NODES[0]})
+    # an order is applied when the rank reaches its step: a later order's may still be ahead
+    wait_until(lambda: len(_ordered(logs[0])) >= steps or None, 30)
     healthy = len(_ordered(logs[0]))
     # orders to rank 0's node: one, or more when a rank reported the step missed and the
     # collector reissued under a new id, or when the new leader decided a second finding of
     # the same fault (its gates' memory starts empty: docs/scale.md) for the same step; the
     # rank saves once per ordered step
     to_healthy = sum(1 for c in cmds if c["node"] == NODES[0])
-    steps = len({c["command"]["order"].get("step") for c in cmds if c["node"] == NODES[0]})
     # whether the dead leader had queued the order, or the new one decided it
     out.figures["queued_after_kill"] = bool(cmds) and min(c["created"] for c in cmds) > killed_at
     out.figures.update(orders=len(cmds), orders_acked=sum(1 for c in cmds if c["acked_at"]),
