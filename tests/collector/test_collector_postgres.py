@@ -106,13 +106,9 @@ def test_sigkill_the_leader_and_the_follower_decides_within_5_s(
     assert b.role() == "leader"
 
 
-@pytest.mark.timeout(180)
-def test_a_leader_killed_before_saving_leaves_its_finding_to_the_next(
-        replicas: list[Replica]) -> None:
-    """SIGKILL right after the leader queued its orders, before it saved its incident and
-    feed cursor (the failover test's interleaving now and then, made certain here: the
-    test holds the election lock across the kill and rewinds what was not saved yet).
-    The next leader decides that finding again, as one order, and a new one too."""
+def one_job_on_both(replicas: list[Replica]) -> tuple[Replica, Replica]:
+    """Start ``a`` (it leads), then ``b``; job train-1's ranks on node1 (reported to a)
+    and node2 (reported to b)."""
     a, b = replicas
     a.start()
     assert wait_for(lambda: a.role() == "leader", what="a leads")
@@ -120,9 +116,20 @@ def test_a_leader_killed_before_saving_leaves_its_finding_to_the_next(
     now = time.time()
     assert a.push("node1", ranks=ranks("train-1", "node1", 0, now)).status_code == 200
     assert b.push("node2", ranks=ranks("train-1", "node2", 2, now)).status_code == 200
+    return a, b
+
+
+@pytest.mark.timeout(180)
+def test_a_leader_killed_before_saving_leaves_its_finding_to_the_next(
+        replicas: list[Replica]) -> None:
+    """SIGKILL right after the leader queued its orders, before it saved its incident and
+    feed cursor (the failover test's interleaving now and then, made certain here: the
+    test holds the election lock across the kill and rewinds what was not saved yet).
+    The next leader decides that finding again, as one order, and a new one too."""
+    a, b = one_job_on_both(replicas)
     assert b.push("node2", urgent=True, findings=[gpu_lost("node2", 1)]).status_code == 200
     assert len(b.commands("node1", wait=10)) == 1
-    assert b.push("node3", ranks=ranks("train-2", "node3", 0, now)).status_code == 200
+    assert b.push("node3", ranks=ranks("train-2", "node3", 0, time.time())).status_code == 200
     with psycopg.connect(a.dsn, autocommit=True) as lock:
         lock_pid = lock.info.backend_pid
         taken = threading.Thread(target=lambda: lock.execute(
@@ -201,13 +208,7 @@ def test_postgresql_restart_while_agents_push_loses_nothing(
 @pytest.mark.timeout(180)
 def test_an_order_reaches_an_agent_polling_another_replica_at_once(
         replicas: list[Replica]) -> None:
-    a, b = replicas
-    a.start()
-    assert wait_for(lambda: a.role() == "leader", what="a leads")
-    b.start()
-    now = time.time()
-    assert a.push("node1", ranks=ranks("train-1", "node1", 0, now)).status_code == 200
-    assert b.push("node2", ranks=ranks("train-1", "node2", 2, now)).status_code == 200
+    a, b = one_job_on_both(replicas)
     got: list[list[dict[str, object]]] = []
     poll = threading.Thread(target=lambda: got.append(b.commands("node2", wait=20)))
     poll.start()  # node2's agent waits on the follower ...
