@@ -173,6 +173,21 @@ def verify(path: str | os.PathLike[str]) -> str | None:
     return None
 
 
+def rank_bytes(tmp: Path, final: Path, rank: int) -> int:
+    """Bytes of ``rank``'s shard files of a DCP save (``FileSystemWriter`` names them
+    ``__<rank>_<n>.distcp``): in ``tmp``, or in ``final`` once rank 0 has committed. Rank 0
+    commits (renames ``tmp`` to ``final``) as soon as its own ``dcp.save`` returns, so the
+    rename can land while this rank is still counting: then every file is in ``final``."""
+    prefix = f"__{rank}_"
+    for where in (tmp, final):
+        try:
+            return sum((where / n).stat().st_size for n in os.listdir(where)
+                       if n.startswith(prefix))
+        except FileNotFoundError:
+            continue  # renamed away mid-count: look in the committed directory
+    raise FileNotFoundError(f"rank {rank}'s shard files are in neither {tmp} nor {final}")
+
+
 def write_manifest(tmp: Path, step: int, kind: str, world: int, files: list[str]) -> int:
     """fsync ``files`` in ``tmp`` and write the fsynced manifest listing their sizes and
     sha256; returns the bytes of files and manifest together."""

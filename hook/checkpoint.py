@@ -298,12 +298,8 @@ class CheckpointWriter:
             files = sorted(p.name for p in tmp.iterdir() if p.is_file())
             result = self._finish(step, tmp, t0, "dcp", files, world)
         else:
-            # FileSystemWriter names each rank's shard files __<rank>_<n>.distcp
             final = self.directory / disk.step_name(step)
-            where = tmp if tmp.exists() else final  # rank 0 may have renamed it already
-            nbytes = sum(
-                (where / n).stat().st_size for n in os.listdir(where) if n.startswith(f"__{rank}_")
-            )
+            nbytes = disk.rank_bytes(tmp, final, rank)
             result = CheckpointResult(step, str(final), self._clock() - t0, nbytes)
         if barrier:
             dist.barrier()  # rank 0 has renamed: load_latest sees it on every rank

@@ -190,6 +190,30 @@ def test_dcp_two_ranks_save_the_same_step_and_load(tmp_path: Path, use_async: st
     assert [p.name for p in sorted(out.iterdir())] == ["step-000000003", "step-000000006"]
 
 
+def test_a_rank_counting_its_shards_as_rank_0_commits_finds_them_in_the_committed_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CI at 7b6f0b8: rank 0 commits (renames ``.tmp-step-N`` to ``step-N``) as soon as its
+    own ``dcp.save`` returns, while rank 1 may still be summing its shard files' sizes in the
+    temp directory: it died on FileNotFoundError and its peer hung in the barrier. Here the
+    rename lands right after rank 1 listed the temp directory."""
+    w = CheckpointWriter(tmp_path)
+    tmp = tmp_path / ".tmp-step-000000007"
+    tmp.mkdir()
+    (tmp / "__1_0.distcp").write_bytes(b"x" * 100)
+    (tmp / "__0_0.distcp").write_bytes(b"y" * 10)
+    listdir = os.listdir
+
+    def listdir_then_commit(path: os.PathLike[str] | str) -> list[str]:
+        names = listdir(path)
+        if Path(path) == tmp:
+            tmp.rename(tmp_path / "step-000000007")  # rank 0's commit, at the worst moment
+        return names
+
+    monkeypatch.setattr(os, "listdir", listdir_then_commit)
+    result = w._finish_dcp(7, tmp, 0.0, rank=1, world=2, dist=None, barrier=False)
+    assert result.bytes == 100 and result.path == str(tmp_path / "step-000000007")
+
+
 # ---------------------------------------------------------------- crashes during a save
 
 _CRASH_SCRIPT = textwrap.dedent(

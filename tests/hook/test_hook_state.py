@@ -40,11 +40,13 @@ def _ranks(args: list[str], ckpt: Path, out: Path, expect: int = 0) -> None:
             [sys.executable, str(WORKER), *args, "--steps", str(STEPS), "--ckpt", str(ckpt),
              "--out", str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True))
-    for p in procs:
-        so, se = p.communicate(timeout=240)
+    outs = [p.communicate(timeout=240) for p in procs]  # a failing rank's peer says little:
+    told = "\n".join(f"--- rank {r}: exit {p.returncode}\n{so}{se[-3000:]}"  # show both
+                     for r, (p, (so, se)) in enumerate(zip(procs, outs, strict=True)))
+    for p, (_, se) in zip(procs, outs, strict=True):
         if expect == 0 and p.returncode == -6 and se.strip().endswith(_TORCH_EXIT_ABORT):
             continue  # torch's own exit-time abort after DCP, once the work is all done
-        assert p.returncode == expect, so + se[-3000:]
+        assert p.returncode == expect, told
 
 
 def _final(out: Path) -> list[dict[str, object]]:
