@@ -19,7 +19,7 @@ from forewarn import wire
 
 from ._channel import AgentChannel
 from ._identity import RankIdentity
-from ._sender import Sender
+from ._sender import Sender, Urgent
 from ._tensors import DeferredValues, read_now
 
 __all__ = ["Reporter", "checked_step", "passed_step"]
@@ -93,9 +93,11 @@ class Reporter:
         if not self._ch.up or len(self.queue) >= self.queue_limit:
             self.dropped += 1
             return
-        self.queue.append(data)
         if urgent:
+            self.queue.append(Urgent(data))
             self._sender.kick()
+        else:
+            self.queue.append(data)
 
     def record(
         self, step: int, now: float, ss: float | None, loss: Any, grad_norm: Any,

@@ -19,6 +19,13 @@ queue is sent.
 The socket to the agent is blocking with a short timeout *on this thread only*; the
 training thread never touches it. The queue is bounded: beyond ``queue_limit`` records,
 new ones are dropped and counted (the beat's ``last_step`` still shows progress).
+
+When a send fails with the agent there (its socket full: the kernel queues only
+``net.unix.max_dgram_qlen`` datagrams, 10 by default, so a busy agent fills it in
+moments), the queued step records are dropped and counted, but :class:`Urgent` records
+(checkpoint reports, non-finite values: what the agent's orders and holds wait on) stay
+at the head of the queue and go again ``RETRY_S`` later, in order. When the agent is gone
+(no socket), everything is dropped: a restarted agent has no orders waiting for them.
 """
 
 from __future__ import annotations
@@ -35,10 +42,18 @@ from typing import TypeAlias
 from ._channel import AgentChannel
 from ._pack import StepPacker
 
-__all__ = ["Sender", "StepValues"]
+__all__ = ["RETRY_S", "Sender", "StepValues", "Urgent"]
 
 StepValues: TypeAlias = tuple[int, float, float, float, float]
 """``(step, time, step_seconds, loss, grad_norm)``: a step record packed on this thread."""
+
+RETRY_S = 0.1
+"""How long urgent records wait before they are sent again after the agent's socket was
+full (each try may block this thread for the channel's send timeout)."""
+
+
+class Urgent(bytes):
+    """An encoded record the agent must get: kept and sent again while its socket is full."""
 
 
 class Sender:
@@ -59,6 +74,7 @@ class Sender:
     ) -> None:
         self.channel = channel
         self.queue: collections.deque[bytes | StepValues] = collections.deque()
+        self._retry_at = 0.0
         self.queue_limit = queue_limit
         """Most records queued: ``Monitor.step()`` and the Reporter drop (and count) beyond."""
         self.pack_step = pack_step
@@ -145,10 +161,24 @@ class Sender:
                     continue
             if self._send(data):
                 continue
-            lost = 1 + len(q)
-            q.clear()
-            self.dropped += lost
+            self._drop_queued(item)
             return
+
+    def _drop_queued(self, failed: bytes | StepValues) -> None:
+        """After ``failed`` could not be sent: drop (and count) what is queued, but keep
+        the :class:`Urgent` records, in order, for a retry while the agent is there."""
+        q = self.queue
+        rest = [failed]
+        while True:
+            try:
+                rest.append(q.popleft())
+            except IndexError:
+                break
+        kept = [i for i in rest if type(i) is Urgent] if self.channel.up else []
+        self.dropped += len(rest) - len(kept)
+        q.extendleft(reversed(kept))  # ahead of anything queued meanwhile
+        if kept:
+            self._retry_at = time.monotonic() + RETRY_S
 
     def beat(self) -> None:
         """Send one beat (carrying the total dropped count)."""
@@ -187,12 +217,14 @@ class Sender:
         while True:
             try:
                 stopping = self._stop.is_set()
-                if self.queue:
+                if self.queue and (stopping or mono() >= self._retry_at):
                     self.flush()
                 if stopping:
                     if self._beat_now:  # an early beat asked for just before close()
                         self._beat_now = False
                         self.beat()
+                    self.dropped += len(self.queue)  # urgent records the agent never took
+                    self.queue.clear()
                     return
                 now = mono()
                 if now >= next_beat or self._beat_now:

@@ -283,6 +283,20 @@ def test_no_agent_counts_drops_and_training_runs(sockdir: str) -> None:
     mon.close()
 
 
+def test_a_checkpoint_report_outlasts_an_agent_that_stalls(agent: FakeAgent) -> None:
+    """CI at 7b6f0b8: an agent that stops reading for a moment fills its socket (the kernel
+    queues ``net.unix.max_dgram_qlen`` datagrams, 10 by default), and the hook dropped all
+    it had queued once a send timed out, checkpoint reports too. A ``missed`` report lost
+    that way leaves the agent's hold on a step a rank already passed. Checkpoint reports
+    wait for the agent; step records and beats are still dropped and counted."""
+    with _monitor(agent.path, beat_interval_s=0.02) as mon:
+        _wait(lambda: mon.dropped > 0)  # the socket is full: beats are being dropped
+        mon.checkpoint_failed(7, "disk full")
+        time.sleep(0.3)  # the stall outlasts the hook's send timeout
+        rep = agent.wait_for(lambda m: isinstance(m, wire.CheckpointReport) and m.step == 7)
+        assert isinstance(rep, wire.CheckpointReport) and rep.phase == "failed"
+
+
 def test_junk_arguments_never_raise(agent: FakeAgent) -> None:
     with _monitor(agent.path) as mon:
         mon.step(-1)
