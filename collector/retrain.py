@@ -9,8 +9,10 @@ The model registry is ``<data_dir>/models`` (``--registry`` to choose another); 
 running collector switches to its current version at its next scoring (it follows the
 registry: :mod:`forewarn.collector.decide.model_watch`).
 
-``retrain``   train a candidate, judge it in shadow against the running model, promote or
-              refuse it (:mod:`forewarn.models.retrain`, :mod:`forewarn.models.gate`)
+``retrain``   train a candidate of the kind that ships (``rules_forest``; ``--detector
+              model`` for the gradient-boosted one), judge it in shadow against the
+              running model, promote or refuse it (:mod:`forewarn.models.retrain`,
+              :mod:`forewarn.models.gate`)
 ``drift``     PSI per feature, the last days of the store against the running model's
               training distribution (:mod:`forewarn.models.drift`)
 ``versions``  the registry's versions and every decision
@@ -32,6 +34,8 @@ _STORE_KEYS = ("data_dir", "state", "postgres_dsn")
 
 def register_actions(ms: Any) -> None:
     """Add the actions above to ``forewarn models`` (its subparsers ``ms``)."""
+    from forewarn.models.train import DETECTORS, SHIPPED_DETECTOR
+
     r = ms.add_parser("retrain", help="train a candidate on the collector's store; promote "
                       "it only when it beats the running model in shadow",
                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -40,10 +44,17 @@ def register_actions(ms: Any) -> None:
                    help="judge on the last N days; train on what came before (default 7)")
     r.add_argument("--min-failures", type=int, default=3,
                    help="failures the shadow window must hold to judge (default 3)")
-    r.add_argument("--threshold", type=float, help="candidate's threshold (default: tuned)")
+    r.add_argument("--detector", choices=DETECTORS, default=SHIPPED_DETECTOR,
+                   help="the candidate's kind: rules_forest (shipped; its isolation forest "
+                   "refitted on the fleet's rows, its cutoff tuned on the fleet's held-out "
+                   "GPUs) or model (gradient-boosted; docs/models.md)")
+    r.add_argument("--threshold", type=float,
+                   help="candidate's threshold (default: rules_forest 0.5, model tuned)")
     r.add_argument("--target-false-alarms", type=float, default=0.5,
-                   help="false alarms per 1,000 GPU-days the tuned threshold aims under")
-    r.add_argument("--max-iter", type=int, default=150, help="boosting iterations")
+                   help="false alarms per 1,000 GPU-days the tuned cutoff or threshold "
+                   "aims under")
+    r.add_argument("--max-iter", type=int, default=150,
+                   help="boosting iterations (--detector model)")
     r.add_argument("--threads", type=int, default=1, help="OpenMP/BLAS threads (default 1)")
     r.set_defaults(func=_retrain)
     d = ms.add_parser("drift", help="feature drift: the store's last days against the "
@@ -141,7 +152,8 @@ def _retrain(args: argparse.Namespace) -> int:
         samples, xids, outcomes = _history(args)
         with threadpool_limits(args.threads):
             res = retrain(samples, xids, outcomes, registry, shadow_days=args.shadow_days,
-                          min_failures=args.min_failures, threshold=args.threshold,
+                          min_failures=args.min_failures, detector=args.detector,
+                          threshold=args.threshold,
                           target_false_alarms=args.target_false_alarms,
                           max_iter=args.max_iter)
     except (InputError, OSError) as exc:  # RetrainError, DataError, ModelError, ...

@@ -26,6 +26,8 @@ def register(sub: Any) -> Any:
     """Add ``models`` to the ``forewarn`` command; returns its actions' subparsers (the
     collector adds ``retrain``, ``drift``, ``versions``, ``rollback`` to them:
     :mod:`forewarn.collector.retrain`)."""
+    from forewarn.models.train import DETECTORS, SHIPPED_DETECTOR
+
     p: argparse.ArgumentParser = sub.add_parser(
         "models", help="failure-prediction models: simulate, train, eval, backtest, ranking",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -49,7 +51,7 @@ def register(sub: Any) -> Any:
                    help="train on the built-in simulated training suite instead")
     t.add_argument("--scale", type=float, default=1.0, help="size of the simulated suite")
     t.add_argument("--out", required=True, help="model file to write (.skops)")
-    t.add_argument("--detector", choices=("rules_forest", "model"), default="rules_forest",
+    t.add_argument("--detector", choices=DETECTORS, default=SHIPPED_DETECTOR,
                    help="rules_forest (shipped): repeated hardware XIDs, a counter beyond "
                    "the GPU's own rate most of the hour, or an isolation forest far out; "
                    "model: the gradient-boosted failure predictor (docs/models.md)")
@@ -184,10 +186,9 @@ def _simulate(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace) -> int:
     from forewarn.models.persist import save_model
-    from forewarn.models.predictor import train_predictor
-    from forewarn.models.rules_forest import train_rules_forest
     from forewarn.models.schema import DataError
     from forewarn.models.suites import simulate_features, train_suite, tune_params
+    from forewarn.models.train import train_detector
 
     try:
         tune = None
@@ -199,14 +200,9 @@ def _train(args: argparse.Namespace) -> int:
         else:
             print("forewarn models train: give --data DIR or --simulate", file=sys.stderr)
             return 2
-        if args.detector == "model":
-            model = train_predictor(sets, tune=tune, horizon_s=args.horizon_min * 60,
-                                    threshold=args.threshold,
-                                    target_false_alarms=args.target_false_alarms)
-        else:
-            model = train_rules_forest(sets, tune_set=tune, horizon_s=args.horizon_min * 60,
-                                       target_false_alarms=args.target_false_alarms)
-            model.threshold = args.threshold or model.threshold
+        model = train_detector(args.detector, sets, tune=tune,
+                               horizon_s=args.horizon_min * 60, threshold=args.threshold,
+                               target_false_alarms=args.target_false_alarms)
     except (DataError, ValueError) as exc:
         print(f"forewarn models train: {exc}", file=sys.stderr)
         return 2

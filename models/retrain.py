@@ -9,7 +9,10 @@ it against the running model in shadow, promote it only when it is better.
    uncorrectable ECC errors and row remaps, remap failures, drains);
 2. splits time at ``end - shadow_days``: the candidate is fitted on what came before
    (feature rows up to one horizon before the cut, so no row's label looks into the
-   window) and never sees the shadow window;
+   window) and never sees the shadow window. It is of the kind that ships
+   (``rules_forest``: its isolation forest refitted on the fleet's own rows, its cutoff
+   tuned on the fleet's GPUs held out of the fit at the false-alarm target), or the
+   gradient-boosted ``model`` when asked (:func:`~.train.train_detector`);
 3. scores the candidate and the running model on the shadow window and applies the gate
    (:mod:`~.gate`: better = at least the recall on failures with a precursor at no more
    false alarms per 1,000 GPU-days, one strictly better, over enough failures);
@@ -31,8 +34,8 @@ from forewarn.models.drift import psi, reference
 from forewarn.models.features import gpu_features
 from forewarn.models.gate import MIN_FAILURES, Verdict, judge, shadow_score
 from forewarn.models.labels import labels_from_telemetry
-from forewarn.models.predictor import train_predictor
 from forewarn.models.registry import ModelRegistry
+from forewarn.models.train import DETECTORS, SHIPPED_DETECTOR, train_detector
 
 __all__ = ["RetrainError", "RetrainResult", "retrain"]
 
@@ -69,11 +72,15 @@ def _split(features: pd.DataFrame, labels: pd.DataFrame, shadow_days: float,
 
 def retrain(samples: pd.DataFrame, xids: pd.DataFrame | None, outcomes: pd.DataFrame | None,
             registry: ModelRegistry, *, shadow_days: float = 7.0,
-            min_failures: int = MIN_FAILURES, threshold: float | None = None,
-            target_false_alarms: float = 0.5, seed: int = 0, max_iter: int = 150,
-            now: float | None = None) -> RetrainResult:
-    """See the module docstring. Raises :class:`RetrainError` when no candidate can be
-    trained, and :class:`~.schema.DataError` for unusable data."""
+            min_failures: int = MIN_FAILURES, detector: str = SHIPPED_DETECTOR,
+            threshold: float | None = None, target_false_alarms: float = 0.5, seed: int = 0,
+            max_iter: int = 150, now: float | None = None) -> RetrainResult:
+    """See the module docstring; ``detector``, ``threshold``, ``target_false_alarms``,
+    ``seed`` and ``max_iter`` as :func:`~.train.train_detector` takes them. Raises
+    :class:`RetrainError` when no candidate can be trained, and
+    :class:`~.schema.DataError` for unusable data."""
+    if detector not in DETECTORS:
+        raise RetrainError(f"detector: {detector!r} is none of {', '.join(DETECTORS)}")
     if samples.empty:
         raise RetrainError("the store holds no telemetry")
     features = gpu_features(samples, xids)
@@ -87,9 +94,9 @@ def retrain(samples: pd.DataFrame, xids: pd.DataFrame | None, outcomes: pd.DataF
                            f" days: too short for a {shadow_days:g}-day shadow window and "
                            "history before it to train on")
     try:
-        candidate = train_predictor([(tf, tl)], horizon_s=horizon, threshold=threshold,
-                                    target_false_alarms=target_false_alarms, seed=seed,
-                                    max_iter=max_iter)
+        candidate = train_detector(detector, [(tf, tl)], horizon_s=horizon,
+                                   threshold=threshold, seed=seed, max_iter=max_iter,
+                                   target_false_alarms=target_false_alarms)
     except ValueError as exc:
         raise RetrainError(f"no candidate trained on the {len(tl)} failure(s) before the "
                            f"shadow window: {exc}") from None

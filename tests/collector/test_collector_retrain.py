@@ -1,5 +1,7 @@
-"""``forewarn models retrain`` on a collector's own store: a better candidate is promoted, a
-worse one refused, rollback restores a version, and the collector runs the current one."""
+"""``forewarn models retrain`` on a collector's own store: the candidate is of the kind that
+ships (``rules_forest``) unless ``--detector model`` asks for the gradient-boosted one, a
+better candidate is promoted, a worse one refused, rollback restores a version, and the
+collector runs the current one."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from forewarn.collector.storage.telemetry import TelemetryWriter
 from forewarn.models.fleetsim import load_params, simulate_fleet
 from forewarn.models.persist import load_default_model
 from forewarn.models.registry import ModelRegistry
+from forewarn.models.rules_forest import RulesForest
 from forewarn.models.suites import classic
 
 from support.history import fleet_batches, store_fleet
@@ -64,6 +67,8 @@ def test_retrain_promotes_a_better_candidate_refuses_a_worse_one_and_rolls_back(
     assert "candidate version 3: REFUSED against version 2: worse recall" in out
     assert registry.current() == 2
     promoted = registry.load(2)
+    assert isinstance(promoted.classifier, RulesForest)  # the kind that ships
+    assert isinstance(registry.load(3).classifier, RulesForest)
     assert promoted.metadata["reference"]["features"]  # its training distribution
 
     predictor = _service(tmp_path).advisors.predictor
@@ -97,6 +102,13 @@ def test_retrain_promotes_a_better_candidate_refuses_a_worse_one_and_rolls_back(
         "promoted", "promoted", "refused", "rolled_back"]
     assert main(["models", "rollback", "9", *store_args]) == 2
     assert "no model version 9" in capsys.readouterr().err
+
+    # The gradient-boosted kind only when asked for.
+    assert main(["models", "retrain", *store_args, *FAST, "--detector", "model"]) == 0
+    assert "candidate version 4: " in capsys.readouterr().out
+    boosted = registry.load(4)
+    assert not isinstance(boosted.classifier, RulesForest)
+    assert boosted.metadata["detector"] == "model"
 
 
 def test_retrain_says_what_is_missing_on_a_short_store(

@@ -1,4 +1,5 @@
-"""Learning from the fleet's own history: the promotion gate, the model registry, drift."""
+"""Learning from the fleet's own history: the candidate retrain builds, the promotion gate,
+the model registry, drift."""
 
 from __future__ import annotations
 
@@ -11,9 +12,13 @@ import pytest
 
 from forewarn.models.drift import DRIFTED, psi, reference
 from forewarn.models.evaluate import EvalResult
+from forewarn.models.fleetsim import CauseParams, load_params, simulate_fleet
 from forewarn.models.gate import judge
 from forewarn.models.persist import load_default_model
 from forewarn.models.registry import SHIPPED, ModelRegistry, RegistryError
+from forewarn.models.retrain import RetrainError, retrain
+from forewarn.models.rules_forest import RulesForest
+from forewarn.models.suites import classic
 
 RESULT = EvalResult(threshold=0.5, episodes=4, true_episodes=3, false_episodes=1,
                     precision=0.75, failures=5, failures_with_precursor=4, caught=3,
@@ -117,3 +122,53 @@ def test_drift_of_a_small_healthy_fleet_reads_stable() -> None:
         d = psi(ref, rows(k))
         assert max(d.values()) < DRIFTED, f"{k} healthy rows read drifted: {d}"
     assert psi(ref, rows(2000, shift=1.0))["temp_vs_own"] > DRIFTED
+
+
+def _bursty_fleet() -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Three nodes of 8 GPUs for 3 days whose failures (a correctable-ECC rate that
+    accelerates, with repeated XIDs: the rules catch them) are inflated, and whose healthy
+    GPUs all show a chronic behaviour the simulator never writes: a marginal board whose
+    PCIe replays, correctable ECC and NVLink CRC come in a 2-minute burst every 2 hours,
+    each GPU at its own phase, for its whole life. The shipped forest calls those bursts far
+    out; the fleet's own forest has seen them on every healthy GPU."""
+    hbm3 = CauseParams(name="hbm3", weight=1.0, precursor_share=1.0, final_xid=48,
+                       families=("ecc_accel",))
+    fleet = simulate_fleet(classic(load_params()).replace(
+        nodes=3, gpus_per_node=8, days=3.0, rate_per_1000_gpu_days=150.0, seed=3,
+        causes=(hbm3,)))
+    s = fleet.samples.copy()
+    failing = set(zip(fleet.labels["node"], fleet.labels["gpu"], strict=True))
+    healthy = np.array([k not in failing for k in zip(s["node"], s["gpu"], strict=True)])
+    minute = (s["time"].to_numpy() // 60).astype(np.int64) + 15 * s["gpu"].to_numpy()
+    burst = healthy & (minute % 120 < 2)
+    rng = np.random.default_rng(0)
+    for col in ("pcie_replay_total", "ecc_corrected_volatile", "nvlink0_crc_flit"):
+        extra = pd.Series(rng.poisson(1000, len(s)) * burst, index=s.index)
+        s[col] += extra.groupby([s["node"], s["gpu"]]).cumsum()
+    return s, fleet.xids
+
+
+def test_retrain_builds_a_rules_forest_that_learns_the_fleets_chronic_behaviour(
+        tmp_path: Path) -> None:
+    samples, xids = _bursty_fleet()
+    registry = ModelRegistry(tmp_path / "models")
+    res = retrain(samples, xids, None, registry, shadow_days=1.0)
+    candidate = registry.load(res.version)
+    assert isinstance(candidate.classifier, RulesForest)
+    assert candidate.metadata["detector"] == "rules_forest"
+    assert res.running_version == SHIPPED
+    c, r = res.verdict.candidate, res.verdict.running
+    assert r["false_alarms_per_1000_gpu_days"] > 0, r  # the shipped forest cries wolf
+    assert c["false_alarms_per_1000_gpu_days"] < r["false_alarms_per_1000_gpu_days"]
+    assert c["recall_precursor"] >= r["recall_precursor"] > 0
+    assert res.verdict.promote, res.verdict.reason
+    assert registry.current() == res.version == 1
+
+
+def test_retrain_refuses_an_unknown_detector_and_stores_nothing(tmp_path: Path) -> None:
+    samples = pd.DataFrame({"node": ["n1"], "gpu": [0], "time": [1.767e9],
+                            "temperature_c": [50.0]})
+    registry = ModelRegistry(tmp_path / "models")
+    with pytest.raises(RetrainError, match="detector: 'svm' is none of rules_forest, model"):
+        retrain(samples, None, None, registry, detector="svm")
+    assert registry.versions() == [SHIPPED] and registry.decisions() == []
