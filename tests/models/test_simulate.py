@@ -44,7 +44,12 @@ def test_young_waste_at_optimum(c: float, m: float) -> None:
 
 
 def test_fast_detection_and_prediction_save_work() -> None:
-    res = compare(RunParams(gpus=4096, days=10.0), runs=6)
+    """A predictor that catches 91 % of the failures with a precursor, 39 min ahead, at 0.88
+    false alarms per 1,000 GPU-days (the gradient-boosted model's figures on fleets from its
+    own simulator) saves work; the shipped one's held-out figures do not (README)."""
+    good = RunParams(gpus=4096, days=10.0, recall=0.91, lead_median_s=39 * 60.0,
+                     false_alarms_per_1k_gpu_days=0.88)
+    res = compare(good, runs=6)
     base, fast, pro = res["baseline"], res["fast_detection"], res["proactive"]
     assert fast.failures >= base.failures > 0
     assert fast.detection_s < base.detection_s / 50
