@@ -159,7 +159,8 @@ def _retrain(args: argparse.Namespace) -> int:
     except (InputError, OSError) as exc:  # RetrainError, DataError, ModelError, ...
         return _fail("retrain", exc)
     v = res.verdict
-    print(f"candidate version {res.version}: {'PROMOTED' if v.promote else 'REFUSED'} "
+    print(f"candidate version {res.version} ({args.detector}): "
+          f"{'PROMOTED' if v.promote else 'REFUSED'} "
           f"against version {res.running_version}: {v.reason}")
     for who, fig in (("candidate", v.candidate), ("running", v.running)):
         print(f"  {who:<9} recall {fig['recall_precursor']:.2f} "

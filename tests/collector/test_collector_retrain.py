@@ -57,14 +57,14 @@ def test_retrain_promotes_a_better_candidate_refuses_a_worse_one_and_rolls_back(
 
     assert main(["models", "retrain", *store_args, *FAST]) == 0
     out = capsys.readouterr().out
-    assert "candidate version 2: PROMOTED against version 1: better: recall" in out
+    assert "candidate version 2 (rules_forest): PROMOTED against version 1: better: recall" in out
     assert "feature drift (PSI" in out
     assert registry.current() == 2
 
     # A candidate that alarms on nothing is worse than version 2: refused, 2 keeps running.
     assert main(["models", "retrain", *store_args, *FAST, "--threshold", "1.01"]) == 0
     out = capsys.readouterr().out
-    assert "candidate version 3: REFUSED against version 2: worse recall" in out
+    assert "candidate version 3 (rules_forest): REFUSED against version 2: worse recall" in out
     assert registry.current() == 2
     promoted = registry.load(2)
     assert isinstance(promoted.classifier, RulesForest)  # the kind that ships
@@ -105,7 +105,7 @@ def test_retrain_promotes_a_better_candidate_refuses_a_worse_one_and_rolls_back(
 
     # The gradient-boosted kind only when asked for.
     assert main(["models", "retrain", *store_args, *FAST, "--detector", "model"]) == 0
-    assert "candidate version 4: " in capsys.readouterr().out
+    assert "candidate version 4 (model): " in capsys.readouterr().out
     boosted = registry.load(4)
     assert not isinstance(boosted.classifier, RulesForest)
     assert boosted.metadata["detector"] == "model"
