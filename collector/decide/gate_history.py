@@ -1,0 +1,107 @@
+"""The policy's gates rebuilt from the store (:meth:`.gates.Gates.restore`): when a replica
+starts to lead (shared state: another replica decided until then) and when a collector
+starts on its state, before it decides anything.
+
+What counts is what was done, read from the ``decisions`` rows within the gates' window
+(:meth:`~.gates.Gates.window_s`):
+
+* a decision ``act`` or ``shadow`` passed every gate: a cooldown, a token, a breaker
+  target; ``refused``: the breaker was tripped;
+* a checkpoint order, a save hold or a webhook counts only once its ``actions`` row is
+  stored (written as it was queued). A leader that died between the decision and queueing
+  its order leaves the finding to the next leader, which decides it again: the same
+  finding gives the same order id (:func:`~.orders.order_key`) and the same webhook
+  idempotency key (:func:`~.actions.decision_key`), so doing it twice is harmless and
+  not doing it would lose it;
+* a drain counts from its decision: its ``actions`` row comes only when its command has
+  ended, and a node must not be drained twice;
+* the breaker's own alert (target ``breaker:<kind>``) passed no gate and counts for none.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from .gates import GateEvent
+from .severity import ActionKind
+
+if TYPE_CHECKING:
+    from ..storage.state import StateStore
+    from .policy import Policy
+    from .seam import DecideContext
+
+__all__ = ["restore_gates", "stored_events"]
+
+log = logging.getLogger(__name__)
+
+_DECISIONS = ("SELECT id, time, decision, inputs FROM decisions WHERE time >= ? AND"
+              " (decision LIKE '%:act' OR decision LIKE '%:shadow' OR decision LIKE"
+              " '%:refused') ORDER BY time, id")
+_CARRIED_OUT = ("SELECT detail FROM actions WHERE time >= ? AND kind IN"
+                " ('checkpoint', 'hold', 'webhook')")
+_QUEUED_KINDS = frozenset({ActionKind.CHECKPOINT, ActionKind.HOLD, ActionKind.WEBHOOK})
+
+
+def restore_gates(policy: Policy, ctx: DecideContext) -> None:
+    """Rebuild ``policy``'s gates from ``ctx``'s store; a store that fails leaves them as
+    they were (logged, counted in ``forewarn_collector_policy_errors_total``)."""
+    now = ctx.clock()
+    try:
+        events = stored_events(ctx.store, now - policy.gates.window_s())
+    except Exception:
+        ctx.metrics.policy_errors.inc()
+        log.exception("rebuilding the policy's gates from the store failed")
+        return
+    policy.gates.restore(events, now)
+    log.warning("policy gates rebuilt from %d stored decision(s)", len(events))
+
+
+def stored_events(store: StateStore, since: float) -> list[GateEvent]:
+    """What the gates remember from the rows stored since ``since``, oldest first (see
+    the module docstring). A row that cannot be read is skipped and logged, naming the
+    field."""
+    carried = _carried_out(store.query(_CARRIED_OUT, (since,)))
+    events: list[GateEvent] = []
+    for row in store.query(_DECISIONS, (since,)):
+        try:
+            event = _event(row, carried)
+        except (ValueError, TypeError, KeyError) as exc:
+            log.warning("decision row %s skipped while rebuilding the gates: %s",
+                        row.get("id"), exc)
+            continue
+        if event is not None:
+            events.append(event)
+    return events
+
+
+def _carried_out(rows: Sequence[dict[str, Any]]) -> set[str]:
+    """Ids of the decisions whose ``actions`` row is stored."""
+    out: set[str] = set()
+    for row in rows:
+        try:
+            detail = json.loads(row["detail"])
+        except ValueError:
+            continue
+        if isinstance(detail, dict) and isinstance(detail.get("decision"), str):
+            out.add(detail["decision"])
+    return out
+
+
+def _event(row: dict[str, Any], carried: set[str]) -> GateEvent | None:
+    action, _, outcome = str(row["decision"]).partition(":")
+    kind = ActionKind(action)
+    inputs = json.loads(row["inputs"])
+    if not isinstance(inputs, dict):
+        raise ValueError(f"inputs: a JSON object expected, got {type(inputs).__name__}")
+    target = inputs["target"]
+    if not isinstance(target, str):
+        raise TypeError(f"inputs.target: a string expected, got {type(target).__name__}")
+    if target.startswith("breaker:"):
+        return None
+    acted = outcome != "refused"
+    if acted and kind in _QUEUED_KINDS and inputs.get("id") not in carried:
+        return None
+    return GateEvent(time=float(row["time"]), kind=kind, target=target, acted=acted)

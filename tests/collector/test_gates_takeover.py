@@ -1,0 +1,167 @@
+"""The policy's gates survive a change of leader and a restart (issue 16): a new leader, or
+a collector started again on its state, rebuilds its cooldowns, rate limits and circuit
+breakers from the decisions and actions stored before it decides anything.
+
+Two collector services on a real PostgreSQL (:mod:`support.handover`): the leader acts on
+a fault, is stopped (its lock session ends), and the next finding of the same fault reaches
+the new leader within the cooldown. Embedded: one collector on SQLite (and on
+PostgreSQL), stopped and started again on the same state.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from forewarn.collector.config import CollectorConfig
+from forewarn.collector.decide.actions import store_decisions
+from forewarn.collector.decide.gate_history import stored_events
+from forewarn.collector.decide.policy import Policy, PolicySettings
+from forewarn.collector.decide.severity import ActionKind
+from forewarn.collector.storage.state import StateStore, open_state
+from forewarn.wire import SuggestedAction
+
+from support.collector import ranks_on, start_service, stop_service
+from support.handover import Service, gpu_lost, leader_and_follower, rows
+from support.policy import Clock, fleet, gpu_finding
+from support.polling import wait_for
+
+ORDERS = "SELECT count(*) FROM commands WHERE node = 'node1' AND kind = 'checkpoint'"
+DECIDED_SINCE = "SELECT decision, reason FROM decisions WHERE decision LIKE %s AND time > %s"
+
+
+def decided_since(dsn: str, action: str, since: float) -> list[tuple[Any, ...]]:
+    """The ``action`` decisions (``decision``, ``reason``) stored after ``since``."""
+    return rows(dsn, DECIDED_SINCE, f"{action}:%", since)
+
+
+def take_over(dsn: str, a: Service, b: Service) -> float:
+    """Stop the leader ``a`` once its feed read every stored finding; ``b`` leads. Returns
+    the time b led from."""
+    fed = ("SELECT (SELECT last_id FROM policy_cursor) >= (SELECT MAX(id) FROM findings)")
+    wait_for(lambda: rows(dsn, fed) == [(True,)], 30, "a's feed to read every finding")
+    a.stop()  # its sessions end: the lock is free
+    wait_for(b.leads, 30, "b to lead")
+    return time.time()
+
+
+@pytest.mark.system
+@pytest.mark.timeout(240)
+def test_the_next_leader_keeps_the_old_leaders_checkpoint_cooldown(
+        tmp_path: Path, services: tuple[str, list[Service]]) -> None:
+    dsn, started = services
+    a, b = leader_and_follower(tmp_path, dsn, started)
+    a.push("node1", findings=[gpu_lost("node1", gpu=0)])
+    wait_for(lambda: rows(dsn, ORDERS) == [(1,)], 30, "a to order the job")
+    wait_for(lambda: rows(dsn, "SELECT 1 FROM actions WHERE kind = 'checkpoint'"
+                               " AND status = 'ordered'"), 30, "a to record its order")
+    led = take_over(dsn, a, b)
+
+    # the same fault's next finding (the job's other GPU lost) reaches the new leader
+    b.push("node1", findings=[gpu_lost("node1", gpu=1)])
+    wait_for(lambda: decided_since(dsn, "checkpoint", led), 30, "b to decide it")
+    [(decision, reason)] = decided_since(dsn, "checkpoint", led)
+    assert decision == "checkpoint:suppressed" and reason.startswith("cooldown"), reason
+    assert rows(dsn, ORDERS) == [(1,)]
+
+
+@pytest.mark.system
+@pytest.mark.timeout(240)
+def test_the_drain_rate_limit_holds_across_a_takeover(
+        tmp_path: Path, services: tuple[str, list[Service]]) -> None:
+    dsn, started = services
+    # 2 drains a minute (burst 2); the breaker and the cooldown out of the way
+    a, b = leader_and_follower(tmp_path, dsn, started, policy_breaker_drain_share=1.0,
+                               policy_rate_drain_per_min=2.0)
+    for node in ("node2", "node3"):
+        a.push(node)  # known nodes: the breaker's population
+    t0 = time.time() - 60
+    for node in ("node1", "node2"):
+        a.push(node, findings=[gpu_lost(node)])
+    wait_for(lambda: len(decided_since(dsn, "drain", t0)) == 2, 30, "a's two drains")
+    assert {d for d, _ in decided_since(dsn, "drain", t0)} == {"drain:shadow"}
+    led = take_over(dsn, a, b)
+
+    b.push("node3", findings=[gpu_lost("node3")])
+    wait_for(lambda: decided_since(dsn, "drain", led), 30, "b to decide the third drain")
+    [(decision, reason)] = decided_since(dsn, "drain", led)
+    assert decision == "drain:suppressed" and "rate limit" in reason, (decision, reason)
+
+
+@pytest.mark.usefixtures("state_backend")
+def test_a_collector_started_again_keeps_its_cooldowns(tmp_path: Path) -> None:
+    svc = start_service(tmp_path)
+    try:
+        now = time.time()
+        svc.push("node1", ranks=ranks_on("node1", 0, now))
+        svc.push("node2", ranks=ranks_on("node2", 2, now))
+        svc.push("node1", findings=[gpu_lost("node1")])
+        wait_for(lambda: svc.commands("node1"), 30, "the order")
+    finally:
+        stop_service(svc)
+    restarted, seq = time.time(), svc.seq
+    svc = start_service(tmp_path)
+    svc.seq = seq  # the agents go on numbering their batches
+    try:
+        # the job's GPU on its other node is lost within the checkpoint cooldown
+        svc.push("node2", findings=[gpu_lost("node2", gpu=1)])
+        query = ("SELECT decision, reason FROM decisions WHERE decision LIKE 'checkpoint:%'"
+                 " AND time > ?")
+        wait_for(lambda: svc.store.query(query, (restarted,)), 30, "the second decision")
+        [second] = svc.store.query(query, (restarted,))
+        assert second["decision"] == "checkpoint:suppressed", second
+        assert second["reason"].startswith("cooldown"), second
+        assert svc.store.scalar("SELECT count(*) FROM commands WHERE kind = 'checkpoint'"
+                                " AND node = 'node2'") == 1
+    finally:
+        stop_service(svc)
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[StateStore]:
+    state = open_state(CollectorConfig(data_dir=tmp_path / "data",
+                                       tokens_file=tmp_path / "none.toml"))
+    yield state
+    state.close()
+
+
+def next_leader(store: StateStore, settings: PolicySettings, clock: Clock) -> Policy:
+    """A policy whose gates are rebuilt from ``store``, as a new leader's are."""
+    policy = Policy(settings, fleet(), clock=clock, record=store_decisions(store))
+    policy.gates.restore(stored_events(store, clock.t - policy.gates.window_s()), clock.t)
+    return policy
+
+
+def test_a_decision_whose_order_was_not_queued_leaves_the_finding_to_the_next_leader(
+        store: StateStore) -> None:
+    clock, settings = Clock(), PolicySettings()
+    finding = gpu_finding("n0", check="gpu_lost", action=SuggestedAction.DRAIN)
+    # decided and stored; the leader died before it queued the order or the webhook
+    Policy(settings, fleet(), clock=clock, record=store_decisions(store)).evaluate(finding)
+    clock.t += 2
+    planned = next_leader(store, settings, clock).evaluate(finding)
+    outcomes = {p.kind: p.decision.outcome for p in planned}
+    # the order and the webhook again (the same order id and idempotency key); the drain
+    # counted from its decision: its node is cooling down
+    assert outcomes == {ActionKind.CHECKPOINT: "act", ActionKind.WEBHOOK: "act"}
+
+
+def test_a_tripped_breaker_stays_tripped_for_the_next_leader(store: StateStore) -> None:
+    clock = Clock()
+    settings = PolicySettings(breaker_share={"drain": 0.2}, shadow_actions=frozenset(),
+                              rate_per_minute={"drain": 1000.0}, burst={"drain": 1000.0})
+    old = Policy(settings, fleet(nodes=10, jobs=0), clock=clock,
+                 record=store_decisions(store))
+    for i in range(3):  # 20 % of 10 nodes: two drains, the third refused (and alerted)
+        clock.t += 1
+        old.evaluate(gpu_finding(node=f"n{i}", action=SuggestedAction.DRAIN))
+    clock.t += 1
+    new = next_leader(store, settings, clock)
+    planned = new.evaluate(gpu_finding(node="n3", action=SuggestedAction.DRAIN))
+    drains = [d for d in new.decisions if d.action == "drain"]
+    assert [d.outcome for d in drains] == ["refused"], drains
+    assert not [p for p in planned if p.decision.target == "breaker:drain"], "alerted twice"
