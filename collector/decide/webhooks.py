@@ -7,7 +7,15 @@ Signature (generic JSON endpoints with a secret)::
     X-Forewarn-Signature: sha256=<hex HMAC-SHA256(secret, "<timestamp>.<raw body>")>
 
 The timestamp is inside the signed text, so it cannot be changed without breaking the
-signature. A receiver calls :func:`verify_signature` (or keeps a :class:`WebhookVerifier`,
+signature.
+
+Idempotency: every decision's event carries ``idempotency_key`` in its body, sent again as
+the ``Idempotency-Key`` header (:data:`IDEMPOTENCY_HEADER`). It comes from what the decision
+is about (:func:`~.actions.decision_key`: action, target, the finding's content), so the same
+finding decided again, by a new leader after a takeover, gives the same key while its
+decision ``id`` and ``time`` differ; retries of one delivery carry it too. The body is
+signed, so the key a receiver reads from the body of a verified request is authentic
+(the header is the same value for receivers that dedupe before parsing). A receiver calls :func:`verify_signature` (or keeps a :class:`WebhookVerifier`,
 which also refuses a request it has already seen): requests whose timestamp is more than
 ``tolerance_s`` (default 300 s) away from the receiver's clock are rejected, so a captured
 request cannot be replayed later; within the window, the verifier's memory of signatures
@@ -47,6 +55,7 @@ from prometheus_client import CollectorRegistry, Counter
 from forewarn.errors import InputError
 
 __all__ = [
+    "IDEMPOTENCY_HEADER",
     "SIGNATURE_HEADER",
     "TIMESTAMP_HEADER",
     "Delivery",
@@ -66,6 +75,8 @@ log = logging.getLogger(__name__)
 
 TIMESTAMP_HEADER = "X-Forewarn-Timestamp"
 SIGNATURE_HEADER = "X-Forewarn-Signature"
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+"""The event's ``idempotency_key`` (the IETF HTTPAPI draft's header name)."""
 DEFAULT_TOLERANCE_S = 300.0
 MAX_FIELD_CHARS = 2000
 """Longest string in a webhook body (characters); longer ones end in ``…``."""
@@ -243,6 +254,7 @@ class _Job:
     event_id: str
     endpoint: WebhookEndpoint
     body: bytes
+    key: str = ""
     attempt: int = 0
 
 
@@ -321,11 +333,12 @@ class WebhookSender:
             log.warning("webhook sender not started; event %s dropped", event.get("id"))
             return 0
         event_id = str(event.get("id", ""))
+        key = str(event.get("idempotency_key", ""))
         generic = encode_event(event)
         slack = msgspec.json.encode(slack_payload(event))
         queued = 0
         for ep in self.endpoints:
-            job = _Job(event_id, ep, slack if ep.format == "slack" else generic)
+            job = _Job(event_id, ep, slack if ep.format == "slack" else generic, key)
             try:
                 self._queue.put_nowait(job)
                 queued += 1
@@ -361,6 +374,8 @@ class WebhookSender:
         assert self._client is not None
         job.attempt += 1
         headers = {"Content-Type": "application/json", "User-Agent": "forewarn-collector"}
+        if job.key:
+            headers[IDEMPOTENCY_HEADER] = job.key
         if job.endpoint.format == "json" and job.endpoint.secret:
             headers.update(signed_headers(job.endpoint.secret, job.body, self._clock()))
         status: int | None = None

@@ -10,6 +10,8 @@ PostgreSQL), stopped and started again on the same state.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,10 +20,19 @@ from typing import Any
 import pytest
 
 from forewarn.collector.config import CollectorConfig
-from forewarn.collector.decide.actions import store_decisions
+from forewarn.collector.decide.actions import ActionPipeline, store_decisions
 from forewarn.collector.decide.gate_history import stored_events
+from forewarn.collector.decide.orders import OrderBook
 from forewarn.collector.decide.policy import Policy, PolicySettings
 from forewarn.collector.decide.severity import ActionKind
+from forewarn.collector.decide.webhooks import (
+    IDEMPOTENCY_HEADER,
+    WebhookEndpoint,
+    WebhookSender,
+    WebhookVerifier,
+)
+from forewarn.collector.metrics import CollectorMetrics
+from forewarn.collector.storage.commands import CommandQueue
 from forewarn.collector.storage.state import StateStore, open_state
 from forewarn.wire import SuggestedAction
 
@@ -29,6 +40,7 @@ from support.collector import ranks_on, start_service, stop_service
 from support.handover import Service, gpu_lost, leader_and_follower, rows
 from support.policy import Clock, fleet, gpu_finding
 from support.polling import wait_for
+from support.webhooks import Receiver
 
 ORDERS = "SELECT count(*) FROM commands WHERE node = 'node1' AND kind = 'checkpoint'"
 DECIDED_SINCE = "SELECT decision, reason FROM decisions WHERE decision LIKE %s AND time > %s"
@@ -165,3 +177,47 @@ def test_a_tripped_breaker_stays_tripped_for_the_next_leader(store: StateStore) 
     drains = [d for d in new.decisions if d.action == "drain"]
     assert [d.outcome for d in drains] == ["refused"], drains
     assert not [p for p in planned if p.decision.target == "breaker:drain"], "alerted twice"
+
+
+async def deliver(events: list[dict[str, Any]], receiver: Receiver, secret: bytes) -> None:
+    """Send ``events`` to ``receiver`` through a real sender, signed with ``secret``."""
+    sender = WebhookSender([WebhookEndpoint(receiver.url, "json", secret)])
+    await sender.start()
+    try:
+        for event in events:
+            sender.send(event)
+        assert await sender.drain(20.0)
+    finally:
+        await sender.stop()
+
+
+def test_a_finding_decided_again_by_the_next_leader_sends_webhooks_with_one_key(
+        store: StateStore) -> None:
+    clock, secret = Clock(), b"webhook-secret-for-tests"
+    events: list[dict[str, Any]] = []
+
+    def leader() -> ActionPipeline:
+        """A leader's pipeline (its gates empty: the old leader had not recorded what it
+        queued when it died, so the next one decides the finding again)."""
+        policy = Policy(PolicySettings(), fleet(), clock=clock)
+        orders = OrderBook(CommandQueue(store, CollectorMetrics()), clock=clock)
+        return ActionPipeline(policy, orders, send_webhook=events.append)
+
+    finding = gpu_finding("n0", check="gpu_lost", action=SuggestedAction.DRAIN)
+    leader().handle_findings([finding])
+    clock.t += 2.0
+    leader().handle_findings([finding])
+    leader().handle_findings([gpu_finding("n0", gpu=2, check="gpu_lost")])  # another one
+    receiver = Receiver()
+    try:
+        asyncio.run(deliver(events, receiver, secret))
+    finally:
+        receiver.close()
+    keys = [{k.lower(): v for k, v in headers.items()}[IDEMPOTENCY_HEADER.lower()]
+            for headers, _ in receiver.requests]
+    bodies = [json.loads(body) for _, body in receiver.requests]
+    assert len(keys) == 3 and keys[0] == keys[1] != keys[2], keys
+    assert bodies[0]["id"] != bodies[1]["id"]  # two decisions, one event for the receiver
+    for (headers, body), key in zip(receiver.requests, keys, strict=True):
+        WebhookVerifier(secret).verify(body, headers)  # the signature covers the key:
+        assert json.loads(body)["idempotency_key"] == key  # it is in the signed body too
