@@ -7,7 +7,12 @@ Signature (generic JSON endpoints with a secret)::
     X-Forewarn-Signature: sha256=<hex HMAC-SHA256(secret, "<timestamp>.<raw body>")>
 
 The timestamp is inside the signed text, so it cannot be changed without breaking the
-signature.
+signature. A receiver calls :func:`verify_signature` (or keeps a :class:`WebhookVerifier`,
+which also refuses a request it has already seen): requests whose timestamp is more than
+``tolerance_s`` (default 300 s) away from the receiver's clock are rejected, so a captured
+request cannot be replayed later; within the window, the verifier's memory of signatures
+rejects an exact replay (a signature covers the timestamp, so the same event sent again
+at another second is not an exact replay: see the idempotency key below).
 
 Idempotency: every decision's event carries ``idempotency_key`` in its body, sent again as
 the ``Idempotency-Key`` header (:data:`IDEMPOTENCY_HEADER`). It comes from what the decision
@@ -15,11 +20,7 @@ is about (:func:`~.actions.decision_key`: action, target, the finding's content)
 finding decided again, by a new leader after a takeover, gives the same key while its
 decision ``id`` and ``time`` differ; retries of one delivery carry it too. The body is
 signed, so the key a receiver reads from the body of a verified request is authentic
-(the header is the same value for receivers that dedupe before parsing). A receiver calls :func:`verify_signature` (or keeps a :class:`WebhookVerifier`,
-which also refuses a request it has already seen): requests whose timestamp is more than
-``tolerance_s`` (default 300 s) away from the receiver's clock are rejected, so a captured
-request cannot be replayed later; within the window, the verifier's memory of signatures
-rejects an exact replay.
+(the header is the same value for receivers that dedupe before parsing).
 
 Bodies: an event is JSON-encoded (every character of a job name or reason survives,
 escaped as JSON) and bounded: strings are cut to :data:`MAX_FIELD_CHARS`, lists and
