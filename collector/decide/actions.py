@@ -233,6 +233,7 @@ class ActionPipeline:
                     time=new.issued, kind="checkpoint", subject=f"job:{new.job}", job=new.job,
                     status="reissued",
                     detail={"request_id": new.request_id, "step": new.step,
+                            "replaces": report.request_id, "attempt": new.attempt,
                             "missed_by_rank": report.rank, "rank_step": report.step},
                 )
             except Exception:

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from forewarn.collector.config import CollectorConfig
+from forewarn.collector.storage.state import StateStore, open_state
 from forewarn.demo.servers import PostgresServer
 
 from support.bus_stack import auth_block
@@ -33,3 +35,12 @@ def services(postgres_server: PostgresServer) -> Iterator[tuple[str, list[Servic
     finally:
         for s in started:
             s.stop()
+
+
+@pytest.fixture
+def sqlite_state(tmp_path: Path) -> Iterator[StateStore]:
+    """An embedded (SQLite) state store in ``tmp_path/data``."""
+    state = open_state(CollectorConfig(data_dir=tmp_path / "data",
+                                       tokens_file=tmp_path / "none.toml"))
+    yield state
+    state.close()

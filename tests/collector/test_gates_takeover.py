@@ -13,13 +13,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from forewarn.collector.config import CollectorConfig
 from forewarn.collector.decide.actions import ActionPipeline, store_decisions
 from forewarn.collector.decide.gate_history import stored_events
 from forewarn.collector.decide.orders import OrderBook
@@ -33,11 +31,11 @@ from forewarn.collector.decide.webhooks import (
 )
 from forewarn.collector.metrics import CollectorMetrics
 from forewarn.collector.storage.commands import CommandQueue
-from forewarn.collector.storage.state import StateStore, open_state
+from forewarn.collector.storage.state import StateStore
 from forewarn.wire import SuggestedAction
 
 from support.collector import ranks_on, start_service, stop_service
-from support.handover import Service, gpu_lost, leader_and_follower, rows
+from support.handover import Service, gpu_lost, leader_and_follower, rows, take_over
 from support.policy import Clock, fleet, gpu_finding
 from support.polling import wait_for
 from support.webhooks import Receiver
@@ -49,16 +47,6 @@ DECIDED_SINCE = "SELECT decision, reason FROM decisions WHERE decision LIKE %s A
 def decided_since(dsn: str, action: str, since: float) -> list[tuple[Any, ...]]:
     """The ``action`` decisions (``decision``, ``reason``) stored after ``since``."""
     return rows(dsn, DECIDED_SINCE, f"{action}:%", since)
-
-
-def take_over(dsn: str, a: Service, b: Service) -> float:
-    """Stop the leader ``a`` once its feed read every stored finding; ``b`` leads. Returns
-    the time b led from."""
-    fed = ("SELECT (SELECT last_id FROM policy_cursor) >= (SELECT MAX(id) FROM findings)")
-    wait_for(lambda: rows(dsn, fed) == [(True,)], 30, "a's feed to read every finding")
-    a.stop()  # its sessions end: the lock is free
-    wait_for(b.leads, 30, "b to lead")
-    return time.time()
 
 
 @pytest.mark.system
@@ -133,14 +121,6 @@ def test_a_collector_started_again_keeps_its_cooldowns(tmp_path: Path) -> None:
         stop_service(svc)
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[StateStore]:
-    state = open_state(CollectorConfig(data_dir=tmp_path / "data",
-                                       tokens_file=tmp_path / "none.toml"))
-    yield state
-    state.close()
-
-
 def next_leader(store: StateStore, settings: PolicySettings, clock: Clock) -> Policy:
     """A policy whose gates are rebuilt from ``store``, as a new leader's are."""
     policy = Policy(settings, fleet(), clock=clock, record=store_decisions(store))
@@ -149,7 +129,8 @@ def next_leader(store: StateStore, settings: PolicySettings, clock: Clock) -> Po
 
 
 def test_a_decision_whose_order_was_not_queued_leaves_the_finding_to_the_next_leader(
-        store: StateStore) -> None:
+        sqlite_state: StateStore) -> None:
+    store = sqlite_state
     clock, settings = Clock(), PolicySettings()
     finding = gpu_finding("n0", check="gpu_lost", action=SuggestedAction.DRAIN)
     # decided and stored; the leader died before it queued the order or the webhook
@@ -162,7 +143,8 @@ def test_a_decision_whose_order_was_not_queued_leaves_the_finding_to_the_next_le
     assert outcomes == {ActionKind.CHECKPOINT: "act", ActionKind.WEBHOOK: "act"}
 
 
-def test_a_tripped_breaker_stays_tripped_for_the_next_leader(store: StateStore) -> None:
+def test_a_tripped_breaker_stays_tripped_for_the_next_leader(sqlite_state: StateStore) -> None:
+    store = sqlite_state
     clock = Clock()
     settings = PolicySettings(breaker_share={"drain": 0.2}, shadow_actions=frozenset(),
                               rate_per_minute={"drain": 1000.0}, burst={"drain": 1000.0})
@@ -192,7 +174,8 @@ async def deliver(events: list[dict[str, Any]], receiver: Receiver, secret: byte
 
 
 def test_a_finding_decided_again_by_the_next_leader_sends_webhooks_with_one_key(
-        store: StateStore) -> None:
+        sqlite_state: StateStore) -> None:
+    store = sqlite_state
     clock, secret = Clock(), b"webhook-secret-for-tests"
     events: list[dict[str, Any]] = []
 

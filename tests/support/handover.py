@@ -30,7 +30,7 @@ from support.collector import TOKENS
 from support.polling import wait_for
 
 __all__ = ["ALERT_TOKEN", "LockHolder", "Service", "end_leader_session", "feed_waits",
-           "gpu_lost", "leader_and_follower", "lease_lost", "ranks", "rows"]
+           "gpu_lost", "leader_and_follower", "lease_lost", "ranks", "rows", "take_over"]
 
 
 ALERT_TOKEN = "alert-token-handover-test"
@@ -194,3 +194,13 @@ def leader_and_follower(tmp_path: Path, dsn: str, started: list[Service], **keys
     assert not b.leads()
     a.push("node1", ranks=ranks("train-1", "node1", time.time()))
     return a, b
+
+
+def take_over(dsn: str, a: Service, b: Service) -> float:
+    """Stop the leader ``a`` once its feed read every stored finding; ``b`` leads. Returns
+    the time b led from."""
+    fed = ("SELECT (SELECT last_id FROM policy_cursor) >= (SELECT MAX(id) FROM findings)")
+    wait_for(lambda: rows(dsn, fed) == [(True,)], 30, "a's feed to read every finding")
+    a.stop()  # its sessions end: the lock is free
+    wait_for(b.leads, 30, "b to lead")
+    return time.time()
