@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .gates import GateEvent
@@ -38,8 +38,10 @@ __all__ = ["restore_gates", "stored_events"]
 log = logging.getLogger(__name__)
 
 _DECISIONS = ("SELECT id, time, decision, inputs FROM decisions WHERE time >= ? AND"
-              " (decision LIKE '%:act' OR decision LIKE '%:shadow' OR decision LIKE"
-              " '%:refused') ORDER BY time, id")
+              " (decision LIKE '%:act' OR decision LIKE '%:shadow') ORDER BY time, id")
+_REFUSALS = ("SELECT decision, MAX(time) AS time FROM decisions WHERE time >= ? AND"
+             " decision LIKE '%:refused' GROUP BY decision")
+"""The last refusal per kind is all a breaker's trip needs (a storm refuses many)."""
 _CARRIED_OUT = ("SELECT detail FROM actions WHERE time >= ? AND kind IN"
                 " ('checkpoint', 'hold', 'webhook')")
 _QUEUED_KINDS = frozenset({ActionKind.CHECKPOINT, ActionKind.HOLD, ActionKind.WEBHOOK})
@@ -47,10 +49,12 @@ _QUEUED_KINDS = frozenset({ActionKind.CHECKPOINT, ActionKind.HOLD, ActionKind.WE
 
 def restore_gates(policy: Policy, ctx: DecideContext) -> None:
     """Rebuild ``policy``'s gates from ``ctx``'s store; a store that fails leaves them as
-    they were (logged, counted in ``forewarn_collector_policy_errors_total``)."""
+    they were, a row that cannot be read is skipped (both logged and counted in
+    ``forewarn_collector_policy_errors_total``)."""
     now = ctx.clock()
     try:
-        events = stored_events(ctx.store, now - policy.gates.window_s())
+        events = stored_events(ctx.store, now - policy.gates.window_s(),
+                               ctx.metrics.policy_errors.inc)
     except Exception:
         ctx.metrics.policy_errors.inc()
         log.exception("rebuilding the policy's gates from the store failed")
@@ -59,10 +63,11 @@ def restore_gates(policy: Policy, ctx: DecideContext) -> None:
     log.warning("policy gates rebuilt from %d stored decision(s)", len(events))
 
 
-def stored_events(store: StateStore, since: float) -> list[GateEvent]:
-    """What the gates remember from the rows stored since ``since``, oldest first (see
-    the module docstring). A row that cannot be read is skipped and logged, naming the
-    field."""
+def stored_events(store: StateStore, since: float,
+                  skipped: Callable[[], object] = lambda: None) -> list[GateEvent]:
+    """What the gates remember from the rows stored since ``since``: the actions oldest
+    first, then each breaker's last refusal (see the module docstring). A row that cannot
+    be read is skipped, logged naming the field, and counted (``skipped``)."""
     carried = _carried_out(store.query(_CARRIED_OUT, (since,)))
     events: list[GateEvent] = []
     for row in store.query(_DECISIONS, (since,)):
@@ -71,9 +76,16 @@ def stored_events(store: StateStore, since: float) -> list[GateEvent]:
         except (ValueError, TypeError, KeyError) as exc:
             log.warning("decision row %s skipped while rebuilding the gates: %s",
                         row.get("id"), exc)
+            skipped()
             continue
         if event is not None:
             events.append(event)
+    for row in store.query(_REFUSALS, (since,)):
+        try:
+            kind = ActionKind(str(row["decision"]).partition(":")[0])
+        except ValueError:
+            continue
+        events.append(GateEvent(time=float(row["time"]), kind=kind, target="", acted=False))
     return events
 
 
@@ -91,8 +103,7 @@ def _carried_out(rows: Sequence[dict[str, Any]]) -> set[str]:
 
 
 def _event(row: dict[str, Any], carried: set[str]) -> GateEvent | None:
-    action, _, outcome = str(row["decision"]).partition(":")
-    kind = ActionKind(action)
+    kind = ActionKind(str(row["decision"]).partition(":")[0])
     inputs = json.loads(row["inputs"])
     if not isinstance(inputs, dict):
         raise ValueError(f"inputs: a JSON object expected, got {type(inputs).__name__}")
@@ -101,7 +112,6 @@ def _event(row: dict[str, Any], carried: set[str]) -> GateEvent | None:
         raise TypeError(f"inputs.target: a string expected, got {type(target).__name__}")
     if target.startswith("breaker:"):
         return None
-    acted = outcome != "refused"
-    if acted and kind in _QUEUED_KINDS and inputs.get("id") not in carried:
+    if kind in _QUEUED_KINDS and inputs.get("id") not in carried:
         return None
-    return GateEvent(time=float(row["time"]), kind=kind, target=target, acted=acted)
+    return GateEvent(time=float(row["time"]), kind=kind, target=target)

@@ -79,7 +79,7 @@ class Gates:
         return max([s.breaker_window_s, *s.cooldown_s.values(), *fill])
 
     def restore(self, events: Iterable[GateEvent], now: float) -> None:
-        """Replace the gates' state with what ``events`` (oldest first, within
+        """Replace the gates' state with what ``events`` (the actions oldest first, within
         :meth:`window_s` of ``now``) say: cooldowns from the last action per target, the
         breakers' targets and trips, the buckets replayed from full at the window's start
         (a bucket is full again after its fill time, so that is exact unless the

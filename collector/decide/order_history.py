@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from forewarn.wire import CheckpointOrder, Command, SaveHold, WireError, decode
@@ -58,10 +58,12 @@ class StoredOrders:
 
 
 def restore_orders(book: OrderBook, ctx: DecideContext) -> None:
-    """Rebuild ``book`` from ``ctx``'s store; a store that fails leaves it as it was
-    (logged, counted in ``forewarn_collector_policy_errors_total``)."""
+    """Rebuild ``book`` from ``ctx``'s store; a store that fails leaves it as it was, a
+    command that cannot be read is skipped (both logged and counted in
+    ``forewarn_collector_policy_errors_total``)."""
     try:
-        stored = stored_orders(ctx.store, ctx.jobs, ctx.clock() - RESTORE_WINDOW_S)
+        stored = stored_orders(ctx.store, ctx.jobs, ctx.clock() - RESTORE_WINDOW_S,
+                               ctx.metrics.policy_errors.inc)
     except Exception:
         ctx.metrics.policy_errors.inc()
         log.exception("rebuilding the order book from the store failed")
@@ -71,9 +73,11 @@ def restore_orders(book: OrderBook, ctx: DecideContext) -> None:
                 len(stored.orders), len(stored.holds))
 
 
-def stored_orders(store: StateStore, jobs: JobView, since: float) -> StoredOrders:
+def stored_orders(store: StateStore, jobs: JobView, since: float,
+                  skipped: Callable[[], object] = lambda: None) -> StoredOrders:
     """The orders and holds queued since ``since`` with their progress (see the module
-    docstring). A row that cannot be read is skipped and logged, naming the field."""
+    docstring). A command that cannot be read is skipped, logged naming the field, and
+    counted (``skipped``)."""
     out = StoredOrders()
     hold_attempts: dict[str, int] = {}
     replaced: set[str] = set()
@@ -82,6 +86,7 @@ def stored_orders(store: StateStore, jobs: JobView, since: float) -> StoredOrder
             command = decode(bytes(row["body"]), Command)
         except WireError as exc:
             log.warning("command %s skipped while rebuilding the order book: %s", row["id"], exc)
+            skipped()
             continue
         if command.order is not None:
             _queued_order(out, command.order, row, jobs)

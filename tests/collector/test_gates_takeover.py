@@ -204,3 +204,19 @@ def test_a_finding_decided_again_by_the_next_leader_sends_webhooks_with_one_key(
     for (headers, body), key in zip(receiver.requests, keys, strict=True):
         WebhookVerifier(secret).verify(body, headers)  # the signature covers the key:
         assert json.loads(body)["idempotency_key"] == key  # it is in the signed body too
+
+
+def test_a_decision_row_that_cannot_be_read_is_skipped_and_counted(
+        sqlite_state: StateStore) -> None:
+    store, clock = sqlite_state, Clock()
+    settings = PolicySettings(shadow_actions=frozenset({"drain"}))
+    old = Policy(settings, fleet(), clock=clock, record=store_decisions(store))
+    old.evaluate(gpu_finding("n1", action=SuggestedAction.DRAIN))  # a shadow drain of n1
+    store.record_decision(time=clock.t, decision="drain:act", reason="r",
+                          inputs={"id": "x", "node": "n2"})  # no target
+    store.record_decision(time=clock.t, decision="reboot:act", reason="r",
+                          inputs={"id": "y", "target": "node:n3"})  # no such action
+    skipped: list[int] = []
+    events = stored_events(store, clock.t - 3600, lambda: skipped.append(1))
+    assert [(e.kind, e.target) for e in events] == [(ActionKind.DRAIN, "node:n1")]
+    assert len(skipped) == 2

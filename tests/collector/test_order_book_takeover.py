@@ -160,3 +160,17 @@ def test_a_hold_is_taken_over_and_replaced_when_a_rank_missed_it(sqlite_state: S
 def store_commands(store: StateStore) -> list[NodeCommand]:
     return [NodeCommand(node=r["node"], command=decode(bytes(r["body"]), Command))
             for r in store.query("SELECT node, body FROM commands ORDER BY created")]
+
+
+def test_a_command_that_cannot_be_read_is_skipped_and_counted(
+        sqlite_state: StateStore) -> None:
+    store, clock = sqlite_state, Clock()
+    leader(store, clock).handle_findings([gpu_finding("n0")])
+    with store.write() as conn:
+        conn.execute("INSERT INTO commands (id, node, kind, body, created, expires)"
+                     " VALUES ('bad@n1', 'n1', 'checkpoint', ?, ?, ?)",
+                     (b"\xc1 not msgpack", time.time(), time.time() + 60))
+    skipped: list[int] = []
+    stored = stored_orders(store, fleet(), clock.t - RESTORE_WINDOW_S,
+                           lambda: skipped.append(1))
+    assert [o.job for o, _ in stored.orders.values()] == ["job0"] and skipped == [1]
