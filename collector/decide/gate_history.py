@@ -15,7 +15,11 @@ What counts is what was done, read from the ``decisions`` rows within the gates'
   not doing it would lose it;
 * a drain counts from its decision: its ``actions`` row comes only when its command has
   ended, and a node must not be drained twice;
-* the breaker's own alert (target ``breaker:<kind>``) passed no gate and counts for none.
+* the breaker's own alert (target ``breaker:<kind>``) passed no gate and counts for none;
+* "one checkpoint order per job and incident" (:class:`~.incidents.IncidentBook`): the
+  open incidents are taken over from the ``incidents`` table (:mod:`.ledger`), and which
+  jobs each one ordered from the checkpoint decisions carried out (their ``incident``
+  input).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ if TYPE_CHECKING:
     from .policy import Policy
     from .seam import DecideContext
 
-__all__ = ["restore_gates", "stored_events"]
+__all__ = ["incident_orders", "restore_gates", "stored_events"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,8 @@ _REFUSALS = ("SELECT decision, MAX(time) AS time FROM decisions WHERE time >= ? 
 """The last refusal per kind is all a breaker's trip needs (a storm refuses many)."""
 _CARRIED_OUT = ("SELECT detail FROM actions WHERE time >= ? AND kind IN"
                 " ('checkpoint', 'hold', 'webhook')")
+_ORDERED = ("SELECT job, inputs FROM decisions WHERE time >= ? AND decision IN"
+            " ('checkpoint:act', 'checkpoint:shadow')")
 _QUEUED_KINDS = frozenset({ActionKind.CHECKPOINT, ActionKind.HOLD, ActionKind.WEBHOOK})
 
 
@@ -61,6 +67,29 @@ def restore_gates(policy: Policy, ctx: DecideContext) -> None:
         return
     policy.gates.restore(events, now)
     log.warning("policy gates rebuilt from %d stored decision(s)", len(events))
+    try:
+        for incident, job, check in incident_orders(ctx.store, now - policy.gates.window_s()):
+            policy.incidents.ordered_before(incident, job, check)
+    except Exception:
+        ctx.metrics.policy_errors.inc()
+        log.exception("taking over which jobs the open incidents ordered failed")
+
+
+def incident_orders(store: StateStore, since: float) -> list[tuple[str, str, str]]:
+    """(incident id, job, check) of the checkpoint orders carried out since ``since``:
+    "one checkpoint order per job and incident" holds on the next leader. A row that
+    cannot be read is skipped."""
+    carried = _carried_out(store.query(_CARRIED_OUT, (since,)))
+    out = []
+    for row in store.query(_ORDERED, (since,)):
+        try:
+            inputs = json.loads(row["inputs"])
+        except ValueError:
+            continue
+        if isinstance(inputs, dict) and inputs.get("id") in carried:
+            out.append((str(inputs.get("incident", "")), str(row["job"]),
+                        str(inputs.get("check", ""))))
+    return out
 
 
 def stored_events(store: StateStore, since: float,

@@ -32,7 +32,7 @@ from forewarn.collector.decide.webhooks import (
 from forewarn.collector.metrics import CollectorMetrics
 from forewarn.collector.storage.commands import CommandQueue
 from forewarn.collector.storage.state import StateStore
-from forewarn.wire import SuggestedAction
+from forewarn.wire import Finding, Health, Subject, SuggestedAction
 
 from support.collector import ranks_on, start_service, stop_service
 from support.handover import Service, gpu_lost, leader_and_follower, rows, take_over
@@ -220,3 +220,27 @@ def test_a_decision_row_that_cannot_be_read_is_skipped_and_counted(
     events = stored_events(store, clock.t - 3600, lambda: skipped.append(1))
     assert [(e.kind, e.target) for e in events] == [(ActionKind.DRAIN, "node:n1")]
     assert len(skipped) == 2
+
+
+@pytest.mark.system
+@pytest.mark.timeout(240)
+def test_the_next_leader_knows_which_jobs_an_incident_ordered(
+        tmp_path: Path, services: tuple[str, list[Service]]) -> None:
+    dsn, started = services
+    # no cooldown: only "one checkpoint order per job and incident" holds a second one back
+    a, b = leader_and_follower(tmp_path, dsn, started, policy_cooldown_checkpoint_s=0.0)
+    a.push("node1", findings=[gpu_lost("node1", gpu=0)])
+    wait_for(lambda: rows(dsn, ORDERS) == [(1,)], 30, "a to order the job")
+    wait_for(lambda: rows(dsn, "SELECT 1 FROM incidents WHERE orders = 1"), 30,
+             "a to store the incident")
+    led = take_over(dsn, a, b)
+
+    # another finding about the same GPU, no worse: the same incident, not escalated
+    xid = Finding(check="xid", health=Health.UNHEALTHY, action=SuggestedAction.CHECKPOINT,
+                  subject=Subject(kind="gpu", node="node1", gpu=0), time=time.time(),
+                  reason="XID 48 on GPU 0")
+    b.push("node1", findings=[xid])
+    wait_for(lambda: decided_since(dsn, "checkpoint", led), 30, "b to decide it")
+    [(decision, reason)] = decided_since(dsn, "checkpoint", led)
+    assert decision == "checkpoint:suppressed" and "already ordered this job" in reason, reason
+    assert rows(dsn, ORDERS) == [(1,)]
