@@ -72,10 +72,11 @@ class Gates:
 
     def window_s(self) -> float:
         """How far back the gates remember: the longest cooldown or breaker window, and at
-        least the time a bucket takes to fill again."""
+        least the time a bucket takes to fill again (a bucket that never fills, rate 0,
+        is taken as full at the window's start)."""
         s = self.settings
-        fill = [s.burst.get(k.value, 10.0) / max(s.rate_per_minute.get(k.value, 60.0) / 60.0,
-                                                  1e-9) for k in ActionKind]
+        rates = {k: s.rate_per_minute.get(k.value, 60.0) / 60.0 for k in ActionKind}
+        fill = [s.burst.get(k.value, 10.0) / rate for k, rate in rates.items() if rate > 0]
         return max([s.breaker_window_s, *s.cooldown_s.values(), *fill])
 
     def restore(self, events: Iterable[GateEvent], now: float) -> None:

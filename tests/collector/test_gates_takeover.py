@@ -244,3 +244,12 @@ def test_the_next_leader_knows_which_jobs_an_incident_ordered(
     [(decision, reason)] = decided_since(dsn, "checkpoint", led)
     assert decision == "checkpoint:suppressed" and "already ordered this job" in reason, reason
     assert rows(dsn, ORDERS) == [(1,)]
+
+
+def test_the_gates_window_is_the_longest_of_theirs() -> None:
+    gates = Policy(PolicySettings(), fleet()).gates
+    assert gates.window_s() == 3600.0  # the drain cooldown
+    off = PolicySettings(cooldown_s={}, rate_per_minute={"drain": 0.0, "checkpoint": 6.0},
+                         burst={"checkpoint": 100.0})
+    # checkpoint's bucket takes 1,000 s to fill; a drain bucket that never fills is no limit
+    assert Policy(off, fleet()).gates.window_s() == 1000.0
