@@ -16,9 +16,12 @@ Every action, done or shadowed, is recorded through ``record_action`` (the store
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
+
+import msgspec
 
 from forewarn.wire import CheckpointReport, CommandAck, Finding, SaveHold
 
@@ -27,7 +30,7 @@ from .orders import JobOrder, OrderBook, order_key
 from .policy import Decision, PlannedAction, Policy
 from .severity import ActionKind, Outcome
 
-__all__ = ["ActionLog", "ActionPipeline", "event_for", "store_decisions"]
+__all__ = ["ActionLog", "ActionPipeline", "decision_key", "event_for", "store_decisions"]
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +52,21 @@ class ActionLog(Protocol):
     ) -> int: ...
 
 
+def decision_key(decision: Decision, finding: Finding) -> str:
+    """What ``decision`` is about, whoever decides it: its action and target and the
+    finding's whole content, hashed. Two leaders that decide the same finding (the next
+    one cannot know how far the old one got) give the same key; a webhook carries it as
+    its idempotency key, so its receiver can tell the second from a new event."""
+    key = f"{decision.action}|{decision.target}|{msgspec.json.encode(finding).decode()}"
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
 def event_for(decision: Decision, finding: Finding, orders: Sequence[JobOrder]) -> dict[str, Any]:
     """The generic webhook event for a decision (its Slack form is derived from it)."""
     return {
         "type": "forewarn.decision",
         "id": decision.id,
+        "idempotency_key": decision_key(decision, finding),
         "time": decision.time,
         "title": f"{finding.health.value}: {finding.check} on {finding.subject.key()}",
         "reason": finding.reason,
@@ -220,6 +233,7 @@ class ActionPipeline:
                     time=new.issued, kind="checkpoint", subject=f"job:{new.job}", job=new.job,
                     status="reissued",
                     detail={"request_id": new.request_id, "step": new.step,
+                            "replaces": report.request_id, "attempt": new.attempt,
                             "missed_by_rank": report.rank, "rank_step": report.step},
                 )
             except Exception:

@@ -233,6 +233,16 @@ class IncidentBook:
         obs.incident.orders += 1
         self._changed[obs.incident.id] = obs.incident
 
+    def ordered_before(self, incident_id: str, job: str, check: str) -> None:
+        """A previous leader ordered ``job`` in the open incident ``incident_id`` about a
+        finding of ``check`` (its stored decision says so): its tracked finding of that
+        check (else its first) stands for what ordered it."""
+        for incident in self._open.values():
+            if incident.id != incident_id or job in incident.ordered or not incident.findings:
+                continue
+            tracked = [t.finding for t in incident.findings.values()]
+            incident.ordered[job] = next((f for f in tracked if f.check == check), tracked[0])
+
     def close(self, finding: Finding, source: str, now: float,
               state: FindingState) -> TrackedFinding | None:
         """End the firing finding with ``finding``'s key (resolved or expired)."""

@@ -72,6 +72,11 @@ class CircuitBreaker:
         self._last_refusal = now
         return False, first, inputs
 
+    def refused(self, now: float) -> None:
+        """A refusal at ``now`` stored earlier (a previous leader's): the breaker is
+        tripped, so its next refusal within the window raises no second alert."""
+        self._last_refusal = now
+
     def note(self, target: str, now: float) -> None:
         """Count an action on ``target``."""
         self._acted.append((now, target))

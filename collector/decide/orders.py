@@ -242,6 +242,20 @@ class OrderBook:
         self._m_orders.labels("reissued").inc()
         return new
 
+    def restore(self, orders: Iterable[tuple[JobOrder, JobInfo]],
+                holds: Iterable[tuple[SaveHold, int, JobInfo]]) -> None:
+        """Follow these orders (each with its job's snapshot) and holds (with their
+        reissues so far) instead of what the book held: a replica that starts to lead, or
+        a collector started again, takes them over from the store
+        (:mod:`.order_history`)."""
+        self._orders, self._jobs = {}, {}
+        for order, job in orders:
+            self._orders[order.request_id] = order
+            self._jobs[order.request_id] = job
+        self._holds = IssuedHolds(keep=self.settings.keep)
+        for hold, attempt, job in holds:
+            self._holds.add(hold, attempt, job)
+
     def get(self, request_id: str) -> JobOrder | None:
         """The order with this request id."""
         return self._orders.get(request_id)

@@ -44,8 +44,8 @@ from forewarn.wire import Finding, Health, Subject
 
 from ..jobs.jobview import JobInfo, JobView
 from .costmodel import CheckpointCostTracker, decide_checkpoint
+from .gates import Gates
 from .incidents import IncidentBook, Observation
-from .limits import CircuitBreaker, TokenBucket
 from .severity import HOLD_CHECKS, ActionKind, Outcome, actions_for
 
 __all__ = ["Decision", "PlannedAction", "Policy", "PolicySettings", "onset_step"]
@@ -151,21 +151,8 @@ class Policy:
         self._clock = clock
         self._new_id = new_id
         self._seen: dict[str, tuple[float, Finding]] = {}
-        self._cooldown: dict[tuple[ActionKind, str], float] = {}
-        now = clock()
-        self._buckets = {
-            kind: TokenBucket(
-                settings.rate_per_minute.get(kind.value, 60.0) / 60.0,
-                settings.burst.get(kind.value, 10.0),
-                now,
-            )
-            for kind in ActionKind
-        }
-        self._breakers = {
-            kind: CircuitBreaker(share, settings.breaker_window_s, settings.breaker_min)
-            for kind in ActionKind
-            if (share := settings.breaker_share.get(kind.value)) is not None
-        }
+        self.gates = Gates(settings, clock())
+        """Cooldowns, rate limits and circuit breakers (:mod:`.gates`)."""
         self._pending_alerts: list[PlannedAction] = []
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=1000)
         """The latest decisions, newest last (the store keeps them all)."""
@@ -365,8 +352,9 @@ class Policy:
         shadow (``shadow``), else ``None``."""
         s = self.settings
         common = {"target": target, "job": job, "node": node}
-        cooldown = s.cooldown_s.get(kind.value, 0.0)
-        last = self._cooldown.get((kind, target))
+        gates = self.gates
+        cooldown = gates.cooldown_s(kind)
+        last = gates.cooldowns.get((kind, target))
         inputs = {**inputs, "cooldown_s": cooldown}
         if last is not None and now - last < cooldown and not escalation:
             self._decide(
@@ -375,7 +363,7 @@ class Policy:
                 **common,
             )
             return None
-        breaker = self._breakers.get(kind)
+        breaker = gates.breakers.get(kind)
         if breaker is not None:
             allowed, first, b_inputs = breaker.check(target, population, now)
             inputs.update(b_inputs)
@@ -392,7 +380,7 @@ class Policy:
                 if first:
                     self._breaker_alert(kind, finding, source, now, inputs)
                 return None
-        if not self._buckets[kind].take(now):
+        if not gates.buckets[kind].take(now):
             self._decide(
                 kind, finding, source, now, outcome=Outcome.SUPPRESSED, inputs=inputs,
                 reason=f"rate limit: more than {s.rate_per_minute.get(kind.value, 60.0):g} "
@@ -400,9 +388,7 @@ class Policy:
                 **common,
             )
             return None
-        self._cooldown[(kind, target)] = now
-        if breaker is not None:
-            breaker.note(target, now)
+        gates.acted(kind, target, now)
         if s.is_shadow(kind):
             return self._decide(
                 kind, finding, source, now, outcome=Outcome.SHADOW, inputs=inputs,
@@ -470,11 +456,7 @@ class Policy:
     def _prune_seen(self, now: float) -> None:
         horizon = now - self.settings.dedup_s
         self._seen = {k: v for k, v in self._seen.items() if v[0] >= horizon}
-        self._cooldown = {
-            k: t
-            for k, t in self._cooldown.items()
-            if t >= now - self.settings.cooldown_s.get(k[0].value, 0.0)
-        }
+        self.gates.prune(now)
 
 
 def onset_step(finding: Finding, job: JobInfo, now: float) -> int:

@@ -24,7 +24,10 @@ timers, alert turns and operators' orders act only while this replica leads. A f
 stores the alerts and operators' orders it receives (an order under the origin
 ``operator`` + :data:`RELAYED`); the leader's feed hands them back with their origins
 (:meth:`PolicyService.on_feed`) and decides each once, as if it had come in there. A
-replica that starts to lead takes the open incidents over from the store first.
+replica that starts to lead takes the open incidents over from the store first, and rebuilds
+the policy's gates (cooldowns, rate limits, circuit breakers) from the stored decisions
+(:mod:`.gate_history`) and the order book from the stored commands (:mod:`.order_history`);
+so does a collector started again on its state.
 
 Threads: the hooks run on the service's single policy thread; the webhook sender runs on
 the event loop; drains run on their own one-thread pool (:mod:`.dispatch`).
@@ -47,7 +50,9 @@ from .advisors import Advisors
 from .alert_intake import ALERT_SOURCES, AlertIntake, AlertLimits
 from .costmodel import CheckpointCostTracker
 from .dispatch import ActionDispatch
+from .gate_history import restore_gates
 from .ledger import EXPIRE_EVERY_S, FindingLedger
+from .order_history import restore_orders
 from .orders import OrderBook, OrderSettings
 from .policy import Decision, Policy, PolicySettings
 from .seam import DecideContext, PolicyApi
@@ -127,6 +132,8 @@ class PolicyService:
         self.alerts.start(ctx)
         self.advisors.start(ctx)
         self._leading = ctx.leader.is_leader  # the incidents were just loaded
+        if self._leading:  # and the gates and orders: a restart keeps them
+            self._take_over_memory(ctx)
         if ctx.loop is not None:
             self._timers.append(_every(EXPIRE_EVERY_S, ctx, self._when_leading(
                 self.ledger.expire), "expiry"))
@@ -213,16 +220,26 @@ class PolicyService:
     # -- leadership (policy thread) -------------------------------------------------------
 
     def _leads(self) -> bool:
-        """Whether this replica decides now; when it starts to, the open incidents are
-        taken over from the store first (with shared state another replica decided)."""
+        """Whether this replica decides now; when it starts to, the open incidents, the
+        gates' memory and the orders in flight are taken over from the store first (with
+        shared state another replica decided)."""
         ctx = self._ctx
         if ctx is None:
             return False
         leads = ctx.leader.is_leader
         if leads and not self._leading:
             self.ledger.take_over()
+            self._take_over_memory(ctx)
         self._leading = leads
         return leads
+
+    def _take_over_memory(self, ctx: DecideContext) -> None:
+        """The policy's gates and the order book as the store has them (another replica,
+        or this collector before it started, decided until now)."""
+        if self.policy is not None:
+            restore_gates(self.policy, ctx)
+        if self.pipeline is not None:
+            restore_orders(self.pipeline.orders, ctx)
 
     def _when_leading(self, fn: Callable[[float], object]) -> Callable[[float], None]:
         """A timer's ``fn``, run only while this replica leads."""

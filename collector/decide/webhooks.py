@@ -11,7 +11,16 @@ signature. A receiver calls :func:`verify_signature` (or keeps a :class:`Webhook
 which also refuses a request it has already seen): requests whose timestamp is more than
 ``tolerance_s`` (default 300 s) away from the receiver's clock are rejected, so a captured
 request cannot be replayed later; within the window, the verifier's memory of signatures
-rejects an exact replay.
+rejects an exact replay (a signature covers the timestamp, so the same event sent again
+at another second is not an exact replay: see the idempotency key below).
+
+Idempotency: every decision's event carries ``idempotency_key`` in its body, sent again as
+the ``Idempotency-Key`` header (:data:`IDEMPOTENCY_HEADER`). It comes from what the decision
+is about (:func:`~.actions.decision_key`: action, target, the finding's content), so the same
+finding decided again, by a new leader after a takeover, gives the same key while its
+decision ``id`` and ``time`` differ; retries of one delivery carry it too. The body is
+signed, so the key a receiver reads from the body of a verified request is authentic
+(the header is the same value for receivers that dedupe before parsing).
 
 Bodies: an event is JSON-encoded (every character of a job name or reason survives,
 escaped as JSON) and bounded: strings are cut to :data:`MAX_FIELD_CHARS`, lists and
@@ -47,6 +56,7 @@ from prometheus_client import CollectorRegistry, Counter
 from forewarn.errors import InputError
 
 __all__ = [
+    "IDEMPOTENCY_HEADER",
     "SIGNATURE_HEADER",
     "TIMESTAMP_HEADER",
     "Delivery",
@@ -66,6 +76,8 @@ log = logging.getLogger(__name__)
 
 TIMESTAMP_HEADER = "X-Forewarn-Timestamp"
 SIGNATURE_HEADER = "X-Forewarn-Signature"
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+"""The event's ``idempotency_key`` (the IETF HTTPAPI draft's header name)."""
 DEFAULT_TOLERANCE_S = 300.0
 MAX_FIELD_CHARS = 2000
 """Longest string in a webhook body (characters); longer ones end in ``…``."""
@@ -243,6 +255,7 @@ class _Job:
     event_id: str
     endpoint: WebhookEndpoint
     body: bytes
+    key: str = ""
     attempt: int = 0
 
 
@@ -321,11 +334,12 @@ class WebhookSender:
             log.warning("webhook sender not started; event %s dropped", event.get("id"))
             return 0
         event_id = str(event.get("id", ""))
+        key = str(event.get("idempotency_key", ""))
         generic = encode_event(event)
         slack = msgspec.json.encode(slack_payload(event))
         queued = 0
         for ep in self.endpoints:
-            job = _Job(event_id, ep, slack if ep.format == "slack" else generic)
+            job = _Job(event_id, ep, slack if ep.format == "slack" else generic, key)
             try:
                 self._queue.put_nowait(job)
                 queued += 1
@@ -361,6 +375,8 @@ class WebhookSender:
         assert self._client is not None
         job.attempt += 1
         headers = {"Content-Type": "application/json", "User-Agent": "forewarn-collector"}
+        if job.key:
+            headers[IDEMPOTENCY_HEADER] = job.key
         if job.endpoint.format == "json" and job.endpoint.secret:
             headers.update(signed_headers(job.endpoint.secret, job.body, self._clock()))
         status: int | None = None

@@ -13,8 +13,6 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,51 +24,11 @@ from forewarn.collector.decide.policy import Policy, PolicySettings
 from forewarn.collector.metrics import CollectorMetrics
 from forewarn.collector.storage.commands import CommandQueue
 from forewarn.collector.storage.state import StateStore, open_state
-from forewarn.demo.servers import PostgresServer
-from forewarn.wire import Finding, Health, RankSummary, Subject, SuggestedAction
+from forewarn.wire import SuggestedAction
 
-from support.handover import Service, feed_waits, lease_lost, rows
+from support.handover import Service, feed_waits, gpu_lost, leader_and_follower, lease_lost, rows
 from support.policy import Clock, fleet, gpu_finding
 from support.polling import wait_for
-
-
-def ranks(job: str, node: str, now: float) -> list[RankSummary]:
-    return [RankSummary(job=job, rank=g, world_size=2, node=node, gpu=g, pid=100 + g,
-                        last_step=500, last_step_time=now, step_seconds_p50=0.2,
-                        last_checkpoint_step=100, last_checkpoint_time=now - 3600,
-                        checkpoint_seconds=30.0) for g in range(2)]
-
-
-def gpu_lost(node: str) -> Finding:
-    return Finding(check="gpu_lost", health=Health.UNHEALTHY, action=SuggestedAction.DRAIN,
-                   subject=Subject(kind="gpu", node=node, gpu=0), time=time.time(),
-                   reason="GPU 0 lost (NVML_ERROR_GPU_IS_LOST)")
-
-
-@pytest.fixture
-def services(tmp_path: Path, postgres_server: PostgresServer
-             ) -> Iterator[tuple[str, list[Service]]]:
-    started: list[Service] = []
-    try:
-        yield postgres_server.database(), started
-    finally:
-        for s in started:
-            s.stop()
-
-
-def leader_and_follower(tmp_path: Path, dsn: str, started: list[Service]
-                        ) -> tuple[Service, Service]:
-    """a leads, b follows; the job train-1 runs on node1 (two ranks)."""
-    a = Service(tmp_path / "a", dsn)
-    started.append(a)
-    wait_for(a.leads, 60, "a leads")
-    # Its feed runs (it saves its cursor every turn): feed_waits can tell when it stops.
-    wait_for(lambda: rows(dsn, "SELECT 1 FROM policy_cursor"), 60, "a's feed to run")
-    b = Service(tmp_path / "b", dsn)
-    started.append(b)
-    assert not b.leads()
-    a.push("node1", ranks=ranks("train-1", "node1", time.time()))
-    return a, b
 
 
 @pytest.mark.system

@@ -24,13 +24,13 @@ from forewarn.collector.http.auth import TokenRegistry
 from forewarn.collector.http.context import CollectorContext
 from forewarn.collector.storage.leader import POLICY_LOCK
 from forewarn.collector.storage.state import StateStore, open_state
-from forewarn.wire import AgentBatch, encode
+from forewarn.wire import AgentBatch, Finding, Health, RankSummary, Subject, SuggestedAction, encode
 
 from support.collector import TOKENS
 from support.polling import wait_for
 
 __all__ = ["ALERT_TOKEN", "LockHolder", "Service", "end_leader_session", "feed_waits",
-           "lease_lost", "rows"]
+           "gpu_lost", "leader_and_follower", "lease_lost", "ranks", "rows", "take_over"]
 
 
 ALERT_TOKEN = "alert-token-handover-test"
@@ -163,3 +163,44 @@ def lease_lost(dsn: str, leader: Service) -> Iterator[None]:
         yield
     finally:
         holder.release()
+
+
+def ranks(job: str, node: str, now: float) -> list[RankSummary]:
+    """Two ranks of ``job`` on ``node`` (GPUs 0 and 1), last checkpointed an hour ago."""
+    return [RankSummary(job=job, rank=g, world_size=2, node=node, gpu=g, pid=100 + g,
+                        last_step=500, last_step_time=now, step_seconds_p50=0.2,
+                        last_checkpoint_step=100, last_checkpoint_time=now - 3600,
+                        checkpoint_seconds=30.0) for g in range(2)]
+
+
+def gpu_lost(node: str, gpu: int = 0) -> Finding:
+    """An agent's finding that ``node``'s GPU ``gpu`` is lost (checkpoint, webhook, drain)."""
+    return Finding(check="gpu_lost", health=Health.UNHEALTHY, action=SuggestedAction.DRAIN,
+                   subject=Subject(kind="gpu", node=node, gpu=gpu), time=time.time(),
+                   reason=f"GPU {gpu} lost (NVML_ERROR_GPU_IS_LOST)")
+
+
+def leader_and_follower(tmp_path: Path, dsn: str, started: list[Service], **keys: Any
+                        ) -> tuple[Service, Service]:
+    """a leads, b follows (both with the config ``keys``); the job train-1 runs on node1
+    (two ranks)."""
+    a = Service(tmp_path / "a", dsn, **keys)
+    started.append(a)
+    wait_for(a.leads, 60, "a leads")
+    # Its feed runs (it saves its cursor every turn): feed_waits can tell when it stops.
+    wait_for(lambda: rows(dsn, "SELECT 1 FROM policy_cursor"), 60, "a's feed to run")
+    b = Service(tmp_path / "b", dsn, **keys)
+    started.append(b)
+    assert not b.leads()
+    a.push("node1", ranks=ranks("train-1", "node1", time.time()))
+    return a, b
+
+
+def take_over(dsn: str, a: Service, b: Service) -> float:
+    """Stop the leader ``a`` once its feed read every stored finding; ``b`` leads. Returns
+    the time b led from."""
+    fed = ("SELECT (SELECT last_id FROM policy_cursor) >= (SELECT MAX(id) FROM findings)")
+    wait_for(lambda: rows(dsn, fed) == [(True,)], 30, "a's feed to read every finding")
+    a.stop()  # its sessions end: the lock is free
+    wait_for(b.leads, 30, "b to lead")
+    return time.time()

@@ -214,9 +214,9 @@ def _order_under_failover(rig: ScaleRig, out: Outcome, node: str,
     wait_until(lambda: len(_ordered(logs[0])) >= steps or None, 30)
     healthy = len(_ordered(logs[0]))
     # orders to rank 0's node: one, or more when a rank reported the step missed and the
-    # collector reissued under a new id, or when the new leader decided a second finding of
-    # the same fault (its gates' memory starts empty: docs/scale.md) for the same step; the
-    # rank saves once per ordered step
+    # collector reissued under a new id, or when a second finding of the same fault came
+    # after the lab's short checkpoint cooldown (the new leader takes the cooldown over:
+    # docs/scale.md) and ordered the same step; the rank saves once per ordered step
     to_healthy = sum(1 for c in cmds if c["node"] == NODES[0])
     # whether the dead leader had queued the order, or the new one decided it
     out.figures["queued_after_kill"] = bool(cmds) and min(c["created"] for c in cmds) > killed_at
