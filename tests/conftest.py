@@ -5,6 +5,13 @@ under CI (CI=true), where .ci/run installs them: a missing binary must not pass 
 from __future__ import annotations
 
 import os
+
+# One OpenMP thread per test process, set before anything loads an OpenMP runtime: the
+# suite runs two workers on CI's two cores, and scikit-learn's OpenMP threads spin-waiting
+# on the oversubscribed machine made one models test nine times slower (318 s against
+# 37 s, measured) until it timed out under CI's load. Subprocesses inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import shutil
 from collections.abc import Callable, Iterator
 from typing import Any
