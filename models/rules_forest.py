@@ -9,13 +9,18 @@ healthy GPUs of real fleets); an isolation forest over the same features catches
 far out for the fleet. Together::
 
     alarm = remap_u_total > 0 or hardware XIDs in the hour >= 2
-            or minutes of the hour with a counter beyond its own rate >= 45 or q <= cutoff
+            or minutes of the hour with a counter beyond its own rate >= 45
+            or the GPU going quiet while its node's peers report >= 0.6 or q <= cutoff
 
 A hardware XID alone is no alarm; a second within the hour is (the precursors that write
 error codes repeat them: remaps one after another, contained SRAM errors, ECC storms). A
 counter (correctable ECC, PCIe replays, NVLink errors, ...) beyond the GPU's own long-run
 rate in most minutes of the hour alarms: a chronic trickle, once learned, reads zero; a
-one-off burst lasts minutes; an accelerating rate lasts.
+one-off burst lasts minutes; an accelerating rate lasts. A GPU going quiet before it falls
+off the bus (NVML calls time out, issue 17) alarms when it missed at least 60 % of its own
+usual samples over the last 15 minutes beyond the share its node's peers missed of theirs,
+and 60 % in the last 5 minutes: a node-wide gap (an agent restart, a congested network)
+reads zero against the peers, and a GPU's usual losses (a busy agent) are its own baseline.
 ``q`` is the share of the forest's reference rows (those it was fitted on) that are more
 anomalous than the row: 0 is more unusual than anything it saw. ``cutoff`` is tuned on
 GPUs held out of the fit (:func:`tune`): the most sensitive quantile whose false alarms stay
@@ -25,10 +30,11 @@ need not resemble a failure it has seen.
 It plugs in as a :class:`~.predictor.FailurePredictor`'s classifier (the live scorer, the
 alarm memory, the model file and the registry do not change): ``predict_proba`` gives an
 alarm score, the largest of ``1 - 2 ** -(n / 2)`` for ``n`` hardware XIDs in the hour,
-``1 - 2 ** -(m / 45)`` for ``m`` such minutes (1.0 with an uncorrectable remap on record)
-and ``2 ** -(q / cutoff)``, at threshold 0.5 exactly where the rule above alarms and
-graded so that a GPU's raised bar (0.75 needs 4 XIDs, or ``q`` within 0.42 of the cutoff)
-asks for more. It is a score, not a calibrated
+``1 - 2 ** -(m / 45)`` for ``m`` such minutes (1.0 with an uncorrectable remap on record),
+``2 ** -((1 - d) / 0.4)`` for the share ``d`` of samples gone quiet and
+``2 ** -(q / cutoff)``, at threshold 0.5 exactly where the rule above alarms and
+graded so that a GPU's raised bar (0.75 needs 4 XIDs, ``d`` 0.83, or ``q`` within 0.42 of
+the cutoff) asks for more. It is a score, not a calibrated
 probability.
 
 Shipped (``models/data/default_model.skops``, built by ``forewarn models train
@@ -49,8 +55,8 @@ from forewarn.models.evaluate import RULE_COLUMNS, evaluate_scores
 from forewarn.models.features import FEATURE_NAMES
 from forewarn.models.predictor import FailurePredictor, label_rows, split_gpus
 
-__all__ = ["ACTIVE_MINUTES", "QUANTILES", "REPEATS", "THRESHOLD", "RulesForest",
-           "train_rules_forest", "tune"]
+__all__ = ["ACTIVE_MINUTES", "QUANTILES", "QUIET", "QUIET_COLUMNS", "REPEATS", "THRESHOLD",
+           "RulesForest", "train_rules_forest", "tune"]
 
 QUANTILES = (1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5)
 """The cutoffs tried on ``q``, most sensitive first."""
@@ -61,6 +67,16 @@ REPEATS = 2
 ACTIVE_MINUTES = 45
 """Minutes of the last hour with a counter's errors beyond the GPU's own rate that make an
 alarm (a one-off burst lasts minutes; a learned chronic trickle reads zero)."""
+
+QUIET = 0.6
+"""Share of its usual samples a GPU must have missed, over 15 minutes beyond what its
+node's peers missed and over the last 5 minutes, to alarm as going quiet. At the
+simulator's 60 s samples a window holds 15: a GPU with 10 % random losses and a 5-minute
+gap misses about 0.43 (docs/models.md, telemetry_gaps), a congested node's GPUs lose half
+their samples each at random, so that one of them trails its peers' median by 0.3 or so."""
+
+QUIET_COLUMNS = ("samples_missing15_vs_peers", "samples_missing5")
+"""The features the quiet rule reads (the smaller of the two is the share gone quiet)."""
 
 THRESHOLD = 0.5
 """The operating threshold of the alarm score: two XIDs, or ``q`` at the cutoff."""
@@ -109,14 +125,26 @@ class RulesForest:
 
     def rules(self, features: pd.DataFrame | np.ndarray) -> np.ndarray:
         """The rules' score, the larger of ``1 - 2 ** -(n / REPEATS)`` for ``n`` hardware
-        XIDs in the hour and ``1 - 2 ** -(m / ACTIVE_MINUTES)`` for ``m`` minutes of the
-        hour with a counter's errors beyond the GPU's own rate; 1.0 with an uncorrectable
-        remap on record (0.5 and more: they alarm)."""
+        XIDs in the hour, ``1 - 2 ** -(m / ACTIVE_MINUTES)`` for ``m`` minutes of the
+        hour with a counter's errors beyond the GPU's own rate and :meth:`quiet`; 1.0 with
+        an uncorrectable remap on record (0.5 and more: they alarm)."""
         x = self._x(features)
         n = x[:, self.xid_columns].sum(axis=1)
         m = x[:, self.active_columns].max(axis=1)
-        score: np.ndarray = np.where(x[:, self.remap_column] > 0, 1.0, 1.0 - np.exp2(
-            -np.maximum(n / REPEATS, m / ACTIVE_MINUTES)))
+        score: np.ndarray = np.where(x[:, self.remap_column] > 0, 1.0, np.maximum(
+            1.0 - np.exp2(-np.maximum(n / REPEATS, m / ACTIVE_MINUTES)), self.quiet(x)))
+        return score
+
+    def quiet(self, features: pd.DataFrame | np.ndarray) -> np.ndarray:
+        """The quiet rule's score, ``2 ** -((1 - d) / (1 - QUIET))`` for the share ``d`` of
+        its usual samples the GPU missed (:data:`QUIET_COLUMNS`, the smaller): 0.5 at
+        :data:`QUIET`, 1.0 when it went silent. Zero for a model fitted before the
+        feature existed (its rows do not carry it)."""
+        x = self._x(features)
+        if not set(QUIET_COLUMNS) <= set(self.feature_names):
+            return np.zeros(len(x))
+        d = x[:, [self.feature_names.index(c) for c in QUIET_COLUMNS]].min(axis=1)
+        score: np.ndarray = np.exp2(-(1.0 - np.clip(d, 0.0, 1.0)) / (1.0 - QUIET))
         return score
 
     def forest_alone(self, features: pd.DataFrame | np.ndarray) -> np.ndarray:
