@@ -34,8 +34,9 @@ alarm score, the largest of ``1 - 2 ** -(n / 2)`` for ``n`` hardware XIDs in the
 ``2 ** -((1 - d) / 0.4)`` for the share ``d`` of samples gone quiet and
 ``2 ** -(q / cutoff)``, at threshold 0.5 exactly where the rule above alarms and
 graded so that a GPU's raised bar (0.75 needs 4 XIDs, ``d`` 0.83, or ``q`` within 0.42 of
-the cutoff) asks for more. It is a score, not a calibrated
-probability.
+the cutoff) asks for more. It is a score, not a probability: :meth:`RulesForest.probability` maps it
+to P(GPU fails within the horizon), measured on the training and tuning fleets at a real
+fleet's failure rate (:mod:`~.calibration`), for the findings and the cost-aware policy.
 
 Shipped (``models/data/default_model.skops``, built by ``forewarn models train
 --simulate``): on leave-one-family-out it beats the rules on recall and false alarms on
@@ -51,12 +52,13 @@ import numpy as np
 import pandas as pd
 from sklearn.ensemble import IsolationForest
 
+from forewarn.models import calibration
 from forewarn.models.evaluate import RULE_COLUMNS, evaluate_scores
 from forewarn.models.features import FEATURE_NAMES
 from forewarn.models.predictor import FailurePredictor, label_rows, split_gpus
 
-__all__ = ["ACTIVE_MINUTES", "QUANTILES", "QUIET", "QUIET_COLUMNS", "REPEATS", "THRESHOLD",
-           "RulesForest", "train_rules_forest", "tune"]
+__all__ = ["ACTIVE_MINUTES", "QUANTILES", "QUIET", "QUIET_COLUMNS", "REPEATS", "RULE_ONLY",
+           "THRESHOLD", "RulesForest", "calibrate", "train_rules_forest", "tune"]
 
 QUANTILES = (1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5)
 """The cutoffs tried on ``q``, most sensitive first."""
@@ -77,6 +79,12 @@ their samples each at random, so that one of them trails its peers' median by 0.
 
 QUIET_COLUMNS = ("samples_missing15_vs_peers", "samples_missing5")
 """The features the quiet rule reads (the smaller of the two is the share gone quiet)."""
+
+RULE_ONLY = ("samples_missing15_vs_peers",)
+"""Features the rules read and the forest does not: zero on nearly every row, such a column
+takes up the forest's random splits without isolating anything, so the forest scored
+differently and its tuned cutoff moved (leave-one-family-out, docs/models.md: five false
+alarms on hot spells in each pool that it did not raise without the column)."""
 
 THRESHOLD = 0.5
 """The operating threshold of the alarm score: two XIDs, or ``q`` at the cutoff."""
@@ -100,11 +108,12 @@ class RulesForest:
         self.feature_names = list(feature_names)
         self.reference = np.zeros(0)
         self.cutoff = 0.0
+        self.calibration = np.zeros((2, 0))
 
     def fit(self, features: pd.DataFrame) -> RulesForest:
         """Fit the forest on feature rows (no labels); keep a sample's scores as the
         reference ``q`` is measured against."""
-        x = self._x(features)
+        x = self._forest_x(features)
         self.forest.fit(x)
         rng = np.random.default_rng(self.seed)
         ref = x[rng.choice(len(x), min(len(x), _REFERENCE_ROWS), replace=False)]
@@ -117,9 +126,14 @@ class RulesForest:
                          else np.asarray(features, dtype=np.float64))
         return x
 
+    def _forest_x(self, features: pd.DataFrame | np.ndarray) -> np.ndarray:
+        """The forest's columns: every feature but :data:`RULE_ONLY`."""
+        keep = [i for i, c in enumerate(self.feature_names) if c not in RULE_ONLY]
+        return self._x(features)[:, keep]
+
     def quantile(self, features: pd.DataFrame | np.ndarray) -> np.ndarray:
         """``q`` of each row: the share of reference rows more anomalous than it."""
-        s = self.forest.score_samples(self._x(features))
+        s = self.forest.score_samples(self._forest_x(features))
         q: np.ndarray = np.searchsorted(self.reference, s) / len(self.reference)
         return q
 
@@ -166,6 +180,13 @@ class RulesForest:
         score: np.ndarray = np.maximum(self.rules(x), forest)
         return score
 
+    def probability(self, scores: np.ndarray) -> np.ndarray | None:
+        """P(GPU fails within the horizon) at alarm ``scores`` (:mod:`~.calibration`);
+        None for a detector saved before it was calibrated."""
+        knots = getattr(self, "calibration", None)
+        return None if knots is None or knots.shape[1] == 0 else calibration.apply(knots,
+                                                                                   scores)
+
     def predict_proba(self, x: np.ndarray) -> np.ndarray:
         """Columns (1 - score, score), as a classifier's: the live scorer's interface."""
         s = self.alarm_score(x)
@@ -189,15 +210,44 @@ def tune(detector: RulesForest, features: pd.DataFrame, labels: pd.DataFrame, *,
     return detector
 
 
+def calibrate(detector: RulesForest, sets: list[tuple[pd.DataFrame, pd.DataFrame]], *,
+              horizon_s: float, base_rate_per_1000_gpu_days: float | None
+              ) -> dict[str, float]:
+    """Fit ``detector.calibration`` on labelled ``(features, labels)`` sets, each brought
+    to ``base_rate_per_1000_gpu_days`` (None: each set's own rate); returns what it rests
+    on (for the model's metadata). The sets may include those the detector was fitted on:
+    the rules fit nothing, and the forest, unsupervised, draws each tree from 2,048 rows,
+    so its scores on the rows it was fitted on are those of new rows."""
+    scores, fails, weights = [], [], []
+    failures, gpu_days = 0, 0.0
+    for features, labels in sets:
+        y, keep = label_rows(features, labels, horizon_s)
+        days = float(keep.sum()) * 60.0 / 86400.0  # one feature row per GPU-minute
+        w = calibration.positive_weight(len(labels), days, base_rate_per_1000_gpu_days)
+        scores.append(detector.alarm_score(features.loc[keep]))
+        fails.append(y[keep])
+        weights.append(np.where(y[keep] > 0, w, 1.0))
+        failures, gpu_days = failures + len(labels), gpu_days + days
+    detector.calibration = calibration.fit(np.concatenate(scores), np.concatenate(fails),
+                                           np.concatenate(weights))
+    own = round(1000.0 * failures / max(gpu_days, 1e-9), 3)
+    return {"failures": failures, "gpu_days": round(gpu_days, 1),
+            "failures_per_1000_gpu_days": own,
+            "base_rate_per_1000_gpu_days": own if base_rate_per_1000_gpu_days is None
+            else base_rate_per_1000_gpu_days}
+
+
 def train_rules_forest(sets: list[tuple[pd.DataFrame, pd.DataFrame]], *,
                        tune_set: tuple[pd.DataFrame, pd.DataFrame] | None = None,
                        horizon_s: float = 3600.0, tune_share: float = 0.25,
-                       target_false_alarms: float = 0.5, seed: int = 0) -> FailurePredictor:
+                       target_false_alarms: float = 0.5, seed: int = 0,
+                       base_rate_per_1000_gpu_days: float | None = None) -> FailurePredictor:
     """Fit on ``(features, labels)`` pairs (the labels only to leave out rows at and
     after a failure), tune on ``tune_set`` or on ``tune_share`` of the GPUs held out of the
-    fit; the result runs wherever a failure predictor does (threshold :data:`THRESHOLD`)."""
+    fit, calibrate (:func:`calibrate`, at ``base_rate_per_1000_gpu_days``) on both; the
+    result runs wherever a failure predictor does (threshold :data:`THRESHOLD`)."""
     start = time.perf_counter()
-    fits, tunes = [], []
+    fits, fit_sets, tunes = [], [], []
     for k, (features, labels) in enumerate(sets):
         if tune_set is None:
             (features, labels), (tf, tl) = split_gpus(features, labels, tune_share, seed)
@@ -205,14 +255,18 @@ def train_rules_forest(sets: list[tuple[pd.DataFrame, pd.DataFrame]], *,
                           tl.assign(node=f"{k}:" + tl["node"].astype(str))))
         _y, keep = label_rows(features, labels, horizon_s)
         fits.append(features.loc[keep])
+        fit_sets.append((features, labels))
     tf, tl = tune_set or (pd.concat([t[0] for t in tunes], ignore_index=True),
                           pd.concat([t[1] for t in tunes], ignore_index=True))
     det = RulesForest(seed=seed).fit(pd.concat(fits, ignore_index=True))
     tune(det, tf, tl, horizon_s=horizon_s, target_false_alarms=target_false_alarms)
+    cal = calibrate(det, [*fit_sets, (tf, tl)], horizon_s=horizon_s,
+                    base_rate_per_1000_gpu_days=base_rate_per_1000_gpu_days)
     return FailurePredictor(classifier=det, horizon_s=horizon_s, threshold=THRESHOLD,
                             metadata={
         "detector": "rules_forest", "trained_at": time.time(),
         "train_seconds": round(time.perf_counter() - start, 2),
         "train_rows": int(sum(len(f) for f in fits)), "cutoff": det.cutoff,
         "failures": int(sum(len(lab) for _, lab in sets)),
-        "horizon_s": horizon_s, "target_false_alarms_per_1000": target_false_alarms})
+        "horizon_s": horizon_s, "target_false_alarms_per_1000": target_false_alarms,
+        "calibration": cal})
