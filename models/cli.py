@@ -185,6 +185,7 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from forewarn.models.fleetsim import load_params
     from forewarn.models.persist import save_model
     from forewarn.models.schema import DataError
     from forewarn.models.suites import simulate_features, train_suite, tune_params
@@ -200,9 +201,13 @@ def _train(args: argparse.Namespace) -> int:
         else:
             print("forewarn models train: give --data DIR or --simulate", file=sys.stderr)
             return 2
+        # Simulated fleets fail far more often than real ones: rules_forest's alarm score
+        # is calibrated to P(failure) at a real fleet's rate; a fleet's own data at its own.
+        real = load_params().real_per_1000_gpu_days if args.simulate else None
         model = train_detector(args.detector, sets, tune=tune,
                                horizon_s=args.horizon_min * 60, threshold=args.threshold,
-                               target_false_alarms=args.target_false_alarms)
+                               target_false_alarms=args.target_false_alarms,
+                               base_rate_per_1000_gpu_days=real)
     except (DataError, ValueError) as exc:
         print(f"forewarn models train: {exc}", file=sys.stderr)
         return 2

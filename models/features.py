@@ -120,7 +120,7 @@ def _feature_names() -> tuple[str, ...]:
               "temp_excursion",
               "power_std15", "width_ratio", "samples_missing5", "samples_missing15"]
     names += [f"{g}_vs_own" for g in GAUGES]
-    names += [f"{g}_vs_peers" for g in GAUGES]
+    names += [f"{g}_vs_peers" for g in GAUGES] + ["samples_missing15_vs_peers"]
     names += [f"{c}_vs_peers" for c in PEER_COUNTERS]
     names += [f"xid_{c}_60" for c in XID_CLASSES]
     return tuple(names)
@@ -268,6 +268,10 @@ def derive(now: Mapping[str, np.ndarray], lag: Mapping[int, Mapping[str, np.ndar
     # node-wide event (cooling, power capping, the host's PCIe, an agent restart) moves
     # every GPU of the node and is no precursor of one GPU's failure.
     peer_in = {f"{g}_vs_peers": level[g] for g in GAUGES}
+    # The share of its own usual samples a GPU missed over 15 minutes beyond the share its
+    # peers missed of theirs: a GPU going quiet before it falls off the bus, while a
+    # node-wide gap (agent restart, congested network) reads zero.
+    peer_in["samples_missing15_vs_peers"] = out["samples_missing15"]
     peer_in |= {f"{c}_vs_peers": out[f"{c}_d15"] for c in PEER_COUNTERS}
     member = (now["n"] - lag[PEER_MINUTES]["n"]) > 0
     out |= peer_deviation(peer_in, None if group is None else np.where(member, group, -1),

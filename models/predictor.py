@@ -59,6 +59,30 @@ class FailurePredictor:
         p: np.ndarray = self.classifier.predict_proba(x)[:, 1]
         return p
 
+    def failure_probability(self, scores: np.ndarray) -> np.ndarray | None:
+        """P(failure within ``horizon_s``) at the scores :meth:`predict_proba` gave: the
+        classifier's own calibration of its alarm score when it has one (``rules_forest``),
+        the scores themselves from a calibrated classifier (the gradient-boosted model);
+        None for an alarm score without a calibration (a model saved before it had one)."""
+        calibrated = getattr(self.classifier, "probability", None)
+        if calibrated is None:
+            return scores
+        p: np.ndarray | None = calibrated(scores)
+        return p
+
+    def _reason(self, score: float, p: float | None) -> str:
+        """What a finding's numbers are (:meth:`findings`)."""
+        horizon = f"P(GPU fails within {self.horizon_s / 60:.0f} min)"
+        if p is None:
+            return (f"alarm score {score:.2f} (threshold {self.threshold:.2f}; a score, "
+                    f"not a probability: this model carries no calibration)")
+        if getattr(self.classifier, "probability", None) is None:  # a calibrated classifier
+            return f"{horizon} = {p:.2f} (threshold {self.threshold:.2f})"
+        rate = self.metadata.get("calibration", {}).get("base_rate_per_1000_gpu_days")
+        at = f" at {rate:g} failures per 1,000 GPU-days" if rate is not None else ""
+        return (f"alarm score {score:.2f} (threshold {self.threshold:.2f}); {horizon} = "
+                f"{p:.4f} (calibrated{at})")
+
     def score(self, features: pd.DataFrame) -> pd.DataFrame:
         """``node, gpu, time, p`` for each feature row."""
         out = features[["node", "gpu", "time"]].copy()
@@ -68,13 +92,18 @@ class FailurePredictor:
     def findings(self, nodes: np.ndarray, gpus: np.ndarray, probs: np.ndarray, now: float,
                  evidence: dict[str, np.ndarray] | None = None,
                  alarm: np.ndarray | None = None) -> list[Finding]:
-        """Findings for the GPUs whose probability is at or above the threshold (or, given
-        ``alarm``, those it marks), with their ``evidence`` values (numbers rounded,
-        strings as they are)."""
+        """Findings for the GPUs whose score (``probs``, from :meth:`predict_proba`) is at
+        or above the threshold (or, given ``alarm``, those it marks), with their
+        ``evidence`` values (numbers rounded, strings as they are). A finding's
+        ``probability`` is :meth:`failure_probability` (what the cost-aware policy reads;
+        None without one), its evidence has the ``score`` and that ``probability``."""
         out = []
+        failing = self.failure_probability(probs)
         for i in np.nonzero(probs >= self.threshold if alarm is None else alarm)[0]:
             p = float(probs[i])
-            ev: dict[str, float | int | str | bool | None] = {"probability": round(p, 4)}
+            pf = None if failing is None else min(1.0, max(0.0, float(failing[i])))
+            ev: dict[str, float | int | str | bool | None] = {
+                "score": round(p, 4), "probability": None if pf is None else round(pf, 6)}
             if evidence:
                 ev.update({k: v[i] if isinstance(v[i], str) else round(float(v[i]), 4)
                            for k, v in evidence.items()})
@@ -82,10 +111,8 @@ class FailurePredictor:
                 check=self.check_name,
                 health=Health.DEGRADED if p < 0.8 else Health.UNHEALTHY,
                 subject=Subject(kind="gpu", node=str(nodes[i]), gpu=int(gpus[i])),
-                reason=(f"P(GPU fails within {self.horizon_s / 60:.0f} min) = {p:.2f} "
-                        f"(threshold {self.threshold:.2f})"),
-                action=SuggestedAction.CHECKPOINT,
-                evidence=ev, time=now, probability=min(1.0, max(0.0, p)),
+                reason=self._reason(p, pf), action=SuggestedAction.CHECKPOINT,
+                evidence=ev, time=now, probability=pf,
                 horizon_s=self.horizon_s,
             ))
         return out

@@ -9,13 +9,18 @@ healthy GPUs of real fleets); an isolation forest over the same features catches
 far out for the fleet. Together::
 
     alarm = remap_u_total > 0 or hardware XIDs in the hour >= 2
-            or minutes of the hour with a counter beyond its own rate >= 45 or q <= cutoff
+            or minutes of the hour with a counter beyond its own rate >= 45
+            or the GPU going quiet while its node's peers report >= 0.6 or q <= cutoff
 
 A hardware XID alone is no alarm; a second within the hour is (the precursors that write
 error codes repeat them: remaps one after another, contained SRAM errors, ECC storms). A
 counter (correctable ECC, PCIe replays, NVLink errors, ...) beyond the GPU's own long-run
 rate in most minutes of the hour alarms: a chronic trickle, once learned, reads zero; a
-one-off burst lasts minutes; an accelerating rate lasts.
+one-off burst lasts minutes; an accelerating rate lasts. A GPU going quiet before it falls
+off the bus (NVML calls time out, issue 17) alarms when it missed at least 60 % of its own
+usual samples over the last 15 minutes beyond the share its node's peers missed of theirs,
+and 60 % in the last 5 minutes: a node-wide gap (an agent restart, a congested network)
+reads zero against the peers, and a GPU's usual losses (a busy agent) are its own baseline.
 ``q`` is the share of the forest's reference rows (those it was fitted on) that are more
 anomalous than the row: 0 is more unusual than anything it saw. ``cutoff`` is tuned on
 GPUs held out of the fit (:func:`tune`): the most sensitive quantile whose false alarms stay
@@ -25,11 +30,13 @@ need not resemble a failure it has seen.
 It plugs in as a :class:`~.predictor.FailurePredictor`'s classifier (the live scorer, the
 alarm memory, the model file and the registry do not change): ``predict_proba`` gives an
 alarm score, the largest of ``1 - 2 ** -(n / 2)`` for ``n`` hardware XIDs in the hour,
-``1 - 2 ** -(m / 45)`` for ``m`` such minutes (1.0 with an uncorrectable remap on record)
-and ``2 ** -(q / cutoff)``, at threshold 0.5 exactly where the rule above alarms and
-graded so that a GPU's raised bar (0.75 needs 4 XIDs, or ``q`` within 0.42 of the cutoff)
-asks for more. It is a score, not a calibrated
-probability.
+``1 - 2 ** -(m / 45)`` for ``m`` such minutes (1.0 with an uncorrectable remap on record),
+``2 ** -((1 - d) / 0.4)`` for the share ``d`` of samples gone quiet and
+``2 ** -(q / cutoff)``, at threshold 0.5 exactly where the rule above alarms and
+graded so that a GPU's raised bar (0.75 needs 4 XIDs, ``d`` 0.83, or ``q`` within 0.42 of
+the cutoff) asks for more. It is a score, not a probability: :meth:`RulesForest.probability` maps it
+to P(GPU fails within the horizon), measured on the training and tuning fleets at a real
+fleet's failure rate (:mod:`~.calibration`), for the findings and the cost-aware policy.
 
 Shipped (``models/data/default_model.skops``, built by ``forewarn models train
 --simulate``): on leave-one-family-out it beats the rules on recall and false alarms on
@@ -45,12 +52,13 @@ import numpy as np
 import pandas as pd
 from sklearn.ensemble import IsolationForest
 
+from forewarn.models import calibration
 from forewarn.models.evaluate import RULE_COLUMNS, evaluate_scores
 from forewarn.models.features import FEATURE_NAMES
 from forewarn.models.predictor import FailurePredictor, label_rows, split_gpus
 
-__all__ = ["ACTIVE_MINUTES", "QUANTILES", "REPEATS", "THRESHOLD", "RulesForest",
-           "train_rules_forest", "tune"]
+__all__ = ["ACTIVE_MINUTES", "QUANTILES", "QUIET", "QUIET_COLUMNS", "REPEATS", "RULE_ONLY",
+           "THRESHOLD", "RulesForest", "calibrate", "train_rules_forest", "tune"]
 
 QUANTILES = (1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5)
 """The cutoffs tried on ``q``, most sensitive first."""
@@ -61,6 +69,22 @@ REPEATS = 2
 ACTIVE_MINUTES = 45
 """Minutes of the last hour with a counter's errors beyond the GPU's own rate that make an
 alarm (a one-off burst lasts minutes; a learned chronic trickle reads zero)."""
+
+QUIET = 0.6
+"""Share of its usual samples a GPU must have missed, over 15 minutes beyond what its
+node's peers missed and over the last 5 minutes, to alarm as going quiet. At the
+simulator's 60 s samples a window holds 15: a GPU with 10 % random losses and a 5-minute
+gap misses about 0.43 (docs/models.md, telemetry_gaps), a congested node's GPUs lose half
+their samples each at random, so that one of them trails its peers' median by 0.3 or so."""
+
+QUIET_COLUMNS = ("samples_missing15_vs_peers", "samples_missing5")
+"""The features the quiet rule reads (the smaller of the two is the share gone quiet)."""
+
+RULE_ONLY = ("samples_missing15_vs_peers",)
+"""Features the rules read and the forest does not: zero on nearly every row, such a column
+takes up the forest's random splits without isolating anything, so the forest scored
+differently and its tuned cutoff moved (leave-one-family-out, docs/models.md: five false
+alarms on hot spells in each pool that it did not raise without the column)."""
 
 THRESHOLD = 0.5
 """The operating threshold of the alarm score: two XIDs, or ``q`` at the cutoff."""
@@ -84,11 +108,12 @@ class RulesForest:
         self.feature_names = list(feature_names)
         self.reference = np.zeros(0)
         self.cutoff = 0.0
+        self.calibration = np.zeros((2, 0))
 
     def fit(self, features: pd.DataFrame) -> RulesForest:
         """Fit the forest on feature rows (no labels); keep a sample's scores as the
         reference ``q`` is measured against."""
-        x = self._x(features)
+        x = self._forest_x(features)
         self.forest.fit(x)
         rng = np.random.default_rng(self.seed)
         ref = x[rng.choice(len(x), min(len(x), _REFERENCE_ROWS), replace=False)]
@@ -101,22 +126,39 @@ class RulesForest:
                          else np.asarray(features, dtype=np.float64))
         return x
 
+    def _forest_x(self, features: pd.DataFrame | np.ndarray) -> np.ndarray:
+        """The forest's columns: every feature but :data:`RULE_ONLY`."""
+        keep = [i for i, c in enumerate(self.feature_names) if c not in RULE_ONLY]
+        return self._x(features)[:, keep]
+
     def quantile(self, features: pd.DataFrame | np.ndarray) -> np.ndarray:
         """``q`` of each row: the share of reference rows more anomalous than it."""
-        s = self.forest.score_samples(self._x(features))
+        s = self.forest.score_samples(self._forest_x(features))
         q: np.ndarray = np.searchsorted(self.reference, s) / len(self.reference)
         return q
 
     def rules(self, features: pd.DataFrame | np.ndarray) -> np.ndarray:
         """The rules' score, the larger of ``1 - 2 ** -(n / REPEATS)`` for ``n`` hardware
-        XIDs in the hour and ``1 - 2 ** -(m / ACTIVE_MINUTES)`` for ``m`` minutes of the
-        hour with a counter's errors beyond the GPU's own rate; 1.0 with an uncorrectable
-        remap on record (0.5 and more: they alarm)."""
+        XIDs in the hour, ``1 - 2 ** -(m / ACTIVE_MINUTES)`` for ``m`` minutes of the
+        hour with a counter's errors beyond the GPU's own rate and :meth:`quiet`; 1.0 with
+        an uncorrectable remap on record (0.5 and more: they alarm)."""
         x = self._x(features)
         n = x[:, self.xid_columns].sum(axis=1)
         m = x[:, self.active_columns].max(axis=1)
-        score: np.ndarray = np.where(x[:, self.remap_column] > 0, 1.0, 1.0 - np.exp2(
-            -np.maximum(n / REPEATS, m / ACTIVE_MINUTES)))
+        score: np.ndarray = np.where(x[:, self.remap_column] > 0, 1.0, np.maximum(
+            1.0 - np.exp2(-np.maximum(n / REPEATS, m / ACTIVE_MINUTES)), self.quiet(x)))
+        return score
+
+    def quiet(self, features: pd.DataFrame | np.ndarray) -> np.ndarray:
+        """The quiet rule's score, ``2 ** -((1 - d) / (1 - QUIET))`` for the share ``d`` of
+        its usual samples the GPU missed (:data:`QUIET_COLUMNS`, the smaller): 0.5 at
+        :data:`QUIET`, 1.0 when it went silent. Zero for a model fitted before the
+        feature existed (its rows do not carry it)."""
+        x = self._x(features)
+        if not set(QUIET_COLUMNS) <= set(self.feature_names):
+            return np.zeros(len(x))
+        d = x[:, [self.feature_names.index(c) for c in QUIET_COLUMNS]].min(axis=1)
+        score: np.ndarray = np.exp2(-(1.0 - np.clip(d, 0.0, 1.0)) / (1.0 - QUIET))
         return score
 
     def forest_alone(self, features: pd.DataFrame | np.ndarray) -> np.ndarray:
@@ -137,6 +179,13 @@ class RulesForest:
                   else np.zeros(len(x)))
         score: np.ndarray = np.maximum(self.rules(x), forest)
         return score
+
+    def probability(self, scores: np.ndarray) -> np.ndarray | None:
+        """P(GPU fails within the horizon) at alarm ``scores`` (:mod:`~.calibration`);
+        None for a detector saved before it was calibrated."""
+        knots = getattr(self, "calibration", None)
+        return None if knots is None or knots.shape[1] == 0 else calibration.apply(knots,
+                                                                                   scores)
 
     def predict_proba(self, x: np.ndarray) -> np.ndarray:
         """Columns (1 - score, score), as a classifier's: the live scorer's interface."""
@@ -161,15 +210,44 @@ def tune(detector: RulesForest, features: pd.DataFrame, labels: pd.DataFrame, *,
     return detector
 
 
+def calibrate(detector: RulesForest, sets: list[tuple[pd.DataFrame, pd.DataFrame]], *,
+              horizon_s: float, base_rate_per_1000_gpu_days: float | None
+              ) -> dict[str, float]:
+    """Fit ``detector.calibration`` on labelled ``(features, labels)`` sets, each brought
+    to ``base_rate_per_1000_gpu_days`` (None: each set's own rate); returns what it rests
+    on (for the model's metadata). The sets may include those the detector was fitted on:
+    the rules fit nothing, and the forest, unsupervised, draws each tree from 2,048 rows,
+    so its scores on the rows it was fitted on are those of new rows."""
+    scores, fails, weights = [], [], []
+    failures, gpu_days = 0, 0.0
+    for features, labels in sets:
+        y, keep = label_rows(features, labels, horizon_s)
+        days = float(keep.sum()) * 60.0 / 86400.0  # one feature row per GPU-minute
+        w = calibration.positive_weight(len(labels), days, base_rate_per_1000_gpu_days)
+        scores.append(detector.alarm_score(features.loc[keep]))
+        fails.append(y[keep])
+        weights.append(np.where(y[keep] > 0, w, 1.0))
+        failures, gpu_days = failures + len(labels), gpu_days + days
+    detector.calibration = calibration.fit(np.concatenate(scores), np.concatenate(fails),
+                                           np.concatenate(weights))
+    own = round(1000.0 * failures / max(gpu_days, 1e-9), 3)
+    return {"failures": failures, "gpu_days": round(gpu_days, 1),
+            "failures_per_1000_gpu_days": own,
+            "base_rate_per_1000_gpu_days": own if base_rate_per_1000_gpu_days is None
+            else base_rate_per_1000_gpu_days}
+
+
 def train_rules_forest(sets: list[tuple[pd.DataFrame, pd.DataFrame]], *,
                        tune_set: tuple[pd.DataFrame, pd.DataFrame] | None = None,
                        horizon_s: float = 3600.0, tune_share: float = 0.25,
-                       target_false_alarms: float = 0.5, seed: int = 0) -> FailurePredictor:
+                       target_false_alarms: float = 0.5, seed: int = 0,
+                       base_rate_per_1000_gpu_days: float | None = None) -> FailurePredictor:
     """Fit on ``(features, labels)`` pairs (the labels only to leave out rows at and
     after a failure), tune on ``tune_set`` or on ``tune_share`` of the GPUs held out of the
-    fit; the result runs wherever a failure predictor does (threshold :data:`THRESHOLD`)."""
+    fit, calibrate (:func:`calibrate`, at ``base_rate_per_1000_gpu_days``) on both; the
+    result runs wherever a failure predictor does (threshold :data:`THRESHOLD`)."""
     start = time.perf_counter()
-    fits, tunes = [], []
+    fits, fit_sets, tunes = [], [], []
     for k, (features, labels) in enumerate(sets):
         if tune_set is None:
             (features, labels), (tf, tl) = split_gpus(features, labels, tune_share, seed)
@@ -177,14 +255,18 @@ def train_rules_forest(sets: list[tuple[pd.DataFrame, pd.DataFrame]], *,
                           tl.assign(node=f"{k}:" + tl["node"].astype(str))))
         _y, keep = label_rows(features, labels, horizon_s)
         fits.append(features.loc[keep])
+        fit_sets.append((features, labels))
     tf, tl = tune_set or (pd.concat([t[0] for t in tunes], ignore_index=True),
                           pd.concat([t[1] for t in tunes], ignore_index=True))
     det = RulesForest(seed=seed).fit(pd.concat(fits, ignore_index=True))
     tune(det, tf, tl, horizon_s=horizon_s, target_false_alarms=target_false_alarms)
+    cal = calibrate(det, [*fit_sets, (tf, tl)], horizon_s=horizon_s,
+                    base_rate_per_1000_gpu_days=base_rate_per_1000_gpu_days)
     return FailurePredictor(classifier=det, horizon_s=horizon_s, threshold=THRESHOLD,
                             metadata={
         "detector": "rules_forest", "trained_at": time.time(),
         "train_seconds": round(time.perf_counter() - start, 2),
         "train_rows": int(sum(len(f) for f in fits)), "cutoff": det.cutoff,
         "failures": int(sum(len(lab) for _, lab in sets)),
-        "horizon_s": horizon_s, "target_false_alarms_per_1000": target_false_alarms})
+        "horizon_s": horizon_s, "target_false_alarms_per_1000": target_false_alarms,
+        "calibration": cal})

@@ -33,9 +33,12 @@ def train_detector(detector: str, sets: list[tuple[pd.DataFrame, pd.DataFrame]],
                    tune: tuple[pd.DataFrame, pd.DataFrame] | None = None,
                    horizon_s: float = 3600.0, threshold: float | None = None,
                    target_false_alarms: float = 0.5, seed: int = 0,
-                   max_iter: int = 150) -> FailurePredictor:
+                   max_iter: int = 150,
+                   base_rate_per_1000_gpu_days: float | None = None) -> FailurePredictor:
     """A ``detector`` (one of :data:`DETECTORS`) fitted on ``(features, labels)`` pairs
-    (module docstring); ``max_iter`` is the boosting iterations of ``model``. Raises
+    (module docstring); ``max_iter`` is the boosting iterations of ``model``;
+    ``base_rate_per_1000_gpu_days`` the failure rate ``rules_forest``'s probability is
+    calibrated at (None: the data's own; :func:`~.rules_forest.calibrate`). Raises
     :class:`ValueError` when it cannot be trained (an unknown kind, too few failures)."""
     from forewarn.models.predictor import train_predictor
     from forewarn.models.rules_forest import train_rules_forest
@@ -49,7 +52,8 @@ def train_detector(detector: str, sets: list[tuple[pd.DataFrame, pd.DataFrame]],
     if detector != "rules_forest":
         raise ValueError(f"detector: {detector!r} is none of {', '.join(DETECTORS)}")
     model = train_rules_forest(sets, tune_set=tune, horizon_s=horizon_s,
-                               target_false_alarms=target_false_alarms, seed=seed)
+                               target_false_alarms=target_false_alarms, seed=seed,
+                               base_rate_per_1000_gpu_days=base_rate_per_1000_gpu_days)
     if threshold is not None:
         model.threshold = threshold
     return model

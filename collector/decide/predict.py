@@ -439,8 +439,13 @@ class _PredictorMetrics:
     def collect(self) -> Iterator[Metric]:
         svc = self.svc
         sc = svc.scores
+        # The score the alarm threshold is on (the alert rule reads it at 0.5); the cost
+        # model's P is on the findings (FailurePredictor.failure_probability).
         prob = GaugeMetricFamily("forewarn_gpu_failure_probability",
-                                 "P(GPU fails within the model's horizon), latest scoring.",
+                                 "Failure model score per GPU, latest scoring (alarm at "
+                                 "forewarn_collector_predictor_threshold): P(GPU fails within "
+                                 "the model's horizon) from a calibrated classifier, an alarm "
+                                 "score from rules_forest, whose findings carry that P.",
                                  labels=["node", "gpu"])
         for n, g, p in zip(sc.nodes, sc.gpus, sc.probs, strict=True):
             prob.add_metric([str(n), str(int(g))], float(p))

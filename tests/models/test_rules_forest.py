@@ -81,6 +81,20 @@ def test_forest_alarms_alone_on_a_gpu_far_from_the_fleet(detector: FailurePredic
     assert p[0] < detector.threshold <= p[1]
 
 
+def test_a_gpu_going_quiet_alarms_its_node_going_quiet_does_not(
+        detector: FailurePredictor, usual: pd.Series) -> None:
+    """A GPU that missed 70 % of its usual samples over 15 minutes beyond what its node's
+    peers missed, and in the last 5 minutes, alarms without any error code; the same
+    losses shared by the whole node (its peers missed as many) do not, nor 40 %."""
+    rows = _rows(usual, 4)
+    rows.loc[1:, "samples_missing5"] = [0.8, 0.8, 0.4]
+    rows.loc[1:, "samples_missing15"] = 0.7
+    rows.loc[1:, "samples_missing15_vs_peers"] = [0.7, 0.0, 0.4]
+    assert baseline_scores(rows).tolist() == [0, 0, 0, 0]
+    assert (detector.predict_proba(rows) >= detector.threshold).tolist() == [
+        False, True, False, False]
+
+
 def test_detector_round_trips_through_the_allow_listed_model_file(
         detector: FailurePredictor, usual: pd.Series, tmp_path: Path) -> None:
     assert "forewarn.models.rules_forest.RulesForest" in TRUSTED_TYPES
