@@ -18,9 +18,9 @@ from forewarn import bus
 from forewarn.agent.bus import NatsUplink
 from forewarn.agent.config import AgentConfig
 from forewarn.agent.uplink import Uplink
-from forewarn.chaos.procs import stop_process
 from forewarn.collector.http.auth import hash_token
 from forewarn.collector.storage.store import Store
+from forewarn.spawn.procs import stop_process
 from forewarn.wire import GpuSample
 
 from support.metrics import value

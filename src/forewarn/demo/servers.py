@@ -28,9 +28,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from forewarn.chaos.procs import log_tail, wait_http, wait_ready
 from forewarn.demo.launch import free_port
 from forewarn.errors import UnavailableError
+from forewarn.spawn.procs import log_tail, wait_http, wait_ready
 
 __all__ = ["MissingServer", "NatsServer", "PostgresServer", "VictoriaMetrics", "find_binary",
            "find_postgres_bin", "nats_cluster", "scale_out_missing",
