@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["leftovers", "wait_gone", "wait_started"]
@@ -25,11 +26,13 @@ def leftovers(marker: str) -> list[str]:
     return found
 
 
-def wait_gone(marker: str, timeout: float = 10.0) -> list[str]:
-    """Wait until no process mentions ``marker``; what is left after ``timeout``."""
+def wait_gone(marker: str, timeout: float = 10.0, *,
+              pause: Callable[[float], None] = time.sleep) -> list[str]:
+    """Wait until no process mentions ``marker``; what is left after ``timeout``.
+    ``pause`` sleeps between two looks (a test's own steps it there)."""
     deadline = time.monotonic() + timeout
     while (left := leftovers(marker)) and time.monotonic() < deadline:
-        time.sleep(0.2)
+        pause(0.2)
     return left
 
 
