@@ -261,6 +261,11 @@ class PostgresServer:
         """A real ``pg_ctl restart -m fast``: every session is cut."""
         self._ctl("restart")
 
+    def halt(self) -> None:
+        """``pg_ctl stop -m fast``, keeping the data: every session is cut, and the
+        server stays down until :meth:`start`."""
+        self._ctl("stop")
+
     def pid(self) -> int:
         """The postmaster's process id."""
         return int((self.data / "postmaster.pid").read_text().split()[0])
