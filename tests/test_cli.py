@@ -17,13 +17,14 @@ REGISTRATION_ONLY = {"forewarn.chaos", "forewarn.chaos.cli", "forewarn.demo",
 @pytest.mark.parametrize("service", ["agent", "collector"])
 def test_daemon_start_path_does_not_import_chaos_or_demo(service: str, tmp_path: Path) -> None:
     """``forewarn agent`` / ``forewarn collector`` build the whole parser; that must not
-    pay for the chaos suite or the demo (they used to be imported at parser build, about
-    60 ms of the ~150 ms it takes)."""
+    pay for the chaos suite, the demo or their process launching (forewarn.spawn; they
+    used to be imported at parser build, about 60 ms of the ~150 ms it takes)."""
     argv = [service, "--config", str(tmp_path / "missing.toml")]
     code = ("import sys\nfrom forewarn.cli import main\n"
             f"print(main({argv!r}))\n"
             "print(' '.join(sorted(n for n in sys.modules\n"
-            "                      if n.startswith(('forewarn.chaos', 'forewarn.demo')))))")
+            "                      if n.startswith(('forewarn.chaos', 'forewarn.demo',\n"
+            "                                       'forewarn.spawn')))))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0, r.stderr

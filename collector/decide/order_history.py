@@ -139,7 +139,7 @@ def _link(orders: dict[str, tuple[JobOrder, JobInfo]],
             continue
         old = orders.get(str(detail.get("replaces")))
         if old is not None:
-            old[0].status, old[0].next_id = "reissued", str(detail["request_id"])
+            old[0].status = "reissued"
         if known is not None and isinstance(detail.get("attempt"), int):
             known[0].attempt = detail["attempt"]
             if old is not None:

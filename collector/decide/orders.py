@@ -121,12 +121,7 @@ class JobOrder:
     rank_steps: dict[int, int] = dataclasses.field(default_factory=dict)
     """rank -> the step it reported (the saved step, or its current step when missed)."""
     status: str = "issued"
-    """issued, done, reissued (superseded by ``next_id``), failed."""
-    next_id: str = ""
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-ready view for the API."""
-        return dataclasses.asdict(self)
+    """issued, done, reissued (superseded by an order whose reason names this one), failed."""
 
 
 def _new_request_id() -> str:
@@ -316,5 +311,4 @@ class OrderBook:
             key=f"{order.request_id}|reissue",
         )
         order.status = "reissued"
-        order.next_id = new.request_id
         return new

@@ -81,8 +81,6 @@ class Alert(msgspec.Struct, kw_only=True):
     status: str = "firing"
     labels: Labels = msgspec.field(default_factory=dict)
     annotations: Labels = msgspec.field(default_factory=dict)
-    startsAt: str = ""
-    fingerprint: str = ""
 
 
 class AlertPayload(msgspec.Struct, kw_only=True):
@@ -92,7 +90,6 @@ class AlertPayload(msgspec.Struct, kw_only=True):
     status: str = ""
     receiver: str = ""
     alerts: list[Alert] = msgspec.field(default_factory=list)
-    groupLabels: Labels = msgspec.field(default_factory=dict)
     commonLabels: Labels = msgspec.field(default_factory=dict)
     title: str = ""
 

@@ -106,7 +106,6 @@ class Breakdown:
     detection_s: float = 0.0
     restart_s: float = 0.0
     failures: int = 0
-    proactive_checkpoints: int = 0
 
     @property
     def goodput(self) -> float:
@@ -185,10 +184,8 @@ def simulate(p: RunParams, mode: str, seed: int = 0) -> Breakdown:
             if event == proactive_at:
                 proactive_at = math.inf
                 predicted_fired = True
-                b.proactive_checkpoints += 1
             elif event == next_fa:
                 next_fa = t + fa_rng.expovariate(fa_rate)
-                b.proactive_checkpoints += 1
             if t + p.checkpoint_s > fail_at:  # the failure lands during the checkpoint
                 b.checkpoint_s += fail_at - t
                 t = fail_at

@@ -20,7 +20,7 @@ from forewarn.agent.build import build_uplink
 from forewarn.agent.config import AgentConfig
 from forewarn.agent.spool import Spool
 from forewarn.agent.uplink import Uplink
-from forewarn.chaos.procs import TcpProxy
+from forewarn.chaos.proxy import TcpProxy
 from forewarn.collector.cli import ServerThread
 from forewarn.collector.config import CollectorConfig
 from forewarn.collector.http.app import create_app

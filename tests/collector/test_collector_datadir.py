@@ -19,7 +19,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from forewarn.chaos.cmdline import collector_command, write_config
 from forewarn.collector.cli import ServerThread
 from forewarn.collector.config import CollectorConfig
 from forewarn.collector.http.app import create_app
@@ -29,6 +28,7 @@ from forewarn.collector.metrics import CollectorMetrics
 from forewarn.collector.storage.staging import StagingLog
 from forewarn.collector.storage.store import MIGRATIONS, Store
 from forewarn.collector.storage.telemetry import TelemetryWriter
+from forewarn.spawn.commands import collector_command, write_config
 from forewarn.wire import AgentBatch, GpuSample, encode
 
 from support.metrics import value

@@ -15,12 +15,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from forewarn.chaos.cmdline import collector_command
 from forewarn.collector.http.auth import add_token
 from forewarn.collector.metrics import CollectorMetrics
 from forewarn.collector.storage.staging import StagingLog
 from forewarn.collector.storage.store import Store
 from forewarn.collector.storage.telemetry import TelemetryWriter
+from forewarn.spawn.commands import collector_command
 
 from support.polling import START_TIMEOUT_S, free_port, wait_for
 

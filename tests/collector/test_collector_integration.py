@@ -16,12 +16,12 @@ from prometheus_client import CollectorRegistry
 
 from forewarn.agent.config import AgentConfig
 from forewarn.agent.uplink import Uplink
-from forewarn.chaos.cmdline import agent_command
 from forewarn.collector.cli import ServerThread
 from forewarn.collector.config import CollectorConfig
 from forewarn.collector.http.app import create_app
 from forewarn.collector.http.auth import TokenRegistry
 from forewarn.collector.storage.store import Store
+from forewarn.spawn.commands import agent_command
 from forewarn.wire import CheckpointOrder, GpuSample
 
 from support.polling import wait_for

@@ -23,8 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from forewarn.chaos.cmdline import agent_command, collector_command
 from forewarn.collector.http.auth import enroll
+from forewarn.spawn.commands import agent_command, collector_command
 
 from support.paths import REPO
 from support.polling import START_TIMEOUT_S, free_port, poll, wait_for

@@ -15,12 +15,12 @@ from typing import Any
 import httpx
 import pytest
 
-from forewarn.chaos.cmdline import agent_command
 from forewarn.collector.cli import ServerThread
 from forewarn.collector.config import CollectorConfig
 from forewarn.collector.http.app import create_app
 from forewarn.collector.http.auth import TokenRegistry
 from forewarn.collector.storage.store import Store
+from forewarn.spawn.commands import agent_command
 from forewarn.wire import AgentBatch, GpuSample, encode
 
 from support.polling import START_TIMEOUT_S, free_port, poll

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from forewarn.chaos.cmdline import collector_command
+from forewarn.spawn.commands import collector_command
 
 from support.polling import free_port, poll
 

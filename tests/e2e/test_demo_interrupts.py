@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from forewarn.chaos.procs import Procs
-from forewarn.demo.interrupts import interrupts_held
+from forewarn.spawn.interrupts import interrupts_held
+from forewarn.spawn.procs import Procs
 
 from support.leftovers import wait_gone, wait_started
 

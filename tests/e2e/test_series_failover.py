@@ -12,7 +12,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from forewarn.chaos.scale_account import account_scale
+from forewarn.demo.scale_account import account_scale
 from forewarn.demo.servers import PostgresServer, VictoriaMetrics
 
 from support.bus_stack import COLLECTOR_PASSWORD, TOKENS, FedAgent, auth_block

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from forewarn.chaos.cmdline import write_config
 from forewarn.chaos.exposition import scrape
 from forewarn.collector.http.auth import hash_token
 from forewarn.demo.servers import VictoriaMetrics
+from forewarn.spawn.commands import write_config
 
 from support.bus_stack import TOKENS, FedAgent
 from support.polling import free_port, poll, wait_for

@@ -17,8 +17,8 @@ pytest.importorskip("torch")
 
 from forewarn.chaos.daemons import LabAgent, LabCollector
 from forewarn.chaos.lab import Lab
-from forewarn.chaos.procs import wait_until
 from forewarn.demo.launch import Node, TorchrunJob
+from forewarn.spawn.procs import wait_until
 
 JOB = "elastic-job"
 NODES = ("el-node-1", "el-node-2")

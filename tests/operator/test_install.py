@@ -95,7 +95,7 @@ def started(tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
 
 def _serve(started: list[subprocess.Popen[bytes]], argv: list[str], env: dict[str, str],
            url: str, log: Path) -> None:
-    from forewarn.chaos.procs import wait_http
+    from forewarn.spawn.procs import wait_http
 
     with log.open("ab") as out:
         p = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -162,7 +162,7 @@ def test_deploy_install_collector_and_agent_units_start(
         return started[-1]
 
     agent = start_agent("gpu1-off-the-bus.toml")
-    from forewarn.chaos.procs import get_json, wait_until
+    from forewarn.spawn.procs import get_json, wait_until
 
     def node_seen() -> bool:
         return any(n.get("node") == "node-1" for n in get_json(collector + "/api/v1/nodes"))

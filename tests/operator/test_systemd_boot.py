@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from forewarn.chaos.procs import wait_until
+from forewarn.spawn.procs import wait_until
 
 CACHE = Path("/var/cache/forewarn")
 ROOT = CACHE / "bookworm"

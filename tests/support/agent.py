@@ -1,6 +1,6 @@
 """A real ``forewarn agent --source sim`` subprocess on a Unix socket, for end-to-end tests
 of training ranks (tests/e2e/test_training_e2e.py, tests/hook/test_preemption.py): the
-agent of :mod:`support.stack` (its command line: :mod:`forewarn.chaos.cmdline`) as one
+agent of :mod:`support.stack` (its command line: :mod:`forewarn.spawn.commands`) as one
 object with its metrics and findings, its settings as ``FOREWARN_AGENT_*`` variables."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from forewarn.chaos.cmdline import agent_command
 from forewarn.chaos.exposition import total
-from forewarn.chaos.procs import Procs
+from forewarn.spawn.commands import agent_command
+from forewarn.spawn.procs import Procs
 
 from support.polling import START_TIMEOUT_S, free_port, wait_for
 

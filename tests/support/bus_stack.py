@@ -18,9 +18,9 @@ from forewarn import bus
 from forewarn.agent.bus import NatsUplink
 from forewarn.agent.config import AgentConfig
 from forewarn.agent.uplink import Uplink
-from forewarn.chaos.procs import stop_process
 from forewarn.collector.http.auth import hash_token
 from forewarn.collector.storage.store import Store
+from forewarn.spawn.procs import stop_process
 from forewarn.wire import GpuSample
 
 from support.metrics import value
@@ -84,17 +84,18 @@ class FedAgent:
 
     def __init__(self, tmp: Path, url: str, node: str, *, gpus: int = 4,
                  every_s: float = 0.05, uplink: str = "nats", **kw: Any) -> None:
-        where = {"collector_url": url} if uplink == "http" else {"nats_url": url}
+        http = uplink == "http"
         cfg = AgentConfig(node=node, uplink=uplink, token=TOKENS[node],
                           spool_dir=tmp / f"spool-{bus.node_token(node)}",
-                          push_interval_s=0.1, **where, **kw)
+                          push_interval_s=0.1, collector_url=url if http else "",
+                          nats_url="" if http else url, **kw)
         self.node = node
         self.gpus = gpus
         self.every_s = every_s
         self.sent = 0
         self.registry = CollectorRegistry()
         self.uplink: Uplink = Uplink(cfg, registry=self.registry, retry_s=0.1) \
-            if uplink == "http" else NatsUplink(cfg, registry=self.registry, retry_s=0.1,
+            if http else NatsUplink(cfg, registry=self.registry, retry_s=0.1,
                                                 publish_timeout_s=2.0, fetch_wait_s=0.5)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._feed, daemon=True)

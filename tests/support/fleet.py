@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from forewarn.collector.cli import ServerThread
-from forewarn.collector.storage.store import Store
+from forewarn.collector.storage.state import StateStore
 from forewarn.wire import (
     AgentBatch,
     Finding,
@@ -107,7 +107,7 @@ def push_fleet(client: httpx.Client, fleet: Fleet, tokens: dict[str, str]) -> No
 
 
 def start_fleet_collector(tmp_path: Path, fleet: Fleet
-                          ) -> tuple[ServerThread, Store, httpx.Client]:
+                          ) -> tuple[ServerThread, StateStore, httpx.Client]:
     """A collector (see :func:`support.collector.serve`) filled with ``fleet``."""
     tokens = fleet_tokens(fleet)
     server, store, client = serve(tmp_path, tokens, advise_hooks=False)

@@ -12,9 +12,9 @@ from typing import Any
 
 import httpx
 
-from forewarn.chaos.cmdline import collector_command, write_config
 from forewarn.chaos.exposition import sample
-from forewarn.chaos.procs import Procs
+from forewarn.spawn.commands import collector_command, write_config
+from forewarn.spawn.procs import Procs
 from forewarn.wire import AgentBatch, encode
 
 from support.collector import TOKENS, poll_commands

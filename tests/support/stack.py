@@ -17,7 +17,7 @@ Building blocks, used by every test that starts the product's processes:
   tests/collector/test_status_page_browser.py).
 
 The daemons' command lines and config files are the product's
-(:mod:`forewarn.chaos.cmdline`, shared with the chaos lab and the demo; tests that run
+(:mod:`forewarn.spawn.commands`, shared with the chaos lab and the demo; tests that run
 an agent themselves use its ``agent_command``). The in-process collector (no subprocess)
 is :mod:`support.collector`.
 """
@@ -40,9 +40,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from forewarn.chaos.cmdline import agent_command, collector_command, write_config
-from forewarn.chaos.procs import Procs, log_tail
 from forewarn.collector.http.auth import enroll
+from forewarn.spawn.commands import agent_command, collector_command, write_config
+from forewarn.spawn.procs import Procs, log_tail
 
 from support.polling import START_TIMEOUT_S, free_port, wait_for
 
@@ -139,7 +139,7 @@ def http_get(url: str, timeout: float = 5) -> tuple[int, bytes]:
 
 class Processes:
     """Named real processes of one test, logging to ``<tmp>/<name>.log``: the product's
-    :class:`~forewarn.chaos.procs.Procs` (each in a process group of its own), with what
+    :class:`~forewarn.spawn.procs.Procs` (each in a process group of its own), with what
     tests add. Children get the test's environment without ``FOREWARN_*`` settings and
     ``NOTIFY_SOCKET`` (a developer's or CI's own must not leak in), unbuffered; a wait
     fails as soon as any of them died; :meth:`close` stops them the last started first."""

@@ -7,10 +7,9 @@
 * :mod:`forewarn.chaos.lab`: the real processes they run against (collectors, agents on
   simulated nodes, training jobs), one module per rig (``training_rig``, ``hardware_rig``,
   ``telemetry_rig``, ``scale_lab``) built of :mod:`forewarn.chaos.daemons`, and
-  :mod:`forewarn.chaos.procs` (process groups, a cuttable TCP proxy); the daemons' command
-  lines and configs are :mod:`forewarn.chaos.cmdline`, and :mod:`forewarn.chaos.exposition`
-  reads their ``/metrics`` (the demo and the tests start and read them with the same
-  pieces);
+  :mod:`forewarn.chaos.proxy` (a cuttable TCP proxy); the processes themselves are
+  started with :mod:`forewarn.spawn` (shared with the demo and the tests), and
+  :mod:`forewarn.chaos.exposition` reads their ``/metrics``;
 * :mod:`forewarn.chaos.workload`: the training ranks, with faults injected by a control
   file;
 * :mod:`forewarn.chaos.accounting`: telemetry produced by an agent against stored by its

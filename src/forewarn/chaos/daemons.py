@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from forewarn.chaos.cmdline import agent_command, collector_command
 from forewarn.chaos.exposition import scrape
-from forewarn.chaos.procs import get_json
 from forewarn.demo.launch import free_port
+from forewarn.spawn.commands import agent_command, collector_command
+from forewarn.spawn.procs import get_json
 
 if TYPE_CHECKING:
     from forewarn.chaos.lab import Lab
@@ -22,7 +22,7 @@ __all__ = ["LabAgent", "LabCollector"]
 
 
 class _Daemon:
-    """A process of the lab's :class:`~forewarn.chaos.procs.Procs` named ``name``, with a
+    """A process of the lab's :class:`~forewarn.spawn.procs.Procs` named ``name``, with a
     folder of its own and an HTTP port on loopback (``/healthz``, ``/metrics``)."""
 
     def __init__(self, lab: Lab, name: str) -> None:

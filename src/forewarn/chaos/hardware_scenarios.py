@@ -10,11 +10,11 @@ from typing import Any
 from forewarn.chaos.hardware_rig import HW_FAULTS, HardwareRig
 from forewarn.chaos.lab import Lab
 from forewarn.chaos.outcome import Outcome
-from forewarn.chaos.procs import wait_until
 from forewarn.chaos.scenario_tools import (
     first_finding,
     rounded,
 )
+from forewarn.spawn.procs import wait_until
 
 NODE2 = HardwareRig.NODE
 

@@ -14,7 +14,6 @@ from typing import Any
 from forewarn.chaos.exposition import fetch, samples, total
 from forewarn.chaos.lab import Lab
 from forewarn.chaos.outcome import Outcome
-from forewarn.chaos.procs import wait_until
 from forewarn.chaos.scenario_tools import (
     batch_record,
     finish_telemetry,
@@ -26,6 +25,7 @@ from forewarn.chaos.scenario_tools import (
     settle,
 )
 from forewarn.chaos.telemetry_rig import TelemetryRig
+from forewarn.spawn.procs import wait_until
 
 POISONS: tuple[tuple[str, str, Any], ...] = (
     ("+Inf power", "power_w", float("inf")),

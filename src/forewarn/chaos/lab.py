@@ -17,7 +17,7 @@ Three rigs:
   hook-only single-rank job on each GPU. The faults are on different GPUs and different
   jobs: independent, and all play out together within ``hw_window_s``.
 * :class:`TelemetryRig`: a collector and an agent of their own, per scenario, with the
-  agent's uplink going through a :class:`~forewarn.chaos.procs.TcpProxy`; kills and cuts
+  agent's uplink going through a :class:`~forewarn.chaos.proxy.TcpProxy`; kills and cuts
   here touch nothing else. :class:`BusRig` is the same over a nats-server of its own.
 
 Each rig is its own module (:mod:`~forewarn.chaos.training_rig`,
@@ -36,11 +36,12 @@ from typing import Any
 
 from forewarn.chaos.daemons import LabCollector
 from forewarn.chaos.hardware_rig import HW_FAULTS, HardwareRig
-from forewarn.chaos.procs import Procs, TcpProxy
+from forewarn.chaos.proxy import TcpProxy
 from forewarn.chaos.telemetry_rig import BusRig, TelemetryRig
 from forewarn.chaos.training_rig import TRAIN_JOB, TrainingRig
 from forewarn.demo import servers
 from forewarn.demo.launch import TorchrunJob
+from forewarn.spawn.procs import Procs
 
 __all__ = ["HW_FAULTS", "TRAIN_JOB", "BusRig", "HardwareRig", "Lab", "Options", "TelemetryRig",
            "TrainingRig"]

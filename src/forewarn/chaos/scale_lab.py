@@ -15,14 +15,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from forewarn.chaos.cmdline import collector_command
 from forewarn.chaos.daemons import LabAgent
 from forewarn.chaos.exposition import scrape
 from forewarn.chaos.lab import Lab
-from forewarn.chaos.procs import get_json, leader_role, one_leader, wait_http, wait_until
-from forewarn.chaos.scale_account import ScaleAccount, account_scale
 from forewarn.demo import servers
 from forewarn.demo.launch import free_port
+from forewarn.demo.scale_account import ScaleAccount, account_scale
+from forewarn.spawn.commands import collector_command
+from forewarn.spawn.procs import get_json, leader_role, one_leader, wait_http, wait_until
 
 __all__ = ["ScaleRig", "scale_rig"]
 

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forewarn.chaos.outcome import Outcome, Scenario
-from forewarn.chaos.procs import get_json, readyz, wait_until
 from forewarn.chaos.scale_lab import NODES, ScaleRig, scale_rig
 from forewarn.demo import servers
 from forewarn.demo.launch import python_module
+from forewarn.spawn.procs import get_json, readyz, wait_until
 
 if TYPE_CHECKING:
     from forewarn.chaos.lab import Lab

@@ -12,8 +12,8 @@ from typing import Any
 from forewarn.chaos.accounting import Account, account
 from forewarn.chaos.lab import Lab
 from forewarn.chaos.outcome import Outcome
-from forewarn.chaos.procs import wait_until
 from forewarn.chaos.telemetry_rig import TelemetryRig
+from forewarn.spawn.procs import wait_until
 
 
 def rounded(x: float | None, nd: int = 2) -> float | None:

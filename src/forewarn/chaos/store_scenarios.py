@@ -10,7 +10,6 @@ from typing import Any
 
 from forewarn.chaos.lab import Lab
 from forewarn.chaos.outcome import Outcome
-from forewarn.chaos.procs import readyz, wait_until
 from forewarn.chaos.scenario_tools import (
     finish_telemetry,
     more_batches,
@@ -19,6 +18,7 @@ from forewarn.chaos.scenario_tools import (
     settle,
 )
 from forewarn.chaos.telemetry_rig import TelemetryRig
+from forewarn.spawn.procs import readyz, wait_until
 
 _ROW = ["agent_id", "seq", "gpu", "time"]
 

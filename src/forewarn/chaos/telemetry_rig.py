@@ -9,8 +9,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from forewarn.chaos.daemons import LabAgent, LabCollector
-from forewarn.chaos.procs import TcpProxy, wait_until
+from forewarn.chaos.proxy import TcpProxy
 from forewarn.demo import servers
+from forewarn.spawn.procs import wait_until
 
 if TYPE_CHECKING:
     from forewarn.chaos.lab import Lab

@@ -12,7 +12,6 @@ from pathlib import Path
 
 from forewarn.chaos.lab import Lab
 from forewarn.chaos.outcome import Outcome
-from forewarn.chaos.procs import wait_until
 from forewarn.chaos.scenario_tools import (
     finish_telemetry,
     more_batches,
@@ -20,6 +19,7 @@ from forewarn.chaos.scenario_tools import (
     settle,
 )
 from forewarn.chaos.telemetry_rig import TelemetryRig
+from forewarn.spawn.procs import wait_until
 
 
 def agent_restart(lab: Lab, out: Outcome) -> None:

@@ -11,8 +11,8 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from forewarn.chaos.daemons import LabAgent
-from forewarn.chaos.procs import wait_until
 from forewarn.demo.launch import Node, TorchrunJob
+from forewarn.spawn.procs import wait_until
 
 if TYPE_CHECKING:
     from forewarn.chaos.lab import Lab

@@ -10,12 +10,12 @@ from typing import Any
 
 from forewarn.chaos.lab import Lab
 from forewarn.chaos.outcome import Outcome
-from forewarn.chaos.procs import wait_until
 from forewarn.chaos.scenario_tools import (
     first_finding,
     rounded,
 )
 from forewarn.chaos.training_rig import TRAIN_JOB, TrainingRig
+from forewarn.spawn.procs import wait_until
 
 NODE1 = "chaos-node-1"
 

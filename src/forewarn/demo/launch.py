@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
-from forewarn.demo.interrupts import interrupts_held
+from forewarn.spawn.interrupts import interrupts_held
 
 __all__ = ["TORCHRUN_ENV", "Node", "TorchrunJob", "free_port", "python_module"]
 

@@ -17,11 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from forewarn.chaos.cmdline import agent_command, collector_command
-from forewarn.chaos.procs import Procs, get_json
-from forewarn.demo.interrupts import interrupts_held
 from forewarn.demo.launch import Node, TorchrunJob, free_port
 from forewarn.demo.report import DemoResult, summary_lines
+from forewarn.spawn.commands import agent_command, collector_command
+from forewarn.spawn.interrupts import interrupts_held
+from forewarn.spawn.procs import Procs, get_json
 
 __all__ = ["Demo", "DemoResult", "run_demo", "summary_lines"]
 

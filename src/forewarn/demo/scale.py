@@ -13,13 +13,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from forewarn.chaos.cmdline import collector_command
-from forewarn.chaos.procs import get_json, leader_role, one_leader, wait_http, wait_until
-from forewarn.chaos.scale_account import ScaleAccount, account_scale
 from forewarn.demo import servers
-from forewarn.demo.interrupts import interrupts_held
 from forewarn.demo.launch import free_port
 from forewarn.demo.run import NODES, Demo, DemoResult, Stack, run_demo, summary_lines
+from forewarn.demo.scale_account import ScaleAccount, account_scale
+from forewarn.spawn.commands import collector_command
+from forewarn.spawn.interrupts import interrupts_held
+from forewarn.spawn.procs import get_json, leader_role, one_leader, wait_http, wait_until
 
 __all__ = ["ScaleResult", "preflight", "run_scale_demo", "scale_summary_lines"]
 

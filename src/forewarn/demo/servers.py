@@ -28,9 +28,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from forewarn.chaos.procs import log_tail, wait_http, wait_ready
 from forewarn.demo.launch import free_port
 from forewarn.errors import UnavailableError
+from forewarn.spawn.procs import log_tail, wait_http, wait_ready
 
 __all__ = ["MissingServer", "NatsServer", "PostgresServer", "VictoriaMetrics", "find_binary",
            "find_postgres_bin", "nats_cluster", "scale_out_missing",
@@ -260,6 +260,11 @@ class PostgresServer:
     def restart(self) -> None:
         """A real ``pg_ctl restart -m fast``: every session is cut."""
         self._ctl("restart")
+
+    def halt(self) -> None:
+        """``pg_ctl stop -m fast``, keeping the data: every session is cut, and the
+        server stays down until :meth:`start`."""
+        self._ctl("stop")
 
     def pid(self) -> int:
         """The postmaster's process id."""

@@ -1,7 +1,7 @@
 """The command lines of forewarn's own daemons and their flat TOML configs, as the chaos
 lab (:mod:`forewarn.chaos.daemons`), the demo (:mod:`forewarn.demo.run`) and the tests
 start them: one place that knows how ``forewarn collector`` and ``forewarn agent`` are
-invoked. Starting and stopping the processes is :class:`forewarn.chaos.procs.Procs`."""
+invoked. Starting and stopping the processes is :class:`forewarn.spawn.procs.Procs`."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from forewarn.chaos.procs import wait_until
+from forewarn.spawn.procs import wait_until
 
 __all__ = ["ScaleAccount", "account_scale"]
 
