@@ -98,7 +98,9 @@ class CollectorMetrics:
                                       registry=r)
         self.long_polls = Gauge(P + "long_polls", "Command long polls held open.", registry=r)
         self.staged = Gauge(P + "telemetry_staged_samples",
-                            "Samples stored in SQLite staging, not yet in Parquet.", registry=r)
+                            "Samples staged in the state store, not yet in Parquet"
+                            " (counted at ingest, read from the store at each flush).",
+                            registry=r)
         self.telemetry_rows = Counter(P + "telemetry_rows", "Rows written to Parquet.",
                                       registry=r)
         self.flush_seconds = Histogram(P + "telemetry_flush_seconds",

@@ -186,8 +186,9 @@ def _command_log(ctx: CollectorContext, request: Request) -> Any:
 
 
 async def metrics_endpoint(request: Request) -> Response:
+    """The exposition of what the collector already knows: never a store query, so a
+    scrape answers while the database is down (when an operator needs it most)."""
     ctx = ctx_of(request)
-    ctx.metrics.staged.set(await asyncio.to_thread(ctx.telemetry.staged_samples))
     return Response(ctx.metrics.exposition(),
                     media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -393,6 +393,8 @@ class IngestWriter:
                    ignored: dict[int, dict[str, int]], started: float) -> None:
         """After the commit: metrics, the futures, the hooks."""
         self.metrics.commit_seconds.observe(time.perf_counter() - started)
+        if staged:  # the flush sets the gauge from the store again (all replicas' rows)
+            self.metrics.staged.inc(sum(len(samples) for *_, samples in staged))
         if staged and self.on_staged is not None:
             self.on_staged(staged)  # committed: the flush may use the decoded samples
         self.metrics.group_size.observe(len(group))

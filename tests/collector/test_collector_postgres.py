@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from forewarn.agent.config import AgentConfig
 from forewarn.agent.uplink import Uplink
+from forewarn.chaos.exposition import sample
 from forewarn.collector.storage.leader import POLICY_LOCK
 from forewarn.collector.storage.postgres import PostgresStore, migrations
 from forewarn.collector.storage.store import StoreError
@@ -232,3 +233,28 @@ def test_an_order_reaches_an_agent_polling_another_replica_at_once(
     assert [c["kind"] for c in got[0]] == ["checkpoint"]
     assert took < 3.0, f"the follower's long poll answered {took:.1f} s after the finding"
     print(f"cross-replica order: answered {took:.2f} s after the finding")
+
+
+@pytest.mark.timeout(180)
+def test_metrics_answer_while_postgresql_is_down(
+        tmp_path: Path, postgres_server: PostgresServer) -> None:
+    """A scrape is when an operator needs the collector's figures most, and /metrics read
+    the staged-sample count from PostgreSQL on every scrape: with the server down, the
+    scrape waited for the connection pool (30 s) past Prometheus's timeout (10 s by
+    default). It renders what the collector already knows, staged samples included."""
+    server = PostgresServer(postgres_server.bin)  # its own: this test stops it
+    replica = Replica(tmp_path, "a", server.database(), write_tokens(tmp_path / "tokens.toml"),
+                      flush_interval_s=3600.0).start()  # nothing flushes: samples stay staged
+    try:
+        t = time.time()
+        assert replica.push("node1", samples=[
+            GpuSample(node="node1", gpu=g, time=t, source="sim", simulated=True,
+                      temperature_c=50.0) for g in range(4)]).status_code == 200
+        staged = "forewarn_collector_telemetry_staged_samples"
+        wait_for(lambda: replica.metric(staged) == 4, what="4 staged samples")
+        server.halt()
+        text = replica.client.get("/metrics", timeout=10).text  # Prometheus's default
+        assert sample(text, staged) == 4
+    finally:
+        replica.stop()
+        server.stop()
