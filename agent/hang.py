@@ -83,7 +83,10 @@ class HangTerminator:
         for job in sorted(hung_jobs):
             views = [v for v in self.table.job_views(job) if self.table.alive(v, now)]
             episode = frozenset(v.os_pid for v in views)
-            if not views or self._handled.get(job) == episode:
+            handled = self._handled.get(job)
+            # ranks that ended since (on the SIGTERM) leave the same episode: only a new
+            # process (a restart) makes a new one
+            if not views or (handled is not None and episode <= handled):
                 continue
             self._handled[job] = episode
             self.confirmed_total[job] += 1

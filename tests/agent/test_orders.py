@@ -487,6 +487,30 @@ def test_terminate_confirmed_hang_with_sigterm_then_sigkill() -> None:
         term.close()
 
 
+def test_a_rank_that_ends_on_sigterm_leaves_its_stuck_peer_one_signal() -> None:
+    """CI at 64a6e2f: the polite rank exited on SIGTERM, the stuck one stayed hung, and the
+    next confirmation saw ranks {stuck} where it had handled {polite, stuck}: "a new
+    episode", a second SIGTERM. A rank leaving is the same episode; a new pid is a new one."""
+    now = time.time()
+    table = RankTable()
+    polite, stubborn = spawn(), spawn(ignore_term=True)
+    term = HangTerminator(table, action="terminate", grace_s=5.0, monotonic=Clock(0.0))
+    try:
+        admit_real(table, "j", 0, polite.pid, now)
+        admit_real(table, "j", 1, stubborn.pid, now)
+        for _ in range(2):
+            term.on_findings([hang("j", 0), hang("j", 1)], now)
+        assert polite.wait(timeout=30) == -signal.SIGTERM
+        for _ in range(3):  # the stuck rank is still hung, poll after poll
+            assert term.on_findings([hang("j", 1)], now) == []
+        assert term.signals_total[("j", "SIGTERM")] == 2
+    finally:
+        for p in (polite, stubborn):
+            p.kill()
+            p.wait()
+        term.close()
+
+
 def test_shadow_and_unverified_pids_are_not_signalled() -> None:
     now = time.time()
     p = spawn()
