@@ -125,7 +125,9 @@ def test_alert_orders_checkpoint_on_every_node_of_the_job(svc: Service) -> None:
     # stored by the alert book's next flush (within half a second), off the request path
     findings = poll(lambda: svc.client.get("/api/v1/findings").json(), 10)
     assert [f["check_name"] for f in findings] == ["alert:GpuXid79"]
-    actions = svc.client.get("/api/v1/actions", params={"kind": "checkpoint"}).json()
+    # recorded just after the order's commands are queued (CI at 64a6e2f read it before)
+    actions = poll(lambda: svc.client.get("/api/v1/actions",
+                                          params={"kind": "checkpoint"}).json(), 10)
     assert [a["status"] for a in actions] == ["ordered"]
 
     # a rank that had passed S reports "missed": a new order with a later S goes out
