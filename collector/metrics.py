@@ -35,6 +35,14 @@ Names (all prefixed ``forewarn_collector_``):
 * ``policy_errors_total``: exceptions raised by the policy hook (counted, never fatal);
   ``policy_backlog_batches`` and ``policy_skipped_batches_total`` (sample-only batches
   not handed to a policy that fell behind).
+* ``urgent_seconds{stage}``: where an urgent batch (a finding, a checkpoint report) spends
+  its time from the writer's queue to the policy's decision, per stage in order: ``feed``
+  (shared state: the leader's ``decide-urgent`` consumer took it → handed to the policy
+  thread, waiting for its ingest), ``queued`` (handed to the writer → its group's
+  transaction began), ``commit`` (that transaction, with its fsync), ``policy_wait``
+  (stored → the policy thread began it), ``observe`` (the policy's ``on_batches``:
+  the batch's samples and reports), ``decide`` (its ``on_findings``: the decision, its
+  commands queued included).
 
 The policy and actions modules add their own metrics to :attr:`CollectorMetrics.registry`,
 a :class:`~forewarn.labels.BoundedLabelsRegistry`: label values that come from outside (job
@@ -155,6 +163,11 @@ class CollectorMetrics:
         self.policy_skipped = Counter(
             P + "policy_skipped_batches",
             "Sample-only batches not handed to a policy that fell behind.", registry=r)
+        self.urgent_seconds = Histogram(
+            P + "urgent_seconds", "Seconds an urgent batch spent in each stage on its way"
+            " to a decision: feed, queued, commit, policy_wait, observe, decide.", ["stage"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=r)
 
     def exposition(self) -> bytes:
         """The registry in the Prometheus text format."""

@@ -56,8 +56,8 @@ from .validate import (
     count_refusals,
 )
 
-__all__ = ["IngestResult", "IngestWriter", "accept_batch", "finding_rows_json",
-           "store_findings"]
+__all__ = ["POLICY_PART", "IngestResult", "IngestWriter", "accept_batch",
+           "finding_rows_json", "store_findings"]
 
 log = logging.getLogger(__name__)
 
@@ -178,18 +178,24 @@ def _write_batch(conn: Transaction, batch: AgentBatch, body: bytes, received: fl
     return True, staged_id
 
 
+POLICY_PART = 32
+"""Stored batches handed to the policy in one call at most (the policy thread runs urgent
+work between calls, so a fatal finding waits for one part of telemetry, not a whole
+group commit's 256 batches)."""
+
 QUARANTINE_MAX_BATCHES = 1000
 """Poison batches kept in the quarantine folder; past this they are refused, not kept."""
 
 
 class _Item:
-    __slots__ = ("address", "batch", "body", "future", "received")
+    __slots__ = ("address", "batch", "body", "future", "queued_at", "received")
 
     def __init__(self, batch: AgentBatch, body: bytes, received: float, address: str) -> None:
         self.batch = batch
         self.body = body
         self.received = received
         self.address = address
+        self.queued_at = time.perf_counter()  # for urgent_seconds{stage="queued"}
         self.future: concurrent.futures.Future[IngestResult] = concurrent.futures.Future()
 
 
@@ -392,7 +398,8 @@ class IngestWriter:
                    staged: list[tuple[int, str, int, list[GpuSample]]],
                    ignored: dict[int, dict[str, int]], started: float) -> None:
         """After the commit: metrics, the futures, the hooks."""
-        self.metrics.commit_seconds.observe(time.perf_counter() - started)
+        committed = time.perf_counter()
+        self.metrics.commit_seconds.observe(committed - started)
         if staged and self.on_staged is not None:
             self.on_staged(staged)  # committed: the flush may use the decoded samples
         self.metrics.group_size.observe(len(group))
@@ -413,6 +420,10 @@ class IngestWriter:
                 self.metrics.lag.observe(max(0.0, item.received - b.created))
                 for f in b.findings:
                     self.metrics.findings.labels(f.health.value, "agent").inc()
+                if b.urgent:
+                    stage = self.metrics.urgent_seconds
+                    stage.labels("queued").observe(started - item.queued_at)
+                    stage.labels("commit").observe(committed - started)
             item.future.set_result(result)
         if stored_batches and self.on_stored is not None:
             try:
