@@ -17,7 +17,9 @@ Names (all prefixed ``forewarn_collector_``):
 * ``ingest_samples_total``, ``ingest_bytes_total``, ``ingest_xids_total``.
 * ``ingest_lag_seconds``: histogram of receive time minus the batch's ``created`` time
   (a replayed spool shows up here as large lag).
-* ``ingest_commit_seconds`` / ``ingest_group_size``: the group commit.
+* ``ingest_commit_seconds`` / ``ingest_group_size``: the group commit;
+  ``ingest_commits_cut_total``: group commits ended early at a batch boundary to let an
+  urgent batch or a waiting transaction in.
 * ``findings_total{health,origin}``, ``commands_total{kind,event}`` (``queued``,
   ``delivered``, ``acked``, ``failed``), ``commands_pending``, ``long_polls``.
 * ``telemetry_staged_samples``, ``telemetry_rows_total``, ``telemetry_flush_seconds``,
@@ -95,6 +97,10 @@ class CollectorMetrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
             registry=r,
         )
+        self.commits_cut = Counter(
+            P + "ingest_commits_cut", "Group commits ended early to let an urgent batch or"
+            " a waiting transaction in (the rest of the group is committed next).",
+            registry=r)
         self.group_size = Histogram(
             P + "ingest_group_size", "Batches per group commit.",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r,

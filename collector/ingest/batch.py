@@ -334,7 +334,27 @@ class IngestWriter:
                     item.future.set_exception(
                         IngestError(503, "store", f"store unavailable: {exc}"))
             return
-        self._committed(group, results, staged, ignored, started)
+        if len(results) < len(group):  # cut short (:meth:`_make_way`): the rest next
+            self.metrics.commits_cut.inc()
+            self._requeue(group[len(results):])
+        self._committed(group[:len(results)], results, staged, ignored, started)
+
+    def _make_way(self, item: _Item) -> bool:
+        """Whether to commit the batches written so far before ``item``: an urgent batch
+        waits behind telemetry, or another transaction waits for the write lock (a
+        decision's record and commands, the bus publisher's take). Either then waits for
+        one batch, not for a group of up to ``group_max``; under plain load nothing waits
+        and the group stays one commit."""
+        return (not item.batch.urgent and bool(self._urgent)) or \
+            self.store.write_waiters() > 0
+
+    def _requeue(self, items: list[_Item]) -> None:
+        """Put ``items`` back at the head of their queues, in their order. (Their bodies go
+        to the staging log again with their next group: bytes no row points at are never
+        read.)"""
+        with self._cond:
+            for item in reversed(items):
+                (self._urgent if item.batch.urgent else self._queue).appendleft(item)
 
     def _write_retrying(self, group: list[_Item], refs: dict[int, tuple[int, int, int]]
                         ) -> tuple[list[IngestResult], list[tuple[int, str, int, list[GpuSample]]],
@@ -360,13 +380,17 @@ class IngestWriter:
     def _write(self, group: list[_Item], refs: dict[int, tuple[int, int, int]]
                ) -> tuple[list[IngestResult], list[tuple[int, str, int, list[GpuSample]]],
                           dict[int, dict[str, int]]]:
-        """One transaction for the group; per batch: its result (a placeholder for one
-        refused, whose future is then done), its staged row, what was ignored of it."""
+        """One transaction for the group, or for the part of it written before
+        :meth:`_make_way` said to stop; per batch of that part: its result (a placeholder
+        for one refused, whose future is then done), its staged row, what was ignored
+        of it."""
         results: list[IngestResult] = []
         staged: list[tuple[int, str, int, list[GpuSample]]] = []
         ignored: dict[int, dict[str, int]] = {}  # records not applied, by reason
         with self.store.write() as conn:
             for index, item in enumerate(group):
+                if index and self._make_way(item):
+                    break
                 if item.future.done():  # refused in an attempt cut short: answered
                     results.append(IngestResult.DUPLICATE)
                     continue
