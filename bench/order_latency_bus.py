@@ -212,6 +212,8 @@ class Trial(msgspec.Struct):
 
 
 URGENT = "forewarn_collector_urgent_seconds"
+GROUP = "forewarn_collector_ingest_group_size"
+CUT = "forewarn_collector_ingest_commits_cut"
 
 
 class Stages:
@@ -220,12 +222,25 @@ class Stages:
     def __init__(self, url: str) -> None:
         self.url = url
 
-    def read(self) -> dict[str, tuple[float, float]] | None:
-        """stage -> (sum, count); None when the collector has no such metric."""
+    def families(self) -> dict[str, Any]:
         with urllib.request.urlopen(self.url, timeout=30) as r:
             text = r.read().decode()
+        return {fam.name: fam for fam in text_string_to_metric_families(text)}
+
+    def commits(self) -> dict[str, float]:
+        """The collector's group commits so far, and those cut short (where counted)."""
+        fams = self.families()
+        out = {"group_commits": sum(s.value for s in fams[GROUP].samples
+                                    if s.name == GROUP + "_count")}
+        if CUT in fams:
+            out["commits_cut"] = sum(s.value for s in fams[CUT].samples
+                                     if s.name == CUT + "_total")
+        return out
+
+    def read(self) -> dict[str, tuple[float, float]] | None:
+        """stage -> (sum, count); None when the collector has no such metric."""
         out: dict[str, list[float]] = {}
-        families = {fam.name: fam for fam in text_string_to_metric_families(text)}
+        families = self.families()
         if URGENT not in families:
             return None
         for s in families[URGENT].samples:
@@ -245,7 +260,7 @@ class Stages:
             if now is None or now.get("decide", (0, 0))[1] >= decided or \
                     time.monotonic() > deadline:
                 return now
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.1)  # a scrape costs the collector ~10 ms
 
 
 def split_summary(splits: list[dict[str, float]]) -> dict[str, dict[str, float]]:
@@ -365,6 +380,7 @@ async def drive(url: str, procs: dict[str, int], args: argparse.Namespace,
         await asyncio.sleep(args.warmup)
         acked0, seq0, cpu0, t0 = (await backlog(js))[0], await stream_seq(js), cpu(), \
             time.perf_counter()
+        commits0 = await asyncio.to_thread(meter.commits)
         backlogs = []
         results: list[Trial] = []
         print("trials start", file=sys.stderr, flush=True)
@@ -376,6 +392,7 @@ async def drive(url: str, procs: dict[str, int], args: argparse.Namespace,
             await asyncio.sleep(args.gap)
         acked1, seq1, t1, cpu1 = (await backlog(js))[0], await stream_seq(js), \
             time.perf_counter(), cpu()
+        commits1 = await asyncio.to_thread(meter.commits)
     finally:
         late = stop_publishers(publishers)
     load.stop.set()
@@ -399,6 +416,7 @@ async def drive(url: str, procs: dict[str, int], args: argparse.Namespace,
         "batch_bytes": load.bytes / max(1, load.published),
         **{f"{k}_cpu_pct": 100 * (cpu1[k] - cpu0[k]) / secs for k in cpu1},
         "load_average": os.getloadavg()[0],
+        **{f"{k}_per_s": (commits1[k] - commits0[k]) / secs for k in commits1},
         **split_summary([r.split for r in results]),
         "trials_detail": results,
     }

@@ -4,7 +4,9 @@ the body (:func:`accept_batch` is the one path of HTTP and the NATS bus).
 :class:`IngestWriter` owns a thread that takes queued batches (urgent ones first, each kind
 in order), writes up to ``group_commit_max`` of them in ONE SQLite transaction (one fsync
 for the group) and only then answers each request: a batch is acknowledged only once it
-is durable.
+is durable. Urgent batches form groups of their own, and a telemetry group is committed
+early, at a batch boundary, when an urgent batch or another transaction waits
+(:meth:`IngestWriter._make_way`), so a finding waits for one batch's write, not a group's.
 ``(agent_id, seq)`` is the primary key of ``batches``: a batch seen before is answered
 ``duplicate`` and stores nothing, so an agent that never got its answer simply sends the
 batch again.
@@ -277,8 +279,11 @@ class IngestWriter:
                     self._cond.wait()
                 if not self.queued and self._stopping:
                     return
-                group = [(self._urgent or self._queue).popleft()
-                         for _ in range(min(self.group_max, self.queued))]
+                # Urgent batches in a group of their own: they are answered (and go to
+                # the policy) once their small commit is durable, not after the telemetry
+                # queued behind them.
+                lane = self._urgent or self._queue
+                group = [lane.popleft() for _ in range(min(self.group_max, len(lane)))]
             self._commit(group)
 
     def _refuse(self, item: _Item, exc: Exception) -> IngestError:

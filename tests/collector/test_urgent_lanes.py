@@ -120,3 +120,26 @@ def test_an_urgent_batch_stored_while_the_policy_works_on_a_telemetry_group_wait
     assert policy.calls[first + 1] == ("decided", 1), policy.calls
     assert sum(n for kind, n in policy.calls if kind == "telemetry") == len(group)
     assert before <= POLICY_PART, f"the urgent batch waited for {before} telemetry batches"
+
+
+def test_urgent_batches_are_committed_in_a_group_of_their_own(tmp_path: Path) -> None:
+    """An urgent batch is handed to the policy once its own small commit is durable, not
+    after the telemetry queued behind it was written in the same group commit."""
+    calls: list[list[int]] = []
+    store = Store(tmp_path / "collector.db")
+    writer = IngestWriter(store, CollectorMetrics(),
+                          on_stored=lambda batches, _a: calls.append([b.seq for b in batches]))
+    now = time.time()
+    batches = [AgentBatch(node="n1", agent_id="a1", seq=seq, created=now, urgent=seq == 3,
+                          findings=[finding(Health.UNHEALTHY)] if seq == 3 else [])
+               for seq in range(64)]
+    try:
+        futures = [writer.submit(b, encode(b)) for b in batches]  # queued: not started
+        writer.start()
+        for f in futures:
+            f.result(30)
+    finally:
+        writer.stop()
+        store.close()
+    assert calls[0] == [3], calls
+    assert [s for c in calls[1:] for s in c] == [s for s in range(64) if s != 3]
