@@ -21,7 +21,10 @@ when it stays flat), the collector's, nats-server's and the generator's CPU, and
 where the time went from the collector's own records (``stages``: seconds after the
 finding until the urgent batch was handed to the writer, the order's rows were queued
 first and last, and last taken by the bus publisher; the rest is nats-server and the
-bench's pull).
+bench's pull), and the collector's own split of the batch's way to the decision
+(``split``: ``forewarn_collector_urgent_seconds{stage}`` read from ``/metrics`` before and
+after each trial; ``split_p50``/``split_max`` over the trials; empty for a collector
+without that metric), with its group commits and those cut short per second.
 
 The generator is split so that it does not measure itself: ``--publishers`` processes
 (this script with ``--publish``) publish the telemetry of the nodes outside the jobs, each
