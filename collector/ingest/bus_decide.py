@@ -192,7 +192,9 @@ class DecideFeed:
         log.warning("bus decide: no longer the leader; %d batch(es) of %s handed back",
                     len(held), self.lane.name)
 
-    async def _take(self, sub: JetStreamContext.PullSubscription) -> None:
+    async def _fetch(self, sub: JetStreamContext.PullSubscription) -> float:
+        """Pull what is there: the batches ingest would store join those held, the others
+        are counted ``refused`` and acknowledged. Returns when (``time.monotonic``)."""
         try:
             msgs = await sub.fetch(self.config.bus_fetch_max,
                                    timeout=RECHECK_S if self._held else 1.0)
@@ -207,6 +209,10 @@ class DecideFeed:
                 await msg.ack()
             else:
                 self._held.append(_Held(msg, batch, now + self.give_up_s, now))
+        return now
+
+    async def _take(self, sub: JetStreamContext.PullSubscription) -> None:
+        now = await self._fetch(sub)
         if not self._held:
             return
         stored = await asyncio.to_thread(self._stored, [h.batch for h in self._held])
@@ -236,10 +242,7 @@ class DecideFeed:
         # before the end of the part it is running (a fetched group is up to 256 batches).
         for i in range(0, len(batches), POLICY_PART):
             part = batches[i:i + POLICY_PART]
-            if self._stages is not None:
-                for b in part:
-                    self._stages.labels("feed").observe(
-                        time.perf_counter() - fetched[(b.agent_id, b.seq)])
+            self._observe_feed(part, fetched)
             await self.deliver(part, self.lane.urgent)
             if not leads_in(self.leader, self._term):
                 # The lease was lost before the policy took this part (it skips it then),
@@ -251,6 +254,14 @@ class DecideFeed:
             self._remember(part)
         for h in ready:
             await h.msg.ack()
+
+    def _observe_feed(self, part: list[AgentBatch], fetched: dict[tuple[str, int], float]
+                      ) -> None:
+        """``urgent_seconds{stage="feed"}``: fetched → handed to the policy thread."""
+        if self._stages is not None:
+            for b in part:
+                self._stages.labels("feed").observe(
+                    time.perf_counter() - fetched[(b.agent_id, b.seq)])
 
     def _check(self, msg: Msg) -> AgentBatch | None:
         """The batch as ingest checks it (``None`` when ingest refuses it whole)."""
