@@ -26,8 +26,9 @@ collectors' durable pull consumers, then runs its tasks on the app's event loop:
   them to another after ``bus_ack_wait_s``.
 * **Commands.** When a command is queued (:attr:`CommandQueue.on_enqueue`) and every
   ``command_redeliver_s`` for commands still due, commands of nodes on the bus are
-  taken from the queue (marked delivered) and published to ``forewarn.cmd.<node>`` with
-  ``Nats-Msg-Id`` = the command id, so a republish is dropped by JetStream. A node is on
+  taken from the queue (marked delivered) and published together to
+  ``forewarn.cmd.<node>`` with ``Nats-Msg-Id`` = the command id, so a republish is
+  dropped by JetStream. A node is on
   the bus when its batches reached this replica over NATS or, in the shared state, its
   last batch came over NATS (whichever replica stored it): so a command whose publish
   was in doubt when its replica died is published again by the next. Nodes whose
