@@ -70,7 +70,7 @@ from nats.js.api import (
 
 from forewarn import bus
 from forewarn.errors import UnavailableError
-from forewarn.wire import AgentBatch, CommandAck, WireError, decode_json, encode_json
+from forewarn.wire import AgentBatch, Command, CommandAck, WireError, decode_json, encode_json
 
 from ..config import CollectorConfig, bus_password
 from ..metrics import CollectorMetrics
@@ -404,15 +404,11 @@ class BusConsumer:
                 # its job), then published.
                 taken = await asyncio.to_thread(self.commands.take_many,
                                                 (wanted | due) & self.nodes)
-                # Together: each publish waits for its own acknowledgement, not for the
-                # one before it (a decision's 8 nodes took 8 round trips). A failed publish
-                # leaves its command delivered-but-unacknowledged: the queue makes it due
-                # again after command_redeliver_s.
+                # The nodes together (a decision's 8 nodes took 8 round trips), each node's
+                # commands in their order (an agent applies them as they come).
                 results = await asyncio.gather(*(
-                    js.publish(bus.subject(bus.COMMAND_PREFIX, node), encode_json(command),
-                               headers={"Nats-Msg-Id": command.id})
-                    for node, commands in sorted(taken.items()) for command in commands),
-                    return_exceptions=True)
+                    _publish_in_order(js, node, commands)
+                    for node, commands in sorted(taken.items())), return_exceptions=True)
                 failed = [r for r in results if isinstance(r, BaseException)]
                 if failed:
                     raise failed[0]
@@ -458,6 +454,16 @@ class BusConsumer:
             if state == "unknown":
                 log.warning("bus: node %s answered unknown command %r", node, ack.id)
             await msg.ack()
+
+
+async def _publish_in_order(js: JetStreamContext, node: str, commands: list[Command]) -> None:
+    """``node``'s commands one after the other, each once JetStream acknowledged the one
+    before. A failed publish leaves its command (and the node's next ones)
+    delivered-but-unacknowledged: the queue makes them due again after
+    ``command_redeliver_s``."""
+    for command in commands:
+        await js.publish(bus.subject(bus.COMMAND_PREFIX, node), encode_json(command),
+                         headers={"Nats-Msg-Id": command.id})
 
 
 async def _cancel(task: asyncio.Task[None]) -> None:

@@ -84,9 +84,10 @@ class AnswerHold:
 def test_a_decisions_commands_are_all_published_before_any_acknowledgement_returns(
         tmp_path: Path, nats_server: NatsServer) -> None:
     """With the server's answers held, every node's command of one decision still goes out:
-    the publisher does not wait for the first command's acknowledgement to send the
-    second. (Its per-command handling is unchanged: one not acknowledged stays delivered
-    and falls due again.)"""
+    the publisher does not wait for the first node's acknowledgement to send the second
+    node's. A node's own commands stay in their order: its second (``r2``) waits for the
+    first's acknowledgement. (Per command nothing changed: one not acknowledged stays
+    delivered and falls due again.)"""
     store = Store(tmp_path / "collector.db")
     metrics = CollectorMetrics()
     queue = CommandQueue(store, metrics)
@@ -103,8 +104,10 @@ def test_a_decisions_commands_are_all_published_before_any_acknowledgement_retur
             consumer.nodes.update(NODES)  # their batches came over the bus
             proxy.flowing.clear()
             before = proxy.command_publishes
-            order = CheckpointOrder(request_id="r1", job="job1", step=10, issued=time.time())
-            await asyncio.to_thread(queue.order_checkpoint, NODES, order)
+            for request_id, nodes in (("r1", NODES), ("r2", NODES[:1])):
+                order = CheckpointOrder(request_id=request_id, job="job1", step=10,
+                                        issued=time.time())
+                await asyncio.to_thread(queue.order_checkpoint, nodes, order)
             # Less than the JetStream publish timeout (10 s): one publish waiting for its
             # acknowledgement is still waiting when this ends.
             deadline = time.monotonic() + 5.0
@@ -121,4 +124,4 @@ def test_a_decisions_commands_are_all_published_before_any_acknowledgement_retur
         asyncio.run(scenario())
     finally:
         store.close()
-    assert sent == [len(NODES)], f"{sent} of {len(NODES)} commands sent before any answer"
+    assert sent == [len(NODES)], f"{sent} commands sent before any answer (one per node)"
