@@ -21,7 +21,10 @@ when it stays flat), the collector's, nats-server's and the generator's CPU, and
 where the time went from the collector's own records (``stages``: seconds after the
 finding until the urgent batch was handed to the writer, the order's rows were queued
 first and last, and last taken by the bus publisher; the rest is nats-server and the
-bench's pull).
+bench's pull), and the collector's own split of the batch's way to the decision
+(``split``: ``forewarn_collector_urgent_seconds{stage}`` read from ``/metrics`` before and
+after each trial; ``split_p50``/``split_max`` over the trials; empty for a collector
+without that metric), with its group commits and those cut short per second.
 
 The generator is split so that it does not measure itself: ``--publishers`` processes
 (this script with ``--publish``) publish the telemetry of the nodes outside the jobs, each
@@ -45,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +56,7 @@ import msgspec
 import nats
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig
+from prometheus_client.parser import text_string_to_metric_families
 
 from forewarn import bus
 from forewarn.wire import (
@@ -197,17 +202,89 @@ def jobs_of(nodes: list[Node], jobs: int, job_nodes: int) -> dict[str, list[Node
 
 class Trial(msgspec.Struct):
     """One trial: when the finding was made (Unix time), by which node, in which batch,
-    to which job's nodes, and the latency measured."""
+    to which job's nodes, the latency measured, and the collector's own split of its
+    urgent batch's way to the decision (``urgent_seconds``, seconds per stage; empty for
+    a collector without that metric)."""
 
     made: float
     node: str
     seq: int
     nodes: list[str]
     latency: float = 0.0
+    split: dict[str, float] = msgspec.field(default_factory=dict)
 
 
-async def trial(js: JetStreamContext, jobs: dict[str, list[Node]], n: int) -> Trial:
-    """One fatal finding from an agent; seconds until every node of its job has the order."""
+URGENT = "forewarn_collector_urgent_seconds"
+GROUP = "forewarn_collector_ingest_group_size"
+CUT = "forewarn_collector_ingest_commits_cut"
+
+
+class Stages:
+    """The collector's ``urgent_seconds{stage}`` sums and counts, read from ``/metrics``."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+
+    def families(self) -> dict[str, Any]:
+        with urllib.request.urlopen(self.url, timeout=30) as r:
+            text = r.read().decode()
+        return {fam.name: fam for fam in text_string_to_metric_families(text)}
+
+    def commits(self) -> dict[str, float]:
+        """The collector's group commits so far, and those cut short (where counted)."""
+        fams = self.families()
+        out = {"group_commits": sum(s.value for s in fams[GROUP].samples
+                                    if s.name == GROUP + "_count")}
+        if CUT in fams:
+            out["commits_cut"] = sum(s.value for s in fams[CUT].samples
+                                     if s.name == CUT + "_total")
+        return out
+
+    def read(self) -> dict[str, tuple[float, float]] | None:
+        """stage -> (sum, count); None when the collector has no such metric."""
+        out: dict[str, list[float]] = {}
+        families = self.families()
+        if URGENT not in families:
+            return None
+        for s in families[URGENT].samples:
+            pair = out.setdefault(s.labels.get("stage", ""), [0.0, 0.0])
+            if s.name == URGENT + "_sum":
+                pair[0] = s.value
+            elif s.name == URGENT + "_count":
+                pair[1] = s.value
+        return {k: (v[0], v[1]) for k, v in out.items()}
+
+    async def settled(self, decided: int) -> dict[str, tuple[float, float]] | None:
+        """The figures once ``decided`` urgent batches went through the policy (up to
+        10 s): a trial's split then holds its own batch only."""
+        deadline = time.monotonic() + 10.0
+        while True:
+            now = await asyncio.to_thread(self.read)
+            if now is None or now.get("decide", (0, 0))[1] >= decided or \
+                    time.monotonic() > deadline:
+                return now
+            await asyncio.sleep(0.1)  # a scrape costs the collector ~10 ms
+
+
+def split_summary(splits: list[dict[str, float]]) -> dict[str, dict[str, float]]:
+    """Per stage of the collector's split: the median and the largest of the trials."""
+    keys = sorted({k for sp in splits for k in sp})
+    per = {k: sorted(sp[k] for sp in splits if k in sp) for k in keys}
+    return {"split_p50": {k: v[len(v) // 2] for k, v in per.items()},
+            "split_max": {k: v[-1] for k, v in per.items()}}
+
+
+def split_of(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+             ) -> dict[str, float]:
+    """Seconds per stage between two readings."""
+    return {k: round(after[k][0] - before.get(k, (0.0, 0.0))[0], 4) for k in sorted(after)}
+
+
+async def trial(js: JetStreamContext, jobs: dict[str, list[Node]], n: int,
+                meter: Stages) -> Trial:
+    """One fatal finding from an agent; seconds until every node of its job has the order.
+    Each trial sends two urgent batches (the finding, then its recovery)."""
+    before = await meter.settled(2 * n)
     job = sorted(jobs)[n % len(jobs)]
     members = jobs[job]
     waits = [m.wait_order(job) for m in members]
@@ -227,6 +304,9 @@ async def trial(js: JetStreamContext, jobs: dict[str, list[Node]], n: int) -> Tr
         print(f"trial {n}: no order within {TRIAL_LIMIT_S:g} s", file=sys.stderr, flush=True)
     for m in members:
         m.waiters.clear()
+    after = None if before is None else await meter.settled(2 * n + 1)
+    if before is not None and after is not None:
+        out.split = split_of(before, after)
     # The GPU comes back: its incident ends, so a later trial on it orders again.
     await reporter.publish(js, findings=[msgspec.structs.replace(
         finding, health=Health.HEALTHY, action=SuggestedAction.NONE, time=time.time())])
@@ -278,7 +358,8 @@ def own_cpu_seconds() -> float:
     return t.user + t.system
 
 
-async def drive(url: str, procs: dict[str, int], args: argparse.Namespace) -> dict[str, Any]:
+async def drive(url: str, procs: dict[str, int], args: argparse.Namespace,
+                meter: Stages) -> dict[str, Any]:
     nc = await nats.connect(url)
     js = nc.jetstream(timeout=30)
     await wait_consumer(js, 180)
@@ -302,16 +383,19 @@ async def drive(url: str, procs: dict[str, int], args: argparse.Namespace) -> di
         await asyncio.sleep(args.warmup)
         acked0, seq0, cpu0, t0 = (await backlog(js))[0], await stream_seq(js), cpu(), \
             time.perf_counter()
+        commits0 = await asyncio.to_thread(meter.commits)
         backlogs = []
         results: list[Trial] = []
         print("trials start", file=sys.stderr, flush=True)
         for n in range(args.trials):
-            results.append(await trial(js, jobs, n))
-            print(f"trial {n}: {results[-1].latency:.3f} s", file=sys.stderr, flush=True)
+            results.append(await trial(js, jobs, n, meter))
+            print(f"trial {n}: {results[-1].latency:.3f} s {results[-1].split}",
+                  file=sys.stderr, flush=True)
             backlogs.append((await backlog(js))[1])
             await asyncio.sleep(args.gap)
         acked1, seq1, t1, cpu1 = (await backlog(js))[0], await stream_seq(js), \
             time.perf_counter(), cpu()
+        commits1 = await asyncio.to_thread(meter.commits)
     finally:
         late = stop_publishers(publishers)
     load.stop.set()
@@ -335,6 +419,8 @@ async def drive(url: str, procs: dict[str, int], args: argparse.Namespace) -> di
         "batch_bytes": load.bytes / max(1, load.published),
         **{f"{k}_cpu_pct": 100 * (cpu1[k] - cpu0[k]) / secs for k in cpu1},
         "load_average": os.getloadavg()[0],
+        **{f"{k}_per_s": (commits1[k] - commits0[k]) / secs for k in commits1},
+        **split_summary([r.split for r in results]),
         "trials_detail": results,
     }
 
@@ -357,7 +443,8 @@ def stages(db: Path, trials: list[Trial]) -> list[dict[str, Any]]:
         out.append({"writer": _after(received[0] if received else None, t.made),
                     "queued_first": _after(queued[0], t.made),
                     "queued_last": _after(queued[1], t.made),
-                    "taken_last": _after(queued[2], t.made), "latency": round(t.latency, 3)})
+                    "taken_last": _after(queued[2], t.made), "latency": round(t.latency, 3),
+                    "split": t.split})
     conn.close()
     return out
 
@@ -386,15 +473,16 @@ def main() -> int:
         return 0
     tmp = Path(tempfile.mkdtemp(prefix="fw-order-bus-"))
     nats_proc, url = start_nats(tmp)
+    port = free_port()
     (tmp / "collector.toml").write_text(
-        f'listen = "127.0.0.1:{free_port()}"\ndata_dir = "{tmp / "data"}"\n'
+        f'listen = "127.0.0.1:{port}"\ndata_dir = "{tmp / "data"}"\n'
         f'tokens_file = "{tmp / "tokens.toml"}"\nlog_level = "warning"\n'
         f'bus_url = "{url}"\n' + BENCH_POLICY)
     collector = subprocess.Popen([sys.executable, "-m", "forewarn", "collector", "--config",
                                   str(tmp / "collector.toml")])
     try:
         result = asyncio.run(drive(url, {"collector": collector.pid, "nats": nats_proc.pid},
-                                   args))
+                                   args, Stages(f"http://127.0.0.1:{port}/metrics")))
         collector.terminate()
         collector.wait(60)
         result["stages"] = stages(tmp / "data" / "collector.db", result.pop("trials_detail"))

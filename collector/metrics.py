@@ -17,7 +17,9 @@ Names (all prefixed ``forewarn_collector_``):
 * ``ingest_samples_total``, ``ingest_bytes_total``, ``ingest_xids_total``.
 * ``ingest_lag_seconds``: histogram of receive time minus the batch's ``created`` time
   (a replayed spool shows up here as large lag).
-* ``ingest_commit_seconds`` / ``ingest_group_size``: the group commit.
+* ``ingest_commit_seconds`` / ``ingest_group_size``: the group commit;
+  ``ingest_commits_cut_total``: group commits ended early at a batch boundary to let an
+  urgent batch or a waiting transaction in.
 * ``findings_total{health,origin}``, ``commands_total{kind,event}`` (``queued``,
   ``delivered``, ``acked``, ``failed``), ``commands_pending``, ``long_polls``.
 * ``telemetry_staged_samples``, ``telemetry_rows_total``, ``telemetry_flush_seconds``,
@@ -35,6 +37,14 @@ Names (all prefixed ``forewarn_collector_``):
 * ``policy_errors_total``: exceptions raised by the policy hook (counted, never fatal);
   ``policy_backlog_batches`` and ``policy_skipped_batches_total`` (sample-only batches
   not handed to a policy that fell behind).
+* ``urgent_seconds{stage}``: where an urgent batch (a finding, a checkpoint report) spends
+  its time from the writer's queue to the policy's decision, per stage in order: ``feed``
+  (shared state: the leader's ``decide-urgent`` consumer took it → handed to the policy
+  thread, waiting for its ingest), ``queued`` (handed to the writer → its group's
+  transaction began), ``commit`` (that transaction, with its fsync), ``policy_wait``
+  (stored → the policy thread began it), ``observe`` (the policy's ``on_batches``:
+  the batch's samples and reports), ``decide`` (its ``on_findings``: the decision, its
+  commands queued included).
 
 The policy and actions modules add their own metrics to :attr:`CollectorMetrics.registry`,
 a :class:`~forewarn.labels.BoundedLabelsRegistry`: label values that come from outside (job
@@ -87,6 +97,10 @@ class CollectorMetrics:
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
             registry=r,
         )
+        self.commits_cut = Counter(
+            P + "ingest_commits_cut", "Group commits ended early to let an urgent batch or"
+            " a waiting transaction in (the rest of the group is committed next).",
+            registry=r)
         self.group_size = Histogram(
             P + "ingest_group_size", "Batches per group commit.",
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r,
@@ -157,6 +171,11 @@ class CollectorMetrics:
         self.policy_skipped = Counter(
             P + "policy_skipped_batches",
             "Sample-only batches not handed to a policy that fell behind.", registry=r)
+        self.urgent_seconds = Histogram(
+            P + "urgent_seconds", "Seconds an urgent batch spent in each stage on its way"
+            " to a decision: feed, queued, commit, policy_wait, observe, decide.", ["stage"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=r)
 
     def exposition(self) -> bytes:
         """The registry in the Prometheus text format."""

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -20,7 +21,7 @@ from forewarn.wire import AgentBatch, CommandAck, Finding
 from ..config import CollectorConfig
 from ..decide.policy_thread import PolicyThread
 from ..decide.seam import AckHook, BatchHook, FeedHook, FindingsPolicy
-from ..ingest.batch import IngestWriter
+from ..ingest.batch import POLICY_PART, IngestWriter
 from ..jobs.jobmap import StoreJobView
 from ..metrics import CollectorMetrics
 from ..storage.commands import CommandQueue, NodeCommand
@@ -146,7 +147,12 @@ class CollectorContext:
         policy = self.policy
         return not isinstance(policy, FeedHook) or policy.settled()
 
-    def _policy_batches(self, batches: list[AgentBatch], backlog: bool = True) -> None:
+    def _policy_batches(self, batches: list[AgentBatch], backlog: bool = True,
+                        since: float | None = None) -> None:
+        """``since``: urgent batches, when (``perf_counter``) they were stored (or handed
+        over by the leader's feed): their ``policy_wait``, ``observe`` and ``decide`` are
+        measured."""
+        started = time.perf_counter()
         if backlog:
             with self._backlog_lock:
                 self._policy_backlog -= len(batches)
@@ -158,7 +164,13 @@ class CollectorContext:
             except Exception:
                 self.metrics.policy_errors.inc()
                 log.exception("policy.on_batches failed")
+        observed = time.perf_counter()
         self._policy_findings([f for b in batches for f in b.findings])
+        if since is not None:
+            stage = self.metrics.urgent_seconds
+            stage.labels("policy_wait").observe(started - since)
+            stage.labels("observe").observe(observed - started)
+            stage.labels("decide").observe(time.perf_counter() - observed)
 
     def _policy_ack(self, ack: CommandAck, node: str) -> None:
         policy = self.policy
@@ -190,9 +202,11 @@ class CollectorContext:
                 urgent = [b for b in batches_for_policy if b.urgent]
                 rest = [b for b in batches_for_policy if not b.urgent]
                 if urgent:
-                    self._policy_pool.submit_urgent(self._policy_batches, urgent)
-                if rest:
-                    self._policy_pool.submit(self._policy_batches, rest)
+                    self._policy_pool.submit_urgent(self._policy_batches, urgent, True,
+                                                    time.perf_counter())
+                # In parts: urgent work runs between them, not after a whole group.
+                for i in range(0, len(rest), POLICY_PART):
+                    self._policy_pool.submit(self._policy_batches, rest[i:i + POLICY_PART])
         loop, event = self.loop, self._flush_wanted
         if loop is not None and event is not None and not loop.is_closed():
             self._staged += sum(len(b.samples) for b in batches)

@@ -10,6 +10,7 @@ while it leads, as with embedded state. (Findings reach the leader from the stor
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 from forewarn.wire import AgentBatch
@@ -31,8 +32,9 @@ def decide_feeds(ctx: CollectorContext) -> list[DecideFeed]:
     from ..ingest.bus_decide import decide_feeds as feeds  # nats-py only with the bus
 
     async def deliver(batches: list[AgentBatch], urgent: bool) -> None:
-        await ctx.run_policy(ctx._policy_batches, batches, False, urgent=urgent)
+        since = time.perf_counter() if urgent else None
+        await ctx.run_policy(ctx._policy_batches, batches, False, since, urgent=urgent)
 
     ctx.bus_decides = True
     return feeds(ctx.config, ctx.store, ctx.leader, deliver, ctx.metrics.registry,
-                 clock=ctx.clock)
+                 clock=ctx.clock, stages=ctx.metrics.urgent_seconds)

@@ -4,7 +4,9 @@ the body (:func:`accept_batch` is the one path of HTTP and the NATS bus).
 :class:`IngestWriter` owns a thread that takes queued batches (urgent ones first, each kind
 in order), writes up to ``group_commit_max`` of them in ONE SQLite transaction (one fsync
 for the group) and only then answers each request: a batch is acknowledged only once it
-is durable.
+is durable. Urgent batches form groups of their own, and a telemetry group is committed
+early, at a batch boundary, when an urgent batch or another transaction waits
+(:meth:`IngestWriter._make_way`), so a finding waits for one batch's write, not a group's.
 ``(agent_id, seq)`` is the primary key of ``batches``: a batch seen before is answered
 ``duplicate`` and stores nothing, so an agent that never got its answer simply sends the
 batch again.
@@ -56,8 +58,8 @@ from .validate import (
     count_refusals,
 )
 
-__all__ = ["IngestResult", "IngestWriter", "accept_batch", "finding_rows_json",
-           "store_findings"]
+__all__ = ["POLICY_PART", "IngestResult", "IngestWriter", "accept_batch",
+           "finding_rows_json", "store_findings"]
 
 log = logging.getLogger(__name__)
 
@@ -178,18 +180,24 @@ def _write_batch(conn: Transaction, batch: AgentBatch, body: bytes, received: fl
     return True, staged_id
 
 
+POLICY_PART = 32
+"""Stored batches handed to the policy in one call at most (the policy thread runs urgent
+work between calls, so a fatal finding waits for one part of telemetry, not a whole
+group commit's 256 batches)."""
+
 QUARANTINE_MAX_BATCHES = 1000
 """Poison batches kept in the quarantine folder; past this they are refused, not kept."""
 
 
 class _Item:
-    __slots__ = ("address", "batch", "body", "future", "received")
+    __slots__ = ("address", "batch", "body", "future", "queued_at", "received")
 
     def __init__(self, batch: AgentBatch, body: bytes, received: float, address: str) -> None:
         self.batch = batch
         self.body = body
         self.received = received
         self.address = address
+        self.queued_at = time.perf_counter()  # for urgent_seconds{stage="queued"}
         self.future: concurrent.futures.Future[IngestResult] = concurrent.futures.Future()
 
 
@@ -271,8 +279,11 @@ class IngestWriter:
                     self._cond.wait()
                 if not self.queued and self._stopping:
                     return
-                group = [(self._urgent or self._queue).popleft()
-                         for _ in range(min(self.group_max, self.queued))]
+                # Urgent batches in a group of their own: they are answered (and go to
+                # the policy) once their small commit is durable, not after the telemetry
+                # queued behind them.
+                lane = self._urgent or self._queue
+                group = [lane.popleft() for _ in range(min(self.group_max, len(lane)))]
             self._commit(group)
 
     def _refuse(self, item: _Item, exc: Exception) -> IngestError:
@@ -328,7 +339,27 @@ class IngestWriter:
                     item.future.set_exception(
                         IngestError(503, "store", f"store unavailable: {exc}"))
             return
-        self._committed(group, results, staged, ignored, started)
+        if len(results) < len(group):  # cut short (:meth:`_make_way`): the rest next
+            self.metrics.commits_cut.inc()
+            self._requeue(group[len(results):])
+        self._committed(group[:len(results)], results, staged, ignored, started)
+
+    def _make_way(self, item: _Item) -> bool:
+        """Whether to commit the batches written so far before ``item``: an urgent batch
+        waits behind telemetry, or another transaction waits for the write lock (a
+        decision's record and commands, the bus publisher's take). Either then waits for
+        one batch, not for a group of up to ``group_max``; under plain load nothing waits
+        and the group stays one commit."""
+        return (not item.batch.urgent and bool(self._urgent)) or \
+            self.store.write_waiters() > 0
+
+    def _requeue(self, items: list[_Item]) -> None:
+        """Put ``items`` back at the head of their queues, in their order. (Their bodies go
+        to the staging log again with their next group: bytes no row points at are never
+        read.)"""
+        with self._cond:
+            for item in reversed(items):
+                (self._urgent if item.batch.urgent else self._queue).appendleft(item)
 
     def _write_retrying(self, group: list[_Item], refs: dict[int, tuple[int, int, int]]
                         ) -> tuple[list[IngestResult], list[tuple[int, str, int, list[GpuSample]]],
@@ -354,13 +385,17 @@ class IngestWriter:
     def _write(self, group: list[_Item], refs: dict[int, tuple[int, int, int]]
                ) -> tuple[list[IngestResult], list[tuple[int, str, int, list[GpuSample]]],
                           dict[int, dict[str, int]]]:
-        """One transaction for the group; per batch: its result (a placeholder for one
-        refused, whose future is then done), its staged row, what was ignored of it."""
+        """One transaction for the group, or for the part of it written before
+        :meth:`_make_way` said to stop; per batch of that part: its result (a placeholder
+        for one refused, whose future is then done), its staged row, what was ignored
+        of it."""
         results: list[IngestResult] = []
         staged: list[tuple[int, str, int, list[GpuSample]]] = []
         ignored: dict[int, dict[str, int]] = {}  # records not applied, by reason
         with self.store.write() as conn:
             for index, item in enumerate(group):
+                if index and self._make_way(item):
+                    break
                 if item.future.done():  # refused in an attempt cut short: answered
                     results.append(IngestResult.DUPLICATE)
                     continue
@@ -392,7 +427,8 @@ class IngestWriter:
                    staged: list[tuple[int, str, int, list[GpuSample]]],
                    ignored: dict[int, dict[str, int]], started: float) -> None:
         """After the commit: metrics, the futures, the hooks."""
-        self.metrics.commit_seconds.observe(time.perf_counter() - started)
+        committed = time.perf_counter()
+        self.metrics.commit_seconds.observe(committed - started)
         if staged:  # the flush sets the gauge from the store again (all replicas' rows)
             self.metrics.staged.inc(sum(len(samples) for *_, samples in staged))
         if staged and self.on_staged is not None:
@@ -415,6 +451,10 @@ class IngestWriter:
                 self.metrics.lag.observe(max(0.0, item.received - b.created))
                 for f in b.findings:
                     self.metrics.findings.labels(f.health.value, "agent").inc()
+                if b.urgent:
+                    stage = self.metrics.urgent_seconds
+                    stage.labels("queued").observe(started - item.queued_at)
+                    stage.labels("commit").observe(committed - started)
             item.future.set_result(result)
         if stored_batches and self.on_stored is not None:
             try:

@@ -26,8 +26,9 @@ collectors' durable pull consumers, then runs its tasks on the app's event loop:
   them to another after ``bus_ack_wait_s``.
 * **Commands.** When a command is queued (:attr:`CommandQueue.on_enqueue`) and every
   ``command_redeliver_s`` for commands still due, commands of nodes on the bus are
-  taken from the queue (marked delivered) and published to ``forewarn.cmd.<node>`` with
-  ``Nats-Msg-Id`` = the command id, so a republish is dropped by JetStream. A node is on
+  taken from the queue (marked delivered) and published together to
+  ``forewarn.cmd.<node>`` with ``Nats-Msg-Id`` = the command id, so a republish is
+  dropped by JetStream. A node is on
   the bus when its batches reached this replica over NATS or, in the shared state, its
   last batch came over NATS (whichever replica stored it): so a command whose publish
   was in doubt when its replica died is published again by the next. Nodes whose
@@ -69,7 +70,7 @@ from nats.js.api import (
 
 from forewarn import bus
 from forewarn.errors import UnavailableError
-from forewarn.wire import AgentBatch, CommandAck, WireError, decode_json, encode_json
+from forewarn.wire import AgentBatch, Command, CommandAck, WireError, decode_json, encode_json
 
 from ..config import CollectorConfig, bus_password
 from ..metrics import CollectorMetrics
@@ -403,13 +404,14 @@ class BusConsumer:
                 # its job), then published.
                 taken = await asyncio.to_thread(self.commands.take_many,
                                                 (wanted | due) & self.nodes)
-                for node, commands in sorted(taken.items()):
-                    for command in commands:
-                        # A failed publish leaves it delivered-but-unacknowledged: the
-                        # queue makes it due again after command_redeliver_s.
-                        await js.publish(bus.subject(bus.COMMAND_PREFIX, node),
-                                         encode_json(command),
-                                         headers={"Nats-Msg-Id": command.id})
+                # The nodes together (a decision's 8 nodes took 8 round trips), each node's
+                # commands in their order (an agent applies them as they come).
+                results = await asyncio.gather(*(
+                    _publish_in_order(js, node, commands)
+                    for node, commands in sorted(taken.items())), return_exceptions=True)
+                failed = [r for r in results if isinstance(r, BaseException)]
+                if failed:
+                    raise failed[0]
                 self.error = ""
             except asyncio.CancelledError:
                 raise
@@ -452,6 +454,16 @@ class BusConsumer:
             if state == "unknown":
                 log.warning("bus: node %s answered unknown command %r", node, ack.id)
             await msg.ack()
+
+
+async def _publish_in_order(js: JetStreamContext, node: str, commands: list[Command]) -> None:
+    """``node``'s commands one after the other, each once JetStream acknowledged the one
+    before. A failed publish leaves its command (and the node's next ones)
+    delivered-but-unacknowledged: the queue makes them due again after
+    ``command_redeliver_s``."""
+    for command in commands:
+        await js.publish(bus.subject(bus.COMMAND_PREFIX, node), encode_json(command),
+                         headers={"Nats-Msg-Id": command.id})
 
 
 async def _cancel(task: asyncio.Task[None]) -> None:

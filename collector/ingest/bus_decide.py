@@ -47,7 +47,7 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from prometheus_client import Counter
+from prometheus_client import Counter, Histogram
 
 from forewarn import bus
 from forewarn.wire import AgentBatch
@@ -56,6 +56,7 @@ from ..config import CollectorConfig
 from ..storage.leader import FIRST_WINDOW_S, Leadership, leads_in
 from ..storage.state import StateStore
 from .authz import NotYourJob, authorise_batch
+from .batch import POLICY_PART
 from .validate import IngestError, TimeWindow, check_batch
 
 __all__ = ["LANES", "DecideFeed", "Lane", "decide_feeds"]
@@ -67,8 +68,6 @@ IDLE_S = 0.1
 RECHECK_S = 0.05
 """How soon batches waiting for their ingest are looked up again."""
 KEYS_PER_QUERY = 100
-POLICY_PART = 32
-"""Batches handed to the policy in one ``on_batches`` call at most."""
 REMEMBERED = 100_000
 """Batches handed over lately, remembered so that a redelivery is not handed over again."""
 
@@ -94,13 +93,16 @@ LANES = (Lane(bus.DECIDE_CONSUMER, bus.BATCH_PREFIX, urgent=False),
 
 
 def decide_feeds(config: CollectorConfig, store: StateStore, leader: Leadership,
-                 deliver: Deliver, registry: Any, *, clock: Callable[[], float] = time.time
-                 ) -> list[DecideFeed]:
-    """One :class:`DecideFeed` per lane of :data:`LANES`, counting into one metric."""
+                 deliver: Deliver, registry: Any, *, clock: Callable[[], float] = time.time,
+                 stages: Histogram | None = None) -> list[DecideFeed]:
+    """One :class:`DecideFeed` per lane of :data:`LANES`, counting into one metric;
+    ``stages``: ``urgent_seconds`` (:mod:`..metrics`), whose ``feed`` the urgent lane
+    observes."""
     count = Counter("forewarn_collector_decide_batches",
                     "Batches of the leader's decide consumers by result: fed, refused,"
                     " not_stored, duplicate.", ["result"], registry=registry)
-    return [DecideFeed(config, store, leader, deliver, count, lane, clock=clock)
+    return [DecideFeed(config, store, leader, deliver, count, lane, clock=clock,
+                       stages=stages if lane.urgent else None)
             for lane in LANES]
 
 
@@ -112,6 +114,7 @@ class _Held:
     batch: AgentBatch
     give_up: float
     touched: float
+    fetched: float = dataclasses.field(default_factory=time.perf_counter)
 
 
 class DecideFeed:
@@ -121,7 +124,8 @@ class DecideFeed:
 
     def __init__(self, config: CollectorConfig, store: StateStore, leader: Leadership,
                  deliver: Deliver, count: Counter, lane: Lane, *,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 stages: Histogram | None = None) -> None:
         self.config = config
         self.store = store
         self.leader = leader
@@ -137,6 +141,7 @@ class DecideFeed:
         """The leader's term this replica pulls in (:func:`~..storage.leader.leads_in`)."""
         self._fed: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
         self._count = count
+        self._stages = stages
 
     async def step(self, js: JetStreamContext) -> None:
         """One turn (the bus consumer runs it in a loop that logs and retries NATS or
@@ -187,7 +192,9 @@ class DecideFeed:
         log.warning("bus decide: no longer the leader; %d batch(es) of %s handed back",
                     len(held), self.lane.name)
 
-    async def _take(self, sub: JetStreamContext.PullSubscription) -> None:
+    async def _fetch(self, sub: JetStreamContext.PullSubscription) -> float:
+        """Pull what is there: the batches ingest would store join those held, the others
+        are counted ``refused`` and acknowledged. Returns when (``time.monotonic``)."""
         try:
             msgs = await sub.fetch(self.config.bus_fetch_max,
                                    timeout=RECHECK_S if self._held else 1.0)
@@ -202,11 +209,16 @@ class DecideFeed:
                 await msg.ack()
             else:
                 self._held.append(_Held(msg, batch, now + self.give_up_s, now))
+        return now
+
+    async def _take(self, sub: JetStreamContext.PullSubscription) -> None:
+        now = await self._fetch(sub)
         if not self._held:
             return
         stored = await asyncio.to_thread(self._stored, [h.batch for h in self._held])
         ready: list[_Held] = []
         batches: list[AgentBatch] = []
+        fetched: dict[tuple[str, int], float] = {}
         waiting: list[_Held] = []
         for h in self._held:
             key = (h.batch.agent_id, h.batch.seq)
@@ -218,6 +230,7 @@ class DecideFeed:
                 kept = await self._as_stored(h.batch, stored[key])
                 if kept is not None:
                     batches.append(kept)
+                    fetched[key] = h.fetched
             elif now > h.give_up:
                 self._count.labels("not_stored").inc()
                 ready.append(h)
@@ -229,6 +242,7 @@ class DecideFeed:
         # before the end of the part it is running (a fetched group is up to 256 batches).
         for i in range(0, len(batches), POLICY_PART):
             part = batches[i:i + POLICY_PART]
+            self._observe_feed(part, fetched)
             await self.deliver(part, self.lane.urgent)
             if not leads_in(self.leader, self._term):
                 # The lease was lost before the policy took this part (it skips it then),
@@ -240,6 +254,14 @@ class DecideFeed:
             self._remember(part)
         for h in ready:
             await h.msg.ack()
+
+    def _observe_feed(self, part: list[AgentBatch], fetched: dict[tuple[str, int], float]
+                      ) -> None:
+        """``urgent_seconds{stage="feed"}``: fetched → handed to the policy thread."""
+        if self._stages is not None:
+            for b in part:
+                self._stages.labels("feed").observe(
+                    time.perf_counter() - fetched[(b.agent_id, b.seq)])
 
     def _check(self, msg: Msg) -> AgentBatch | None:
         """The batch as ingest checks it (``None`` when ingest refuses it whole)."""

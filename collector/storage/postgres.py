@@ -289,6 +289,10 @@ class PostgresStore(RecordsMixin):
         with self._pool.connection() as conn:
             yield _Transaction(conn)
 
+    def write_waiters(self) -> int:
+        """None: transactions run side by side on the pool's connections."""
+        return 0
+
     def _read(self, sql: str, params: Sequence[Any]) -> list[dict[str, Any]]:
         """A read, tried again on a fresh connection when a pooled one turns out dead
         (after a server restart every idle connection is): reads are idempotent."""

@@ -100,6 +100,12 @@ class StateStore(Protocol):
         raises. Keep the body short: writers may be serialised."""
         ...
 
+    def write_waiters(self) -> int:
+        """How many threads wait to begin a write transaction now (0 where writers are
+        not serialised): a long writer (the ingest writer's group commit) ends its
+        transaction early for them."""
+        ...
+
     def query(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
         """Run a read-only query; rows as dicts."""
         ...

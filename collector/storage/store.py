@@ -184,6 +184,8 @@ class _FifoLock:
         self._next = 0  # the next ticket to hand out
         self._serving = 0  # the ticket whose turn it is
         self._gone: set[int] = set()  # tickets whose waiter gave up (interrupted)
+        self.waiting = 0
+        """Threads waiting for their turn (read without the lock: a hint)."""
 
     def __enter__(self) -> None:
         me = threading.get_ident()
@@ -192,6 +194,7 @@ class _FifoLock:
                 self._depth += 1
                 return
             ticket, self._next = self._next, self._next + 1
+            self.waiting += 1
             try:
                 while self._serving != ticket:
                     self._cond.wait()
@@ -199,6 +202,8 @@ class _FifoLock:
                 self._gone.add(ticket)
                 self._advance()
                 raise
+            finally:
+                self.waiting -= 1
             self._owner, self._depth = me, 1
 
     def __exit__(self, *exc: object) -> None:
@@ -313,6 +318,11 @@ class Store(RecordsMixin):
 
     def watch_commands(self, wake: Callable[[str], None]) -> None:
         """Nothing to watch: the embedded store has one process, which wakes its own polls."""
+
+    def write_waiters(self) -> int:
+        """Threads waiting for the write lock now (the ingest writer ends a group commit
+        early for them)."""
+        return self._lock.waiting
 
     def prune(self, before: float, *, chunk: int = 1000) -> dict[str, int]:
         """Delete what is older than ``before`` (Unix time); returns the rows deleted per table.

@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from forewarn.collector.ingest.batch import IngestWriter
 from forewarn.collector.metrics import CollectorMetrics
@@ -138,3 +139,84 @@ def test_a_decisions_commands_are_queued_and_taken_within_a_run_of_group_commits
     assert sorted(taken) == NODES and all(len(c) == 1 for c in taken.values())
     assert after < groups, "the commands were taken only after the run of group commits"
     assert after - before <= 4, f"{after - before} group commits went first"
+
+
+def _group_behind_the_lock(store: Store, writer: IngestWriter, batches: list[AgentBatch]
+                           ) -> tuple[threading.Event, threading.Thread, list[Any]]:
+    """Hold the write lock in a thread of our own while ``writer`` takes ``batches`` as
+    one group and waits for the lock (so what the test does next happens while the group
+    is about to be written); returns (release, the holder, the batches' futures)."""
+    release, holding = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with store.write():
+            holding.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert holding.wait(30)
+    futures = [writer.submit(b, encode(b)) for b in batches]
+    writer.start()
+    wait_for(lambda: writer.queued == 0 and _blocked(writer._thread), 30,
+             "the writer at the lock with its group")
+    return release, holder, futures
+
+
+def test_a_transaction_waiting_for_the_lock_goes_in_during_a_group_commit(
+        tmp_path: Path) -> None:
+    """A short transaction that asks for the write lock while the ingest writer writes a
+    group (a decision's record, its commands, the publisher's take) waits for the batch
+    being written, not for the whole group: the writer commits what it has and lets it in."""
+    store = Store(tmp_path / "collector.db")
+    writer = IngestWriter(store, CollectorMetrics(), group_max=256)
+    group = telemetry(1, 64)
+    seen: list[int] = []
+
+    def count_stored() -> None:
+        with store.write() as conn:
+            seen.append(int(conn.execute("SELECT COUNT(*) FROM batches").fetchone()[0]))
+
+    release, holder, futures = _group_behind_the_lock(store, writer, group)
+    waiter = threading.Thread(target=count_stored)
+    try:
+        waiter.start()
+        wait_for(lambda: _blocked(waiter), 30, "the waiter at the lock")
+        release.set()
+        waiter.join(30)
+        results = [f.result(30) for f in futures]
+    finally:
+        release.set()
+        holder.join(30)
+        writer.stop()
+        store.close()
+    assert all(r.value == "stored" for r in results)
+    assert seen and seen[0] < len(group), f"the waiter went in after {seen} batches"
+
+
+def test_an_urgent_batch_queued_during_a_group_commit_is_stored_before_the_rest_of_it(
+        tmp_path: Path) -> None:
+    """An urgent batch (a fatal finding) queued while the writer writes a group of
+    telemetry is committed after the batch being written, then the rest of the group in
+    its order: it does not wait for the whole group commit."""
+    store = Store(tmp_path / "collector.db")
+    stored: list[str] = []
+    writer = IngestWriter(store, CollectorMetrics(), group_max=256, on_stored=lambda bs, _a:
+                          stored.extend(b.agent_id for b in bs))
+    group = telemetry(1, 64)
+    urgent = AgentBatch(node="n1", agent_id="urgent", seq=0, created=time.time(),
+                        urgent=True)
+    release, holder, futures = _group_behind_the_lock(store, writer, group)
+    try:
+        futures.append(writer.submit(urgent, encode(urgent)))
+        release.set()
+        for f in futures:
+            f.result(30)
+    finally:
+        release.set()
+        holder.join(30)
+        writer.stop()
+        store.close()
+    before = stored.index("urgent")
+    assert before < len(group), "the urgent batch waited for the whole group"
+    assert [a for a in stored if a != "urgent"] == [b.agent_id for b in group]
