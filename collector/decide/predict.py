@@ -354,9 +354,11 @@ class PredictorService:
         if self.last_score is not None and now > self.last_score:
             # exposure for the fleet's failure rate; a long pause counts as one stale window
             self.gpu_seconds += len(scores.probs) * min(now - self.last_score, scorer.stale_s)
+        # the shadow counts first: a reader that sees this scoring's risk (its time) sees
+        # the failures it counted too (CI at 7c1ac98 read the risk, then the old counts)
+        self.shadow_stats = scorer.shadow()
         self.scores = scores
         self.last_score = now
-        self.shadow_stats = scorer.shadow()
         self.score_seconds = time.perf_counter() - started
         return self._to_submit(findings, now)
 
