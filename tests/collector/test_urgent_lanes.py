@@ -24,6 +24,18 @@ def finding(health: Health) -> Finding:
                    reason="test", time=time.time())
 
 
+def store_queued(store: Store, writer: IngestWriter, batches: list[AgentBatch]) -> None:
+    """Queue every batch before the writer starts, then let it store them all."""
+    try:
+        futures = [writer.submit(b, encode(b)) for b in batches]  # queued: not started
+        writer.start()
+        for f in futures:
+            f.result(30)
+    finally:
+        writer.stop()
+        store.close()
+
+
 def test_the_writer_stores_urgent_batches_first_and_in_the_order_they_came(
         tmp_path: Path) -> None:
     stored: list[int] = []
@@ -37,14 +49,7 @@ def test_the_writer_stores_urgent_batches_first_and_in_the_order_they_came(
                           urgent=seq in health,
                           findings=[finding(health[seq])] if seq in health else [])
                for seq in range(5)]
-    try:
-        futures = [writer.submit(b, encode(b)) for b in batches]  # queued: not started
-        writer.start()
-        for f in futures:
-            f.result(30)
-    finally:
-        writer.stop()
-        store.close()
+    store_queued(store, writer, batches)
     assert stored == [1, 2, 3, 0, 4]
 
 
@@ -133,13 +138,6 @@ def test_urgent_batches_are_committed_in_a_group_of_their_own(tmp_path: Path) ->
     batches = [AgentBatch(node="n1", agent_id="a1", seq=seq, created=now, urgent=seq == 3,
                           findings=[finding(Health.UNHEALTHY)] if seq == 3 else [])
                for seq in range(64)]
-    try:
-        futures = [writer.submit(b, encode(b)) for b in batches]  # queued: not started
-        writer.start()
-        for f in futures:
-            f.result(30)
-    finally:
-        writer.stop()
-        store.close()
+    store_queued(store, writer, batches)
     assert calls[0] == [3], calls
     assert [s for c in calls[1:] for s in c] == [s for s in range(64) if s != 3]
