@@ -64,7 +64,6 @@ class DeferredValues:
         factory and unpinned memory to run the queue logic on a machine without a GPU)."""
         import torch
 
-        self._torch = torch
         self.depth = depth
         self._event = event_factory if event_factory is not None else torch.cuda.Event
         # row i: [loss, grad_norm, has_loss, has_grad_norm] for slot i

@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ["agent", "collector", "hook", "models", "src"]
 CALLERS = ["tests", "bench", "examples"]
-KINDS = ("function", "method", "property", "class", "variable")
+KINDS = ("function", "method", "property", "class", "variable", "attribute")
 FRAMEWORK_HOOKS = {
     "describe": "prometheus_client: CollectorRegistry.register",
     "do_GET": "http.server.BaseHTTPRequestHandler",
@@ -27,6 +27,13 @@ FRAMEWORK_HOOKS = {
     "pl_module": "lightning Callback (hook signatures)",
     "batch_idx": "lightning Callback (hook signatures)",
     "protocol_version": "http.server.BaseHTTPRequestHandler (HTTP/1.1 keep-alive)",
+    "daemon_threads": "socketserver.ThreadingMixIn (handler threads do not block exit)",
+    "should_exit": "uvicorn.Server (set to stop it)",
+    "should_save": "transformers.TrainerControl (the Trainer saves when set)",
+    "row_factory": "sqlite3.Connection (rows as sqlite3.Row)",
+    "fieldId": "pynvml c_nvmlFieldValue_t (ctypes struct NVML reads)",
+    "scopeId": "pynvml c_nvmlFieldValue_t (ctypes struct NVML reads)",
+    "_lib": "ctypes.CDLL held so the library stays loaded for pynvml (nvml backend)",
 }
 READ_AS_DATA = {
     "probability_source": "collector decisions API (CostDecision.as_dict)",

@@ -213,7 +213,6 @@ class DcgmBackend:
         self.timeout_s = timeout_s
         self.skipped = 0
         """Exposition lines that did not parse or named no GPU."""
-        self.scrapes = 0
         self._client = client
         self._own_client = client is None
         self._clock = clock
@@ -246,7 +245,6 @@ class DcgmBackend:
         text = body.decode("utf-8", "replace")
         gpus, skipped = parse_exposition(text)
         self.skipped += skipped
-        self.scrapes += 1
         if skipped:
             self._rate_limited("dcgm %s: skipped %d unparseable line(s)", self.url, skipped)
         if not gpus:
