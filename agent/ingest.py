@@ -32,6 +32,7 @@ from pathlib import Path
 
 from forewarn.agent.procview import Credentials
 from forewarn.agent.ranks import RankTable
+from forewarn.agent.socket_queue import PROC_PATH, QueueLimit, read_limit
 from forewarn.errors import UnavailableError
 from forewarn.wire import Beat, CheckpointReport, StepRecord, WireError, decode_hook_message
 
@@ -61,7 +62,8 @@ class RankIngest:
 
     ``mode`` must not grant anything to others (``mode & 0o007 == 0``); ``group`` (name or
     gid) owns the socket so training users in that group can send. ``clock`` returns Unix
-    time (injectable).
+    time (injectable). ``qlen_path`` is where ``net.unix.max_dgram_qlen`` is read
+    (:mod:`forewarn.agent.socket_queue`).
     """
 
     def __init__(
@@ -74,6 +76,7 @@ class RankIngest:
         dir_mode: int = 0o755,
         max_datagram: int = MAX_DATAGRAM,
         clock: Callable[[], float] = time.time,
+        qlen_path: Path = PROC_PATH,
     ) -> None:
         if mode & 0o007:
             raise SocketError(f"socket mode {mode:#o} would let other users write to {path}")
@@ -84,6 +87,9 @@ class RankIngest:
         self.dir_mode = dir_mode
         self.max_datagram = max_datagram
         self.clock = clock
+        self.qlen_path = qlen_path
+        self.queue_limit: QueueLimit | None = None
+        """``net.unix.max_dgram_qlen`` as read when the socket was created (its limit)."""
         self.received: collections.Counter[str] = collections.Counter()
         self.dropped: collections.Counter[str] = collections.Counter({r: 0 for r in DROP_REASONS})
         self.sent = 0
@@ -120,6 +126,7 @@ class RankIngest:
                 raise SocketError(f"{self.path} exists and is not a socket; refusing to replace it")
             if self._in_use():
                 raise SocketError(f"{self.path} is in use by another agent")
+        self.queue_limit = read_limit(self.qlen_path)  # the new socket's limit: read it now
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         tmp = parent / f".{self.path.name}.{os.getpid()}.tmp"
         try:

@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from forewarn.agent.checks.grad_spike import judge_spike
@@ -41,6 +42,7 @@ from forewarn.agent.protocols import AgentHost, ComponentBase, Poll
 from forewarn.agent.rank_metrics import RankCollector
 from forewarn.agent.rank_state import RankView, by_job
 from forewarn.agent.ranks import RankLimits, RankTable
+from forewarn.agent.socket_queue import PROC_PATH
 from forewarn.wire import Finding, Health, StepRecord
 
 __all__ = ["RankComponent"]
@@ -60,6 +62,7 @@ class RankComponent(ComponentBase):
         *,
         proc: ProcView | None = None,
         clock: Callable[[], float] = time.time,
+        qlen_path: Path = PROC_PATH,
     ) -> None:
         self.config = config
         self.clock = clock
@@ -67,7 +70,8 @@ class RankComponent(ComponentBase):
                                proc=proc, spike_factor=config.grad_spike_factor)
         self.ingest = RankIngest(self.table, config.socket_path,
                                  mode=int(config.socket_mode, 8),
-                                 group=config.socket_group or None, clock=clock)
+                                 group=config.socket_group or None, clock=clock,
+                                 qlen_path=qlen_path)
         self.orders = CheckpointOrders(self.table, self.ingest.send,
                                        safety_s=config.order_safety_s, clock=clock)
         self.terminator = HangTerminator(self.table, action=config.hang_action,
@@ -106,11 +110,18 @@ class RankComponent(ComponentBase):
         self.terminator.close()
 
     def readiness(self) -> dict[str, Any]:
-        """Ready while the socket is bound and its receive thread runs."""
+        """Ready while the socket is bound and its receive thread runs; a low
+        ``net.unix.max_dgram_qlen`` is shown, not a reason to be unready."""
         bound = self.ingest.listening
-        return {"ready": bound, "socket": str(self.config.socket_path),
-                "detail": f"{'listening on' if bound else 'not listening on'} "
-                          f"{self.config.socket_path}"}
+        limit = self.ingest.queue_limit
+        report: dict[str, Any] = {
+            "ready": bound, "socket": str(self.config.socket_path),
+            "detail": f"{'listening on' if bound else 'not listening on'} "
+                      f"{self.config.socket_path}"}
+        if limit is not None:
+            report["max_dgram_qlen"] = limit.value
+            report["detail"] += f"; {limit.detail()}"
+        return report
 
     def on_poll(self, poll: Poll) -> None:
         now = poll.time

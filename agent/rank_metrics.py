@@ -32,6 +32,8 @@ registered into the agent's explicit registry by the rank component.
 ``forewarn_agent_datagrams_received_total``        ``kind`` step/beat/checkpoint
 ``forewarn_agent_datagrams_dropped_total``         ``reason`` (see ingest.DROP_REASONS)
 ``forewarn_agent_orders_sent_total``               datagrams sent to ranks; ``_errors_total``
+``forewarn_agent_socket_max_dgram_qlen``           the socket's queue limit (NaN: unknown);
+                                                   below 512 hooks drop records in a stall
 =================================================  ===========================================
 
 Rank series carry ``node``, ``training_job`` and ``rank`` labels.
@@ -39,6 +41,7 @@ Rank series carry ``node``, ``training_job`` and ``rank`` labels.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable
 
@@ -222,6 +225,13 @@ class RankCollector:
                                    "Datagrams to ranks that could not be sent.")
         errs.add_metric([], ing.send_errors)
         yield from (rec, drop, sent, errs)
+        limit = ing.queue_limit
+        if limit is not None:
+            yield GaugeMetricFamily(
+                "forewarn_agent_socket_max_dgram_qlen",
+                "net.unix.max_dgram_qlen when the agent socket was created: the datagrams "
+                "it queues (NaN: unknown). Below 512, hooks drop step records while the "
+                "agent stalls.", value=math.nan if limit.value is None else limit.value)
 
 
 def _g(name: str, doc: str) -> GaugeMetricFamily:

@@ -11,6 +11,10 @@ this wheel ships, or print one of them.
 - creates the directories the role reads its token from and keeps its state in, owned by
   root with the modes below (systemd hands the collector's state directory to the
   service's dynamic user when it starts);
+- agent: writes ``/etc/sysctl.d/60-forewarn.conf`` (``net.unix.max_dgram_qlen = 512``: the
+  hooks' datagrams the agent socket queues) and applies it with ``systemd-sysctl`` (else
+  ``sysctl -p``), run without a shell; it says so when it cannot (the file still applies at
+  the next boot). Under ``--prefix`` it is written, not applied;
 - prints each thing it did (``--dry-run``: would do), one line each.
 
 ``--prefix DIR`` puts every file under ``DIR`` (as a package build's DESTDIR would): the
@@ -26,6 +30,7 @@ import importlib.resources
 import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -42,19 +47,21 @@ class DeployError(InputError):
 
 @dataclasses.dataclass(frozen=True)
 class Role:
-    """What one role installs: its unit, its config (from the example of the same name)
-    and its directories with their modes."""
+    """What one role installs: its unit, its config (from the example of the same name),
+    its directories with their modes and a sysctl.d file (shipped under that name)."""
 
     unit: str
     config: str
     dirs: tuple[tuple[str, int], ...]
+    sysctl: str = ""
 
 
 ROLES: dict[str, Role] = {
     # /etc/forewarn holds the config and the agent's token (root only, 0600);
     # /var/lib/forewarn is the unit's StateDirectory (the uplink spool).
     "agent": Role("forewarn-agent.service", "agent.toml",
-                  (("/etc/forewarn", 0o755), ("/var/lib/forewarn", 0o700))),
+                  (("/etc/forewarn", 0o755), ("/var/lib/forewarn", 0o700)),
+                  sysctl="60-forewarn.conf"),
     # /var/lib/forewarn-collector is the unit's StateDirectory: data_dir and the tokens
     # file, which `forewarn collector token add` keeps readable by the service's user.
     "collector": Role("forewarn-collector.service", "collector.toml",
@@ -63,6 +70,10 @@ ROLES: dict[str, Role] = {
 
 UNIT_DIR = "/etc/systemd/system"
 CONFIG_DIR = "/etc/forewarn"
+SYSCTL_DIR = "/etc/sysctl.d"
+# systemd-sysctl FILE applies that file only; procps' sysctl -p FILE where systemd is not.
+_SYSCTL_APPLY = (("/usr/lib/systemd/systemd-sysctl",), ("/lib/systemd/systemd-sysctl",),
+                 ("/usr/sbin/sysctl", "-p"), ("/sbin/sysctl", "-p"))
 # A systemd command line must not need quoting or specifier escapes.
 _PLAIN_PATH = re.compile(r"/[A-Za-z0-9._+/-]+")
 _EXEC_START = re.compile(r"^ExecStart=\S+", re.MULTILINE)
@@ -142,7 +153,43 @@ def install(role: str, prefix: Path | None = None, dry_run: bool = False,
         if not dry_run:
             _write(config, shipped(spec.config), 0o644)
         say(f"{verb}write {config} (the documented example: every key at its default)")
+    if spec.sysctl:
+        _install_sysctl(spec.sysctl, prefix, dry_run, say)
     say(f"next: systemctl daemon-reload && systemctl enable --now {spec.unit}")
+
+
+def _install_sysctl(name: str, prefix: Path | None, dry_run: bool, say: Any) -> None:
+    """Write the shipped sysctl.d file ``name`` (ours: replaced like the unit) and apply it
+    to the running kernel, except under a prefix or in a dry run."""
+    target = _under(prefix, f"{SYSCTL_DIR}/{name}")
+    if not dry_run:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _write(target, shipped(name), 0o644)
+    say(f"{'would ' if dry_run else ''}write {target} (net.unix.max_dgram_qlen: the agent "
+        "socket's queue)")
+    if prefix is not None:
+        say(f"not applied (--prefix): systemd-sysctl applies {target} at boot")
+    elif dry_run:
+        say(f"would apply {target}")
+    else:
+        say(_apply_sysctl(target))
+
+
+def _apply_sysctl(path: Path) -> str:
+    """Apply the sysctl.d file ``path`` now (no shell); one line saying what happened."""
+    argv = next(([*cmd, str(path)] for cmd in _SYSCTL_APPLY if Path(cmd[0]).is_file()), None)
+    if argv is None:
+        return (f"cannot apply {path} now: neither systemd-sysctl nor sysctl is installed; "
+                "it applies at the next boot")
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"cannot apply {path} now ({argv[0]}: {exc}); it applies at the next boot"
+    if r.returncode != 0:
+        why = (r.stderr or r.stdout).strip().replace("\n", "; ")
+        return (f"cannot apply {path} now ({' '.join(argv)} exited {r.returncode}: {why}); "
+                "it applies at the next boot")
+    return f"applied {path} ({' '.join(argv)}); restart a running agent for its socket"
 
 
 def _write(path: Path, text: str, mode: int) -> None:

@@ -48,3 +48,27 @@ def test_print_gives_the_prometheus_alert_rules_the_repository_checks() -> None:
     r = _forewarn("deploy", "print", "rules/forewarn.rules.yml")
     assert r.returncode == 0, r.stderr
     assert r.stdout == (REPO / "dashboards" / "rules" / "forewarn.rules.yml").read_text()
+
+
+def test_agent_install_writes_the_sysctl_file_that_raises_the_socket_queue(
+        tmp_path: Path) -> None:
+    """The hooks' datagrams queue on the agent socket up to net.unix.max_dgram_qlen (10 by
+    default): the agent's install raises it to what the agent checks for. Under --prefix
+    (a package root) it is written, not applied to this machine."""
+    from forewarn.agent.socket_queue import RECOMMENDED, SYSCTL_FILE
+
+    root = tmp_path / "root"
+    r = _forewarn("deploy", "install", "--role", "agent", "--prefix", str(root))
+    assert r.returncode == 0, r.stderr
+    conf = root / SYSCTL_FILE.lstrip("/")
+    settings = [line.split("=") for line in conf.read_text().splitlines()
+                if line.strip() and not line.startswith("#")]
+    assert [(k.strip(), v.strip()) for k, v in settings] == [
+        ("net.unix.max_dgram_qlen", str(RECOMMENDED))]
+    assert conf.stat().st_mode & 0o777 == 0o644
+    assert any("not applied (--prefix)" in line and str(conf) in line
+               for line in r.stdout.splitlines()), r.stdout
+    collector = tmp_path / "collector-root"
+    r = _forewarn("deploy", "install", "--role", "collector", "--prefix", str(collector))
+    assert r.returncode == 0, r.stderr
+    assert not (collector / SYSCTL_FILE.lstrip("/")).exists()

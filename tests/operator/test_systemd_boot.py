@@ -6,8 +6,10 @@ the same path, the units written by ``forewarn deploy install`` inside the conta
 Checks: both units active; the collector's dynamic user writes its state directory; ``/``
 (so ``/etc`` and ``/usr``) is read-only for the service; ``kill -9`` of the main pid gives a
 restart with the data intact; enrolling a node on the running collector works; a missed
-watchdog ping restarts the agent. Needs root, debootstrap and systemd-container (``./dev``
-installs them); skipped elsewhere, failed under CI.
+watchdog ping restarts the agent; the agent's sysctl.d file (``net.unix.max_dgram_qlen``)
+is applied by the install and at boot, and the agent's socket has that limit. Needs root,
+debootstrap and systemd-container (``./dev`` installs them); skipped elsewhere, failed
+under CI.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from forewarn.agent.socket_queue import PROC_PATH, RECOMMENDED, SYSCTL_FILE
 from forewarn.spawn.procs import wait_until
 
 CACHE = Path("/var/cache/forewarn")
@@ -98,17 +102,15 @@ def _leader(nspawn_pid: int) -> int | None:
     return None
 
 
-@pytest.fixture
-def container(debian_root: Path, venv: Path, require_binary: Callable[[str], str],
-              tmp_path: Path) -> Iterator[Container]:
-    nspawn = require_binary("systemd-nspawn")
-    log = tmp_path / "nspawn.log"
+@contextlib.contextmanager
+def _boot(root: Path, nspawn: str, log: Path, *binds: str) -> Iterator[Container]:
+    """Boot ``root`` (its own network namespace, ``binds``: nspawn ``--bind*=`` options)
+    until systemd says it is running; stop it afterwards."""
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [nspawn, "-D", str(debian_root), "--boot", "--register=no", "--keep-unit",
-             "--console=read-only", "--volatile=overlay", "--private-network",
-             f"--bind-ro={venv}"], stdout=out, stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL)
+            [nspawn, "-D", str(root), "--boot", "--register=no", "--keep-unit",
+             "--console=read-only", "--volatile=overlay", "--private-network", *binds],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
         leader = wait_until(lambda: _leader(proc.pid), 60)
         assert leader, log.read_text()[-3000:]
@@ -126,6 +128,14 @@ def container(debian_root: Path, venv: Path, require_binary: Callable[[str], str
             proc.wait()
 
 
+@pytest.fixture
+def container(debian_root: Path, venv: Path, require_binary: Callable[[str], str],
+              tmp_path: Path) -> Iterator[Container]:
+    with _boot(debian_root, require_binary("systemd-nspawn"), tmp_path / "nspawn.log",
+               f"--bind-ro={venv}") as c:
+        yield c
+
+
 def _active(c: Container, unit: str, timeout: float = 60) -> bool:
     return bool(wait_until(lambda: c.prop(unit, "ActiveState") == "active", timeout, 0.5))
 
@@ -138,12 +148,48 @@ def _get(c: Container, url: str) -> object:
     return json.loads(r.stdout)
 
 
+def _qlen(c: Container) -> str:
+    r = c.run("cat", str(PROC_PATH))
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+def test_sysctl_file_applies_at_boot(debian_root: Path, require_binary: Callable[[str], str],
+                                     tmp_path: Path) -> None:
+    """The sysctl.d file ``forewarn deploy install --role agent`` writes is applied by
+    systemd-sysctl at boot. net.unix.max_dgram_qlen is per network namespace: the
+    container (its own) shows it, the host's is not touched. systemd's PID 1 raises the
+    value to 512 itself early at boot, so the value alone cannot tell who set it: that
+    systemd-sysctl ran with the file in its configuration is checked too."""
+    root = tmp_path / "root"
+    r = _run([sys.executable, "-m", "forewarn", "deploy", "install", "--role", "agent",
+              "--prefix", str(root)])
+    assert r.returncode == 0, r.stderr
+    host = PROC_PATH.read_text()
+    conf = root / SYSCTL_FILE.lstrip("/")
+    with _boot(debian_root, require_binary("systemd-nspawn"), tmp_path / "nspawn.log",
+               f"--bind-ro={conf}:{SYSCTL_FILE}") as c:
+        assert c.prop("systemd-sysctl.service", "ActiveState") == "active"
+        config = c.run("/lib/systemd/systemd-sysctl", "--cat-config").stdout
+        assert f"# {SYSCTL_FILE}\n" in config, config
+        assert f"net.unix.max_dgram_qlen = {RECOMMENDED}" in config, config
+        assert _qlen(c) == str(RECOMMENDED)
+    assert PROC_PATH.read_text() == host
+
+
 def test_units_run_under_systemd(container: Container) -> None:
     c = container
     forewarn = str(VENV / "bin" / "forewarn")
+    # systemd (PID 1) raised the limit to 512 at boot; set the kernel's default back (the
+    # container has its own network namespace) to see the install apply its file.
+    lower = "import sys; open(sys.argv[1], 'w').write('10')"
+    assert c.run(str(VENV / "bin" / "python"), "-c", lower, str(PROC_PATH)).returncode == 0
+    assert _qlen(c) == "10"
     for role in ("collector", "agent"):
         r = c.run(forewarn, "deploy", "install", "--role", role)
         assert r.returncode == 0, r.stdout + r.stderr
+    assert f"applied {SYSCTL_FILE}" in r.stdout, r.stdout
+    assert _qlen(c) == str(RECOMMENDED)
     # The agent on simulated GPUs, pushing to the collector; a short watchdog for the test.
     agent_toml = c.file("/etc/forewarn/agent.toml")
     agent_toml.write_text(agent_toml.read_text().replace('source = "auto"', 'source = "sim"')
@@ -185,6 +231,10 @@ def test_units_run_under_systemd(container: Container) -> None:
 
     journal = "journalctl", "-u", "forewarn-collector", "-u", "forewarn-agent"
     assert wait_until(node_seen, 60, 0.5), c.run(*journal).stdout[-4000:]
+    # Its socket got that queue limit (the agent read it before creating the socket).
+    ready = _get(c, "http://127.0.0.1:9403/readyz")
+    assert isinstance(ready, dict)
+    assert ready["components"]["rank_socket"]["max_dgram_qlen"] == RECOMMENDED, ready
 
     # The dynamic user owns what the collector wrote; / (so /etc and /usr) is read-only.
     db = c.file("/var/lib/private/forewarn-collector/collector.db")
