@@ -2,7 +2,7 @@
 goes on (``--nnodes=1:2``) against one that waits for the replacement (``--nnodes=2``).
 
 Two torchrun "nodes" on this machine (:class:`forewarn.demo.launch.TorchrunJob`), one
-rank each, the demo's workload (``forewarn.chaos.workload torch``: gloo DDP, 50 ms steps,
+rank each, the demo's workload (``forewarn.spawn.workload torch``: gloo DDP, 50 ms steps,
 a checkpoint every ``--checkpoint-every`` steps). After a warm-up that measures the
 per-rank step rate at full size, node 2 is killed (torchrun and worker, SIGKILL); its
 replacement starts ``--replace-s`` later and rejoins; the window ends ``--window-s`` after
@@ -48,7 +48,7 @@ def run(mode: str, work: Path, replace_s: float, window_s: float, every: int,
     (work / "control").mkdir()
     nodes = [Node(f"node-{i}", str(work / "no-agent.sock")) for i in (1, 2)]
     job = TorchrunJob(
-        "forewarn.chaos.workload",
+        "forewarn.spawn.workload",
         ["torch", "--job", f"goodput-{mode}", "--checkpoint-dir", str(work / "ckpt"),
          "--control-dir", str(work / "control"), "--step-seconds", str(STEP_S),
          "--checkpoint-every", str(every)],

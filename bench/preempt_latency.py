@@ -2,7 +2,7 @@
 under torchrun and under a real Slurm.
 
 * ``--launcher torchrun``: a real ``forewarn agent`` (simulated quiet node) and a 2-rank
-  gloo DDP job (``forewarn.chaos.workload torch``, 50 ms steps) launched by torchrun
+  gloo DDP job (``forewarn.spawn.workload torch``, 50 ms steps) launched by torchrun
   (``--nproc-per-node=2``, c10d). SIGTERM goes to torchrun, which forwards it to its
   workers; each rank tells the agent, the agent orders the job one step ahead of its
   fastest rank, both save that step and exit.
@@ -58,7 +58,7 @@ def torchrun_trial(work: Path) -> dict[str, Any]:
     agent = AgentProc(work, work / "agent.sock", "bench")
     (work / "control").mkdir()
     ckpt = work / "ckpt"
-    job = TorchrunJob("forewarn.chaos.workload",
+    job = TorchrunJob("forewarn.spawn.workload",
                       ["torch", "--job", "bench-preempt", "--checkpoint-dir", str(ckpt),
                        "--control-dir", str(work / "control"), "--step-seconds", str(STEP_S),
                        "--checkpoint-every", "1000000"],

@@ -40,7 +40,7 @@ class Rig:
         args = ["torch", "--job", JOB, "--checkpoint-dir", str(workdir / "ckpt"),
                 "--control-dir", str(control), "--step-seconds", "0.05",
                 "--checkpoint-every", "20"]
-        self.job = TorchrunJob("forewarn.chaos.workload", args,
+        self.job = TorchrunJob("forewarn.spawn.workload", args,
                                [Node(n, self.agents[n].socket, addr=a)
                                 for n, a in zip(NODES, addrs, strict=True)], job=JOB,
                                log_dir=workdir, max_restarts=10, nnodes=nnodes,

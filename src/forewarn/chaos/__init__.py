@@ -10,8 +10,8 @@
   :mod:`forewarn.chaos.proxy` (a cuttable TCP proxy); the processes themselves are
   started with :mod:`forewarn.spawn` (shared with the demo and the tests), and
   :mod:`forewarn.chaos.exposition` reads their ``/metrics``;
-* :mod:`forewarn.chaos.workload`: the training ranks, with faults injected by a control
-  file;
+* the training ranks, with faults injected by a control file: :mod:`forewarn.spawn.workload`
+  (the demo runs them too);
 * :mod:`forewarn.chaos.accounting`: telemetry produced by an agent against stored by its
   collector;
 * :mod:`forewarn.chaos.cli`: the command (table, JSON, exit status).

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from forewarn.chaos.daemons import LabAgent
 from forewarn.demo.launch import python_module
+from forewarn.spawn import workload
 
 if TYPE_CHECKING:
     from forewarn.chaos.lab import Lab
@@ -45,7 +46,7 @@ class HardwareRig:
             log = lab.dir / f"hw-job-gpu{g}.jsonl"
             env = dict(os.environ, PYTHONUNBUFFERED="1")
             lab.procs.spawn(f"hw-job-{g}", python_module(
-                "forewarn.chaos.workload", "light", "--job", self.job(g), "--gpu", str(g),
+                workload.__name__, "light", "--job", self.job(g), "--gpu", str(g),
                 "--socket", self.agent.socket, "--checkpoint-dir",
                 str(lab.dir / f"hw-ckpt-{g}")), log, env)
             self.logs[g] = log

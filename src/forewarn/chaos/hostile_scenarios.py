@@ -25,6 +25,7 @@ from forewarn.chaos.scenario_tools import (
     settle,
 )
 from forewarn.chaos.telemetry_rig import TelemetryRig
+from forewarn.spawn import workload
 from forewarn.spawn.procs import wait_until
 
 POISONS: tuple[tuple[str, str, Any], ...] = (
@@ -339,7 +340,7 @@ def alert_storm_with_fatal(lab: Lab, out: Outcome) -> None:
     rig = lab.telemetry("alert-storm", collector_extra=f'alert_token = "{ALERT_TOKEN}"\n')
     job_log = rig.agent.dir / "storm-job.jsonl"
     lab.procs.spawn("alert-storm-job", python_module(
-        "forewarn.chaos.workload", "light", "--job", STORM_JOB, "--gpu", "1", "--socket",
+        workload.__name__, "light", "--job", STORM_JOB, "--gpu", "1", "--socket",
         rig.agent.socket, "--checkpoint-dir", str(rig.agent.dir / "storm-ckpt")), job_log)
     known = wait_until(lambda: any(j.get("job") == STORM_JOB
                                    for j in rig.collector.get("/api/v1/jobs")), 60, step=0.5)

@@ -17,6 +17,7 @@ from forewarn.chaos.outcome import Outcome, Scenario
 from forewarn.chaos.scale_lab import NODES, ScaleRig, scale_rig
 from forewarn.demo import servers
 from forewarn.demo.launch import python_module
+from forewarn.spawn import workload
 from forewarn.spawn.procs import get_json, readyz, wait_until
 
 if TYPE_CHECKING:
@@ -152,7 +153,7 @@ def _order_job(lab: Lab, rig: ScaleRig) -> dict[int, Path]:
     for rank, node, gpu in ((0, NODES[0], 1), (1, NODES[2], 0)):
         log = rig.dir / f"order-rank{rank}.jsonl"
         lab.procs.spawn(f"order-rank{rank}", python_module(
-            "forewarn.chaos.workload", "light", "--job", ORDER_JOB, "--gpu", str(gpu),
+            workload.__name__, "light", "--job", ORDER_JOB, "--gpu", str(gpu),
             "--rank", str(rank), "--world-size", "2", "--socket", rig.agents[node].socket,
             "--checkpoint-dir", str(rig.dir / f"order-ckpt-{rank}")), log)
         logs[rank] = log

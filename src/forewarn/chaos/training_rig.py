@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from forewarn.chaos.daemons import LabAgent
 from forewarn.demo.launch import Node, TorchrunJob
+from forewarn.spawn import workload
 from forewarn.spawn.procs import wait_until
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ class TrainingRig:
         args = ["torch", "--job", TRAIN_JOB, "--checkpoint-dir", str(self.ckpt),
                 "--control-dir", str(self.control), "--step-seconds", str(o.step_seconds),
                 "--checkpoint-every", str(o.checkpoint_every)]
-        self.launcher = TorchrunJob("forewarn.chaos.workload", args,
+        self.launcher = TorchrunJob(workload.__name__, args,
                                [Node(self.NODE, self.agent.socket, nproc=2)], job=TRAIN_JOB,
                                log_dir=lab.dir, max_restarts=50)
         self.events: list[dict[str, Any]] = []

@@ -9,7 +9,7 @@ rendezvous store shared with the workers (torch 2.4 and later) a restart round c
 the lowest ranks in every round, and the first node hosts the rendezvous store
 (``is_host``), so another node can leave and rejoin.
 
-The workers print their events as JSON lines on stdout (:mod:`forewarn.chaos.workload`);
+The workers print their events as JSON lines on stdout (:mod:`forewarn.spawn.workload`);
 :class:`TorchrunJob` collects them, adding ``attempt`` (the restart round, counted here:
 torchrun's ``TORCHELASTIC_RESTART_COUNT`` is per node and does not count a round that a
 peer node's failure started; a round begins when a rank starts again or a worker starts

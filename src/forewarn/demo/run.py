@@ -19,6 +19,7 @@ from typing import Any
 
 from forewarn.demo.launch import Node, TorchrunJob, free_port
 from forewarn.demo.report import DemoResult, summary_lines
+from forewarn.spawn import workload
 from forewarn.spawn.commands import agent_command, collector_command
 from forewarn.spawn.interrupts import interrupts_held
 from forewarn.spawn.procs import Procs, get_json
@@ -192,7 +193,7 @@ class Demo:
                 "--checkpoint-every", str(self.t.checkpoint_every), "--initial-checkpoint",
                 "--placement-file", str(self.placement)]
         nodes = [Node(n, self.sockets[n]) for n in NODES]
-        job = TorchrunJob("forewarn.chaos.workload", args, nodes, job=JOB, log_dir=self.dir,
+        job = TorchrunJob(workload.__name__, args, nodes, job=JOB, log_dir=self.dir,
                           max_restarts=6)
         self.stack.job = job
         job.start()
@@ -343,7 +344,7 @@ class Demo:
         return min(rows, key=lambda row: row["time"]) if rows else None
 
     def inject(self, rank: int, fault: str) -> None:
-        """Fault injection through the rank's control file (forewarn.chaos.workload)."""
+        """Fault injection through the rank's control file (forewarn.spawn.workload)."""
         path = self.control / f"control-r{rank}.json"
         entries = json.loads(path.read_text()) if path.exists() else []
         entries.append({"id": f"{fault}-{len(entries)}", "fault": fault})

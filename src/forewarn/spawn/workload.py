@@ -1,6 +1,6 @@
-"""The programs the chaos suite runs as training ranks.
+"""The programs the demo and the chaos suite run as training ranks.
 
-``python -m forewarn.chaos.workload torch ...``: one rank of a real ``torch.distributed``
+``python -m forewarn.spawn.workload torch ...``: one rank of a real ``torch.distributed``
 (gloo, CPU) data-parallel job (a small MLP on seeded synthetic batches, DDP), reporting
 every step through :class:`forewarn.hook.Monitor` and saving through
 :class:`forewarn.hook.CheckpointWriter` (``torch.distributed.checkpoint``), started by
@@ -10,7 +10,7 @@ cannot change on a restart (its ``LOCAL_RANK`` is the slot on the node): the dem
 a rank off a failed GPU with it, as a scheduler would restart the node's launcher with
 another ``CUDA_VISIBLE_DEVICES``.
 
-``python -m forewarn.chaos.workload light ...``: one rank of a job with no model and no
+``python -m forewarn.spawn.workload light ...``: one rank of a job with no model and no
 torch (the hook only, standard library): it steps, obeys checkpoint orders by writing its
 step atomically, and reports. The hardware scenarios put one on each faulty simulated
 GPU so that a GPU fault has a job to protect, without paying a torch start per GPU.
@@ -219,7 +219,7 @@ def _light_rank(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one rank (see the module docstring)."""
-    p = argparse.ArgumentParser(prog="python -m forewarn.chaos.workload")
+    p = argparse.ArgumentParser(prog="python -m forewarn.spawn.workload")
     sub = p.add_subparsers(dest="kind", required=True)
     t = sub.add_parser("torch", help="a rank of the 2-rank gloo job (under torchrun)")
     t.add_argument("--job", required=True)
