@@ -49,7 +49,7 @@ def test_build_makes_sdist_and_wheel_with_deploy_files(dist: tuple[Path, str]) -
     (wheel,) = out.glob("forewarn-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     for name in ("forewarn-agent.service", "forewarn-collector.service", "agent.toml",
-                 "collector.toml", "prometheus.yml", "alertmanager.yml"):
+                 "collector.toml", "60-forewarn.conf", "prometheus.yml", "alertmanager.yml"):
         assert f"forewarn/deploy/{name}" in names, name
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names), "no LICENSE"
     # No setuptools warning wall: data folders are declared packages.
