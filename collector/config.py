@@ -217,6 +217,9 @@ class CollectorConfig:
     predict_refresh_s: float = 300.0
     """An alarmed GPU's prediction is stored and passed to the policy again after this long
     (sooner when its health worsens)."""
+    predict_threads: int = 1
+    """OpenMP and BLAS threads a scoring may use. One: the model's OpenMP threads spin-wait
+    for work and, on a host whose cores are busy, made a scoring several times slower."""
     goodput_gpu_mtbf_h: float = 24.0 * 1000.0 / 6.5 * 8
     """Per-GPU MTBF prior in hours for checkpoint interval advice (Meta, HPCA 2025: 6.5
     failures per 1,000 node-days of 8 GPUs), updated with the failures observed."""
@@ -331,6 +334,7 @@ _WITHIN: dict[str, tuple[float, float, str]] = {
     "log_every_s": (0, 3600, "within 0..3600"),
     "alert_max_rows": (1, 10_000_000, "within 1..10^7"),
     "predict_sample_s": (0, math.inf, "at least 0"),
+    "predict_threads": (1, 1024, "within 1..1024"),
 }
 """Keys within ``lo..hi`` (inclusive), and how the error says it."""
 

@@ -65,6 +65,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import CollectorRegistry
+from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
 
 from forewarn.config import ConfigError
 from forewarn.wire import AgentBatch, Finding, GpuState, Health
@@ -182,8 +183,10 @@ class PredictorService:
         source: str = "default",
         error: str = "",
         gpu_mtbf_h: float = DEFAULT_GPU_MTBF_H,
+        threads: int = 1,
     ) -> None:
         self.interval_s = interval_s
+        self.threads = threads
         self.sample_s = sample_s
         self.refresh_s = refresh_s
         self.source = source
@@ -222,6 +225,7 @@ class PredictorService:
         kw: dict[str, Any] = {"interval_s": config.predict_interval_s,
                               "sample_s": config.predict_sample_s,
                               "refresh_s": config.predict_refresh_s,
+                              "threads": config.predict_threads,
                               "gpu_mtbf_h": config.goodput_gpu_mtbf_h}
         if config.model_path is None:
             svc = cls(None, **kw)
@@ -345,9 +349,11 @@ class PredictorService:
             return []
         started = time.perf_counter()
         self._rec.last = self._rec.features = None
-        findings = scorer.score(now)
-        last = self._rec.last
-        findings += scorer.job_findings(now)
+        # predict_threads (1): OpenMP threads spin-wait for work, slow on a busy host
+        with threadpool_limits(limits=self.threads):
+            findings = scorer.score(now)
+            last = self._rec.last
+            findings += scorer.job_findings(now)
         if self.drift is not None and self._rec.features is not None:
             self.drift.update(self._rec.features, now)
         scores = RiskScores(now, *last) if last is not None else _empty_scores(now)
