@@ -1,7 +1,9 @@
 """How many datagrams the kernel queues on the agent socket: ``net.unix.max_dgram_qlen``.
 
-A Unix datagram socket queues at most ``net.unix.max_dgram_qlen`` datagrams (10 by default,
-and neither Debian bookworm nor its systemd raises it); a hook whose send finds the agent's
+A Unix datagram socket queues at most ``net.unix.max_dgram_qlen`` datagrams: the kernel's
+default is 10; systemd as PID 1 raises it to 512 at boot, in its own network namespace
+only, so a host or container whose PID 1 is not systemd (a Docker container or Kubernetes
+pod with a network namespace of its own) keeps 10. A hook whose send finds the agent's
 queue full drops its step records (:mod:`forewarn.hook._sender`). The kernel fixes the limit
 of a socket when the socket is created, from the value of its network namespace, so the
 agent reads the value once, just before it creates its socket: that is the limit its
