@@ -121,6 +121,7 @@ def _feature_names() -> tuple[str, ...]:
               "power_std15", "width_ratio", "samples_missing5", "samples_missing15"]
     names += [f"{g}_vs_own" for g in GAUGES]
     names += [f"{g}_vs_peers" for g in GAUGES] + ["samples_missing15_vs_peers"]
+    names += [f"{g}_vs_own_vs_peers" for g in GAUGES]
     names += [f"{c}_vs_peers" for c in PEER_COUNTERS]
     names += [f"xid_{c}_60" for c in XID_CLASSES]
     return tuple(names)
@@ -272,6 +273,11 @@ def derive(now: Mapping[str, np.ndarray], lag: Mapping[int, Mapping[str, np.ndar
     # peers missed of theirs: a GPU going quiet before it falls off the bus, while a
     # node-wide gap (agent restart, congested network) reads zero.
     peer_in["samples_missing15_vs_peers"] = out["samples_missing15"]
+    # Its change against its own level beyond its peers' change against theirs: a node's
+    # workload moves every GPU's gauges together and reads zero, and so does what is
+    # chronic for the GPU (one that always runs hot or noisy); what changed for this GPU
+    # alone stands out (a thermal interface failing, a fan hunting, power hiccups).
+    peer_in |= {f"{g}_vs_own_vs_peers": out[f"{g}_vs_own"] for g in GAUGES}
     peer_in |= {f"{c}_vs_peers": out[f"{c}_d15"] for c in PEER_COUNTERS}
     member = (now["n"] - lag[PEER_MINUTES]["n"]) > 0
     out |= peer_deviation(peer_in, None if group is None else np.where(member, group, -1),

@@ -9,14 +9,26 @@ healthy GPUs of real fleets); an isolation forest over the same features catches
 far out for the fleet. Together::
 
     alarm = remap_u_total > 0 or hardware XIDs in the hour >= 2
-            or minutes of the hour with a counter beyond its own rate >= 45
-            or the GPU going quiet while its node's peers report >= 0.6 or q <= cutoff
+            or minutes of the hour with a counter beyond its own rate and its peers' >= 45
+            or the GPU going quiet while its node's peers report >= 0.6
+            or a gauge changed against its own level beyond its peers' change (GAUGE_RULES)
+            or q <= cutoff
 
 A hardware XID alone is no alarm; a second within the hour is (the precursors that write
 error codes repeat them: remaps one after another, contained SRAM errors, ECC storms). A
 counter (correctable ECC, PCIe replays, NVLink errors, ...) beyond the GPU's own long-run
 rate in most minutes of the hour alarms: a chronic trickle, once learned, reads zero; a
-one-off burst lasts minutes; an accelerating rate lasts. A GPU going quiet before it falls
+one-off burst lasts minutes; an accelerating rate lasts. It counts only where the counter
+also stands above its node peers' (a burst on every GPU of the node is the host's) and,
+before the GPU has its own baseline (its first 4 to 8 hours in the data, and again after
+the collector restarts), where the last 15 minutes outrun the 45 before: a chronic rate
+seen for the first time is steady, a precursor's grows (issue 17: healthy GPUs with a
+steady trickle were most of the false alarms on data no one here made). The forest's alarm
+alone is held to the same: before its own baseline a GPU's counters are raw counts, and a
+trickle the forest never saw sits far out. A gauge (temperature, its swings, power noise,
+...) alarms when its change against the GPU's own long-run level beyond its node peers'
+change against theirs passes a limit: a node's workload moves all GPUs together, and a GPU
+that always runs hot is hot in its own baseline too. A GPU going quiet before it falls
 off the bus (NVML calls time out, issue 17) alarms when it missed at least 60 % of its own
 usual samples over the last 15 minutes beyond the share its node's peers missed of theirs,
 and 60 % in the last 5 minutes: a node-wide gap (an agent restart, a congested network)
@@ -54,11 +66,12 @@ from sklearn.ensemble import IsolationForest
 
 from forewarn.models import calibration
 from forewarn.models.evaluate import RULE_COLUMNS, evaluate_scores
-from forewarn.models.features import FEATURE_NAMES
+from forewarn.models.features import FEATURE_NAMES, GAUGES
 from forewarn.models.predictor import FailurePredictor, label_rows, split_gpus
 
-__all__ = ["ACTIVE_MINUTES", "QUANTILES", "QUIET", "QUIET_COLUMNS", "REPEATS", "RULE_ONLY",
-           "THRESHOLD", "RulesForest", "calibrate", "train_rules_forest", "tune"]
+__all__ = ["ACTIVE_MINUTES", "GAUGE_RULES", "PEER_EXCESS", "QUANTILES", "QUIET", "QUIET_COLUMNS",
+           "REPEATS", "RULE_ONLY", "THRESHOLD", "RulesForest", "calibrate", "train_rules_forest",
+           "tune"]
 
 QUANTILES = (1e-2, 3e-3, 1e-3, 3e-4, 1e-4, 3e-5)
 """The cutoffs tried on ``q``, most sensitive first."""
@@ -80,11 +93,31 @@ their samples each at random, so that one of them trails its peers' median by 0.
 QUIET_COLUMNS = ("samples_missing15_vs_peers", "samples_missing5")
 """The features the quiet rule reads (the smaller of the two is the share gone quiet)."""
 
-RULE_ONLY = ("samples_missing15_vs_peers",)
+PEER_EXCESS = 1.0
+"""How far (``log1p`` of the 15-minute count beyond the GPU's own rate) a counter must
+stand above its node peers' median for its active minutes to count: a node-wide burst
+(the host's PCIe, docs/models.md) moves every GPU of the node and is no one GPU's
+precursor."""
+
+GAUGE_RULES = {"temp_vs_own_vs_peers": 20.0, "temp_std_vs_own_vs_peers": 5.0,
+               "power_std_vs_own_vs_peers": 0.1}
+"""A gauge's change against the GPU's own level beyond its node peers' change against
+theirs that alarms (features.py): temperature 20 C up (a thermal interface failing), its
+15-minute swings 5 C wider (a fan hunting), power noise 10 % of the limit wider (GSP power
+hiccups). Zero for a GPU without its own baseline yet; a node's workload and what is
+chronic for the GPU (one that always runs hot) read zero. Each is 1.25 times the largest
+value a GPU that never failed reached in four pools of other seeds (7 and 8 at ``--scale
+1``, two of 6 nodes at 1.6 times the noise; docs/models.md): a hot spell (+5-15 C for an
+hour) reaches 16 C above its peers, and the largest of a larger fleet is larger."""
+
+RULE_ONLY = ("samples_missing15_vs_peers", *(f"{g}_vs_own_vs_peers" for g in GAUGES))
 """Features the rules read and the forest does not: zero on nearly every row, such a column
 takes up the forest's random splits without isolating anything, so the forest scored
 differently and its tuned cutoff moved (leave-one-family-out, docs/models.md: five false
-alarms on hot spells in each pool that it did not raise without the column)."""
+alarms on hot spells in each pool that it did not raise without the column). Nor does it
+read the gauges' change beyond the peers' change (``<g>_vs_own_vs_peers``): with them its
+tuned cutoff moved again and its catches and false alarms shifted family by family in both
+directions on pool 7 (noise, not a gain); the rules read three of them."""
 
 THRESHOLD = 0.5
 """The operating threshold of the alarm score: two XIDs, or ``q`` at the cutoff."""
@@ -138,15 +171,66 @@ class RulesForest:
         return q
 
     def rules(self, features: pd.DataFrame | np.ndarray) -> np.ndarray:
-        """The rules' score, the larger of ``1 - 2 ** -(n / REPEATS)`` for ``n`` hardware
+        """The rules' score, the largest of ``1 - 2 ** -(n / REPEATS)`` for ``n`` hardware
         XIDs in the hour, ``1 - 2 ** -(m / ACTIVE_MINUTES)`` for ``m`` minutes of the
-        hour with a counter's errors beyond the GPU's own rate and :meth:`quiet`; 1.0 with
-        an uncorrectable remap on record (0.5 and more: they alarm)."""
+        hour with a counter's errors beyond the GPU's own rate (:meth:`active`),
+        :meth:`quiet` and :meth:`gauges`; 1.0 with an uncorrectable remap on record (0.5
+        and more: they alarm)."""
         x = self._x(features)
         n = x[:, self.xid_columns].sum(axis=1)
-        m = x[:, self.active_columns].max(axis=1)
-        score: np.ndarray = np.where(x[:, self.remap_column] > 0, 1.0, np.maximum(
-            1.0 - np.exp2(-np.maximum(n / REPEATS, m / ACTIVE_MINUTES)), self.quiet(x)))
+        m = self.active(x)
+        score: np.ndarray = np.where(x[:, self.remap_column] > 0, 1.0, np.maximum.reduce([
+            1.0 - np.exp2(-np.maximum(n / REPEATS, m / ACTIVE_MINUTES)), self.quiet(x),
+            self.gauges(x)]))
+        return score
+
+    def _col(self, x: np.ndarray, name: str) -> np.ndarray | None:
+        """Column ``name`` of ``x``; None for a model fitted before the feature existed."""
+        return x[:, self.feature_names.index(name)] if name in self.feature_names else None
+
+    def active(self, x: np.ndarray) -> np.ndarray:
+        """The most minutes of the hour any counter was beyond the GPU's own rate, counting
+        a counter only where it also stands :data:`PEER_EXCESS` above its node peers and,
+        before the GPU has its own baseline, where its last 15 minutes outrun the 45
+        before (:func:`_outruns`): a chronic rate seen for the first time is steady, a
+        precursor's grows."""
+        hours = self._col(x, "baseline_hours")
+        best = np.zeros(len(x))
+        for i in self.active_columns:
+            c = self.feature_names[i].removesuffix("_active60")
+            m = x[:, i]
+            peers, d15, d60 = (self._col(x, f"{c}{k}") for k in ("_vs_peers", "_d15", "_d60"))
+            if peers is not None and hours is not None and d15 is not None \
+                    and d60 is not None:
+                m = np.where((peers >= PEER_EXCESS) & ((hours > 0) | _outruns(d15, d60)),
+                             m, 0.0)
+            best = np.maximum(best, m)
+        return best
+
+    def judged(self, x: np.ndarray) -> np.ndarray:
+        """Rows the forest may alarm on alone: the GPU has its own baseline, or one of its
+        counters outruns the 45 minutes before (:func:`_outruns`). Before its baseline a
+        GPU's counters are raw counts, and a chronic trickle the forest never saw sits far
+        out though it is steady (issue 17)."""
+        hours = self._col(x, "baseline_hours")
+        if hours is None:
+            return np.ones(len(x), bool)
+        out: np.ndarray = hours > 0
+        for i in self.active_columns:
+            c = self.feature_names[i].removesuffix("_active60")
+            d15, d60 = self._col(x, f"{c}_d15"), self._col(x, f"{c}_d60")
+            if d15 is not None and d60 is not None:
+                out = out | _outruns(d15, d60)
+        return out
+
+    def gauges(self, x: np.ndarray) -> np.ndarray:
+        """The gauge rules' score, the largest ``1 - 2 ** -(v / limit)`` over
+        :data:`GAUGE_RULES` (0.5 at the limit)."""
+        score = np.zeros(len(x))
+        for name, limit in GAUGE_RULES.items():
+            v = self._col(x, name)
+            if v is not None:
+                score = np.maximum(score, 1.0 - np.exp2(-np.maximum(v, 0.0) / limit))
         return score
 
     def quiet(self, features: pd.DataFrame | np.ndarray) -> np.ndarray:
@@ -164,9 +248,10 @@ class RulesForest:
     def forest_alone(self, features: pd.DataFrame | np.ndarray) -> np.ndarray:
         """Where the forest alarms by itself (``q`` at or within ``cutoff``): the
         isolation-forest detector of the leave-one-family-out table."""
+        x = self._x(features)
         if self.cutoff <= 0:
-            return np.zeros(len(self._x(features)), bool)
-        alone: np.ndarray = self.quantile(features) <= self.cutoff
+            return np.zeros(len(x), bool)
+        alone: np.ndarray = (self.quantile(x) <= self.cutoff) & self.judged(x)
         return alone
 
     def alarm_score(self, features: pd.DataFrame | np.ndarray) -> np.ndarray:
@@ -175,8 +260,8 @@ class RulesForest:
         x = self._x(features)
         if len(x) == 0:
             return np.zeros(0)
-        forest = (np.exp2(-self.quantile(x) / self.cutoff) if self.cutoff > 0
-                  else np.zeros(len(x)))
+        forest = (np.where(self.judged(x), np.exp2(-self.quantile(x) / self.cutoff), 0.0)
+                  if self.cutoff > 0 else np.zeros(len(x)))
         score: np.ndarray = np.maximum(self.rules(x), forest)
         return score
 
@@ -193,13 +278,22 @@ class RulesForest:
         return np.column_stack([1.0 - s, s])
 
 
+def _outruns(d15: np.ndarray, d60: np.ndarray) -> np.ndarray:
+    """Whether the count of the last 15 minutes (``log1p``) exceeds the Poisson upper bound
+    (features.py's allowance) of the rate over the 45 minutes before it."""
+    c15, c60 = np.expm1(d15), np.expm1(d60)
+    mu = np.maximum(c60 - c15, 0.0) / 3.0
+    out: np.ndarray = c15 > (np.sqrt(mu) + 2.5) ** 2
+    return out
+
+
 def tune(detector: RulesForest, features: pd.DataFrame, labels: pd.DataFrame, *,
          horizon_s: float, target_false_alarms: float) -> RulesForest:
     """Set ``cutoff`` on labelled GPUs held out of the fit (module docstring)."""
     _y, keep = label_rows(features, labels, horizon_s)
     rows = features.loc[keep]
     scored = rows[["node", "gpu", "time"]]
-    q = detector.quantile(rows)
+    q = np.where(detector.judged(detector._x(rows)), detector.quantile(rows), np.inf)
     detector.cutoff = 0.0
     for c in QUANTILES:
         r = evaluate_scores(scored.assign(p=(q <= c).astype(np.float64)), labels, 0.5,

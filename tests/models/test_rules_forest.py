@@ -57,14 +57,17 @@ def test_one_hardware_xid_is_no_alarm_a_second_within_the_hour_is(
 
 def test_errors_beyond_own_rate_most_of_the_hour_alarm_a_short_burst_does_not(
         detector: FailurePredictor, usual: pd.Series) -> None:
-    """A counter beyond the GPU's own rate in 50 minutes of the hour (a trickle
-    accelerating) alarms without any error code; in 10 minutes (a one-off burst) not."""
-    rows = _rows(usual, 3)
-    rows.loc[1, "ecc_active60"] = 10
-    rows.loc[2, "pcie_active60"] = 50
-    assert baseline_scores(rows).tolist() == [0, 0, 0]
+    """A counter beyond the GPU's own rate and its node peers' in 50 minutes of the hour
+    (a trickle accelerating) alarms without any error code; in 10 minutes (a one-off
+    burst) not, nor in 50 minutes together with its node peers (the host's PCIe)."""
+    rows = _rows(usual, 4)
+    rows["baseline_hours"] = 24.0
+    rows.loc[1, ["ecc_active60", "ecc_d15", "ecc_vs_peers"]] = [10, 3.0, 3.0]
+    rows.loc[2, ["pcie_active60", "pcie_d15", "pcie_vs_peers"]] = [50, 3.0, 3.0]
+    rows.loc[3, ["pcie_active60", "pcie_d15", "pcie_vs_peers"]] = [50, 3.0, 0.0]
+    assert baseline_scores(rows).tolist() == [0, 0, 0, 0]
     assert (detector.predict_proba(rows) >= detector.threshold).tolist() == [
-        False, False, True]
+        False, False, True, False]
 
 
 def test_forest_alarms_alone_on_a_gpu_far_from_the_fleet(detector: FailurePredictor,
