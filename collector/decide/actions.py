@@ -169,8 +169,11 @@ class ActionPipeline:
                 self._record(action, "shadow" if shadow else "skipped",
                              {"why": "shadow" if shadow else "no webhook configured"})
                 return None
-            self.send_webhook(event_for(d, action.finding, issued))
-            self._record(action, "queued", {})
+            event = event_for(d, action.finding, issued)
+            self.send_webhook(event)
+            # the event itself: the next leader sends it again if its delivery has not
+            # ended (:mod:`.webhook_history`)
+            self._record(action, "queued", {"event": event})
             return None
         self._drain(action, shadow)
         return None

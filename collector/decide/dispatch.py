@@ -11,21 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .actions import ActionPipeline
+from .actions import ActionLog, ActionPipeline
 from .drain import DrainRunner
 from .orders import OrderBook
 from .policy import Policy
+from .webhook_history import resend_undelivered
 from .webhooks import Delivery, WebhookEndpoint, WebhookSender
 
 if TYPE_CHECKING:
     from .seam import DecideContext
 
-__all__ = ["ActionDispatch"]
+__all__ = ["ActionDispatch", "store_delivery"]
 
 log = logging.getLogger(__name__)
 
@@ -73,20 +73,56 @@ class ActionDispatch:
                 log.exception("stopping the webhook sender failed")
         self._drain_pool.shutdown(wait=True)
 
+    def resend_undelivered(self) -> int:
+        """Policy thread, as this replica starts to lead: the webhooks the last leader
+        queued and whose delivery has not ended go out again (:mod:`.webhook_history`);
+        returns how many deliveries were queued."""
+        ctx, sender = self._ctx, self.sender
+        if ctx is None or sender is None or ctx.loop is None:
+            return 0
+        loop = ctx.loop
+
+        def send(event: dict[str, Any], ended: frozenset[str]) -> int:
+            return asyncio.run_coroutine_threadsafe(_call(sender.send, event, ended),
+                                                    loop).result(10)
+
+        try:
+            return resend_undelivered(ctx.store, ctx.clock(), send,
+                                      ctx.metrics.policy_errors.inc)
+        except Exception:
+            ctx.metrics.policy_errors.inc()
+            log.exception("resending the webhooks the last leader queued failed")
+            return 0
+
     def _delivered(self, d: Delivery) -> None:
         """Runs on the loop: store final delivery results off the loop."""
         ctx = self._ctx
-        if ctx is None or d.status == "retry":
+        if ctx is None:
             return
-        record = functools.partial(
-            ctx.store.record_action, time=d.time, kind="webhook_delivery", subject=d.url,
-            status=d.status, detail={"event": d.event_id, "url": d.url, "attempt": d.attempt,
-                                     "http_status": d.http_status, "detail": d.detail},
-        )
+        record = store_delivery(ctx.store)
         try:
-            asyncio.get_running_loop().run_in_executor(None, record)
+            asyncio.get_running_loop().run_in_executor(None, record, d)
         except RuntimeError:
-            record()
+            record(d)
+
+
+def store_delivery(store: ActionLog) -> Callable[[Delivery], None]:
+    """An ``on_delivery`` callback storing each delivery that ended (delivered, failed,
+    dropped) as a ``webhook_delivery`` action; a retry is not stored."""
+
+    def record(d: Delivery) -> None:
+        if d.status == "retry":
+            return
+        store.record_action(
+            time=d.time, kind="webhook_delivery", subject=d.url, status=d.status,
+            detail={"event": d.event_id, "url": d.url, "attempt": d.attempt,
+                    "http_status": d.http_status, "detail": d.detail})
+
+    return record
+
+
+async def _call(fn: Callable[..., int], *args: Any) -> int:
+    return fn(*args)
 
 
 def _threadsafe(send: Callable[[dict[str, Any]], object], loop: asyncio.AbstractEventLoop

@@ -46,7 +46,7 @@ import hashlib
 import hmac
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import httpx
@@ -295,6 +295,8 @@ class WebhookSender:
         self._tasks: set[asyncio.Task[None]] = set()
         self._worker: asyncio.Task[None] | None = None
         self._pending = 0
+        self._under_way: set[tuple[str, WebhookEndpoint]] = set()
+        """(event id, endpoint) of the deliveries queued or waiting for a retry."""
         self._idle = asyncio.Event()
         self.deliveries: collections.deque[Delivery] = collections.deque(maxlen=500)
         """The latest delivery attempts, newest last."""
@@ -324,12 +326,16 @@ class WebhookSender:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._worker = None
+        self._under_way.clear()
         if self._own_client and self._client is not None:
             await self._client.aclose()
             self._client = None
 
-    def send(self, event: Mapping[str, Any]) -> int:
-        """Queue ``event`` for every endpoint; returns how many deliveries were queued."""
+    def send(self, event: Mapping[str, Any], skip: Collection[str] = ()) -> int:
+        """Queue ``event`` for every endpoint but those whose url is in ``skip``; returns
+        how many deliveries were queued. A delivery of the same event to the same endpoint
+        that is still under way is not queued again (a replica that leads again resends
+        what the store says has not ended: :mod:`.webhook_history`)."""
         if self._queue is None:
             log.warning("webhook sender not started; event %s dropped", event.get("id"))
             return 0
@@ -339,9 +345,12 @@ class WebhookSender:
         slack = msgspec.json.encode(slack_payload(event))
         queued = 0
         for ep in self.endpoints:
+            if ep.url in skip or (event_id and (event_id, ep) in self._under_way):
+                continue
             job = _Job(event_id, ep, slack if ep.format == "slack" else generic, key)
             try:
                 self._queue.put_nowait(job)
+                self._under_way.add((event_id, ep))
                 queued += 1
                 self._pending += 1
                 self._idle.clear()
@@ -415,6 +424,8 @@ class WebhookSender:
         )
         self.deliveries.append(d)
         self._m.labels(status).inc()
+        if status in ("delivered", "failed"):
+            self._under_way.discard((job.event_id, job.endpoint))
         if status in ("delivered", "failed") and self._pending > 0:
             self._pending -= 1
             if self._pending == 0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,5 +43,14 @@ def sqlite_state(tmp_path: Path) -> Iterator[StateStore]:
     """An embedded (SQLite) state store in ``tmp_path/data``."""
     state = open_state(CollectorConfig(data_dir=tmp_path / "data",
                                        tokens_file=tmp_path / "none.toml"))
+    yield state
+    state.close()
+
+
+@pytest.fixture
+def backend_state(tmp_path: Path, state_backend: dict[str, Any]) -> Iterator[StateStore]:
+    """A state store on each backend in turn (SQLite, then PostgreSQL: ``state_backend``)."""
+    state = open_state(CollectorConfig(data_dir=tmp_path / "data",
+                                       tokens_file=tmp_path / "none.toml", **state_backend))
     yield state
     state.close()

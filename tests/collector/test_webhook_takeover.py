@@ -1,0 +1,70 @@
+"""A webhook the old leader queued but had not delivered when it died goes out from the
+next leader (issue 16): once, with the old leader's idempotency key, freshly signed; one
+whose delivery ended is not sent again. On SQLite and PostgreSQL (the same code)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from forewarn.collector.decide.actions import ActionPipeline, store_decisions
+from forewarn.collector.decide.dispatch import store_delivery
+from forewarn.collector.decide.orders import OrderBook
+from forewarn.collector.decide.policy import Policy, PolicySettings
+from forewarn.collector.decide.webhook_history import resend_undelivered
+from forewarn.collector.decide.webhooks import (
+    IDEMPOTENCY_HEADER,
+    WebhookEndpoint,
+    WebhookSender,
+    WebhookVerifier,
+)
+from forewarn.collector.metrics import CollectorMetrics
+from forewarn.collector.storage.commands import CommandQueue
+from forewarn.collector.storage.state import StateStore
+from forewarn.wire import SuggestedAction
+
+from support.policy import Clock, fleet, gpu_finding
+from support.webhooks import Receiver
+
+SECRET = b"webhook-secret-for-tests"
+
+
+async def take_over(store: StateStore, clock: Clock, receiver: Receiver) -> int:
+    """A new leader's webhook sender, started as it starts to lead: resends what the store
+    says is undelivered, waits until each delivery ended; how many it queued."""
+    sender = WebhookSender([WebhookEndpoint(receiver.url, "json", SECRET)],
+                           on_delivery=store_delivery(store), backoff_s=0.05)
+    await sender.start()
+    try:
+        queued = resend_undelivered(store, clock.t, sender.send)
+        assert await sender.drain(20.0)
+        return queued
+    finally:
+        await sender.stop()
+
+
+def test_the_next_leader_sends_a_webhook_the_old_leader_queued_once_with_its_key(
+        backend_state: StateStore) -> None:
+    store, clock = backend_state, Clock()
+    queued: list[dict[str, Any]] = []  # leader A's sender: its receiver was down, A died
+    policy = Policy(PolicySettings(), fleet(), clock=clock, record=store_decisions(store))
+    orders = OrderBook(CommandQueue(store, CollectorMetrics()), clock=clock)
+    ActionPipeline(policy, orders, send_webhook=queued.append, actions=store).handle_findings(
+        [gpu_finding("n0", check="gpu_lost", action=SuggestedAction.DRAIN)])
+    [event] = queued
+    clock.t += 30
+    receiver = Receiver()
+    receiver.statuses = [503]  # B's first try fails too: B retries within its limits
+    try:
+        assert asyncio.run(take_over(store, clock, receiver)) == 1  # leader B
+        clock.t += 30
+        assert asyncio.run(take_over(store, clock, receiver)) == 0  # C: it ended
+    finally:
+        receiver.close()
+    assert len(receiver.requests) == 2  # the 503, then the delivery
+    headers, body = receiver.requests[-1]
+    WebhookVerifier(SECRET).verify(body, headers)  # signed afresh by B
+    assert {k.lower(): v for k, v in headers.items()}[IDEMPOTENCY_HEADER.lower()] == \
+        event["idempotency_key"]
+    assert json.loads(body)["id"] == event["id"]
