@@ -16,10 +16,10 @@ What counts is what was done, read from the ``decisions`` rows within the gates'
 * a drain counts from its decision: its ``actions`` row comes only when its command has
   ended, and a node must not be drained twice;
 * the breaker's own alert (target ``breaker:<kind>``) passed no gate and counts for none;
-* "one checkpoint order per job and incident" (:class:`~.incidents.IncidentBook`): the
-  open incidents are taken over from the ``incidents`` table (:mod:`.ledger`), and which
-  jobs each one ordered from the checkpoint decisions carried out (their ``incident``
-  input).
+* "one checkpoint order per job and incident" and "one save hold per job and incident"
+  (:class:`~.incidents.IncidentBook`): the open incidents are taken over from the
+  ``incidents`` table (:mod:`.ledger`), and which jobs each one ordered (held) from the
+  checkpoint (hold) decisions carried out (their ``incident`` input).
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ _CARRIED_OUT = ("SELECT detail FROM actions WHERE time >= ? AND kind IN"
                 " ('checkpoint', 'hold', 'webhook')")
 _ORDERED = ("SELECT job, inputs FROM decisions WHERE time >= ? AND decision IN"
             " ('checkpoint:act', 'checkpoint:shadow')")
+_HELD = ("SELECT job, inputs FROM decisions WHERE time >= ? AND decision IN"
+         " ('hold:act', 'hold:shadow')")
 _QUEUED_KINDS = frozenset({ActionKind.CHECKPOINT, ActionKind.HOLD, ActionKind.WEBHOOK})
 
 
@@ -67,21 +69,26 @@ def restore_gates(policy: Policy, ctx: DecideContext) -> None:
         return
     policy.gates.restore(events, now)
     log.warning("policy gates rebuilt from %d stored decision(s)", len(events))
+    since = now - policy.gates.window_s()
     try:
-        for incident, job, check in incident_orders(ctx.store, now - policy.gates.window_s()):
+        for incident, job, check in incident_orders(ctx.store, since):
             policy.incidents.ordered_before(incident, job, check)
+        for incident, job, _check in incident_orders(ctx.store, since, _HELD):
+            policy.incidents.held_before(incident, job)
     except Exception:
         ctx.metrics.policy_errors.inc()
         log.exception("taking over which jobs the open incidents ordered failed")
 
 
-def incident_orders(store: StateStore, since: float) -> list[tuple[str, str, str]]:
-    """(incident id, job, check) of the checkpoint orders carried out since ``since``:
-    "one checkpoint order per job and incident" holds on the next leader. A row that
-    cannot be read is skipped."""
+def incident_orders(store: StateStore, since: float, decisions: str = _ORDERED
+                    ) -> list[tuple[str, str, str]]:
+    """(incident id, job, check) of the checkpoint orders (``decisions``: or the save
+    holds, :data:`_HELD`) carried out since ``since``: "one checkpoint order (save hold)
+    per job and incident" holds on the next leader. A row that cannot be read is
+    skipped."""
     carried = _carried_out(store.query(_CARRIED_OUT, (since,)))
     out = []
-    for row in store.query(_ORDERED, (since,)):
+    for row in store.query(decisions, (since,)):
         try:
             inputs = json.loads(row["inputs"])
         except ValueError:

@@ -16,7 +16,8 @@ An **incident** groups the findings about one *scope* that arrive within ``windo
 another or while one of them fires: a GPU (``gpu:node/index``), a node for node-wide
 findings (``node:name``), a job for rank and job findings (``job:id``). One double-bit error
 gives an XID 48 finding and an uncorrectable-ECC finding: one incident. The policy orders
-a job at most once per incident (:mod:`.policy`), unless the incident **escalates**: a
+a job at most once per incident (:mod:`.policy`), and holds its saves at most once, unless
+the incident **escalates** (an order; a hold never repeats): a
 finding worse than the incident's health so far, or a finding materially worse than its own
 previous report (:func:`forewarn.escalation.escalates`: remapped rows growing under one
 "remap pending"). An incident is ``open`` while a finding fires and ends ``resolved`` or
@@ -121,6 +122,8 @@ class Incident:
     orders: int = 0
     ordered: dict[str, Finding] = dataclasses.field(default_factory=dict)
     """Job -> the finding that last ordered its checkpoint in this incident."""
+    held: set[str] = dataclasses.field(default_factory=set)
+    """Jobs whose saves this incident held (once per job and incident)."""
     worst: Health = Health.HEALTHY
     """The worst health any of its findings reached."""
     closed: float | None = None
@@ -242,6 +245,17 @@ class IncidentBook:
                 continue
             tracked = [t.finding for t in incident.findings.values()]
             incident.ordered[job] = next((f for f in tracked if f.check == check), tracked[0])
+
+    def held(self, obs: Observation, job: str) -> None:
+        """The policy held ``job``'s saves because of ``obs``."""
+        obs.incident.held.add(job)
+
+    def held_before(self, incident_id: str, job: str) -> None:
+        """A previous leader held ``job``'s saves in the open incident ``incident_id``
+        (its stored decision says so)."""
+        for incident in self._open.values():
+            if incident.id == incident_id:
+                incident.held.add(job)
 
     def close(self, finding: Finding, source: str, now: float,
               state: FindingState) -> TrackedFinding | None:

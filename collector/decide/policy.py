@@ -16,7 +16,8 @@ For each finding that is not healthy:
    escalates (worse health, or materially worse evidence: :mod:`forewarn.escalation`).
 4. Per action kind and target (a job for checkpoints, a node for drains, the subject for
    webhooks): **one checkpoint order per job and incident** unless the incident escalates,
-   the **cost model** (checkpoints only, :mod:`.costmodel`), the **cooldown** per
+   **one save hold per job and incident** (its ranks stopped saving at the first), the
+   **cost model** (checkpoints only, :mod:`.costmodel`), the **cooldown** per
    target and kind (an escalation is not held back by it), the **circuit breaker**
    (refuses acting on more than a share of the jobs/fleet within a window, and raises one
    alert per trip), the **rate limit** (a token
@@ -209,7 +210,7 @@ class Policy:
             if kind == ActionKind.CHECKPOINT:
                 planned += self._checkpoint(finding, source, now, force_checkpoint, obs)
             elif kind == ActionKind.HOLD:
-                planned += self._hold(finding, source, now)
+                planned += self._hold(finding, source, now, obs)
             elif kind == ActionKind.DRAIN:
                 planned += self._drain(finding, source, now)
             else:
@@ -282,7 +283,8 @@ class Policy:
                 out.append(PlannedAction(ActionKind.CHECKPOINT, decision, finding, job=job))
         return out
 
-    def _hold(self, finding: Finding, source: str, now: float) -> list[PlannedAction]:
+    def _hold(self, finding: Finding, source: str, now: float, obs: Observation
+              ) -> list[PlannedAction]:
         out: list[PlannedAction] = []
         for job_id in self._jobs_of(finding.subject):
             job = self.jobs.job(job_id)
@@ -293,12 +295,23 @@ class Policy:
                 )
                 continue
             onset = onset_step(finding, job, now)
+            inputs = {"onset_step": onset, "incident": obs.incident.id}
+            if job_id in obs.incident.held:
+                # its ranks stopped saving at the first hold: a repeat (a later report of
+                # the same NaN, after a takeover too) would only move the stop later
+                self._decide(
+                    ActionKind.HOLD, finding, source, now, target=f"job:{job_id}",
+                    outcome=Outcome.SUPPRESSED, job=job_id, inputs=inputs,
+                    reason=f"incident {obs.incident.id} already held this job's saves",
+                )
+                continue
             decision = self._gate(
                 ActionKind.HOLD, finding, source, now, f"job:{job_id}",
                 f"{finding.check}: the training state is suspect since step {onset}: "
-                "stop saving it", {"onset_step": onset}, population=0, job=job_id,
+                "stop saving it", inputs, population=0, job=job_id,
             )
             if decision is not None:
+                self.incidents.held(obs, job_id)
                 out.append(PlannedAction(ActionKind.HOLD, decision, finding, job=job))
         return out
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from forewarn.collector.storage.commands import CommandQueue
 from forewarn.collector.storage.state import StateStore
 from forewarn.wire import Finding, Health, Subject, SuggestedAction
 
+from support.collector import Service as CollectorService
 from support.collector import ranks_on, start_service, stop_service
 from support.handover import Service, gpu_lost, leader_and_follower, rows, take_over
 from support.policy import Clock, fleet, gpu_finding
@@ -92,20 +94,30 @@ def test_the_drain_rate_limit_holds_across_a_takeover(
     assert decision == "drain:suppressed" and "rate limit" in reason, (decision, reason)
 
 
-@pytest.mark.usefixtures("state_backend")
-def test_a_collector_started_again_keeps_its_cooldowns(tmp_path: Path) -> None:
+def started_again(tmp_path: Path, finding: Finding, acted: Callable[[CollectorService], bool],
+                  what: str) -> tuple[CollectorService, float]:
+    """A collector on ``tmp_path`` that saw train-1 (node1 and node2) and acted on
+    ``finding`` (``acted`` says when), stopped and started again on its state; with the
+    time it started again."""
     svc = start_service(tmp_path)
     try:
         now = time.time()
         svc.push("node1", ranks=ranks_on("node1", 0, now))
         svc.push("node2", ranks=ranks_on("node2", 2, now))
-        svc.push("node1", findings=[gpu_lost("node1")])
-        wait_for(lambda: svc.commands("node1"), 30, "the order")
+        svc.push("node1", findings=[finding])
+        wait_for(lambda: acted(svc), 30, what)
     finally:
         stop_service(svc)
     restarted, seq = time.time(), svc.seq
     svc = start_service(tmp_path)
     svc.seq = seq  # the agents go on numbering their batches
+    return svc, restarted
+
+
+@pytest.mark.usefixtures("state_backend")
+def test_a_collector_started_again_keeps_its_cooldowns(tmp_path: Path) -> None:
+    svc, restarted = started_again(
+        tmp_path, gpu_lost("node1"), lambda s: bool(s.commands("node1")), "the order")
     try:
         # the job's GPU on its other node is lost within the checkpoint cooldown
         svc.push("node2", findings=[gpu_lost("node2", gpu=1)])
@@ -253,3 +265,30 @@ def test_the_gates_window_is_the_longest_of_theirs() -> None:
                          burst={"checkpoint": 100.0})
     # checkpoint's bucket takes 1,000 s to fill; a drain bucket that never fills is no limit
     assert Policy(off, fleet()).gates.window_s() == 1000.0
+
+
+def nan_loss(at: float) -> Finding:
+    """Rank 0 of train-1 (on node1) reports a NaN loss at step 480 (reported at ``at``)."""
+    return Finding(check="nan_loss", health=Health.UNHEALTHY,
+                   action=SuggestedAction.RESTART_JOB,
+                   subject=Subject(kind="rank", node="node1", job="train-1", rank=0), time=at,
+                   reason="loss is NaN", evidence={"bad_step": 480})
+
+
+@pytest.mark.usefixtures("state_backend")
+def test_a_collector_started_again_does_not_hold_a_job_twice_for_one_incident(
+        tmp_path: Path) -> None:
+    holds = "SELECT count(*) FROM commands WHERE kind = 'hold'"
+    svc, restarted = started_again(
+        tmp_path, nan_loss(time.time()), lambda s: s.store.scalar(holds) == 2,
+        "the hold (one per node)")
+    try:
+        # the same NaN reported again, later: a repeat the first run would have dropped
+        svc.push("node1", findings=[nan_loss(time.time())])
+        query = "SELECT decision, reason FROM decisions WHERE decision LIKE 'hold:%' AND time > ?"
+        wait_for(lambda: svc.store.query(query, (restarted,)), 30, "the second decision")
+        [second] = svc.store.query(query, (restarted,))
+        assert second["decision"] == "hold:suppressed", second
+        assert svc.store.scalar(holds) == 2
+    finally:
+        stop_service(svc)
