@@ -19,11 +19,11 @@ import concurrent.futures
 import hashlib
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
-from forewarn.wire import CheckpointReport, CommandAck, Finding, SaveHold
+from forewarn.wire import CheckpointReport, CommandAck, Finding
 
 from .drain import DrainError, DrainRunner
 from .orders import JobOrder, OrderBook, order_key
@@ -33,6 +33,8 @@ from .severity import ActionKind, Outcome
 __all__ = ["ActionLog", "ActionPipeline", "decision_key", "event_for", "store_decisions"]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class ActionLog(Protocol):
@@ -145,24 +147,24 @@ class ActionPipeline:
             if shadow or action.job is None:
                 self._record(action, "shadow", {"inputs": d.inputs})
                 return None
-            order = self.orders.issue(action.job, action.finding.reason, decision_id=d.id,
-                                      key=order_key(action.finding, action.job.job))
-            self._record(
-                action, "ordered",
-                {"request_id": order.request_id, "step": order.step, "nodes": list(order.nodes),
-                 "choose_step": order.inputs},
-            )
-            return order
+            # its actions row goes with its commands, in one transaction
+            return self.orders.issue(
+                action.job, action.finding.reason, decision_id=d.id,
+                key=order_key(action.finding, action.job.job),
+                note=self._note(lambda o: self._row(action, "ordered", {
+                    "request_id": o.request_id, "step": o.step, "nodes": list(o.nodes),
+                    "choose_step": o.inputs})))
         if action.kind == ActionKind.HOLD:
             onset = d.inputs.get("onset_step", 0)
             if shadow or action.job is None:
                 self._record(action, "shadow", {"onset_step": onset})
                 return None
-            hold = self.orders.hold(action.job, int(onset), action.finding.reason,
-                                    key="hold|" + order_key(action.finding, action.job.job))
-            self._record(action, "ordered", {"request_id": hold.request_id,
-                                             "onset_step": hold.onset_step, "step": hold.step,
-                                             "nodes": list(action.job.nodes)})
+            nodes = list(action.job.nodes)
+            self.orders.hold(action.job, int(onset), action.finding.reason,
+                             key="hold|" + order_key(action.finding, action.job.job),
+                             note=self._note(lambda h: self._row(action, "ordered", {
+                                 "request_id": h.request_id, "onset_step": h.onset_step,
+                                 "step": h.step, "nodes": nodes})))
             return None
         if action.kind == ActionKind.WEBHOOK:
             if shadow or self.send_webhook is None:
@@ -212,49 +214,41 @@ class ActionPipeline:
     def _record(self, action: PlannedAction, status: str, detail: dict[str, Any]) -> None:
         if self.actions is None:
             return
-        d = action.decision
         try:
-            self.actions.record_action(
-                time=d.time, kind=d.action, subject=d.subject, job=d.job, node=d.node,
-                status=status, shadow=d.outcome == Outcome.SHADOW,
-                detail={"decision": d.id, "target": d.target, **detail},
-            )
+            self.actions.record_action(**self._row(action, status, detail))
         except Exception:
-            log.exception("recording action %s failed", d.id)
+            log.exception("recording action %s failed", action.decision.id)
+
+    @staticmethod
+    def _row(action: PlannedAction, status: str, detail: dict[str, Any]) -> dict[str, Any]:
+        """The ``actions`` row of ``action`` (``record_action``'s keywords)."""
+        d = action.decision
+        return {"time": d.time, "kind": d.action, "subject": d.subject, "job": d.job,
+                "node": d.node, "status": status, "shadow": d.outcome == Outcome.SHADOW,
+                "detail": {"decision": d.id, "target": d.target, **detail}}
+
+    def _note(self, row: Callable[[T], dict[str, Any]]) -> Callable[[T], dict[str, Any]] | None:
+        """``row`` as the note an order or a hold is queued with (its actions row, in the
+        same transaction as its commands); none without an action log."""
+        return None if self.actions is None else row
 
     def on_report(self, report: CheckpointReport) -> JobOrder | None:
         """A rank's checkpoint report: cost measurement, order progress, reissue on miss."""
         self.policy.tracker.observe(report)
-        hold = self.orders.on_hold_report(report, self.policy.jobs.job(report.job))
+        job = self.policy.jobs.job(report.job)
+        missed = {"missed_by_rank": report.rank, "rank_step": report.step}
+        hold = self.orders.on_hold_report(report, job, self._note(lambda h: {
+            "time": h.issued, "kind": "hold", "subject": f"job:{h.job}", "job": h.job,
+            "status": "reissued",
+            "detail": {"request_id": h.request_id, "replaces": h.replaces,
+                       "onset_step": h.onset_step, "step": h.step, **missed}}))
         if hold is not None:
-            self._record_hold_reissue(hold, report)
             return None
-        new = self.orders.on_report(report, self.policy.jobs.job(report.job))
-        if new is not None and self.actions is not None:
-            try:
-                self.actions.record_action(
-                    time=new.issued, kind="checkpoint", subject=f"job:{new.job}", job=new.job,
-                    status="reissued",
-                    detail={"request_id": new.request_id, "step": new.step,
-                            "replaces": report.request_id, "attempt": new.attempt,
-                            "missed_by_rank": report.rank, "rank_step": report.step},
-                )
-            except Exception:
-                log.exception("recording reissue failed")
-        return new
-
-    def _record_hold_reissue(self, hold: SaveHold, report: CheckpointReport) -> None:
-        if self.actions is None:
-            return
-        try:
-            self.actions.record_action(
-                time=hold.issued, kind="hold", subject=f"job:{hold.job}", job=hold.job,
-                status="reissued",
-                detail={"request_id": hold.request_id, "replaces": hold.replaces,
-                        "onset_step": hold.onset_step, "step": hold.step,
-                        "missed_by_rank": report.rank, "rank_step": report.step})
-        except Exception:
-            log.exception("recording a hold's reissue failed")
+        return self.orders.on_report(report, job, self._note(lambda o: {
+            "time": o.issued, "kind": "checkpoint", "subject": f"job:{o.job}", "job": o.job,
+            "status": "reissued",
+            "detail": {"request_id": o.request_id, "step": o.step,
+                       "replaces": report.request_id, "attempt": o.attempt, **missed}}))
 
     def on_ack(self, ack: CommandAck) -> None:
         """An agent acknowledged a command."""

@@ -43,7 +43,8 @@ from forewarn.wire import CheckpointOrder, CheckpointReport, CommandAck, Finding
 
 from ..jobs.jobview import JobInfo
 
-__all__ = ["CommandSink", "JobOrder", "OrderBook", "OrderSettings", "choose_step", "order_key"]
+__all__ = ["CommandSink", "HoldNote", "JobOrder", "OrderBook", "OrderNote", "OrderSettings",
+           "choose_step", "order_key"]
 
 
 class CommandSink(Protocol):
@@ -51,14 +52,25 @@ class CommandSink(Protocol):
 
     Contract: ``order_checkpoint`` queues one ``Command(kind="checkpoint", order=order)``
     per node (id ``<request_id>@<node>``), is idempotent per id, and returns what it queued;
-    ``hold_saves`` the same with ``Command(kind="hold", hold=hold)``.
+    ``hold_saves`` the same with ``Command(kind="hold", hold=hold)``. Each stores its
+    ``action`` row (the store's ``record_action`` keywords) in the same transaction as the
+    commands.
     """
 
-    def order_checkpoint(self, nodes: Iterable[str], order: CheckpointOrder) -> Sequence[Any]:
+    def order_checkpoint(self, nodes: Iterable[str], order: CheckpointOrder,
+                         action: dict[str, Any] | None = None) -> Sequence[Any]:
         ...
 
-    def hold_saves(self, nodes: Iterable[str], hold: SaveHold) -> Sequence[Any]:
+    def hold_saves(self, nodes: Iterable[str], hold: SaveHold,
+                   action: dict[str, Any] | None = None) -> Sequence[Any]:
         ...
+
+
+OrderNote = Callable[["JobOrder"], dict[str, Any]]
+"""The ``actions`` row of an order (the store's ``record_action`` keywords), written with
+its commands."""
+HoldNote = Callable[[SaveHold], dict[str, Any]]
+"""The ``actions`` row of a save hold, written with its commands."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,11 +187,12 @@ class OrderBook:
 
     def issue(
         self, job: JobInfo, reason: str, *, decision_id: str = "", floor: int | None = None,
-        attempt: int = 0, key: str = "",
+        attempt: int = 0, key: str = "", note: OrderNote | None = None,
     ) -> JobOrder:
-        """Choose S for ``job`` and queue the order for each of its nodes. ``key``
-        (:func:`order_key`): the request id comes from it, so the same order decided
-        again is the same order; without it, a new id."""
+        """Choose S for ``job`` and queue the order for each of its nodes, with the
+        ``actions`` row ``note`` makes of it. ``key`` (:func:`order_key`): the request id
+        comes from it, so the same order decided again is the same order; without it, a
+        new id."""
         now = self._clock()
         step, inputs = choose_step(job, now, self.settings, floor)
         order = CheckpointOrder(
@@ -190,41 +203,44 @@ class OrderBook:
             issued=now, nodes=job.nodes, world_size=job.world_size, inputs=inputs,
             attempt=attempt, decision_id=decision_id,
         )
+        self.sink.order_checkpoint(job.nodes, order, None if note is None else note(record))
         self._orders[order.request_id] = record
         self._jobs[order.request_id] = job
         while len(self._orders) > self.settings.keep:
             oldest = next(iter(self._orders))
             self._orders.pop(oldest)
             self._jobs.pop(oldest, None)
-        self.sink.order_checkpoint(job.nodes, order)
         self._m_orders.labels("issued" if attempt == 0 else "reissued").inc()
         return record
 
-    def hold(self, job: JobInfo, onset_step: int, reason: str, *, key: str = "") -> SaveHold:
+    def hold(self, job: JobInfo, onset_step: int, reason: str, *, key: str = "",
+             note: HoldNote | None = None) -> SaveHold:
         """Tell every node of ``job`` that its state is suspect since ``onset_step`` and
         that its ranks stop saving at a step chosen as an order's S (ahead of the fastest
         rank, so all of them stop at the same step): :class:`~forewarn.wire.SaveHold`.
-        ``key`` as for :meth:`issue`."""
+        ``key`` and ``note`` as for :meth:`issue`."""
         now = self._clock()
         step, _inputs = choose_step(job, now, self.settings)
         hold = SaveHold(request_id=self._request_id(key), job=job.job, onset_step=onset_step,
                         step=max(step, onset_step), reason=reason[:4096], issued=now)
-        self._send_hold(job, hold, 0)
+        self._send_hold(job, hold, 0, note)
         self._m_orders.labels("hold").inc()
         return hold
 
     def _request_id(self, key: str) -> str:
         return _keyed_request_id(key) if key else self._new_id()
 
-    def _send_hold(self, job: JobInfo, hold: SaveHold, attempt: int) -> None:
+    def _send_hold(self, job: JobInfo, hold: SaveHold, attempt: int,
+                   note: HoldNote | None) -> None:
+        self.sink.hold_saves(job.nodes, hold, None if note is None else note(hold))
         self._holds.add(hold, attempt, job)
-        self.sink.hold_saves(job.nodes, hold)
 
-    def on_hold_report(self, report: CheckpointReport, job: JobInfo | None = None
-                       ) -> SaveHold | None:
+    def on_hold_report(self, report: CheckpointReport, job: JobInfo | None = None,
+                       note: HoldNote | None = None) -> SaveHold | None:
         """A rank reported ``missed`` for a hold (it had passed the hold's step): the hold
         again for every node of the job, from the step after the one reported, replacing
-        the missed one. Returns the new hold, if any."""
+        the missed one (with the ``actions`` row ``note`` makes of it). Returns the new
+        hold, if any."""
         missed = self._holds.missed(report)
         if missed is None:
             return None
@@ -233,7 +249,7 @@ class OrderBook:
             self._m_orders.labels("failed").inc()
             return None
         new = replacement_hold(hold, report.step, self._new_id(), self._clock())
-        self._send_hold(job or issued_for, new, attempt + 1)
+        self._send_hold(job or issued_for, new, attempt + 1, note)
         self._m_orders.labels("reissued").inc()
         return new
 
@@ -268,10 +284,12 @@ class OrderBook:
         order.acks[ack.node] = ack.ok
         return order
 
-    def on_report(self, report: CheckpointReport, job: JobInfo | None = None) -> JobOrder | None:
+    def on_report(self, report: CheckpointReport, job: JobInfo | None = None,
+                  note: OrderNote | None = None) -> JobOrder | None:
         """Take a rank's report; returns the new order when a miss caused a reissue.
 
-        ``job`` is the job's current snapshot for the new S (else the one issued with).
+        ``job`` is the job's current snapshot for the new S (else the one issued with);
+        ``note`` makes the reissue's ``actions`` row.
         """
         order = self._orders.get(report.request_id)
         # A report counts only for its own job's order: a node may report only its own
@@ -281,7 +299,7 @@ class OrderBook:
         order.ranks[report.rank] = report.phase
         order.rank_steps[report.rank] = report.step
         if report.phase == "missed":
-            return self._reissue(order, report, job)
+            return self._reissue(order, report, job, note)
         if report.phase == "failed":
             order.status = "failed"
             self._m_orders.labels("failed").inc()
@@ -291,7 +309,8 @@ class OrderBook:
         return None
 
     def _reissue(
-        self, order: JobOrder, report: CheckpointReport, job: JobInfo | None
+        self, order: JobOrder, report: CheckpointReport, job: JobInfo | None,
+        note: OrderNote | None,
     ) -> JobOrder | None:
         if order.attempt >= self.settings.max_reissues:
             order.status = "failed"
@@ -309,6 +328,7 @@ class OrderBook:
             floor=floor,
             attempt=order.attempt + 1,
             key=f"{order.request_id}|reissue",
+            note=note,
         )
         order.status = "reissued"
         return new

@@ -22,7 +22,7 @@ import msgspec
 from forewarn.wire import CheckpointOrder, Command, CommandAck, SaveHold, decode, encode
 
 from ..metrics import CollectorMetrics
-from .state import StateStore
+from .state import StateStore, insert_action
 
 __all__ = ["CommandQueue", "NodeCommand"]
 
@@ -82,11 +82,14 @@ class CommandQueue:
         """Queue several commands in one transaction; returns how many were new."""
         return len(self._insert(list(items)))
 
-    def _insert(self, items: list[NodeCommand]) -> list[NodeCommand]:
+    def _insert(self, items: list[NodeCommand], action: dict[str, Any] | None = None
+                ) -> list[NodeCommand]:
         """Queue ``items`` in ONE transaction (one turn at the store's write lock for a
-        whole decision, and a publisher woken for the first node finds them all); returns
-        those that were new."""
-        if not items:
+        whole decision, and a publisher woken for the first node finds them all), with
+        ``action`` (:func:`~.state.insert_action`'s keywords: the row that says which
+        decision issued them) in it too, so no reader sees one without the other; returns
+        the items that were new."""
+        if not items and action is None:
             return []
         now = self.clock()
         added = []
@@ -99,6 +102,8 @@ class CommandQueue:
                     (c.id, item.node, c.kind, encode(c), now, now + self.ttl_s))
                 if cur.rowcount == 1:
                     added.append(item)
+            if action is not None:
+                insert_action(conn, **action)
         if added:
             for item in added:
                 self.metrics.commands.labels(item.command.kind, "queued").inc()
@@ -109,22 +114,27 @@ class CommandQueue:
                     self.on_enqueue(node)
         return added
 
-    def order_checkpoint(self, nodes: Iterable[str], order: CheckpointOrder) -> list[NodeCommand]:
+    def order_checkpoint(self, nodes: Iterable[str], order: CheckpointOrder,
+                         action: dict[str, Any] | None = None) -> list[NodeCommand]:
         """Send ``order`` to every node in ``nodes`` (one command each, id
-        ``<request_id>@<node>``); returns the commands queued."""
-        return self._to_nodes(nodes, order.request_id, order.issued, "checkpoint", order=order)
+        ``<request_id>@<node>``), its ``action`` row in the same transaction; returns the
+        commands queued."""
+        return self._to_nodes(nodes, order.request_id, order.issued, "checkpoint", action,
+                              order=order)
 
-    def hold_saves(self, nodes: Iterable[str], hold: SaveHold) -> list[NodeCommand]:
+    def hold_saves(self, nodes: Iterable[str], hold: SaveHold,
+                   action: dict[str, Any] | None = None) -> list[NodeCommand]:
         """Send ``hold`` to every node in ``nodes`` (one command each, id
-        ``<request_id>@<node>``); returns the commands queued."""
-        return self._to_nodes(nodes, hold.request_id, hold.issued, "hold", hold=hold)
+        ``<request_id>@<node>``), its ``action`` row in the same transaction; returns the
+        commands queued."""
+        return self._to_nodes(nodes, hold.request_id, hold.issued, "hold", action, hold=hold)
 
     def _to_nodes(self, nodes: Iterable[str], request_id: str, issued: float, kind: str,
-                  **payload: Any) -> list[NodeCommand]:
+                  action: dict[str, Any] | None, **payload: Any) -> list[NodeCommand]:
         return self._insert([
             NodeCommand(node=node, command=Command(id=f"{request_id}@{node}"[:128], kind=kind,
                                                    issued=issued, **payload))
-            for node in sorted(set(nodes))])
+            for node in sorted(set(nodes))], action)
 
     def _wake(self, node: str) -> None:
         loop = self._loop

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     from ..config import CollectorConfig
 
-__all__ = ["Cursor", "RecordsMixin", "StateStore", "Transaction", "open_state"]
+__all__ = ["Cursor", "RecordsMixin", "StateStore", "Transaction", "insert_action", "open_state"]
 
 
 class Cursor(Protocol):
@@ -153,13 +153,8 @@ class RecordsMixin:
                       detail: dict[str, Any] | None = None) -> int:
         """Store one action (taken, withheld or shadowed); returns its id."""
         with self.write() as conn:
-            cur = conn.execute(
-                "INSERT INTO actions (time, kind, subject, job, node, status, shadow, detail)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (time, kind, subject, job, node, status, int(shadow),
-                 json.dumps(detail or {}, default=str)),
-            )
-            return int(cur.lastrowid or 0)
+            return insert_action(conn, time=time, kind=kind, subject=subject, job=job,
+                                 node=node, status=status, shadow=shadow, detail=detail)
 
     def record_decision(self, *, time: float, job: str = "", subject: str = "",
                         decision: str, reason: str, inputs: dict[str, Any]) -> int:
@@ -171,6 +166,20 @@ class RecordsMixin:
                 (time, job, subject, decision, reason, json.dumps(inputs, default=str)),
             )
             return int(cur.lastrowid or 0)
+
+
+def insert_action(conn: Transaction, *, time: float, kind: str, subject: str = "",
+                  job: str = "", node: str = "", status: str, shadow: bool = False,
+                  detail: dict[str, Any] | None = None) -> int:
+    """:meth:`StateStore.record_action` inside the open transaction ``conn`` (an order's
+    action row goes with its commands: :meth:`.commands.CommandQueue.order_checkpoint`)."""
+    cur = conn.execute(
+        "INSERT INTO actions (time, kind, subject, job, node, status, shadow, detail)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        (time, kind, subject, job, node, status, int(shadow),
+         json.dumps(detail or {}, default=str)),
+    )
+    return int(cur.lastrowid or 0)
 
 
 def open_state(config: CollectorConfig) -> StateStore:
