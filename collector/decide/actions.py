@@ -235,6 +235,32 @@ class ActionPipeline:
     def on_report(self, report: CheckpointReport) -> JobOrder | None:
         """A rank's checkpoint report: cost measurement, order progress, reissue on miss."""
         self.policy.tracker.observe(report)
+        return self._answer(report)
+
+    def reissue_missed(self) -> list[JobOrder]:
+        """Once the order book is rebuilt as this replica starts to lead: answer each miss
+        the last leader had not (an order still ``issued`` that a rank reported ``missed``)
+        as :meth:`on_report` would have, with a reissue. Returns the new orders."""
+        out = []
+        for order in self.orders.orders():
+            steps = {r: order.rank_steps.get(r, 0) for r, p in order.ranks.items()
+                     if p == "missed"}
+            if order.status != "issued" or not steps:
+                continue
+            rank = max(steps, key=lambda r: steps[r])
+            try:
+                new = self._answer(CheckpointReport(
+                    job=order.job, rank=rank, request_id=order.request_id, step=steps[rank],
+                    phase="missed", time=order.issued))
+            except Exception:  # the store failed: the rank's next miss asks again
+                log.exception("reissuing order %s at takeover failed", order.request_id)
+                continue
+            if new is not None:
+                out.append(new)
+        return out
+
+    def _answer(self, report: CheckpointReport) -> JobOrder | None:
+        """Order progress from a rank's report; a miss answered with a reissue."""
         job = self.policy.jobs.job(report.job)
         missed = {"missed_by_rank": report.rank, "rank_step": report.step}
         hold = self.orders.on_hold_report(report, job, self._note(lambda h: {

@@ -26,9 +26,10 @@ stores the alerts and operators' orders it receives (an order under the origin
 (:meth:`PolicyService.on_feed`) and decides each once, as if it had come in there. A
 replica that starts to lead takes the open incidents over from the store first, and rebuilds
 the policy's gates (cooldowns, rate limits, circuit breakers) from the stored decisions
-(:mod:`.gate_history`) and the order book from the stored commands (:mod:`.order_history`),
-and sends again the webhooks queued and not delivered (:mod:`.webhook_history`); so does a
-collector started again on its state.
+(:mod:`.gate_history`) and the order book from the stored commands (:mod:`.order_history`;
+a miss the last leader had not answered is answered then), and sends again the webhooks
+queued and not delivered (:mod:`.webhook_history`); so does a collector started again on
+its state.
 
 Threads: the hooks run on the service's single policy thread; the webhook sender runs on
 the event loop; drains run on their own one-thread pool (:mod:`.dispatch`).
@@ -241,6 +242,7 @@ class PolicyService:
             restore_gates(self.policy, ctx)
         if self.pipeline is not None:
             restore_orders(self.pipeline.orders, ctx)
+            self.pipeline.reissue_missed()
         self.dispatch.resend_undelivered()
 
     def _when_leading(self, fn: Callable[[float], object]) -> Callable[[float], None]:

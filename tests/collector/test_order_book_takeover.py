@@ -18,6 +18,7 @@ from forewarn.collector.decide.actions import ActionPipeline
 from forewarn.collector.decide.order_history import RESTORE_WINDOW_S, stored_orders
 from forewarn.collector.decide.orders import OrderBook
 from forewarn.collector.decide.policy import Policy, PolicySettings
+from forewarn.collector.jobs.jobmap import apply_checkpoints
 from forewarn.collector.metrics import CollectorMetrics
 from forewarn.collector.storage.commands import CommandQueue, NodeCommand
 from forewarn.collector.storage.state import StateStore
@@ -174,3 +175,23 @@ def test_a_command_that_cannot_be_read_is_skipped_and_counted(
     stored = stored_orders(store, fleet(), clock.t - RESTORE_WINDOW_S,
                            lambda: skipped.append(1))
     assert [o.job for o, _ in stored.orders.values()] == ["job0"] and skipped == [1]
+
+
+def test_a_miss_the_old_leader_had_not_answered_is_answered_at_takeover(
+        backend_state: StateStore) -> None:
+    store, clock = backend_state, Clock()
+    old = leader(store, clock)
+    old.handle_findings([gpu_finding("n0")])
+    [first] = old.orders.orders()
+    # rank 2's miss is stored (ingest), then the old leader died before it answered it
+    with store.write() as conn:
+        apply_checkpoints(conn, "n0", [report(first.request_id, 2, first.step + 30)])
+    clock.t += 1
+
+    new = leader(store, clock)
+    [again] = new.reissue_missed()
+    assert again.attempt == 1 and again.step > first.step + 30
+    [row] = store.query("SELECT detail FROM actions WHERE status = 'reissued'")
+    assert first.request_id in row["detail"] and again.request_id in row["detail"]
+    clock.t += 1
+    assert leader(store, clock).reissue_missed() == []  # answered: not again
