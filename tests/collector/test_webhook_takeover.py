@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+from pathlib import Path
 from typing import Any
+
+import pytest
 
 from forewarn.collector.decide.actions import ActionPipeline, store_decisions
 from forewarn.collector.decide.dispatch import store_delivery
@@ -22,9 +26,12 @@ from forewarn.collector.decide.webhooks import (
 from forewarn.collector.metrics import CollectorMetrics
 from forewarn.collector.storage.commands import CommandQueue
 from forewarn.collector.storage.state import StateStore
-from forewarn.wire import SuggestedAction
+from forewarn.wire import Finding, Health, Subject, SuggestedAction
 
+from support.collector import ranks_on, start_service, stop_service
+from support.handover import gpu_lost
 from support.policy import Clock, fleet, gpu_finding
+from support.polling import wait_for
 from support.webhooks import Receiver
 
 SECRET = b"webhook-secret-for-tests"
@@ -68,3 +75,41 @@ def test_the_next_leader_sends_a_webhook_the_old_leader_queued_once_with_its_key
     assert {k.lower(): v for k, v in headers.items()}[IDEMPOTENCY_HEADER.lower()] == \
         event["idempotency_key"]
     assert json.loads(body)["id"] == event["id"]
+
+
+def key_of(request: tuple[dict[str, str], bytes]) -> str:
+    return {k.lower(): v for k, v in request[0].items()}[IDEMPOTENCY_HEADER.lower()]
+
+
+@pytest.mark.usefixtures("state_backend")
+def test_a_collector_started_again_sends_the_webhook_it_had_not_delivered(
+        tmp_path: Path) -> None:
+    receiver = Receiver()
+    receiver.statuses = [503]  # down: the retry is 60 s away when the collector stops
+    keys = {"webhook_urls": (receiver.url,), "webhook_secret": SECRET.decode(),
+            "webhook_backoff_s": 60.0}
+    svc = start_service(tmp_path, **keys)
+    try:
+        now = time.time()
+        svc.push("node1", ranks=ranks_on("node1", 0, now))
+        svc.push("node1", findings=[gpu_lost("node1")])
+        wait_for(lambda: receiver.requests, 30, "the first try")
+    finally:
+        stop_service(svc)
+    seq = svc.seq
+    svc = start_service(tmp_path, **keys)
+    svc.seq = seq
+    try:
+        # any finding makes it lead (its memory taken over first)
+        svc.push("node2", findings=[Finding(
+            check="xid", health=Health.HEALTHY, subject=Subject(kind="gpu", node="node2"),
+            time=time.time(), reason="ok", action=SuggestedAction.NONE)])
+        wait_for(lambda: svc.store.scalar("SELECT count(*) FROM actions WHERE"
+                                          " kind = 'webhook_delivery'") == 1, 30,
+                 "the webhook resent and delivered")
+        assert len(receiver.requests) == 2 and key_of(receiver.requests[0]) == \
+            key_of(receiver.requests[1])
+        WebhookVerifier(SECRET).verify(receiver.requests[1][1], receiver.requests[1][0])
+    finally:
+        stop_service(svc)
+        receiver.close()
