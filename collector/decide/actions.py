@@ -237,27 +237,19 @@ class ActionPipeline:
         self.policy.tracker.observe(report)
         return self._answer(report)
 
-    def reissue_missed(self) -> list[JobOrder]:
+    def reissue_missed(self) -> int:
         """Once the order book is rebuilt as this replica starts to lead: answer each miss
-        the last leader had not (an order still ``issued`` that a rank reported ``missed``)
-        as :meth:`on_report` would have, with a reissue. Returns the new orders."""
-        out = []
-        for order in self.orders.orders():
-            steps = {r: order.rank_steps.get(r, 0) for r, p in order.ranks.items()
-                     if p == "missed"}
-            if order.status != "issued" or not steps:
-                continue
-            rank = max(steps, key=lambda r: steps[r])
+        the last leader had not (of an order still ``issued``, of a hold not replaced) as
+        :meth:`on_report` would have, with a reissue. Returns how many were answered."""
+        answered = 0
+        for report in self.orders.take_unanswered():
             try:
-                new = self._answer(CheckpointReport(
-                    job=order.job, rank=rank, request_id=order.request_id, step=steps[rank],
-                    phase="missed", time=order.issued))
+                self._answer(report)
             except Exception:  # the store failed: the rank's next miss asks again
-                log.exception("reissuing order %s at takeover failed", order.request_id)
+                log.exception("answering a miss of %s at takeover failed", report.request_id)
                 continue
-            if new is not None:
-                out.append(new)
-        return out
+            answered += 1
+        return answered
 
     def _answer(self, report: CheckpointReport) -> JobOrder | None:
         """Order progress from a rank's report; a miss answered with a reissue."""

@@ -10,7 +10,9 @@ What the book follows comes from three tables, as of the last :data:`RESTORE_WIN
 * ``actions``: which decision issued an order, and which order a reissue replaced (with
   its attempt), so an order reissued already is not reissued again and the reissues stay
   bounded by ``order_max_reissues``; a hold's replacement names the hold it ``replaces``;
-* ``checkpoints``: the ranks' reports (started, done, failed, missed) for each order.
+* ``checkpoints``: the ranks' reports (started, done, failed, missed) for each order and
+  hold; a miss the old leader had not answered (it died first) is kept for the new leader
+  to answer (:meth:`.actions.ActionPipeline.reissue_missed`).
 
 An order whose job has left the job map is not taken back (nothing could be reissued for
 it). Runs on the policy thread.
@@ -24,7 +26,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from forewarn.wire import CheckpointOrder, Command, SaveHold, WireError, decode
+from forewarn.wire import CheckpointOrder, CheckpointReport, Command, SaveHold, WireError, decode
 
 from .orders import JobOrder
 
@@ -55,6 +57,9 @@ class StoredOrders:
 
     orders: dict[str, tuple[JobOrder, JobInfo]] = dataclasses.field(default_factory=dict)
     holds: list[tuple[SaveHold, int, JobInfo]] = dataclasses.field(default_factory=list)
+    misses: list[CheckpointReport] = dataclasses.field(default_factory=list)
+    """Misses not answered (the old leader died first): per order still ``issued`` and per
+    hold not replaced, the missed report of the furthest rank."""
 
 
 def restore_orders(book: OrderBook, ctx: DecideContext) -> None:
@@ -68,9 +73,9 @@ def restore_orders(book: OrderBook, ctx: DecideContext) -> None:
         ctx.metrics.policy_errors.inc()
         log.exception("rebuilding the order book from the store failed")
         return
-    book.restore(stored.orders.values(), stored.holds)
-    log.warning("order book rebuilt from the store: %d order(s), %d hold(s)",
-                len(stored.orders), len(stored.holds))
+    book.restore(stored.orders.values(), stored.holds, stored.misses)
+    log.warning("order book rebuilt from the store: %d order(s), %d hold(s), %d miss(es)"
+                " to answer", len(stored.orders), len(stored.holds), len(stored.misses))
 
 
 def stored_orders(store: StateStore, jobs: JobView, since: float,
@@ -100,8 +105,28 @@ def stored_orders(store: StateStore, jobs: JobView, since: float,
                 out.holds.append((hold, attempt, job))
     out.holds = [h for h in out.holds if h[0].request_id not in replaced]
     _link(out.orders, store.query(_ACTIONS, (since,)))
-    _progress(out.orders, store.query(_REPORTS, (since,)))
+    reports = store.query(_REPORTS, (since,))
+    _progress(out.orders, reports)
+    out.misses = _unanswered(out, reports)
     return out
+
+
+def _unanswered(out: StoredOrders, rows: Sequence[dict[str, Any]]) -> list[CheckpointReport]:
+    """The misses nobody answered (see :attr:`StoredOrders.misses`): an answered one made
+    its order ``reissued`` or its hold replaced."""
+    jobs = {o.request_id: o.job for o, _ in out.orders.values() if o.status == "issued"}
+    jobs.update((h.request_id, h.job) for h, _, _ in out.holds)
+    furthest: dict[str, CheckpointReport] = {}
+    for row in rows:
+        request_id = str(row["request_id"])
+        if row["phase"] != "missed" or request_id not in jobs:
+            continue
+        known = furthest.get(request_id)
+        if known is None or int(row["step"]) > known.step:
+            furthest[request_id] = CheckpointReport(
+                job=jobs[request_id], rank=int(row["rank"]), request_id=request_id,
+                step=int(row["step"]), phase="missed", time=0.0)
+    return list(furthest.values())
 
 
 def _queued_order(out: StoredOrders, order: CheckpointOrder, row: dict[str, Any],

@@ -176,6 +176,7 @@ class OrderBook:
         self._jobs: dict[str, JobInfo] = {}
         self._holds: IssuedHolds[JobInfo] = IssuedHolds(keep=self.settings.keep)
         """Holds issued, each with the job it was issued for."""
+        self._unanswered: list[CheckpointReport] = []
         registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self._m_orders = Counter(
             "forewarn_collector_checkpoint_orders",
@@ -254,11 +255,14 @@ class OrderBook:
         return new
 
     def restore(self, orders: Iterable[tuple[JobOrder, JobInfo]],
-                holds: Iterable[tuple[SaveHold, int, JobInfo]]) -> None:
+                holds: Iterable[tuple[SaveHold, int, JobInfo]],
+                misses: Iterable[CheckpointReport] = ()) -> None:
         """Follow these orders (each with its job's snapshot) and holds (with their
         reissues so far) instead of what the book held: a replica that starts to lead, or
         a collector started again, takes them over from the store
-        (:mod:`.order_history`)."""
+        (:mod:`.order_history`). ``misses``: missed reports nobody answered yet
+        (:meth:`take_unanswered`)."""
+        self._unanswered = list(misses)
         self._orders, self._jobs = {}, {}
         for order, job in orders:
             self._orders[order.request_id] = order
@@ -266,6 +270,11 @@ class OrderBook:
         self._holds = IssuedHolds(keep=self.settings.keep)
         for hold, attempt, job in holds:
             self._holds.add(hold, attempt, job)
+
+    def take_unanswered(self) -> list[CheckpointReport]:
+        """The misses :meth:`restore` was given, once (the caller answers them)."""
+        out, self._unanswered = self._unanswered, []
+        return out
 
     def get(self, request_id: str) -> JobOrder | None:
         """The order with this request id."""

@@ -114,7 +114,7 @@ def leader(store: StateStore, clock: Clock) -> ActionPipeline:
     policy = Policy(PolicySettings(dedup_s=0), fleet(), clock=clock)
     orders = OrderBook(CommandQueue(store, CollectorMetrics()), clock=clock)
     stored = stored_orders(store, policy.jobs, clock.t - RESTORE_WINDOW_S)
-    orders.restore(stored.orders.values(), stored.holds)
+    orders.restore(stored.orders.values(), stored.holds, stored.misses)
     return ActionPipeline(policy, orders, actions=store)
 
 
@@ -143,13 +143,15 @@ def test_an_order_the_old_leader_reissued_is_not_reissued_again(sqlite_state: St
     assert third is not None and third.attempt == 2 and third.step > second.step + 5
 
 
+NAN = Finding(check="nan_loss", health=Health.UNHEALTHY, action=SuggestedAction.RESTART_JOB,
+              subject=Subject(kind="rank", node="n0", job="job0", rank=0), time=T0,
+              reason="loss is NaN", evidence={"bad_step": 480})
+
+
 def test_a_hold_is_taken_over_and_replaced_when_a_rank_missed_it(sqlite_state: StateStore) -> None:
     store = sqlite_state
     clock = Clock()
-    nan = Finding(check="nan_loss", health=Health.UNHEALTHY, action=SuggestedAction.RESTART_JOB,
-                  subject=Subject(kind="rank", node="n0", job="job0", rank=0), time=T0,
-                  reason="loss is NaN", evidence={"bad_step": 480})
-    leader(store, clock).handle_findings([nan])
+    leader(store, clock).handle_findings([NAN])
     [hold] = [c.command.hold for c in store_commands(store) if c.command.hold is not None]
     clock.t += 1
     new = leader(store, clock)
@@ -189,9 +191,26 @@ def test_a_miss_the_old_leader_had_not_answered_is_answered_at_takeover(
     clock.t += 1
 
     new = leader(store, clock)
-    [again] = new.reissue_missed()
-    assert again.attempt == 1 and again.step > first.step + 30
+    assert new.reissue_missed() == 1
+    [again] = [o for o in new.orders.orders() if o.attempt == 1]
+    assert again.step > first.step + 30
     [row] = store.query("SELECT detail FROM actions WHERE status = 'reissued'")
     assert first.request_id in row["detail"] and again.request_id in row["detail"]
     clock.t += 1
-    assert leader(store, clock).reissue_missed() == []  # answered: not again
+    assert leader(store, clock).reissue_missed() == 0  # answered: not again
+
+
+def test_a_missed_hold_the_old_leader_had_not_replaced_is_replaced_at_takeover(
+        backend_state: StateStore) -> None:
+    store, clock = backend_state, Clock()
+    leader(store, clock).handle_findings([NAN])
+    [hold] = [c.command.hold for c in store_commands(store) if c.command.hold is not None]
+    with store.write() as conn:  # rank 3 missed it; the old leader died before it answered
+        apply_checkpoints(conn, "n0", [report(hold.request_id, 3, hold.step + 4)])
+    clock.t += 1
+    assert leader(store, clock).reissue_missed() == 1
+    [replacement] = [c.command.hold for c in store_commands(store)
+                     if c.command.hold is not None and c.command.hold.replaces]
+    assert replacement.replaces == hold.request_id and replacement.step == hold.step + 5
+    clock.t += 1
+    assert leader(store, clock).reissue_missed() == 0  # replaced: not again
