@@ -33,8 +33,16 @@ from forewarn.models.evaluate import evaluate_scores
 from forewarn.models.features import FEATURE_NAMES
 from forewarn.wire import Finding, Health, Subject, SuggestedAction
 
-__all__ = ["PRECURSOR_WINDOW_S", "FailurePredictor", "fit_table", "label_rows", "split_gpus",
-           "train_predictor"]
+__all__ = ["PRECURSOR_WINDOW_S", "FailurePredictor", "alarm_health", "fit_table", "label_rows",
+           "split_gpus", "train_predictor"]
+
+UNHEALTHY_SCORE = 0.8
+"""An alarm at or above this score is unhealthy, below it degraded."""
+
+
+def alarm_health(score: float) -> Health:
+    """The health of an alarm at ``score`` (a finding's, the status page's)."""
+    return Health.DEGRADED if score < UNHEALTHY_SCORE else Health.UNHEALTHY
 
 
 @dataclasses.dataclass
@@ -109,7 +117,7 @@ class FailurePredictor:
                            for k, v in evidence.items()})
             out.append(Finding(
                 check=self.check_name,
-                health=Health.DEGRADED if p < 0.8 else Health.UNHEALTHY,
+                health=alarm_health(p),
                 subject=Subject(kind="gpu", node=str(nodes[i]), gpu=int(gpus[i])),
                 reason=self._reason(p, pf), action=SuggestedAction.CHECKPOINT,
                 evidence=ev, time=now, probability=pf,

@@ -39,21 +39,21 @@ thread:
   summaries): ``models.job_peers`` findings, passed on alike.
 
 Metrics (registered on the collector's registry, rendered from the last scoring):
-``forewarn_gpu_failure_probability{node,gpu}`` (every GPU scored),
+``forewarn_gpu_failure_score{node,gpu}`` (the alarm score, every GPU scored; the threshold
+applies to it) and ``forewarn_gpu_failure_probability{node,gpu}`` (P, see :mod:`.risk`),
 ``forewarn_collector_prediction_precision``, ``..._recall``, ``..._lead_seconds`` (median
 lead; NaN until defined), counters ``forewarn_collector_prediction_{alarms,true_alarms,
 false_alarms,failures,caught}_total``, ``..._open_alarms``, and the predictor's own
 ``forewarn_collector_predictor_{up,gpus,score_seconds,threshold,horizon_seconds}``,
 ``forewarn_collector_predictor_samples_total{result}`` (fed, thinned, error, loading).
 
-Route: ``GET /api/v1/risk`` (``node``, ``min``, ``limit``): the model, the latest
-probability per GPU (highest first) and per job (the highest over the job's GPUs).
+Route: ``GET /api/v1/risk`` (``node``, ``min``, ``limit``): the model, the latest score
+and probability per GPU (highest score first) and per job (its highest-scoring GPU's).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 import threading
@@ -70,12 +70,13 @@ from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
 from forewarn.config import ConfigError
 from forewarn.wire import AgentBatch, Finding, GpuState, Health
 
+from .risk import RiskScores, empty_scores, gpu_risk, gpu_series, job_risk_entry
+
 if TYPE_CHECKING:
     from forewarn.models.live import LiveScorer, ShadowStats
     from forewarn.models.predictor import FailurePredictor
 
     from ..config import CollectorConfig
-    from ..jobs.jobview import JobInfo
     from .drift import LiveDrift
     from .model_watch import RegistryWatch
     from .seam import DecideContext, RiskQuery
@@ -88,38 +89,6 @@ log = logging.getLogger(__name__)
 DEFAULT_GPU_MTBF_H = 24.0 * 1000.0 / 6.5 * 8
 """Per-GPU MTBF prior (hours): 6.5 failures per 1,000 node-days of 8 GPUs (Meta, HPCA 2025,
 docs/reference.md); same figure as :data:`forewarn.collector.jobs.goodput.DEFAULT_GPU_MTBF_H`."""
-
-
-@dataclasses.dataclass(frozen=True)
-class RiskScores:
-    """The probabilities of one scoring, aligned arrays (read from any thread)."""
-
-    time: float
-    nodes: np.ndarray
-    gpus: np.ndarray
-    probs: np.ndarray
-
-    @functools.cached_property
-    def by_gpu(self) -> dict[tuple[str, int], float]:
-        """(node, gpu) -> probability."""
-        return {(str(n), int(g)): float(p)
-                for n, g, p in zip(self.nodes, self.gpus, self.probs, strict=True)}
-
-    def job_risk(self, job: JobInfo) -> tuple[float, str]:
-        """Highest probability over the job's GPUs and which GPU (``node/gpu``) it is;
-        ``(0.0, "")`` when none of them was scored."""
-        best, where = 0.0, ""
-        for r in job.ranks:
-            if r.gpu is None:
-                continue
-            p = self.by_gpu.get((r.node, r.gpu))
-            if p is not None and p >= best:
-                best, where = p, f"{r.node}/{r.gpu}"
-        return best, where
-
-
-def _empty_scores(now: float) -> RiskScores:
-    return RiskScores(now, np.zeros(0, dtype=object), np.zeros(0, np.int64), np.zeros(0))
 
 
 def load_predictor_model(model_path: Path | None, registry: Path
@@ -140,16 +109,18 @@ def load_predictor_model(model_path: Path | None, registry: Path
 
 @dataclasses.dataclass
 class _Recorder:
-    """The probabilities of every live GPU of the last scoring."""
+    """The scores and probabilities of every live GPU of the last scoring."""
 
-    last: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+    last: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+    """nodes, gpus, scores and P (NaN without a calibration): :class:`RiskScores`."""
     features: np.ndarray | None = None
     """The feature matrix of the last scoring (for drift)."""
 
 
 def _recording(model: FailurePredictor, rec: _Recorder) -> FailurePredictor:
-    """The model, made to hand ``rec`` the probabilities of every GPU it is asked to turn
-    into findings (:meth:`LiveScorer.score` passes it all live GPUs at once)."""
+    """The model, made to hand ``rec`` the scores and probabilities of every GPU it is
+    asked to turn into findings (:meth:`LiveScorer.score` passes it all live GPUs at
+    once)."""
     from forewarn.models.predictor import FailurePredictor
 
     class RecordingPredictor(FailurePredictor):
@@ -161,7 +132,9 @@ def _recording(model: FailurePredictor, rec: _Recorder) -> FailurePredictor:
         def findings(self, nodes: np.ndarray, gpus: np.ndarray, probs: np.ndarray,
                      now: float, evidence: dict[str, np.ndarray] | None = None,
                      alarm: np.ndarray | None = None) -> list[Finding]:
-            rec.last = (nodes, gpus, probs)
+            p = self.failure_probability(probs)
+            rec.last = (nodes, gpus, probs, np.full(len(probs), np.nan) if p is None
+                        else np.clip(p, 0.0, 1.0))
             # The scorer's alarm episodes and explanations go into the findings as they are.
             return super().findings(nodes, gpus, probs, now, evidence, alarm)
 
@@ -202,7 +175,7 @@ class PredictorService:
         """The model registry followed (None: a fixed ``model_path``)."""
         if model is not None:
             self._install(model)
-        self.scores = _empty_scores(0.0)
+        self.scores = empty_scores(0.0)
         self.shadow_stats: ShadowStats | None = None
         self.last_score: float | None = None
         self.score_seconds = 0.0
@@ -356,10 +329,10 @@ class PredictorService:
             findings += scorer.job_findings(now)
         if self.drift is not None and self._rec.features is not None:
             self.drift.update(self._rec.features, now)
-        scores = RiskScores(now, *last) if last is not None else _empty_scores(now)
+        scores = RiskScores(now, *last) if last is not None else empty_scores(now)
         if self.last_score is not None and now > self.last_score:
             # exposure for the fleet's failure rate; a long pause counts as one stale window
-            self.gpu_seconds += len(scores.probs) * min(now - self.last_score, scorer.stale_s)
+            self.gpu_seconds += len(scores.scores) * min(now - self.last_score, scorer.stale_s)
         # the shadow counts first: a reader that sees this scoring's risk (its time) sees
         # the failures it counted too (CI at 7c1ac98 read the risk, then the old counts)
         self.shadow_stats = scorer.shadow()
@@ -404,25 +377,17 @@ class PredictorService:
                 "trained_at": m.metadata.get("trained_at")}
 
     def risk(self, ctx: DecideContext, query: RiskQuery, now: float) -> dict[str, Any]:
-        """Latest failure probability per GPU and per job (``GET /api/v1/risk``)."""
+        """Latest score and failure probability per GPU and per job (``GET /api/v1/risk``,
+        :mod:`.risk`)."""
         sc = self.scores
-        sel = sc.probs >= query.floor
-        if query.node is not None:
-            sel &= sc.nodes == query.node
-        idx = np.nonzero(sel)[0]
-        idx = idx[np.argsort(-sc.probs[idx], kind="stable")][:query.limit]
-        gpus = [{"node": str(sc.nodes[i]), "gpu": int(sc.gpus[i]),
-                 "probability": round(float(sc.probs[i]), 6)} for i in idx]
+        threshold = self.model.threshold if self.model is not None else math.inf
         jobs = []
         for row in ctx.store.query("SELECT DISTINCT job FROM ranks ORDER BY job"):
             info = ctx.jobs.job(str(row["job"]))
-            if info is None:
-                continue
-            risk, where = sc.job_risk(info)
-            jobs.append({"job": info.job, "risk": round(risk, 6), "gpu": where,
-                         "gpus": info.gpu_count})
+            if info is not None:
+                jobs.append(job_risk_entry(sc, info, threshold))
         return {"model": self.model_info(), "time": sc.time if self.last_score else None,
-                "scored": len(sc.probs), "gpus": gpus, "jobs": jobs}
+                "scored": len(sc.scores), "gpus": gpu_risk(sc, query), "jobs": jobs}
 
     # -- metrics -----------------------------------------------------------------------
 
@@ -447,17 +412,7 @@ class _PredictorMetrics:
     def collect(self) -> Iterator[Metric]:
         svc = self.svc
         sc = svc.scores
-        # The score the alarm threshold is on (the alert rule reads it at 0.5); the cost
-        # model's P is on the findings (FailurePredictor.failure_probability).
-        prob = GaugeMetricFamily("forewarn_gpu_failure_probability",
-                                 "Failure model score per GPU, latest scoring (alarm at "
-                                 "forewarn_collector_predictor_threshold): P(GPU fails within "
-                                 "the model's horizon) from a calibrated classifier, an alarm "
-                                 "score from rules_forest, whose findings carry that P.",
-                                 labels=["node", "gpu"])
-        for n, g, p in zip(sc.nodes, sc.gpus, sc.probs, strict=True):
-            prob.add_metric([str(n), str(int(g))], float(p))
-        yield prob
+        yield from gpu_series(sc)
         st = svc.shadow_stats
         p = "forewarn_collector_prediction_"
         yield GaugeMetricFamily(p + "precision", "Shadow-scored precision of settled alarms "
@@ -483,11 +438,12 @@ class _PredictorMetrics:
         yield GaugeMetricFamily(q + "up", "1 when a failure model is loaded.",
                                 value=1.0 if svc.model is not None else 0.0)
         yield GaugeMetricFamily(q + "gpus", "GPUs scored at the last scoring.",
-                                value=len(sc.probs))
+                                value=len(sc.scores))
         yield GaugeMetricFamily(q + "score_seconds", "Duration of the last scoring.",
                                 value=svc.score_seconds)
         if svc.model is not None:
-            yield GaugeMetricFamily(q + "threshold", "Operating threshold of the model.",
+            yield GaugeMetricFamily(q + "threshold", "Operating threshold of the model: it "
+                                    "alarms where forewarn_gpu_failure_score is at or above.",
                                     value=svc.model.threshold)
             yield GaugeMetricFamily(q + "horizon_seconds", "Prediction horizon of the model.",
                                     value=svc.model.horizon_s)

@@ -54,8 +54,8 @@ def replay(svc: ClockedService, c: Case, until: float,
            highest: dict[int, float] | None = None) -> dict[str, Any]:
     """Send the chosen GPUs' telemetry minute by minute up to ``until``; after each batch
     the collector's clock is one second past the minute and the batch is scored. Returns
-    the first risk answer in which the failing GPU was at or above threshold; ``highest``
-    collects each GPU's highest probability."""
+    the first risk answer in which the failing GPU's score was at or above threshold;
+    ``highest`` collects each GPU's highest score."""
     d = c.data
     s = d.samples[(d.samples.node == NODE) & d.samples.gpu.isin(c.gpus)]
     x = d.xids[(d.xids.node == NODE) & d.xids.gpu.isin(c.gpus)]
@@ -74,9 +74,9 @@ def replay(svc: ClockedService, c: Case, until: float,
         mine = [g for g in risk["gpus"] if g["gpu"] == c.gpu]
         for g in risk["gpus"]:
             if highest is not None:
-                highest[g["gpu"]] = max(highest.get(g["gpu"], 0.0), g["probability"])
+                highest[g["gpu"]] = max(highest.get(g["gpu"], 0.0), g["score"])
         settled = svc.clock.t - 1 >= comparable(c.start, d)
-        if not first and settled and mine and mine[0]["probability"] >= c.threshold:
+        if not first and settled and mine and mine[0]["score"] >= c.threshold:
             first = risk
         minute += 60
     return first
@@ -126,7 +126,8 @@ def test_precursor_becomes_a_stored_exported_probability_finding(running: Clocke
     # job risk: the highest over the job's GPUs (the failing GPU is rank 0's)
     risk = svc.get("/api/v1/risk")
     job = next(j for j in risk["jobs"] if j["job"] == JOB)
-    assert job["gpu"] == f"{NODE}/{c.gpu}" and job["risk"] >= c.threshold
+    assert job["gpu"] == f"{NODE}/{c.gpu}" and job["score"] >= c.threshold and job["alarm"]
+    assert job["risk"] == job["score"]  # a calibrated classifier: its score is its P
 
     # goodput advice shortens with that risk
     goodput = svc.get("/api/v1/goodput", job=JOB)

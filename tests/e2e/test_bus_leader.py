@@ -184,7 +184,7 @@ def test_the_leader_predicts_from_a_precursor_the_follower_stored(
             and f["origin"] == "predictor"], found
     assert orders[0]["command"]["order"]["job"] == "train-p"
     risk = s.a.client.get("/api/v1/risk").json()
-    assert [g for g in risk["gpus"] if g["gpu"] == c.gpu and g["probability"] >= c.threshold]
+    assert [g for g in risk["gpus"] if g["gpu"] == c.gpu and g["score"] >= c.threshold]
 
 
 @pytest.mark.timeout(180)

@@ -172,20 +172,23 @@ function detailText(text) {
   return parts.join(" · ");
 }
 
-// The risk of a running job: the model's probability, unless one of its GPUs is already
-// worse than that says (an all-red job is never a green 0.1 %): then the GPU's state.
+// The risk of a running job: the model's probability (P, what the cost-aware policy weighs),
+// coloured by its alarm (score against the model's threshold: the collector says the health),
+// unless one of its GPUs is already worse than that (an all-red job is never a green 0.1 %):
+// then the GPU's state.
 function riskCell(j, r) {
   if (j.state !== "running") return el("td", { class: "risk" }, "—");
   const p = r ? r.risk : null;
-  const model = p == null ? null : p >= 0.5 ? "unhealthy" : p >= 0.1 ? "degraded" : "healthy";
-  const pct = p == null ? "" : (100 * p).toFixed(1) + " %";
+  const model = p == null ? null : r.health || "healthy";
+  const pct = p == null ? "" : (p >= 0.01 ? (100 * p).toFixed(1) : (100 * p).toPrecision(2)) + " %";
   const gpu = j.health === "unhealthy" || j.health === "degraded" ? j.health : null;
   if (gpu && (model === null || SEVERITY[gpu] > SEVERITY[model])) {
     return el("td", { class: "risk", title: pct ? `model: ${pct}` : "" },
       el("span", { class: "badge " + gpu }, `${gpu}: GPU ${j.worst_gpu}`));
   }
   if (model === null) return el("td", { class: "risk" }, "—");
-  return el("td", { class: "risk", title: r.gpu ? `highest on ${r.gpu}` : "" },
+  const why = r.alarm ? `alarm score ${r.score.toFixed(2)} on ${r.gpu}` : `highest on ${r.gpu}`;
+  return el("td", { class: "risk", title: r.gpu ? why : "" },
     el("span", { class: "badge " + model }, pct));
 }
 

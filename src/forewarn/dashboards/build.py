@@ -101,9 +101,10 @@ def fleet() -> dict[str, Any]:
                    q("sum by (node, gpu) (forewarn_gpu_clock_event_reason_active{" + G
                       + ', reason=~".*thermal.*"})', "{{node}}/{{gpu}}"),
                    thresholds=threshold_steps((None, "green"), (1, "orange"))),
-                tb("Top risk scores", "GPUs the predictor rates most likely to fail within its "
-                   "horizon.", "percentunit",
-                   q("topk(10, forewarn_gpu_failure_probability{" + G + "})", instant=True)),
+                tb("Top risk scores", "GPUs with the predictor's highest alarm scores (it "
+                   "alarms at forewarn_collector_predictor_threshold; a score, not a "
+                   "probability: P is on the predictions dashboard).", "none",
+                   q("topk(10, forewarn_gpu_failure_score{" + G + "})", instant=True)),
             ]),
             ("Power and energy", [
                 ts("Power against limit per node", "Power drawn by each node's GPUs over the "
@@ -335,10 +336,14 @@ def predictions() -> dict[str, Any]:
         ["predictions"], ["node"],
         [
             ("Predictions", [
-                ts("Failure probability", "P(GPU fails within the model's horizon).",
-                   "percentunit", q("forewarn_gpu_failure_probability{" + G + "}",
-                                     "{{node}}/{{gpu}}"),
-                   thresholds=threshold_steps((None, "green"), (0.5, "red"))),
+                ts("Failure probability", "P(GPU fails within the model's horizon) at the "
+                   "failure rate the model was calibrated at: what the cost-aware policy "
+                   "weighs against the work at risk.", "percentunit",
+                   q("forewarn_gpu_failure_probability{" + G + "}", "{{node}}/{{gpu}}")),
+                ts("Alarm score", "The score the predictor alarms on, against its threshold "
+                   "(not a probability).", "none",
+                   q("forewarn_gpu_failure_score{" + G + "}", "{{node}}/{{gpu}}"),
+                   q("max(forewarn_collector_predictor_threshold" + c + ")", "threshold")),
                 ts("Shadow-scored precision and recall", "The predictor judged against what "
                    "later happened.", "percentunit",
                    q("forewarn_collector_prediction_precision" + c, "precision"),
