@@ -12,6 +12,10 @@ at a per-node rate (8 GPUs a node). Three ways to run it are compared on the sam
 (c) ``proactive``: (b) plus prediction-driven checkpoints: a failure that has a precursor is
     predicted with probability ``recall`` ``lead`` seconds ahead, and a checkpoint is ordered
     then; false alarms (``false_alarms_per_1k_gpu_days``) each cost one checkpoint.
+(d) ``gated``: (c)'s alarms, each weighed as the collector's cost-aware policy weighs it
+    (:mod:`forewarn.simulate_gate`: the collector's own ``decide_checkpoint``): a checkpoint
+    only where the alarm's P x the work since the last checkpoint exceeds the checkpoint's
+    cost. An alarm declined costs nothing and saves nothing.
 
 Lost time is broken down as the goodput accounting does: checkpoint overhead, work redone
 after failures, detection delay, restart downtime.
@@ -39,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from forewarn.collector.jobs.goodput import daly_interval
+from forewarn.simulate_gate import FALSE_ALARM_P, TRUE_ALARM_P, Gate, draw_p, parse_band
 
 __all__ = [
     "Breakdown",
@@ -57,6 +62,8 @@ GPUS_PER_NODE = 8
 META_FAILURES_PER_1K_NODE_DAYS = 6.5
 """Upper end of Meta's 2.3-6.5 failures per 1,000 node-days (HPCA 2025), which yields their
 projected 1.8 h MTTF at 16,384 GPUs."""
+MODES = ("baseline", "fast_detection", "proactive", "gated")
+"""The ways to run a job that :func:`simulate` compares (module docstring: (a) to (d))."""
 NCCL_TIMEOUT_S = 600.0
 """PyTorch's default NCCL collective timeout: how long a hang goes unnoticed without forewarn."""
 
@@ -86,6 +93,10 @@ class RunParams:
     false_alarms_per_1k_gpu_days: float = 30.57
     interval_s: float | None = None
     """Periodic interval; None = Daly's optimum for this C and M."""
+    true_alarm_p: tuple[tuple[float, float], ...] = TRUE_ALARM_P
+    """(d): P carried by alarms a failure follows, ``(P, share)`` bands."""
+    false_alarm_p: tuple[tuple[float, float], ...] = FALSE_ALARM_P
+    """(d): P carried by false alarms, ``(P, share)`` bands."""
 
     @property
     def mtbf_s(self) -> float:
@@ -106,6 +117,10 @@ class Breakdown:
     detection_s: float = 0.0
     restart_s: float = 0.0
     failures: int = 0
+    alarms: int = 0
+    """Alarms raised ((c) and (d): predicted failures and false alarms)."""
+    ordered: int = 0
+    """Checkpoints ordered on alarms."""
 
     @property
     def goodput(self) -> float:
@@ -136,10 +151,13 @@ def mttf_hours(gpus: int, failures_per_1k_node_days: float = META_FAILURES_PER_1
     return (horizon / max(n, 1)) / 3600.0
 
 
-def simulate(p: RunParams, mode: str, seed: int = 0) -> Breakdown:
-    """Simulate one run in ``mode`` (baseline, fast_detection, proactive)."""
-    if mode not in ("baseline", "fast_detection", "proactive"):
+def simulate(p: RunParams, mode: str, seed: int = 0, gate: Gate | None = None) -> Breakdown:
+    """Simulate one run in ``mode`` (one of :data:`MODES`); ``gated`` weighs with ``gate``
+    (a new one by default), which keeps its decisions."""
+    if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}")
+    gate = (gate or Gate(p.checkpoint_s)) if mode == "gated" else None
+    alarms = mode in ("proactive", "gated")
     rng = random.Random(seed)
     horizon = p.days * 86400.0
     mtbf = p.mtbf_s
@@ -149,26 +167,28 @@ def simulate(p: RunParams, mode: str, seed: int = 0) -> Breakdown:
     risk_interval = min(interval, daly_interval(p.checkpoint_s, p.lead_median_s))
     detect = p.nccl_timeout_s if mode == "baseline" else p.detect_s
     b = Breakdown(wall_s=horizon)
-    # Failures strike on the wall clock, drawn once per seed: every mode sees the same ones.
+    # Failures strike on the wall clock, drawn once per seed: every mode sees the same ones
+    # (the alarms' P from a generator of their own, so that drawing it changes nothing else).
     failures = []
+    p_rng = random.Random(seed + 2_000_003)
     f = rng.expovariate(1.0 / mtbf)
     while f < horizon:
         has_precursor = rng.random() < p.predictable_share
         predicted = has_precursor and rng.random() < p.recall
         lead = rng.lognormvariate(math.log(p.lead_median_s), 0.75)
-        failures.append((f, predicted, lead))
+        failures.append((f, predicted, lead, draw_p(p_rng, p.true_alarm_p)))
         f += rng.expovariate(1.0 / mtbf)
     fa_rng = random.Random(seed + 1_000_003)
     fa_rate = p.false_alarms_per_1k_gpu_days * p.gpus / 1000.0 / 86400.0
-    use_fa = mode == "proactive" and fa_rate > 0
+    use_fa = alarms and fa_rate > 0
     next_fa = fa_rng.expovariate(fa_rate) if use_fa else math.inf
     t = 0.0
     since_ckpt = 0.0  # useful work not yet protected by a checkpoint
-    for fail_at, predicted, lead in failures:
+    for fail_at, predicted, lead, fail_p in failures:
         if fail_at < t:
             continue  # struck while the job was already down: absorbed by that restart
         # A prediction whose lead reaches back past now fires at once.
-        proactive_at = max(t, fail_at - lead) if mode == "proactive" and predicted else math.inf
+        proactive_at = max(t, fail_at - lead) if alarms and predicted else math.inf
         predicted_fired = False
         # Train, checkpointing every `interval` of useful work, until the failure.
         while t < fail_at:
@@ -180,12 +200,20 @@ def simulate(p: RunParams, mode: str, seed: int = 0) -> Breakdown:
             t = event
             if event == fail_at:
                 break
-            # A checkpoint: periodic, proactive (prediction) or a false alarm's.
-            if event == proactive_at:
-                proactive_at = math.inf
-                predicted_fired = True
-            elif event == next_fa:
-                next_fa = t + fa_rng.expovariate(fa_rate)
+            # A checkpoint: periodic, proactive (prediction) or a false alarm's; (d) weighs
+            # an alarm first and does nothing on one its cost model declines.
+            if event in (proactive_at, next_fa):
+                prediction = event == proactive_at
+                if prediction:
+                    proactive_at, alarm_p = math.inf, fail_p
+                else:
+                    next_fa = t + fa_rng.expovariate(fa_rate)
+                    alarm_p = draw_p(p_rng, p.false_alarm_p)
+                b.alarms += 1
+                if gate is not None and not gate.weigh(alarm_p, since_ckpt, t):
+                    continue
+                b.ordered += 1
+                predicted_fired = predicted_fired or prediction
             if t + p.checkpoint_s > fail_at:  # the failure lands during the checkpoint
                 b.checkpoint_s += fail_at - t
                 t = fail_at
@@ -227,7 +255,7 @@ def simulate(p: RunParams, mode: str, seed: int = 0) -> Breakdown:
 def compare(p: RunParams, runs: int = 20) -> dict[str, Breakdown]:
     """Average ``runs`` seeds of each mode (same seeds across modes)."""
     out = {}
-    for mode in ("baseline", "fast_detection", "proactive"):
+    for mode in MODES:
         total = Breakdown()
         for seed in range(runs):
             r = simulate(p, mode, seed)
@@ -352,7 +380,8 @@ def _elastic_table(rows: list[tuple[RunParams, ElasticParams, dict[str, ElasticR
 def _table(rows: list[tuple[RunParams, dict[str, Breakdown]]]) -> str:
     head = (
         f"{'GPUs':>7} {'MTBF h':>7} {'mode':<15} {'goodput':>8} {'ckpt':>6} {'redo':>6} "
-        f"{'detect':>6} {'restart':>7} {'GPU-h saved/day':>16}"
+        f"{'detect':>6} {'restart':>7} {'GPU-h saved/day':>16} {'alarms/day':>10} "
+        f"{'saves/day':>9}"
     )
     lines = [head, "-" * len(head)]
     for params, res in rows:
@@ -360,10 +389,12 @@ def _table(rows: list[tuple[RunParams, dict[str, Breakdown]]]) -> str:
         gpus, mtbf_h = params.gpus, params.mtbf_s / 3600.0
         for mode, b in res.items():
             saved = (b.goodput - base.goodput) * gpus * 24.0
+            days = b.wall_s / 86400.0 if b.wall_s else 1.0
             lines.append(
                 f"{gpus:>7} {mtbf_h:>7.2f} {mode:<15} {b.goodput:>8.4f} "
                 f"{b.waste('checkpoint_s'):>6.2%} {b.waste('rework_s'):>6.2%} "
-                f"{b.waste('detection_s'):>6.2%} {b.waste('restart_s'):>7.2%} {saved:>16.1f}"
+                f"{b.waste('detection_s'):>6.2%} {b.waste('restart_s'):>7.2%} {saved:>16.1f} "
+                f"{b.alarms / days:>10.1f} {b.ordered / days:>9.1f}"
             )
     return "\n".join(lines)
 
@@ -379,7 +410,8 @@ def _plot(rows: list[tuple[RunParams, dict[str, Breakdown]]], path: Path) -> Non
     labels = {
         "baseline": "(a) periodic, NCCL-timeout detection",
         "fast_detection": "(b) + fast hang detection",
-        "proactive": "(c) + predicted failures checkpointed",
+        "proactive": "(c) + a checkpoint on every alarm",
+        "gated": "(d) + a checkpoint where the cost model says",
     }
     for mode, label in labels.items():
         ax.plot(sizes, [r[mode].goodput * 100 for _, r in rows], marker="o", label=label)
@@ -418,6 +450,12 @@ def register(sub: Any) -> None:
                    help="share of failures with a visible precursor (assumption)")
     p.add_argument("--false-alarms", type=float, default=d.false_alarms_per_1k_gpu_days,
                    help="false alarms per 1,000 GPU-days (each costs one checkpoint)")
+    p.add_argument("--true-alarm-p", nargs="+", type=parse_band, metavar="P:SHARE",
+                   help="(d): P carried by alarms a failure follows, in bands (default: the "
+                        "shipped model's, " + _bands(d.true_alarm_p) + ")")
+    p.add_argument("--false-alarm-p", nargs="+", type=parse_band, metavar="P:SHARE",
+                   help="(d): P carried by false alarms (default: " + _bands(d.false_alarm_p)
+                        + ")")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG plot here")
     e = ElasticParams()
     p.add_argument("--elastic", action="store_true",
@@ -430,7 +468,12 @@ def register(sub: Any) -> None:
     p.set_defaults(func=_run)
 
 
+def _bands(bands: tuple[tuple[float, float], ...]) -> str:
+    return " ".join(f"{p:g}:{w:g}" for p, w in bands)
+
+
 def _run(args: argparse.Namespace) -> int:
+    d = RunParams()
     rows = []
     for gpus in args.gpus:
         params = RunParams(
@@ -439,6 +482,8 @@ def _run(args: argparse.Namespace) -> int:
             recall=args.recall, lead_median_s=args.lead_median_s,
             predictable_share=args.predictable_share,
             false_alarms_per_1k_gpu_days=args.false_alarms,
+            true_alarm_p=tuple(args.true_alarm_p or d.true_alarm_p),
+            false_alarm_p=tuple(args.false_alarm_p or d.false_alarm_p),
         )
         rows.append((params, compare(params, runs=args.runs)))
     print(_table(rows))

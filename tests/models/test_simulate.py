@@ -95,3 +95,41 @@ def test_elastic_continuation_beats_waiting_for_a_replacement() -> None:
         interval = daly_interval(p.checkpoint_s, calm.mtbf_s)
         assert r.failures == 0
         assert r.utilisation == pytest.approx(interval / (interval + p.checkpoint_s), rel=1e-3)
+
+
+def test_the_cost_models_gate_orders_a_save_only_where_p_times_work_pays() -> None:
+    """(d) weighs each alarm with the collector's own ``decide_checkpoint``. False alarms
+    at P 0.001 would need 16 h of unsaved work to pay for a 60 s checkpoint (Daly's interval
+    here is half an hour): none is ordered. Predictions at P 0.5 pay after 2 minutes: those
+    are. So (d) orders far fewer saves than (c), loses less work to failures than without
+    prediction, and its goodput is higher than (c)'s."""
+    from forewarn.simulate_gate import Gate
+
+    p = RunParams(gpus=4096, days=10.0, false_alarms_per_1k_gpu_days=30.0,
+                  true_alarm_p=((0.5, 1.0),), false_alarm_p=((0.001, 1.0),))
+    res = compare(p, runs=4)
+    every, gated = res["proactive"], res["gated"]
+    # (a false alarm while a checkpoint stalls the job is absorbed: (c) stalls more often)
+    assert gated.alarms >= every.alarms > 0 and every.ordered == every.alarms
+    assert 0 < gated.ordered < every.ordered / 10
+    assert gated.goodput > every.goodput
+    assert gated.rework_s <= res["fast_detection"].rework_s
+
+    gate = Gate(p.checkpoint_s)
+    one = simulate(p, "gated", seed=1, gate=gate)
+    assert len(gate.decisions) == one.alarms > 0
+    assert one.ordered == sum(d.act for d in gate.decisions)
+    for d in gate.decisions:
+        assert d.act == (d.probability * d.work_s > d.checkpoint_s), d
+        assert d.probability_source == "finding" and d.checkpoint_s == 60.0
+    assert not [d for d in gate.decisions if d.probability == 0.001 and d.act]
+    assert [d for d in gate.decisions if d.probability == 0.5 and d.act]
+
+
+def test_alarm_p_bands_from_the_command_line() -> None:
+    from forewarn.simulate_gate import parse_band
+
+    assert parse_band("0.29:0.4") == (0.29, 0.4) and parse_band("0.5") == (0.5, 1.0)
+    for bad in ("1.5:1", "0.2:0", "x"):
+        with pytest.raises(ValueError):
+            parse_band(bad)
