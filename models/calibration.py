@@ -13,7 +13,8 @@ simulator), so a rate measured there is no real fleet's. Given a base rate, the 
 rows are weighted by the base rate over the data's own failure rate (failures per GPU-day
 of the rows): a prior shift, which assumes that what a failing GPU's scores look like does
 not depend on how many GPUs fail. Without one (an operator's own fleet), the rate is the
-data's own.
+data's own. The gradient-boosted model's calibrated output, at the simulated rate, is
+calibrated again the same way (``predictor.train_predictor``).
 """
 
 from __future__ import annotations
@@ -52,3 +53,4 @@ def apply(knots: np.ndarray, scores: np.ndarray) -> np.ndarray:
     values beyond them)."""
     p: np.ndarray = np.interp(np.asarray(scores, dtype=np.float64), knots[0], knots[1])
     return p
+

@@ -5,7 +5,12 @@ isotonic regression (:class:`~sklearn.calibration.CalibratedClassifierCV`), trai
 per-minute feature rows (:mod:`forewarn.models.features`) labelled 1 when the GPU fails
 within ``horizon_s`` after the row. Rows after a failure are dropped; negatives are
 subsampled every ``neg_stride`` minutes and weighted back so that the calibrated
-probability keeps the true base rate. Negatives in the hours just before a failure
+probability keeps the data's own failure rate: that is the alarm score (the threshold is on
+it). Simulated fleets fail far more often than real ones, so given a base rate the findings'
+P is measured as ``rules_forest``'s is (:mod:`~forewarn.models.calibration`): on every kept
+row of the training and tuning sets, the share a failure followed within the horizon at
+each score, failing rows weighted down to the base rate; the knots are stored in
+``metadata["calibration"]``. Negatives in the hours just before a failure
 (``precursor_window_s``) are not fitted on: a precursor often starts earlier than the
 horizon, and its early minutes, labelled 0, would teach the model that its signal is
 normal (the evaluation counts an alarm raised there as true when it lasts to the
@@ -29,6 +34,7 @@ import pandas as pd
 from sklearn.calibration import CalibratedClassifierCV
 from sklearn.ensemble import HistGradientBoostingClassifier
 
+from forewarn.models import calibration
 from forewarn.models.evaluate import evaluate_scores
 from forewarn.models.features import FEATURE_NAMES
 from forewarn.wire import Finding, Health, Subject, SuggestedAction
@@ -69,12 +75,14 @@ class FailurePredictor:
 
     def failure_probability(self, scores: np.ndarray) -> np.ndarray | None:
         """P(failure within ``horizon_s``) at the scores :meth:`predict_proba` gave: the
-        classifier's own calibration of its alarm score when it has one (``rules_forest``),
-        the scores themselves from a calibrated classifier (the gradient-boosted model);
-        None for an alarm score without a calibration (a model saved before it had one)."""
+        classifier's own calibration of its alarm score when it has one (``rules_forest``);
+        from a calibrated classifier (the gradient-boosted model) the scores, shifted to the
+        base rate it was trained for when there is one; None for an alarm score without a
+        calibration (a model saved before it had one)."""
         calibrated = getattr(self.classifier, "probability", None)
         if calibrated is None:
-            return scores
+            knots = self.metadata.get("calibration", {}).get("knots")
+            return scores if knots is None else calibration.apply(np.asarray(knots), scores)
         p: np.ndarray | None = calibrated(scores)
         return p
 
@@ -84,9 +92,10 @@ class FailurePredictor:
         if p is None:
             return (f"alarm score {score:.2f} (threshold {self.threshold:.2f}; a score, "
                     f"not a probability: this model carries no calibration)")
-        if getattr(self.classifier, "probability", None) is None:  # a calibrated classifier
-            return f"{horizon} = {p:.2f} (threshold {self.threshold:.2f})"
-        rate = self.metadata.get("calibration", {}).get("base_rate_per_1000_gpu_days")
+        cal = self.metadata.get("calibration", {})
+        if getattr(self.classifier, "probability", None) is None and "knots" not in cal:
+            return f"{horizon} = {p:.2f} (threshold {self.threshold:.2f})"  # score is P
+        rate = cal.get("base_rate_per_1000_gpu_days")
         at = f" at {rate:g} failures per 1,000 GPU-days" if rate is not None else ""
         return (f"alarm score {score:.2f} (threshold {self.threshold:.2f}); {horizon} = "
                 f"{p:.4f} (calibrated{at})")
@@ -223,11 +232,13 @@ def train_predictor(sets: list[tuple[pd.DataFrame, pd.DataFrame]], *,
                     horizon_s: float = 3600.0, neg_stride: int = 5,
                     tune_share: float = 0.25, target_false_alarms: float = 0.5,
                     threshold: float | None = None, seed: int = 0,
-                    max_iter: int = 150) -> FailurePredictor:
+                    max_iter: int = 150,
+                    base_rate_per_1000_gpu_days: float | None = None) -> FailurePredictor:
     """Fit the calibrated predictor on ``(features, labels)`` pairs (features from
     :func:`~forewarn.models.features.gpu_features`). The operating threshold is given, or
     tuned on ``tune`` (or, without one, on ``tune_share`` of the GPUs held out of the fit).
-    """
+    With ``base_rate_per_1000_gpu_days`` the findings' P is at that failure rate (module
+    docstring), else at the data's own."""
     start = time.perf_counter()
     tunes: list[tuple[pd.DataFrame, pd.DataFrame]] = []
     fits = []
@@ -271,4 +282,29 @@ def train_predictor(sets: list[tuple[pd.DataFrame, pd.DataFrame]], *,
         "failures": int(sum(len(lab) for _, lab in sets)), "horizon_s": horizon_s,
         "neg_stride": neg_stride, "target_false_alarms_per_1000": target_false_alarms,
     }
+    if base_rate_per_1000_gpu_days is not None:
+        pred.metadata["calibration"] = _calibrate(pred, [*sets, *([tune] if tune else [])],
+                                                  horizon_s, base_rate_per_1000_gpu_days)
     return pred
+
+
+def _calibrate(pred: FailurePredictor, sets: list[tuple[pd.DataFrame, pd.DataFrame]],
+               horizon_s: float, base_rate_per_1000_gpu_days: float) -> dict[str, Any]:
+    """P at ``base_rate_per_1000_gpu_days`` measured on every kept row of ``sets`` (each
+    set's failing rows weighted by the base rate over its own rate), and what it rests on."""
+    scores, fails, weights = [], [], []
+    failures, days = 0, 0.0
+    for features, labels in sets:
+        y, keep = label_rows(features, labels, horizon_s)
+        d = float(keep.sum()) / 1440.0  # one feature row per GPU-minute
+        w = calibration.positive_weight(len(labels), d, base_rate_per_1000_gpu_days)
+        scores.append(pred.predict_proba(features.loc[keep]))
+        fails.append(y[keep])
+        weights.append(np.where(y[keep] > 0, w, 1.0))
+        failures, days = failures + len(labels), days + d
+    knots = calibration.fit(np.concatenate(scores), np.concatenate(fails),
+                            np.concatenate(weights))
+    return {"failures": failures, "gpu_days": round(days, 1),
+            "failures_per_1000_gpu_days": round(1000.0 * failures / max(days, 1e-9), 3),
+            "base_rate_per_1000_gpu_days": base_rate_per_1000_gpu_days,
+            "knots": knots.tolist()}

@@ -37,8 +37,9 @@ def train_detector(detector: str, sets: list[tuple[pd.DataFrame, pd.DataFrame]],
                    base_rate_per_1000_gpu_days: float | None = None) -> FailurePredictor:
     """A ``detector`` (one of :data:`DETECTORS`) fitted on ``(features, labels)`` pairs
     (module docstring); ``max_iter`` is the boosting iterations of ``model``;
-    ``base_rate_per_1000_gpu_days`` the failure rate ``rules_forest``'s probability is
-    calibrated at (None: the data's own; :func:`~.rules_forest.calibrate`). Raises
+    ``base_rate_per_1000_gpu_days`` the failure rate either detector's probability is
+    calibrated at (None: the data's own; :func:`~.rules_forest.calibrate`,
+    :func:`~.predictor.train_predictor`). Raises
     :class:`ValueError` when it cannot be trained (an unknown kind, too few failures)."""
     from forewarn.models.predictor import train_predictor
     from forewarn.models.rules_forest import train_rules_forest
@@ -46,7 +47,8 @@ def train_detector(detector: str, sets: list[tuple[pd.DataFrame, pd.DataFrame]],
     if detector == "model":
         model = train_predictor(sets, tune=tune, horizon_s=horizon_s, threshold=threshold,
                                 target_false_alarms=target_false_alarms, seed=seed,
-                                max_iter=max_iter)
+                                max_iter=max_iter,
+                                base_rate_per_1000_gpu_days=base_rate_per_1000_gpu_days)
         model.metadata["detector"] = "model"
         return model
     if detector != "rules_forest":

@@ -105,3 +105,41 @@ def test_a_finding_says_which_number_is_the_score_and_which_the_probability() ->
     (found,) = bare.findings(np.array(["n1"]), np.array([3]), score, 0.0)
     assert found.probability is None and "not a probability" in found.reason
     assert failure_probability(found)[1] != "finding"
+
+
+def test_the_gradient_boosted_models_p_is_at_the_base_rate_given() -> None:
+    """``--detector model`` trained on simulated fleets (which fail ~300x more often than
+    real ones) gives findings P at the real rate, as rules_forest does: its calibrated
+    output at the data's own rate stays the alarm score (the threshold is on it), and P is
+    measured on the training rows with failing rows weighted down to the base rate (a prior
+    shift). Its mean over those rows (weighted alike) is the share of GPU-minutes a failure
+    followed at the base rate; without a base rate P is the score."""
+    from forewarn.models.features import gpu_features
+    from forewarn.models.fleetsim import simulate_fleet
+    from forewarn.models.suites import classic
+    from forewarn.models.train import train_detector
+
+    d = simulate_fleet(classic(load_params()).replace(nodes=2, gpus_per_node=8, days=2.0,
+                                                      seed=11, rate_per_1000_gpu_days=1500.0))
+    f = gpu_features(d.samples, d.xids)
+    real = load_params().real_per_1000_gpu_days
+    model = train_detector("model", [(f, d.labels)], threshold=0.5, max_iter=30,
+                           base_rate_per_1000_gpu_days=real)
+    cal = model.metadata["calibration"]
+    assert cal["base_rate_per_1000_gpu_days"] == real
+    assert cal["failures_per_1000_gpu_days"] > 100 * real
+    y, keep = label_rows(f, d.labels, 3600.0)
+    scores = model.predict_proba(f.loc[keep])
+    p = model.failure_probability(scores)
+    assert p is not None and np.all(p <= scores) and p.mean() < scores.mean() / 20
+    w = positive_weight(len(d.labels), keep.sum() / 1440.0, real)
+    observed = _observed(y[keep], w)
+    mean_p = float(np.average(p, weights=np.where(y[keep] > 0, w, 1.0)))
+    assert observed / 2 <= mean_p <= observed * 2, (mean_p, observed)
+    i = int(np.argmax(scores))
+    (found,) = model.findings(np.array(["n"]), np.array([0]), scores[i:i + 1], 0.0)
+    assert found.probability == pytest.approx(float(p[i]), rel=1e-6)
+    assert found.reason.startswith("alarm score ") and "calibrated at 0.8125" in found.reason
+    own = train_detector("model", [(f, d.labels)], threshold=0.5, max_iter=30)
+    s = own.predict_proba(f.loc[keep])
+    assert np.array_equal(own.failure_probability(s), s)
