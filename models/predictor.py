@@ -8,15 +8,15 @@ subsampled every ``neg_stride`` minutes and weighted back so that the calibrated
 probability keeps the data's own failure rate: that is the alarm score (the threshold is on
 it). Simulated fleets fail far more often than real ones, so given a base rate the findings'
 P is measured as ``rules_forest``'s is (:mod:`~forewarn.models.calibration`): on every kept
-row of the training and tuning sets, the share a failure followed within the horizon at
-each score, failing rows weighted down to the base rate; the knots are stored in
-``metadata["calibration"]``. Negatives in the hours just before a failure
-(``precursor_window_s``) are not fitted on: a precursor often starts earlier than the
-horizon, and its early minutes, labelled 0, would teach the model that its signal is
-normal (the evaluation counts an alarm raised there as true when it lasts to the
-failure). The operating threshold is tuned on GPUs held out of the fit (by default: the
-most recall whose false alarms stay under ``target_false_alarms`` per 1,000 GPU-days), and
-is configurable afterwards.
+row of the tuning sets (the GPUs held out of the fit; the training sets when there are
+none), the share a failure followed within the horizon at each score, failing rows
+weighted down to the base rate; the knots are stored in ``metadata["calibration"]``.
+Negatives in the hours just before a failure (``precursor_window_s``) are not fitted on: a
+precursor often starts earlier than the horizon, and its early minutes, labelled 0, would
+teach the model that its signal is normal (the evaluation counts an alarm raised there as
+true when it lasts to the failure). The operating threshold is tuned on GPUs held out of the
+fit (by default: the most recall whose false alarms stay under ``target_false_alarms`` per
+1,000 GPU-days), and is configurable afterwards.
 
 Gradient boosting for GPU failure prediction follows Liu et al. (SYSTOR 2023,
 docs/reference.md), who found single GBDTs imprecise on real fleets; here the model is judged
@@ -283,8 +283,10 @@ def train_predictor(sets: list[tuple[pd.DataFrame, pd.DataFrame]], *,
         "neg_stride": neg_stride, "target_false_alarms_per_1000": target_false_alarms,
     }
     if base_rate_per_1000_gpu_days is not None:
-        pred.metadata["calibration"] = _calibrate(pred, [*sets, *([tune] if tune else [])],
-                                                  horizon_s, base_rate_per_1000_gpu_days)
+        # on GPUs held out of the fit when there are some: on its own fit rows a boosted
+        # model is surer than it is on new GPUs
+        pred.metadata["calibration"] = _calibrate(pred, tunes or sets, horizon_s,
+                                                  base_rate_per_1000_gpu_days)
     return pred
 
 
