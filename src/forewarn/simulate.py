@@ -83,14 +83,14 @@ class RunParams:
     detect_s: float = 3.0
     """forewarn's hang detection latency (bench/RESULTS.md)."""
     # Defaults for (c): the shipped predictor's leave-one-family-out figures (README,
-    # docs/models.md: trained without a family, tested on it): recall 0.52 on failures with
-    # a precursor, median lead 43 min, 30.57 false alarms per 1,000 GPU-days. The share of
+    # docs/models.md: trained without a family, tested on it): recall 0.53 on failures with
+    # a precursor, median lead 43 min, 6.29 false alarms per 1,000 GPU-days. The share of
     # failures with a precursor (55 %) is the fleet simulator's assumption, not a measurement.
     predictable_share: float = 0.55
     """Share of failures with a precursor a model can see (an assumption; see docs/models.md)."""
-    recall: float = 0.52
+    recall: float = 0.53
     lead_median_s: float = 2580.0
-    false_alarms_per_1k_gpu_days: float = 30.57
+    false_alarms_per_1k_gpu_days: float = 6.29
     interval_s: float | None = None
     """Periodic interval; None = Daly's optimum for this C and M."""
     true_alarm_p: tuple[tuple[float, float], ...] = TRUE_ALARM_P
