@@ -23,9 +23,10 @@ new ones are dropped and counted (the beat's ``last_step`` still shows progress)
 When a send fails with the agent there (its socket full: the kernel queues only
 ``net.unix.max_dgram_qlen`` datagrams: 10 by the kernel's default, 512 where systemd
 or ``forewarn deploy install`` raised it (:mod:`forewarn.agent.socket_queue`), so a busy
-agent fills it in moments), the queued step records are dropped and counted, but :class:`Urgent` records
-(checkpoint reports, non-finite values: what the agent's orders and holds wait on) stay
-at the head of the queue and go again ``RETRY_S`` later, in order. When the agent is gone
+agent fills it in moments), the queued step records are dropped and counted, but
+:class:`Urgent` records (checkpoint reports, non-finite values: what the agent's orders
+and holds wait on) stay at the head of the queue and go again ``RETRY_S`` later, in
+order. When the agent is gone
 (no socket), everything is dropped: a restarted agent has no orders waiting for them.
 """
 
