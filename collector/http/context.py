@@ -97,6 +97,11 @@ class CollectorContext:
         decision work (agent batches, acks, timers) waits (alert storms)."""
         return self._policy_pool.submit_bulk(fn, *args)
 
+    def submit_next(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        """Queue ``fn(*args)`` first on the policy thread's decision lane, behind urgent
+        work only: the next part of the item in progress (a scoring in parts)."""
+        return self._policy_pool.submit_next(fn, *args)
+
     def accept_ack(self, ack: CommandAck, node: str) -> str:
         """Record ``node``'s answer to a command (HTTP or the bus) and tell the policy;
         returns :meth:`CommandQueue.ack`'s ``acked``, ``already`` or ``unknown``."""
