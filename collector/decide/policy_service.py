@@ -149,9 +149,12 @@ class PolicyService:
                 self._timers.append(_every(tick_s, ctx, self._when_leading(self.tick), "tick"))
 
     def stop(self) -> None:
-        """Stop the timers, store the last alerts, stop the actuators."""
+        """Stop the timers and a scoring under way, store the last alerts, stop the
+        actuators."""
         for timer in self._timers:
             timer.cancel()
+        if self._scoring is not None:
+            self._scoring.cancel()
         self.alerts.stop()
         self.dispatch.stop()
 

@@ -68,7 +68,8 @@ class PredictorMetrics:
                                 value=1.0 if svc.model is not None else 0.0)
         yield GaugeMetricFamily(q + "gpus", "GPUs scored at the last scoring.",
                                 value=len(sc.probs))
-        yield GaugeMetricFamily(q + "score_seconds", "Duration of the last scoring.",
+        yield GaugeMetricFamily(q + "score_seconds", "Duration of the last scoring (its "
+                                "parts' own time, not the urgent work run between them).",
                                 value=svc.score_seconds)
         if svc.model is not None:
             yield GaugeMetricFamily(q + "threshold", "Operating threshold of the model.",

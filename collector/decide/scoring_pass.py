@@ -62,7 +62,7 @@ class PartRunner:
         try:
             self._submit(self._step)
         except RuntimeError:  # the policy thread is shutting down: the pass ends here
-            self._end()
+            self.cancel()
 
     def _step(self) -> None:
         """One part; the next one queued behind whatever urgent work came meanwhile."""
@@ -81,7 +81,8 @@ class PartRunner:
             return
         self._queue()
 
-    def _end(self) -> None:
+    def cancel(self) -> None:
+        """End the pass under way, if any (its parts not run yet are dropped)."""
         parts, self._pass = self._pass, None
         if parts is not None:
             parts.close()
