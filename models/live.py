@@ -16,6 +16,7 @@ precision, recall and lead times, which the collector exports as metrics.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Final
 
 import numpy as np
@@ -91,6 +92,8 @@ class _MinuteScores:
     slots: np.ndarray
     feats: dict[str, np.ndarray]
     probs: np.ndarray
+    matrix: np.ndarray
+    """The model's feature matrix of :attr:`slots` (for drift)."""
 
     def positions(self, slots: np.ndarray) -> np.ndarray | None:
         """Where each of ``slots`` (ascending) is in :attr:`slots`; None when one of them
@@ -330,12 +333,41 @@ class LiveScorer:
         pos = None if c is None or c.minute != m or c.model is not self.model \
             else c.positions(slots)
         if c is None or pos is None:
-            feats = self._derive(m, live)
-            probs = self.model.predict_proba(_matrix(feats, self.model))
-            c = self._scores = _MinuteScores(m, self.model, live, feats, probs)
+            for _ in self._compute(m, live, len(live)):
+                pass
+            c = self._scores
+            assert c is not None
             pos = c.positions(slots)
             assert pos is not None  # the fresh GPUs are among the candidates
         return c, pos
+
+    @property
+    def computed(self) -> _MinuteScores | None:
+        """The last features and probabilities computed (one minute's; see :meth:`_scored`)."""
+        return self._scores
+
+    def prepare(self, now: float, chunk: int) -> Iterator[None]:
+        """:meth:`score`'s features and probabilities at ``now`` in parts, a ``yield``
+        between them: every GPU's features at once (one consistent minute), then the
+        probabilities ``chunk`` GPUs at a time. :meth:`score` at ``now`` uses them (unless
+        a GPU turned fresh meanwhile: then it computes them again, whole)."""
+        m = self._complete(now)
+        live = self._candidates(m, now)
+        c = self._scores
+        if c is None or c.minute != m or c.model is not self.model \
+                or c.positions(live[self._fresh(live, now)]) is None:
+            yield from self._compute(m, live, chunk)
+
+    def _compute(self, m: int, live: np.ndarray, chunk: int) -> Iterator[None]:
+        """The features and probabilities of the GPU slots ``live`` at minute ``m``, a
+        ``yield`` before each ``chunk`` of probabilities; kept as :attr:`computed`."""
+        model, feats = self.model, self._derive(m, live)
+        x = _matrix(feats, model)  # a copy: later samples do not change this scoring
+        probs = np.zeros(len(live))
+        for a in range(0, len(live), max(chunk, 1)):
+            yield
+            probs[a:a + chunk] = model.predict_proba(x[a:a + chunk])
+        self._scores = _MinuteScores(m, model, live, feats, probs, x)
 
     def score(self, now: float) -> list[Finding]:
         """Findings for the GPUs in an alarm episode (:meth:`alarming`), each with its

@@ -11,7 +11,7 @@ Runs on the policy thread only.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from forewarn.wire import AgentBatch, Finding
@@ -79,11 +79,12 @@ class Advisors:
         """Whether the predictor should score the fleet now."""
         return self.predictor is not None and self.predictor.due(now)
 
-    def score(self, now: float) -> list[Finding]:
-        """The predictor's findings when a scoring is due (else none)."""
+    def score_parts(self, now: float) -> Generator[None, None, list[Finding]]:
+        """The predictor's findings when a scoring is due (else none), in parts
+        (:meth:`.PredictorService.score_parts`)."""
         if self.predictor is None or not self.predictor.due(now):
             return []
-        return self.predictor.score(now)
+        return (yield from self.predictor.score_parts(now))
 
     def refresh_goodput(self, now: float) -> None:
         """Recompute goodput advice with the job's cost, risk and the fleet failure rate;

@@ -12,8 +12,10 @@ parts that each do one thing:
 * :class:`~.alert_intake.AlertIntake`: Alertmanager and Grafana webhooks, handed to the
   policy in small chunks on the policy thread's bulk lane;
 * :class:`~.advisors.Advisors`: the failure predictor, peer comparison and goodput advice,
-  fed from the stored batches; every ``predict_interval_s`` a timer scores the fleet and
-  refreshes goodput advice on the policy thread.
+  fed from the stored batches; every ``predict_interval_s`` a timer (or a batch that finds
+  a scoring due) scores the fleet and refreshes goodput advice on the policy thread, in
+  parts each its own item (:mod:`.scoring_pass`): urgent work runs between them, and none
+  runs inside a batch's item.
 
 Every finding goes through the one policy: agents' findings on the decision lane, the
 collector's own detectors' findings stored first, alerts' and operators' findings with the
@@ -57,6 +59,7 @@ from .ledger import EXPIRE_EVERY_S, FindingLedger
 from .order_history import restore_orders
 from .orders import OrderBook, OrderSettings
 from .policy import Decision, Policy, PolicySettings
+from .scoring_pass import PartRunner, Parts
 from .seam import DecideContext, PolicyApi
 
 if TYPE_CHECKING:
@@ -94,6 +97,7 @@ class PolicyService:
         self.pipeline: ActionPipeline | None = None
         self._ctx: DecideContext | None = None
         self._timers: list[concurrent.futures.Future[None]] = []
+        self._scoring: PartRunner | None = None
         self._leading = False
 
     @classmethod
@@ -133,6 +137,7 @@ class PolicyService:
         self.pipeline = self.dispatch.start(ctx, self.policy, orders)
         self.alerts.start(ctx)
         self.advisors.start(ctx)
+        self._scoring = PartRunner(ctx.submit_next, ctx.metrics.policy_errors.inc)
         self._leading = ctx.leader.is_leader  # the incidents were just loaded
         if self._leading:  # and the gates and orders: a restart keeps them
             self._take_over_memory(ctx)
@@ -144,9 +149,12 @@ class PolicyService:
                 self._timers.append(_every(tick_s, ctx, self._when_leading(self.tick), "tick"))
 
     def stop(self) -> None:
-        """Stop the timers, store the last alerts, stop the actuators."""
+        """Stop the timers and a scoring under way, store the last alerts, stop the
+        actuators."""
         for timer in self._timers:
             timer.cancel()
+        if self._scoring is not None:
+            self._scoring.cancel()
         self.alerts.stop()
         self.dispatch.stop()
 
@@ -215,9 +223,17 @@ class PolicyService:
         )
 
     def tick(self, now: float) -> None:
-        """Score the fleet when due; predictions through the policy; goodput advice."""
-        self._detected(self.advisors.score(now), now, "predictor")
-        self.advisors.refresh_goodput(now)
+        """Queue a pass (unless one is under way): score the fleet when due, predictions
+        through the policy, goodput advice; in parts, each its own policy-thread item."""
+        if self._scoring is not None:
+            self._scoring.run(self._tick_parts(now))
+
+    def _tick_parts(self, now: float) -> Parts:
+        findings = yield from self.advisors.score_parts(now)
+        yield  # the decisions in a part of their own
+        if self._leads():
+            self._detected(findings, now, "predictor")
+            self.advisors.refresh_goodput(now)
 
     # -- leadership (policy thread) -------------------------------------------------------
 

@@ -9,7 +9,10 @@ and :meth:`PolicyThread.submit_bulk` (alert webhook findings) only while both ar
 fatal finding from an agent thus waits at most for the one item in progress, however many
 telemetry batches or alerts are queued; bulk callers keep their items small
 (:mod:`.policy_service` hands alerts over in chunks). Each lane runs in the order it was
-given.
+given. :meth:`PolicyThread.submit_next` continues the item in progress: its next part goes
+first on the decision lane (urgent work still before it), so long work split into parts
+(a scoring of the fleet: :mod:`.scoring_pass`) lets urgent items run between them and is
+not interleaved with other decision work.
 """
 
 from __future__ import annotations
@@ -49,6 +52,12 @@ class PolicyThread(concurrent.futures.Executor):
         """Queue ``fn(*args, **kwargs)`` on the decision lane."""
         return self._put(1, fn, args, kwargs)
 
+    def submit_next(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any
+                    ) -> concurrent.futures.Future[T]:
+        """Queue ``fn(*args, **kwargs)`` at the head of the decision lane: after the urgent
+        lane, before everything else (the next part of the item in progress)."""
+        return self._put(1, fn, args, kwargs, first=True)
+
     def submit_bulk(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any
                     ) -> concurrent.futures.Future[T]:
         """Queue ``fn(*args, **kwargs)`` on the bulk lane (after every decision)."""
@@ -66,12 +75,17 @@ class PolicyThread(concurrent.futures.Executor):
             self._thread.join()
 
     def _put(self, lane: int, fn: Callable[..., T], args: tuple[Any, ...],
-             kwargs: dict[str, Any]) -> concurrent.futures.Future[T]:
+             kwargs: dict[str, Any], *, first: bool = False
+             ) -> concurrent.futures.Future[T]:
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         with self._cond:
             if self._shutdown:
                 raise RuntimeError("cannot schedule new futures after shutdown")
-            self._lanes[lane].append((future, fn, args, kwargs))
+            item = (future, fn, args, kwargs)
+            if first:
+                self._lanes[lane].appendleft(item)
+            else:
+                self._lanes[lane].append(item)
             self._cond.notify()
         return future
 

@@ -29,11 +29,13 @@ thread:
   means; the shipped model was trained on 60 s samples). A sample reporting the GPU not
   OK, and every XID, is always fed: those are the failures shadow scoring counts.
 * :meth:`PredictorService.score` runs every ``predict_interval_s``: all GPUs at once
-  (vectorised features and one ``predict_proba`` call), returning the findings to pass to
-  the policy: GPUs at or above the model's threshold (only those are actionable; they carry
-  ``probability`` and ``horizon_s``, so the cost-aware checkpoint decision uses P). An
-  alarmed GPU's finding is passed on again only after ``predict_refresh_s`` or when its
-  health worsens (the policy would drop it as a duplicate anyway).
+  (vectorised features, the probabilities in chunks; the policy runs it as
+  :meth:`~PredictorService.score_parts`, in parts between which urgent work runs),
+  returning the findings to pass to the policy: GPUs at or above the model's threshold
+  (only those are actionable; they carry ``probability`` and ``horizon_s``, so the
+  cost-aware checkpoint decision uses P). An alarmed GPU's finding is passed on again only
+  after ``predict_refresh_s`` or when its health worsens (the policy would drop it as a
+  duplicate anyway).
 * The same scoring compares every GPU with the other GPUs of its job
   (:mod:`forewarn.models.job_peers`; which job a GPU runs comes from the batches' rank
   summaries): ``models.job_peers`` findings, passed on alike.
@@ -58,19 +60,19 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import CollectorRegistry
 from threadpoolctl import threadpool_limits  # type: ignore[import-untyped]
 
 from forewarn.config import ConfigError
 from forewarn.wire import AgentBatch, Finding, GpuState, Health
 
-from .risk import RiskScores, empty_scores, gpu_risk, gpu_series, job_risk_entry
+from .risk import RiskScores, empty_scores, gpu_risk, job_risk_entry
+from .scoring_pass import run_whole
 
 if TYPE_CHECKING:
     from forewarn.models.live import LiveScorer, ShadowStats
@@ -81,14 +83,21 @@ if TYPE_CHECKING:
     from .model_watch import RegistryWatch
     from .seam import DecideContext, RiskQuery
 
-__all__ = ["PredictorService", "RiskScores", "load_predictor_model"]
+__all__ = ["SCORE_CHUNK", "PredictorService", "RiskScores", "load_predictor_model"]
 
 log = logging.getLogger(__name__)
 
 
+SCORE_CHUNK = 2048
+"""GPUs whose probabilities one part of a scoring computes (urgent work runs between)."""
+
 DEFAULT_GPU_MTBF_H = 24.0 * 1000.0 / 6.5 * 8
 """Per-GPU MTBF prior (hours): 6.5 failures per 1,000 node-days of 8 GPUs (Meta, HPCA 2025,
 docs/reference.md); same figure as :data:`forewarn.collector.jobs.goodput.DEFAULT_GPU_MTBF_H`."""
+
+
+_DONE = object()
+"""What ``next`` gives for a scoring's parts once they are all done."""
 
 
 def load_predictor_model(model_path: Path | None, registry: Path
@@ -113,8 +122,6 @@ class _Recorder:
 
     last: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
     """nodes, gpus, scores and P (NaN without a calibration): :class:`RiskScores`."""
-    features: np.ndarray | None = None
-    """The feature matrix of the last scoring (for drift)."""
 
 
 def _recording(model: FailurePredictor, rec: _Recorder) -> FailurePredictor:
@@ -124,11 +131,6 @@ def _recording(model: FailurePredictor, rec: _Recorder) -> FailurePredictor:
     from forewarn.models.predictor import FailurePredictor
 
     class RecordingPredictor(FailurePredictor):
-        def predict_proba(self, features: Any) -> np.ndarray:
-            if isinstance(features, np.ndarray):
-                rec.features = features
-            return super().predict_proba(features)
-
         def findings(self, nodes: np.ndarray, gpus: np.ndarray, probs: np.ndarray,
                      now: float, evidence: dict[str, np.ndarray] | None = None,
                      alarm: np.ndarray | None = None) -> list[Finding]:
@@ -312,6 +314,12 @@ class PredictorService:
 
     def score(self, now: float) -> list[Finding]:
         """Score every live GPU; return the findings to pass to the policy now."""
+        return run_whole(self.score_parts(now))
+
+    def score_parts(self, now: float) -> Generator[None, None, list[Finding]]:
+        """:meth:`score` in parts, a ``yield`` between them (:mod:`.scoring_pass`): the
+        features of every GPU, the probabilities :data:`SCORE_CHUNK` GPUs at a time, then
+        the findings; this scoring is published (shadow counts, then scores) in the last."""
         if self.scorer is not None and self.watch is not None:
             got = self.watch.poll()  # one stat: the registry may have moved on
             if got is not None:
@@ -320,15 +328,26 @@ class PredictorService:
         scorer, model = self.scorer, self.model
         if scorer is None or model is None:
             return []
+        before, spent = scorer.computed, 0.0
         started = time.perf_counter()
-        self._rec.last = self._rec.features = None
-        # predict_threads (1): OpenMP threads spin-wait for work, slow on a busy host
+        parts = scorer.prepare(now, SCORE_CHUNK)
+        # predict_threads (1): OpenMP threads spin-wait for work, slow on a busy host; the
+        # limit is set for each part, not across the urgent work run between them
+        while True:
+            with threadpool_limits(limits=self.threads):
+                if next(parts, _DONE) is _DONE:
+                    break
+            spent += time.perf_counter() - started
+            yield
+            started = time.perf_counter()
+        self._rec.last = None
         with threadpool_limits(limits=self.threads):
             findings = scorer.score(now)
             last = self._rec.last
             findings += scorer.job_findings(now)
-        if self.drift is not None and self._rec.features is not None:
-            self.drift.update(self._rec.features, now)
+        computed = scorer.computed
+        if self.drift is not None and computed is not None and computed is not before:
+            self.drift.update(computed.matrix, now)
         scores = RiskScores(now, *last) if last is not None else empty_scores(now)
         if self.last_score is not None and now > self.last_score:
             # exposure for the fleet's failure rate; a long pause counts as one stale window
@@ -338,7 +357,7 @@ class PredictorService:
         self.shadow_stats = scorer.shadow()
         self.scores = scores
         self.last_score = now
-        self.score_seconds = time.perf_counter() - started
+        self.score_seconds = spent + time.perf_counter() - started  # its parts, not the gaps
         return self._to_submit(findings, now)
 
     def _to_submit(self, findings: list[Finding], now: float) -> list[Finding]:
@@ -393,64 +412,6 @@ class PredictorService:
 
     def register(self, registry: CollectorRegistry) -> None:
         """Add the predictor's metrics to ``registry``."""
-        registry.register(_PredictorMetrics(self))
+        from .predict_metrics import PredictorMetrics
 
-
-def _nan(x: float | None) -> float:
-    return math.nan if x is None else float(x)
-
-
-class _PredictorMetrics:
-    """Renders the last scoring at scrape time (no per-GPU work between scrapes)."""
-
-    def __init__(self, svc: PredictorService) -> None:
-        self.svc = svc
-
-    def describe(self) -> Iterator[Metric]:
-        return iter(())
-
-    def collect(self) -> Iterator[Metric]:
-        svc = self.svc
-        sc = svc.scores
-        yield from gpu_series(sc)
-        st = svc.shadow_stats
-        p = "forewarn_collector_prediction_"
-        yield GaugeMetricFamily(p + "precision", "Shadow-scored precision of settled alarms "
-                                "(NaN until an alarm settled).",
-                                value=_nan(st.precision if st else None))
-        yield GaugeMetricFamily(p + "recall", "Shadow-scored share of failures an alarm "
-                                "preceded (NaN until a failure).",
-                                value=_nan(st.recall if st else None))
-        yield GaugeMetricFamily(p + "lead_seconds", "Median lead time of caught failures "
-                                "(NaN until one).",
-                                value=_nan(st.lead_time_median_s if st else None))
-        yield GaugeMetricFamily(p + "open_alarms", "Alarm episodes not yet settled.",
-                                value=st.open_alarms if st else 0)
-        for name, attr, text in (
-                ("alarms", "alarms", "Alarm episodes raised."),
-                ("true_alarms", "true_alarms", "Alarm episodes a failure followed."),
-                ("false_alarms", "false_alarms", "Alarm episodes no failure followed."),
-                ("failures", "failures", "GPU failures seen (fatal XID, GPU lost, new "
-                                         "uncorrectable errors)."),
-                ("caught", "caught", "Failures an alarm preceded by the minimum lead.")):
-            yield CounterMetricFamily(p + name, text, value=getattr(st, attr) if st else 0)
-        q = "forewarn_collector_predictor_"
-        yield GaugeMetricFamily(q + "up", "1 when a failure model is loaded.",
-                                value=1.0 if svc.model is not None else 0.0)
-        yield GaugeMetricFamily(q + "gpus", "GPUs scored at the last scoring.",
-                                value=len(sc.scores))
-        yield GaugeMetricFamily(q + "score_seconds", "Duration of the last scoring.",
-                                value=svc.score_seconds)
-        if svc.model is not None:
-            yield GaugeMetricFamily(q + "threshold", "Operating threshold of the model: it "
-                                    "alarms where forewarn_gpu_failure_score is at or above.",
-                                    value=svc.model.threshold)
-            yield GaugeMetricFamily(q + "horizon_seconds", "Prediction horizon of the model.",
-                                    value=svc.model.horizon_s)
-        if svc.drift is not None:
-            yield from svc.drift.collect()
-        samples = CounterMetricFamily(q + "samples", "Samples offered to the predictor.",
-                                      labels=["result"])
-        for k, v in svc.samples.items():
-            samples.add_metric([k], v)
-        yield samples
+        registry.register(PredictorMetrics(self))

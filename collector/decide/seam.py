@@ -97,6 +97,11 @@ class DecideContext(Protocol):
         """Queue ``fn(*args)`` on the policy thread's bulk lane (runs while nothing else waits)."""
         ...
 
+    def submit_next(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        """Queue ``fn(*args)`` first on the policy thread's decision lane (urgent work still
+        before it): the next part of the item in progress."""
+        ...
+
 
 class FindingsPolicy(Protocol):
     """What :func:`~forewarn.collector.http.app.create_app` needs of a policy."""

@@ -75,6 +75,9 @@ class CollectorContext:
     """The NATS bus side of this replica (``bus_url`` set), once started."""
     bus_decides: bool = False
     """The leader hears bus batches from the bus's decide consumer (:mod:`.leading`)."""
+    urgent_stored: Callable[[], None] | None = None
+    """Tells the leader's urgent decide lane that this process stored an urgent batch
+    (:meth:`~..ingest.bus_decide.DecideFeed.stored`; set by :mod:`.leading`)."""
     _policy_pool: PolicyThread = dataclasses.field(default_factory=PolicyThread)
     _flush_wanted: asyncio.Event | None = None
     flush_error: str = ""
@@ -96,6 +99,11 @@ class CollectorContext:
         """Queue ``fn(*args)`` on the policy thread's bulk lane: it runs only while no
         decision work (agent batches, acks, timers) waits (alert storms)."""
         return self._policy_pool.submit_bulk(fn, *args)
+
+    def submit_next(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        """Queue ``fn(*args)`` first on the policy thread's decision lane, behind urgent
+        work only: the next part of the item in progress (a scoring in parts)."""
+        return self._policy_pool.submit_next(fn, *args)
 
     def accept_ack(self, ack: CommandAck, node: str) -> str:
         """Record ``node``'s answer to a command (HTTP or the bus) and tell the policy;
@@ -184,6 +192,8 @@ class CollectorContext:
     def on_stored(self, batches: list[AgentBatch], addresses: list[str]) -> None:
         """Writer thread: hand stored batches to the policy thread (not those of the bus
         when the leader hears them from its decide consumer); maybe wake the flush."""
+        if self.urgent_stored is not None and any(b.urgent for b in batches):
+            self.urgent_stored()  # committed: the urgent decide lane looks it up now
         if self.policy is not None:
             batches_for_policy = batches if not self.bus_decides else [
                 b for b, a in zip(batches, addresses, strict=True) if a != BUS_ADDRESS]

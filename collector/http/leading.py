@@ -4,8 +4,9 @@ lane) hand every batch on the bus to the policy's ``on_batches`` (the urgent lan
 policy thread's urgent lane), and the batches this replica stores
 from the bus then skip that hook (:meth:`.context.CollectorContext.on_stored`), so each
 reaches it once. Batches that came over HTTP reach it from the replica that stored them
-while it leads, as with embedded state. (Findings reach the leader from the store:
-:meth:`.context.CollectorContext.leader_feed`.)
+while it leads, as with embedded state. An urgent batch this replica stored is looked up
+by the urgent lane as soon as it is committed (``ctx.urgent_stored``). (Findings reach
+the leader from the store: :meth:`.context.CollectorContext.leader_feed`.)
 """
 
 from __future__ import annotations
@@ -36,5 +37,7 @@ def decide_feeds(ctx: CollectorContext) -> list[DecideFeed]:
         await ctx.run_policy(ctx._policy_batches, batches, False, since, urgent=urgent)
 
     ctx.bus_decides = True
-    return feeds(ctx.config, ctx.store, ctx.leader, deliver, ctx.metrics.registry,
+    made = feeds(ctx.config, ctx.store, ctx.leader, deliver, ctx.metrics.registry,
                  clock=ctx.clock, stages=ctx.metrics.urgent_seconds)
+    ctx.urgent_stored = next(f.stored for f in made if f.lane.urgent)
+    return made

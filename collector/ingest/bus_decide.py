@@ -24,7 +24,14 @@ new as the one ingest used. When ingest left records out (the stored counts diff
 batch is authorised again against the map (:func:`~.authz.authorise_batch`) and the policy
 gets what remains. A batch not stored within :attr:`DecideFeed.give_up_s` (ingest refused
 it) is acknowledged and counted ``not_stored``. A batch handed over already (a
-redelivery) is not handed over again.
+redelivery) is not handed over again, nor twice in one group (a redelivery fetched while
+the first delivery was held).
+
+Held batches are looked up again every :data:`RECHECK_S`; the urgent lane's also as soon
+as this process's ingest writer committed an urgent batch (:meth:`DecideFeed.stored`,
+called after the commit): the batch this replica stored itself goes to the policy without
+waiting for the next lookup. One stored by another replica is found by the lookup
+(PostgreSQL's LISTEN/NOTIFY could tell that too; not done: the lookup bounds it at 50 ms).
 
 Metric: ``forewarn_collector_decide_batches_total{result}`` (both lanes): ``fed``,
 ``refused`` (the batch checks failed: ingest refuses it too), ``not_stored``,
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import datetime
 import logging
@@ -66,7 +74,11 @@ log = logging.getLogger(__name__)
 IDLE_S = 0.1
 """How often a follower looks whether it leads now."""
 RECHECK_S = 0.05
-"""How soon batches waiting for their ingest are looked up again."""
+"""How soon batches waiting for their ingest are looked up again (the urgent lane: at
+once when this process stored one, :meth:`DecideFeed.stored`)."""
+FETCH_HELD_S = 0.01
+"""How long the urgent lane's fetch waits for more batches while it holds some (it waited
+for a batch stored, or :data:`RECHECK_S`, before)."""
 KEYS_PER_QUERY = 100
 REMEMBERED = 100_000
 """Batches handed over lately, remembered so that a redelivery is not handed over again."""
@@ -142,11 +154,15 @@ class DecideFeed:
         self._fed: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
         self._count = count
         self._stages = stages
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
 
     async def step(self, js: JetStreamContext) -> None:
         """One turn (the bus consumer runs it in a loop that logs and retries NATS or
         store trouble): while this replica leads, pull the decide consumer and feed the
         policy; otherwise let go of it and wait."""
+        if self._wake is None:
+            self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
         if self._sub is not None and not leads_in(self.leader, self._term):
             sub, self._sub = self._sub, None
             await self._let_go(sub)
@@ -157,6 +173,14 @@ class DecideFeed:
             self._term = self.leader.term
             self._sub = await self._bind(js)
         await self._take(self._sub)
+
+    def stored(self) -> None:
+        """Any thread (the ingest writer, after its commit): a batch of this lane was
+        stored by this process, so the held batches are looked up now."""
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nothing waits
+                loop.call_soon_threadsafe(wake.set)
 
     def status(self) -> dict[str, Any]:
         """For ``/readyz``: whether this replica pulls it, batches waiting for their
@@ -195,9 +219,16 @@ class DecideFeed:
     async def _fetch(self, sub: JetStreamContext.PullSubscription) -> float:
         """Pull what is there: the batches ingest would store join those held, the others
         are counted ``refused`` and acknowledged. Returns when (``time.monotonic``)."""
+        timeout = RECHECK_S if self._held else 1.0
+        if self._held and self.lane.urgent and self._wake is not None:
+            # Wait for a batch stored (told by the writer) or the next lookup, then take
+            # what came meanwhile: a fetch cannot be cut short without losing its batches.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), RECHECK_S)
+            self._wake.clear()
+            timeout = FETCH_HELD_S
         try:
-            msgs = await sub.fetch(self.config.bus_fetch_max,
-                                   timeout=RECHECK_S if self._held else 1.0)
+            msgs = await sub.fetch(self.config.bus_fetch_max, timeout=timeout)
         except TimeoutError:  # nats.errors.TimeoutError, or asyncio's under load
             msgs = []
         now = time.monotonic()
@@ -224,7 +255,7 @@ class DecideFeed:
             key = (h.batch.agent_id, h.batch.seq)
             if key in stored:
                 ready.append(h)
-                if key in self._fed:
+                if key in self._fed or key in fetched:  # handed over, or twice in the group
                     self._count.labels("duplicate").inc()
                     continue
                 kept = await self._as_stored(h.batch, stored[key])

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from forewarn import bus
 from forewarn.collector.config import CollectorConfig
 from forewarn.collector.decide.policy_thread import PolicyThread
+from forewarn.collector.ingest import bus_decide
 from forewarn.collector.ingest.batch import IngestWriter
 from forewarn.collector.ingest.bus import BusConsumer, stream_configs
 from forewarn.collector.ingest.bus_decide import decide_feeds
@@ -196,3 +197,51 @@ def test_urgent_policy_work_runs_before_the_rest_of_a_large_telemetry_group(
         writer.stop()
         store.close()
     assert ran.index("urgent") < GROUP, f"urgent work ran after all {GROUP} batches"
+
+
+@pytest.mark.system
+def test_the_urgent_lane_hands_a_batch_over_once_told_it_is_stored_without_a_poll(
+        tmp_path: Path, nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An urgent batch the leader fetched before its ingest stored it is handed to the
+    policy once this process's writer has committed it (the writer tells the urgent
+    lane), not at the next lookup of held batches: those are an hour apart here."""
+    monkeypatch.setattr(bus_decide, "RECHECK_S", 3600.0)
+    cfg = config(tmp_path, nats_server.url)
+    store = Store(cfg.db_path)
+    handed: list[int] = []
+
+    async def deliver(batches: list[AgentBatch], urgent: bool) -> None:
+        assert urgent
+        handed.extend(b.seq for b in batches)
+
+    feed = decide_feeds(cfg, store, SoleLeader(), deliver, CollectorRegistry())[1]
+    assert feed.lane.urgent
+    writer = IngestWriter(store, CollectorMetrics(),
+                          on_stored=lambda _batches, _addresses: feed.stored())
+    writer.start()
+
+    async def fetched_then_stored(js: JetStreamContext) -> None:
+        for stream in stream_configs(cfg):
+            await js.add_stream(stream)
+        urgent = AgentBatch(node=NODE, agent_id=NODE, seq=7, created=time.time(),
+                            urgent=True, checkpoints=[])
+        await js.publish(bus.subject(bus.URGENT_PREFIX, NODE), encode(urgent))
+        while feed.status()["waiting"] < 1:  # fetched, not stored yet: held
+            await feed.step(js)
+        await asyncio.wrap_future(writer.submit(urgent, encode(urgent)))
+        await asyncio.wait_for(feed.step(js), 30)  # one turn, far short of a lookup's
+
+    try:
+        asyncio.run(on_bus(nats_server.url, fetched_then_stored))
+    finally:
+        writer.stop()
+        store.close()
+    assert handed == [7]
+
+
+async def on_bus(url: str, work: Callable[[JetStreamContext], Awaitable[None]]) -> None:
+    nc = await nats.connect(url)
+    try:
+        await work(nc.jetstream())
+    finally:
+        await nc.close()

@@ -68,6 +68,7 @@ def test_the_policy_thread_runs_urgent_work_first_each_lane_in_order() -> None:
         futures = [pool.submit(ran.append, "telemetry 1"), pool.submit_bulk(ran.append, "alert"),
                    pool.submit_urgent(ran.append, "urgent 1"),
                    pool.submit(ran.append, "telemetry 2"),
+                   pool.submit_next(ran.append, "next part"),
                    pool.submit_urgent(ran.append, "urgent 2")]
         release.set()
         for f in futures:
@@ -75,7 +76,8 @@ def test_the_policy_thread_runs_urgent_work_first_each_lane_in_order() -> None:
     finally:
         release.set()
         pool.shutdown()
-    assert ran == ["urgent 1", "urgent 2", "telemetry 1", "telemetry 2", "alert"]
+    # the next part of the item in progress: after urgent work, before other decision work
+    assert ran == ["urgent 1", "urgent 2", "next part", "telemetry 1", "telemetry 2", "alert"]
 
 
 class _Recorder:

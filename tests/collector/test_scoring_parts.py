@@ -1,0 +1,101 @@
+"""The failure predictor's scoring pass yields to urgent work: it does not run inside the
+telemetry batch that found it due, and an urgent batch stored while the pass is under way
+is decided before the scoring's own findings (a real collector on loopback, real SQLite;
+the model's classifier is the test's, at the scikit-learn seam)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from forewarn.collector.cli import ServerThread
+from forewarn.collector.config import CollectorConfig
+from forewarn.collector.decide.policy_service import PolicyService
+from forewarn.collector.decide.predict import PredictorService
+from forewarn.collector.http.app import create_app
+from forewarn.collector.http.auth import TokenRegistry
+from forewarn.collector.storage.state import open_state
+from forewarn.models.predictor import FailurePredictor
+from forewarn.wire import AgentBatch, Finding, GpuSample, Health, Subject, encode
+
+from support.collector import NODE, NODE_TOKENS, STATE, Clock
+from support.polling import poll
+
+T0 = 1_700_000_000.0 - 1_700_000_000.0 % 60 + 5.0  # five seconds into a minute
+GPUS = 64
+
+
+def post(url: str, batch: AgentBatch) -> None:
+    r = httpx.post(url + "/api/v1/ingest", content=encode(batch), timeout=30, headers={
+        "content-type": "application/msgpack",
+        "authorization": f"Bearer {NODE_TOKENS[NODE]}"})
+    assert r.status_code == 200, r.text
+
+
+class UrgentOnPredict:
+    """A classifier that, the first time it is asked, has an agent's urgent batch (a fatal
+    XID finding) stored, so that it is queued while the scoring pass is under way; it
+    scores GPU row 0 over any threshold (a predictor finding to decide) and the rest 0."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.url = ""
+        self.asked = 0
+
+    def predict_proba(self, x: np.ndarray) -> np.ndarray:
+        self.asked += 1
+        if self.asked == 1:
+            finding = Finding(check="xid", health=Health.UNHEALTHY, reason="fatal XID 79",
+                              subject=Subject(kind="gpu", node=NODE, gpu=GPUS - 1),
+                              time=self.clock())
+            post(self.url, AgentBatch(node=NODE, agent_id="agent-0", seq=1, urgent=True,
+                                      created=self.clock(), findings=[finding]))
+        p = np.zeros((len(x), 2))
+        p[:, 0] = 1.0
+        p[:1] = (0.0, 1.0)
+        return p
+
+
+@pytest.mark.system
+def test_an_urgent_batch_stored_during_a_scoring_is_decided_before_its_findings(
+        tmp_path: Path) -> None:
+    clock = Clock(T0 + 120.0)
+    probe = UrgentOnPredict(clock)
+    cfg = CollectorConfig(listen="127.0.0.1:0", data_dir=tmp_path / "data",
+                          tokens_file=tmp_path / "none.toml", flush_interval_s=3600,
+                          predictor_enabled=False, **STATE)
+    policy = PolicyService.from_config(cfg)
+    # The timer stays out (an hour): the telemetry batch below finds the first scoring due.
+    predictor = PredictorService(FailurePredictor(classifier=probe), interval_s=3600.0)
+    policy.advisors.predictor = predictor
+    store = open_state(cfg)
+    app = create_app(cfg, store, policy=policy, tokens=TokenRegistry(tokens=dict(NODE_TOKENS)),
+                     clock=clock)
+    server = ServerThread(app, cfg).start()
+    probe.url = server.url
+    try:
+        post(server.url, AgentBatch(node=NODE, agent_id="agent-0", seq=0, created=clock(),
+                                    samples=[GpuSample(node=NODE, gpu=g, time=T0 + dt,
+                                                       source="test", power_w=300.0)
+                                             for dt in (0.0, 60.0) for g in range(GPUS)]))
+        assert poll(lambda: predictor.last_score == clock() and probe.asked, timeout=60)
+        decided = poll(lambda: {"agent", "predictor"} <= set(rows := sources(store)) and rows,
+                       timeout=60)
+    finally:
+        server.stop()
+        store.close()
+    assert decided, "the urgent finding and the scoring's were not both decided"
+    # the agent's fatal finding first, then the scoring's: it did not wait for the pass
+    assert "agent" not in decided[decided.index("predictor"):], decided
+
+
+def sources(store: Any) -> list[str]:
+    """The source of each stored decision, in the order they were taken."""
+    return [json.loads(r["inputs"])["source"]
+            for r in store.query("SELECT inputs FROM decisions ORDER BY id")]
+
