@@ -304,7 +304,11 @@ class PolicyService:
         return {"findings": len(findings), "decisions": decisions}
 
     def _forced_findings(self, findings: list[Finding], source: str) -> list[Decision]:
-        """Policy thread: an operator's findings, the cost model bypassed."""
+        """Policy thread: an operator's findings, the cost model bypassed. The memory is
+        taken over first (:meth:`_leads`) when this is a new leader's first decision: an
+        order decided before it would enter an order book the takeover then replaces
+        from the store."""
+        self._leads()
         decisions = self._decide(findings, source, force=True)
         self.ledger.save()
         return decisions
