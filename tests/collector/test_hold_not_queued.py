@@ -1,6 +1,7 @@
 """A save hold whose commands could not be queued (the store failed) does not count as the
 incident's one hold of the job: the NaN reported again holds the job then, as the next
-leader would (it counts only the holds carried out, :mod:`.gate_history`). Real SQLite
+leader would (it counts only the holds carried out, :mod:`.gate_history`); a replacement
+hold that could not be queued leaves the missed hold to the rank's next miss. Real SQLite
 and PostgreSQL; the store's failure is injected at its write."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any, cast
 
 import msgspec
+import pytest
 
 from forewarn.collector.decide.actions import ActionPipeline
 from forewarn.collector.decide.orders import OrderBook
@@ -18,7 +20,7 @@ from forewarn.collector.metrics import CollectorMetrics
 from forewarn.collector.storage.commands import CommandQueue
 from forewarn.collector.storage.state import StateStore, Transaction
 from forewarn.collector.storage.store import StoreError
-from forewarn.wire import Finding, Health, Subject, SuggestedAction
+from forewarn.wire import CheckpointReport, Finding, Health, SaveHold, Subject, SuggestedAction
 
 from support.policy import T0, Clock, fleet
 
@@ -63,3 +65,26 @@ def test_a_hold_not_queued_leaves_the_incidents_hold_to_the_next_report(
     holds = [(str(d.outcome), d.reason) for d in decided if d.action == "hold"]
     assert [o for o, _ in holds] == ["act", "act"], holds
     assert backend_state.scalar("SELECT count(*) FROM commands WHERE kind = 'hold'") == 1
+
+
+def test_a_replacement_hold_not_queued_leaves_the_hold_to_the_ranks_next_miss(
+        backend_state: StateStore) -> None:
+    failing, clock = FailsOnce(backend_state), Clock()
+    failing.armed = False
+    book = OrderBook(CommandQueue(cast(StateStore, failing), CollectorMetrics()), clock=clock)
+    job = fleet().job("job1")
+    assert job is not None
+    hold = book.hold(job, 480, "loss is NaN")
+    failing.armed = True  # the store fails as the replacement is queued
+    with pytest.raises(StoreError):
+        book.on_hold_report(missed(hold, hold.step + 4))
+    clock.t += 1
+    replacement = book.on_hold_report(missed(hold, hold.step + 6))  # the rank asks again
+    assert replacement is not None and replacement.replaces == hold.request_id
+    assert replacement.step == hold.step + 7
+
+
+def missed(hold: SaveHold, step: int) -> CheckpointReport:
+    """Rank 0 of the hold's job passed its step: at ``step``, it saved no more."""
+    return CheckpointReport(job=hold.job, rank=0, request_id=hold.request_id, step=step,
+                            phase="missed", time=T0)
