@@ -135,6 +135,10 @@ class ActionPipeline:
                 except Exception as exc:  # one failed action must not stop the others
                     log.exception("action %s failed", action.kind)
                     self._record(action, "error", {"error": f"{type(exc).__name__}: {exc}"})
+                    if action.kind == ActionKind.HOLD and action.job is not None:
+                        # not held: the incident's next finding may hold the job
+                        self.policy.incidents.hold_failed(
+                            str(action.decision.inputs.get("incident", "")), action.job.job)
                     continue
                 if order is not None:
                     issued.append(order)

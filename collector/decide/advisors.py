@@ -81,10 +81,15 @@ class Advisors:
 
     def score_parts(self, now: float) -> Generator[None, None, list[Finding]]:
         """The predictor's findings when a scoring is due (else none), in parts
-        (:meth:`.PredictorService.score_parts`)."""
+        (:meth:`.PredictorService.score_parts`); :meth:`to_submit` picks those to pass on."""
         if self.predictor is None or not self.predictor.due(now):
             return []
         return (yield from self.predictor.score_parts(now))
+
+    def to_submit(self, findings: list[Finding], now: float) -> list[Finding]:
+        """Of a scoring's ``findings``, those to pass to the policy now
+        (:meth:`.PredictorService.to_submit`)."""
+        return [] if self.predictor is None else self.predictor.to_submit(findings, now)
 
     def refresh_goodput(self, now: float) -> None:
         """Recompute goodput advice with the job's cost, risk and the fleet failure rate;

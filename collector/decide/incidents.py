@@ -253,9 +253,19 @@ class IncidentBook:
     def held_before(self, incident_id: str, job: str) -> None:
         """A previous leader held ``job``'s saves in the open incident ``incident_id``
         (its stored decision says so)."""
-        for incident in self._open.values():
-            if incident.id == incident_id:
-                incident.held.add(job)
+        for incident in self._with_id(incident_id):
+            incident.held.add(job)
+
+    def hold_failed(self, incident_id: str, job: str) -> None:
+        """The hold :meth:`held` noted for ``job`` in the open incident ``incident_id`` was
+        not queued (the store failed): the incident's next finding may hold the job (as a
+        next leader would: it counts only the holds carried out)."""
+        for incident in self._with_id(incident_id):
+            incident.held.discard(job)
+
+    def _with_id(self, incident_id: str) -> list[Incident]:
+        """The open incident ``incident_id`` (none when it has ended)."""
+        return [i for i in self._open.values() if i.id == incident_id]
 
     def close(self, finding: Finding, source: str, now: float,
               state: FindingState) -> TrackedFinding | None:

@@ -250,7 +250,11 @@ class OrderBook:
             self._m_orders.labels("failed").inc()
             return None
         new = replacement_hold(hold, report.step, self._new_id(), self._clock())
-        self._send_hold(job or issued_for, new, attempt + 1, note)
+        try:
+            self._send_hold(job or issued_for, new, attempt + 1, note)
+        except Exception:  # not queued (the store failed): the rank's next miss asks again
+            self._holds.add(hold, attempt, issued_for)
+            raise
         self._m_orders.labels("reissued").inc()
         return new
 

@@ -231,8 +231,9 @@ class PolicyService:
     def _tick_parts(self, now: float) -> Parts:
         findings = yield from self.advisors.score_parts(now)
         yield  # the decisions in a part of their own
-        if self._leads():
-            self._detected(findings, now, "predictor")
+        if self._leads():  # only then do the findings count as passed on (a step-down
+            # meanwhile drops them: the next leader, or this one again, passes them on)
+            self._detected(self.advisors.to_submit(findings, now), now, "predictor")
             self.advisors.refresh_goodput(now)
 
     # -- leadership (policy thread) -------------------------------------------------------

@@ -314,12 +314,14 @@ class PredictorService:
 
     def score(self, now: float) -> list[Finding]:
         """Score every live GPU; return the findings to pass to the policy now."""
-        return run_whole(self.score_parts(now))
+        return self.to_submit(run_whole(self.score_parts(now)), now)
 
     def score_parts(self, now: float) -> Generator[None, None, list[Finding]]:
         """:meth:`score` in parts, a ``yield`` between them (:mod:`.scoring_pass`): the
         features of every GPU, the probabilities :data:`SCORE_CHUNK` GPUs at a time, then
-        the findings; this scoring is published (shadow counts, then scores) in the last."""
+        the findings; this scoring is published (shadow counts, then scores) in the last.
+        Returns every alarmed GPU's finding: :meth:`to_submit` picks those to pass on, when
+        they are passed on (a replica that stepped down meanwhile passes none on)."""
         if self.scorer is not None and self.watch is not None:
             got = self.watch.poll()  # one stat: the registry may have moved on
             if got is not None:
@@ -358,9 +360,11 @@ class PredictorService:
         self.scores = scores
         self.last_score = now
         self.score_seconds = spent + time.perf_counter() - started  # its parts, not the gaps
-        return self._to_submit(findings, now)
+        return findings
 
-    def _to_submit(self, findings: list[Finding], now: float) -> list[Finding]:
+    def to_submit(self, findings: list[Finding], now: float) -> list[Finding]:
+        """The ``findings`` of a scoring to pass to the policy now (the module docstring:
+        new, refreshed after ``predict_refresh_s``, or worse); they count as passed on."""
         out = []
         for f in findings:
             key = (f.check, f.subject.node, f.subject.gpu or 0)

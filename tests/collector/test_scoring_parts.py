@@ -13,17 +13,9 @@ import httpx
 import numpy as np
 import pytest
 
-from forewarn.collector.cli import ServerThread
-from forewarn.collector.config import CollectorConfig
-from forewarn.collector.decide.policy_service import PolicyService
-from forewarn.collector.decide.predict import PredictorService
-from forewarn.collector.http.app import create_app
-from forewarn.collector.http.auth import TokenRegistry
-from forewarn.collector.storage.state import open_state
-from forewarn.models.predictor import FailurePredictor
 from forewarn.wire import AgentBatch, Finding, GpuSample, Health, Subject, encode
 
-from support.collector import NODE, NODE_TOKENS, STATE, Clock
+from support.collector import NODE, NODE_TOKENS, Clock, first_row_alarmed, serve_predictor
 from support.polling import poll
 
 T0 = 1_700_000_000.0 - 1_700_000_000.0 % 60 + 5.0  # five seconds into a minute
@@ -55,10 +47,7 @@ class UrgentOnPredict:
                               time=self.clock())
             post(self.url, AgentBatch(node=NODE, agent_id="agent-0", seq=1, urgent=True,
                                       created=self.clock(), findings=[finding]))
-        p = np.zeros((len(x), 2))
-        p[:, 0] = 1.0
-        p[:1] = (0.0, 1.0)
-        return p
+        return first_row_alarmed(len(x))
 
 
 @pytest.mark.system
@@ -66,17 +55,7 @@ def test_an_urgent_batch_stored_during_a_scoring_is_decided_before_its_findings(
         tmp_path: Path) -> None:
     clock = Clock(T0 + 120.0)
     probe = UrgentOnPredict(clock)
-    cfg = CollectorConfig(listen="127.0.0.1:0", data_dir=tmp_path / "data",
-                          tokens_file=tmp_path / "none.toml", flush_interval_s=3600,
-                          predictor_enabled=False, **STATE)
-    policy = PolicyService.from_config(cfg)
-    # The timer stays out (an hour): the telemetry batch below finds the first scoring due.
-    predictor = PredictorService(FailurePredictor(classifier=probe), interval_s=3600.0)
-    policy.advisors.predictor = predictor
-    store = open_state(cfg)
-    app = create_app(cfg, store, policy=policy, tokens=TokenRegistry(tokens=dict(NODE_TOKENS)),
-                     clock=clock)
-    server = ServerThread(app, cfg).start()
+    server, store, predictor, _ = serve_predictor(tmp_path, probe, clock)
     probe.url = server.url
     try:
         post(server.url, AgentBatch(node=NODE, agent_id="agent-0", seq=0, created=clock(),

@@ -15,19 +15,23 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 
 from forewarn.chaos.exposition import sample
 from forewarn.collector.cli import ServerThread
 from forewarn.collector.config import CollectorConfig
 from forewarn.collector.decide.policy_service import PolicyService
+from forewarn.collector.decide.predict import PredictorService
 from forewarn.collector.http.app import create_app
 from forewarn.collector.http.auth import TokenRegistry
 from forewarn.collector.storage.state import StateStore, open_state
+from forewarn.models.predictor import FailurePredictor
 from forewarn.wire import AgentBatch, RankSummary, encode
 
 __all__ = ["ALERT_TOKEN", "NODE", "NODE_TOKENS", "STATE", "TOKENS", "Clock", "ClockedService",
-           "Service", "poll_commands", "ranks_on", "serve", "start_clocked", "start_job_service",
-           "start_service", "stop_service"]
+           "Service", "first_row_alarmed", "poll_commands", "ranks_on", "serve", "serve_predictor",
+           "start_clocked",
+           "start_job_service", "start_service", "stop_service"]
 
 ALERT_TOKEN = "alert-token-0123456789"
 TOKENS = {"node1": "token-one-0123456789", "node2": "token-two-0123456789",
@@ -53,6 +57,23 @@ def serve(tmp_path: Path, tokens: Mapping[str, str], clock: Callable[[], float] 
                      tokens=TokenRegistry(tokens=dict(tokens)), clock=clock)
     server = ServerThread(app, cfg).start()
     return server, store, httpx.Client(base_url=server.url, timeout=30)
+
+
+def serve_predictor(tmp_path: Path, classifier: Any, clock: Clock, **overrides: Any
+                    ) -> tuple[ServerThread, StateStore, PredictorService, Any]:
+    """The collector of :func:`serve` for :data:`NODE` with a failure predictor whose
+    model's classifier is the test's (the scikit-learn seam); its timer stays out (an
+    hour): telemetry batches find the scorings due. Also returns the app's context."""
+    cfg = CollectorConfig(listen="127.0.0.1:0", data_dir=tmp_path / "data",
+                          tokens_file=tmp_path / "none.toml", flush_interval_s=3600,
+                          predictor_enabled=False, **{**STATE, **overrides})
+    policy = PolicyService.from_config(cfg)
+    predictor = PredictorService(FailurePredictor(classifier=classifier), interval_s=3600.0)
+    policy.advisors.predictor = predictor
+    store = open_state(cfg)
+    app = create_app(cfg, store, policy=policy, tokens=TokenRegistry(tokens=dict(NODE_TOKENS)),
+                     clock=clock)
+    return ServerThread(app, cfg).start(), store, predictor, app.state.ctx
 
 
 @dataclasses.dataclass
@@ -166,3 +187,12 @@ class ClockedService:
 
 def start_clocked(tmp_path: Path, clock: Clock, **overrides: Any) -> ClockedService:
     return ClockedService(*serve(tmp_path, NODE_TOKENS, clock, **overrides), clock)
+
+
+def first_row_alarmed(rows: int) -> np.ndarray:
+    """``predict_proba``'s answer for ``rows`` GPUs of a test's classifier: the first over
+    any threshold (a predictor finding to decide), the rest 0."""
+    p = np.zeros((rows, 2))
+    p[:, 0] = 1.0
+    p[:1] = (0.0, 1.0)
+    return p
