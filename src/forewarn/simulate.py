@@ -15,9 +15,7 @@ at a per-node rate (8 GPUs a node). Three ways to run it are compared on the sam
 (d) ``gated``: (c)'s alarms, each weighed as the collector's cost-aware policy weighs it
     (:mod:`forewarn.simulate_gate`: the collector's own ``decide_checkpoint``): a checkpoint
     only where the alarm's P x the work since the last checkpoint exceeds the checkpoint's
-    cost. An alarm declined costs nothing and saves nothing; a prediction declined is
-    weighed again every :data:`~forewarn.simulate_gate.REWEIGH_S` until the failure (the
-    GPU stays alarmed, the work at risk grows).
+    cost; a declined prediction is weighed again every 5 minutes (the GPU stays alarmed).
 
 Lost time is broken down as the goodput accounting does: checkpoint overhead, work redone
 after failures, detection delay, restart downtime.
@@ -45,14 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from forewarn.collector.jobs.goodput import daly_interval
-from forewarn.simulate_gate import (
-    FALSE_ALARM_P,
-    REWEIGH_S,
-    TRUE_ALARM_P,
-    Gate,
-    draw_p,
-    parse_band,
-)
+from forewarn.simulate_gate import FALSE_ALARM_P, REWEIGH_S, TRUE_ALARM_P, Gate, draw_p, parse_band
 
 __all__ = [
     "Breakdown",
@@ -219,9 +210,9 @@ def simulate(p: RunParams, mode: str, seed: int = 0, gate: Gate | None = None) -
                     next_fa = t + fa_rng.expovariate(fa_rate)
                     alarm_p = draw_p(p_rng, p.false_alarm_p)
                 b.alarms += not (prediction and weighed)
+                weighed = weighed or prediction
                 if gate is not None and not gate.weigh(alarm_p, since_ckpt, t):
-                    if prediction:  # the GPU stays alarmed: weighed again, more work at risk
-                        proactive_at, weighed = t + REWEIGH_S, True
+                    proactive_at = t + REWEIGH_S if prediction else proactive_at  # alarmed
                     continue
                 b.ordered += 1
                 predicted_fired = predicted_fired or prediction
