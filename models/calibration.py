@@ -53,4 +53,3 @@ def apply(knots: np.ndarray, scores: np.ndarray) -> np.ndarray:
     values beyond them)."""
     p: np.ndarray = np.interp(np.asarray(scores, dtype=np.float64), knots[0], knots[1])
     return p
-

@@ -282,6 +282,12 @@ def derive(now: Mapping[str, np.ndarray], lag: Mapping[int, Mapping[str, np.ndar
     member = (now["n"] - lag[PEER_MINUTES]["n"]) > 0
     out |= peer_deviation(peer_in, None if group is None else np.where(member, group, -1),
                           PEER_COUNTERS)
+    # A GPU without its own baseline changed against nothing: beside peers below theirs
+    # (an idle node, 15-minute swings under the long-run ones) zero minus their median
+    # would read as its own rise, and a GPU swapped in would alarm for hours.
+    has_own = zero if own is None else own["_has"] > 0
+    for g in GAUGES:
+        out[f"{g}_vs_own_vs_peers"] = np.where(has_own, out[f"{g}_vs_own_vs_peers"], 0.0)
     for c in XID_CLASSES:
         out[f"xid_{c}_60"] = np.maximum(now[f"xid_{c}"] - l60[f"xid_{c}"], 0.0)
     out["remap_c_total"] = np.log1p(np.maximum(now["remap_c"], 0.0))

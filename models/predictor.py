@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -40,7 +41,7 @@ from forewarn.models.features import FEATURE_NAMES
 from forewarn.wire import Finding, Health, Subject, SuggestedAction
 
 __all__ = ["PRECURSOR_WINDOW_S", "FailurePredictor", "alarm_health", "fit_table", "label_rows",
-           "split_gpus", "train_predictor"]
+           "measure_calibration", "split_gpus", "train_predictor"]
 
 UNHEALTHY_SCORE = 0.8
 """An alarm at or above this score is unhealthy, below it degraded."""
@@ -285,28 +286,35 @@ def train_predictor(sets: list[tuple[pd.DataFrame, pd.DataFrame]], *,
     if base_rate_per_1000_gpu_days is not None:
         # on GPUs held out of the fit when there are some: on its own fit rows a boosted
         # model is surer than it is on new GPUs
-        pred.metadata["calibration"] = _calibrate(pred, tunes or sets, horizon_s,
-                                                  base_rate_per_1000_gpu_days)
+        knots, cal = measure_calibration(pred.predict_proba, tunes or sets,
+                                         horizon_s=horizon_s, base_rate_per_1000_gpu_days=(
+                                             base_rate_per_1000_gpu_days))
+        pred.metadata["calibration"] = {**cal, "knots": knots.tolist()}
     return pred
 
 
-def _calibrate(pred: FailurePredictor, sets: list[tuple[pd.DataFrame, pd.DataFrame]],
-               horizon_s: float, base_rate_per_1000_gpu_days: float) -> dict[str, Any]:
-    """P at ``base_rate_per_1000_gpu_days`` measured on every kept row of ``sets`` (each
-    set's failing rows weighted by the base rate over its own rate), and what it rests on."""
+def measure_calibration(score: Callable[[pd.DataFrame], np.ndarray],
+                        sets: list[tuple[pd.DataFrame, pd.DataFrame]], *, horizon_s: float,
+                        base_rate_per_1000_gpu_days: float | None
+                        ) -> tuple[np.ndarray, dict[str, float]]:
+    """Knots of P(failure within ``horizon_s``) at the alarm scores ``score`` gives every
+    kept row of ``sets`` (:mod:`~forewarn.models.calibration`), each set's failing rows
+    weighted by ``base_rate_per_1000_gpu_days`` over its own rate (None: each set's own),
+    and what they rest on (for the model's metadata)."""
     scores, fails, weights = [], [], []
     failures, days = 0, 0.0
     for features, labels in sets:
         y, keep = label_rows(features, labels, horizon_s)
         d = float(keep.sum()) / 1440.0  # one feature row per GPU-minute
         w = calibration.positive_weight(len(labels), d, base_rate_per_1000_gpu_days)
-        scores.append(pred.predict_proba(features.loc[keep]))
+        scores.append(score(features.loc[keep]))
         fails.append(y[keep])
         weights.append(np.where(y[keep] > 0, w, 1.0))
         failures, days = failures + len(labels), days + d
     knots = calibration.fit(np.concatenate(scores), np.concatenate(fails),
                             np.concatenate(weights))
-    return {"failures": failures, "gpu_days": round(days, 1),
-            "failures_per_1000_gpu_days": round(1000.0 * failures / max(days, 1e-9), 3),
-            "base_rate_per_1000_gpu_days": base_rate_per_1000_gpu_days,
-            "knots": knots.tolist()}
+    own = round(1000.0 * failures / max(days, 1e-9), 3)
+    return knots, {"failures": failures, "gpu_days": round(days, 1),
+                   "failures_per_1000_gpu_days": own,
+                   "base_rate_per_1000_gpu_days": own if base_rate_per_1000_gpu_days is None
+                   else base_rate_per_1000_gpu_days}

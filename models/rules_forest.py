@@ -67,7 +67,12 @@ from sklearn.ensemble import IsolationForest
 from forewarn.models import calibration
 from forewarn.models.evaluate import RULE_COLUMNS, evaluate_scores
 from forewarn.models.features import FEATURE_NAMES, GAUGES
-from forewarn.models.predictor import FailurePredictor, label_rows, split_gpus
+from forewarn.models.predictor import (
+    FailurePredictor,
+    label_rows,
+    measure_calibration,
+    split_gpus,
+)
 
 __all__ = ["ACTIVE_MINUTES", "GAUGE_RULES", "PEER_EXCESS", "QUANTILES", "QUIET", "QUIET_COLUMNS",
            "REPEATS", "RULE_ONLY", "THRESHOLD", "RulesForest", "calibrate", "train_rules_forest",
@@ -312,24 +317,10 @@ def calibrate(detector: RulesForest, sets: list[tuple[pd.DataFrame, pd.DataFrame
     on (for the model's metadata). The sets may include those the detector was fitted on:
     the rules fit nothing, and the forest, unsupervised, draws each tree from 2,048 rows,
     so its scores on the rows it was fitted on are those of new rows."""
-    scores, fails, weights = [], [], []
-    failures, gpu_days = 0, 0.0
-    for features, labels in sets:
-        y, keep = label_rows(features, labels, horizon_s)
-        days = float(keep.sum()) * 60.0 / 86400.0  # one feature row per GPU-minute
-        w = calibration.positive_weight(len(labels), days, base_rate_per_1000_gpu_days)
-        scores.append(detector.alarm_score(features.loc[keep]))
-        fails.append(y[keep])
-        weights.append(np.where(y[keep] > 0, w, 1.0))
-        failures, gpu_days = failures + len(labels), gpu_days + days
-    detector.calibration = calibration.fit(np.concatenate(scores), np.concatenate(fails),
-                                           np.concatenate(weights))
-    own = round(1000.0 * failures / max(gpu_days, 1e-9), 3)
-    return {"failures": failures, "gpu_days": round(gpu_days, 1),
-            "failures_per_1000_gpu_days": own,
-            "base_rate_per_1000_gpu_days": own if base_rate_per_1000_gpu_days is None
-            else base_rate_per_1000_gpu_days}
-
+    detector.calibration, cal = measure_calibration(
+        detector.alarm_score, sets, horizon_s=horizon_s,
+        base_rate_per_1000_gpu_days=base_rate_per_1000_gpu_days)
+    return cal
 
 def train_rules_forest(sets: list[tuple[pd.DataFrame, pd.DataFrame]], *,
                        tune_set: tuple[pd.DataFrame, pd.DataFrame] | None = None,

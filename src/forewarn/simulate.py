@@ -15,7 +15,7 @@ at a per-node rate (8 GPUs a node). Three ways to run it are compared on the sam
 (d) ``gated``: (c)'s alarms, each weighed as the collector's cost-aware policy weighs it
     (:mod:`forewarn.simulate_gate`: the collector's own ``decide_checkpoint``): a checkpoint
     only where the alarm's P x the work since the last checkpoint exceeds the checkpoint's
-    cost. An alarm declined costs nothing and saves nothing.
+    cost; a declined prediction is weighed again every 5 minutes (the GPU stays alarmed).
 
 Lost time is broken down as the goodput accounting does: checkpoint overhead, work redone
 after failures, detection delay, restart downtime.
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from forewarn.collector.jobs.goodput import daly_interval
-from forewarn.simulate_gate import FALSE_ALARM_P, TRUE_ALARM_P, Gate, draw_p, parse_band
+from forewarn.simulate_gate import FALSE_ALARM_P, REWEIGH_S, TRUE_ALARM_P, Gate, draw_p, parse_band
 
 __all__ = [
     "Breakdown",
@@ -189,7 +189,7 @@ def simulate(p: RunParams, mode: str, seed: int = 0, gate: Gate | None = None) -
             continue  # struck while the job was already down: absorbed by that restart
         # A prediction whose lead reaches back past now fires at once.
         proactive_at = max(t, fail_at - lead) if alarms and predicted else math.inf
-        predicted_fired = False
+        predicted_fired = weighed = False
         # Train, checkpointing every `interval` of useful work, until the failure.
         while t < fail_at:
             next_ckpt = t + ((risk_interval if predicted_fired else interval) - since_ckpt)
@@ -209,8 +209,10 @@ def simulate(p: RunParams, mode: str, seed: int = 0, gate: Gate | None = None) -
                 else:
                     next_fa = t + fa_rng.expovariate(fa_rate)
                     alarm_p = draw_p(p_rng, p.false_alarm_p)
-                b.alarms += 1
+                b.alarms += not (prediction and weighed)
+                weighed = weighed or prediction
                 if gate is not None and not gate.weigh(alarm_p, since_ckpt, t):
+                    proactive_at = t + REWEIGH_S if prediction else proactive_at  # alarmed
                     continue
                 b.ordered += 1
                 predicted_fired = predicted_fired or prediction

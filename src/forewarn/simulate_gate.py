@@ -29,10 +29,11 @@ from forewarn.collector.decide.costmodel import (
     CostDecision,
     decide_checkpoint,
 )
+from forewarn.collector.decide.policy import PolicySettings
 from forewarn.collector.jobs.jobview import JobInfo
 from forewarn.wire import Finding, Health, RankSummary, Subject, SuggestedAction
 
-__all__ = ["FALSE_ALARM_P", "TRUE_ALARM_P", "Gate", "draw_p", "parse_band"]
+__all__ = ["FALSE_ALARM_P", "REWEIGH_S", "TRUE_ALARM_P", "Gate", "draw_p", "parse_band"]
 
 Bands = tuple[tuple[float, float], ...]
 
@@ -40,6 +41,11 @@ TRUE_ALARM_P: Bands = ((0.29, 0.4), (0.005, 0.2), (0.002, 0.4))
 """P carried by alarms a failure follows, ``(P, share)`` (module docstring)."""
 FALSE_ALARM_P: Bands = ((0.0016, 1.0),)
 """P carried by false alarms, ``(P, share)`` (module docstring)."""
+
+REWEIGH_S = PolicySettings().dedup_s
+"""How often the collector weighs an alarmed GPU's finding again (the scorer reports it at
+every scoring; the policy drops repeats within its dedup window): a prediction declined at
+first is weighed again this much later, with the work at risk grown since."""
 
 _EPOCH = 1.7e9
 """Simulated seconds are counted from here (the collector's decisions take Unix times)."""

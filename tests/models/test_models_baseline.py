@@ -239,3 +239,23 @@ def test_live_features_equal_batch_features_for_gauges_peers_and_gaps() -> None:
         scorer.observe(GpuSample(node="n1", gpu=int(row.gpu), time=float(row.time),
                                  source="replay", **kw))
     assert checked >= 20
+
+
+def test_gpu_without_its_own_baseline_reads_no_gauge_change_beside_peers_that_have_one(
+        model: FailurePredictor) -> None:
+    """GPU 7 is swapped in (a repaired GPU) at hour 17, as its 7 peers, at load since hour
+    0, go idle for 90 minutes (hour 16.5 to 18): each peer reads 30-40 C below its own
+    long-run level. GPU 7 has no baseline of its own yet, so it changed against nothing:
+    its ``<g>_vs_own_vs_peers`` is zero and the gauge rules do not alarm on it."""
+    df = _node(24.0)
+    df = df[(df["gpu"] != 7) | (df["time"] >= _T0 + 17 * 3600)]
+    f = gpu_features(df)
+    idle = f[(f["time"] > _T0 + 17.25 * 3600) & (f["time"] < _T0 + 18 * 3600)]
+    peers = idle[idle["gpu"] != 7]
+    assert peers["temp_vs_own"].median() < -20  # the peers cooled against their own level
+    new = idle[idle["gpu"] == 7]
+    assert (new["baseline_hours"] == 0).all()
+    for g in ("temp", "temp_std", "power_std"):
+        assert (new[f"{g}_vs_own_vs_peers"] == 0).all(), g
+    found = _alarms(model, f, _BASELINE_H)
+    assert found.empty, f"alarms on a GPU without its own baseline: {found.head()}"

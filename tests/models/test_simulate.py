@@ -133,3 +133,21 @@ def test_alarm_p_bands_from_the_command_line() -> None:
     for bad in ("1.5:1", "0.2:0", "x"):
         with pytest.raises(ValueError):
             parse_band(bad)
+
+
+def test_the_gate_weighs_a_declined_prediction_again_while_the_gpu_stays_alarmed() -> None:
+    """The collector weighs an alarmed GPU's finding again every 5 minutes (the policy's
+    dedup) until the failure, with the work at risk grown since. Every prediction here
+    reaches back past the restart before it, so it fires with no unsaved work, where P 0.29
+    does not pay for a 60 s checkpoint; 207 s of work later it does: the gate orders a save
+    before nearly every predicted failure, each alarm counted once."""
+    from forewarn.simulate_gate import Gate
+
+    p = RunParams(gpus=4096, days=10.0, predictable_share=1.0, recall=1.0,
+                  lead_median_s=30 * 86400.0, false_alarms_per_1k_gpu_days=0.0,
+                  true_alarm_p=((0.29, 1.0),))
+    gate = Gate(p.checkpoint_s)
+    b = simulate(p, "gated", seed=0, gate=gate)
+    assert b.alarms > 10 and gate.decisions[0].work_s == 0.0 and not gate.decisions[0].act
+    assert b.ordered >= 0.8 * b.alarms
+    assert b.alarms == sum(d.work_s == 0.0 for d in gate.decisions)
