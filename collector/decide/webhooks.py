@@ -401,6 +401,10 @@ class WebhookSender:
             detail = f"HTTP {status}"
         except httpx.HTTPError as exc:
             retry, detail = True, f"{type(exc).__name__}: {exc}"[:500]
+        except Exception as exc:  # not the network's (a URL httpx refuses): it ends here,
+            # stored as failed, or it stays under way and every takeover sends it again
+            log.exception("webhook to %s crashed", job.endpoint.url)
+            retry, detail = False, f"{type(exc).__name__}: {exc}"[:500]
         if not retry or job.attempt >= self.max_attempts:
             self._result(job, "failed", status, detail)
             return

@@ -160,6 +160,16 @@ def test_unreachable_gives_up_after_max_attempts() -> None:
     assert "ConnectError" in sender.deliveries[-1].detail
 
 
+def test_a_delivery_that_crashes_ends_failed() -> None:
+    """An error that is not HTTP's (httpx refuses the URL) ends the delivery as failed,
+    stored like any other ending: left under way, it had no stored ending, so every
+    takeover sent it again (webhook_history resends deliveries that have not ended)."""
+    sender = WebhookSender([WebhookEndpoint("http://[::1/")], backoff_s=0.01)
+    asyncio.run(_deliver(sender, {"id": "d5"}))
+    assert [d.status for d in sender.deliveries] == ["failed"]
+    assert "InvalidURL" in sender.deliveries[-1].detail
+
+
 def test_full_queue_drops_and_counts() -> None:
     registry = CollectorRegistry()
     sender = WebhookSender([WebhookEndpoint("http://127.0.0.1:9/")], queue_size=1,
