@@ -135,14 +135,22 @@ class ActionPipeline:
                 except Exception as exc:  # one failed action must not stop the others
                     log.exception("action %s failed", action.kind)
                     self._record(action, "error", {"error": f"{type(exc).__name__}: {exc}"})
-                    if action.kind == ActionKind.HOLD and action.job is not None:
-                        # not held: the incident's next finding may hold the job
-                        self.policy.incidents.hold_failed(
-                            str(action.decision.inputs.get("incident", "")), action.job.job)
+                    self._not_carried_out(action)
                     continue
                 if order is not None:
                     issued.append(order)
         return out
+
+    def _not_carried_out(self, action: PlannedAction) -> None:
+        """An order or a hold the store did not take is not the incident's: its next
+        finding may order or hold the job."""
+        if action.job is None:
+            return
+        incident = str(action.decision.inputs.get("incident", ""))
+        if action.kind == ActionKind.HOLD:
+            self.policy.incidents.hold_failed(incident, action.job.job)
+        elif action.kind == ActionKind.CHECKPOINT:
+            self.policy.incidents.order_failed(incident, action.job.job)
 
     def _carry_out(self, action: PlannedAction, issued: list[JobOrder]) -> JobOrder | None:
         d = action.decision

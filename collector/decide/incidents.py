@@ -256,6 +256,17 @@ class IncidentBook:
         for incident in self._with_id(incident_id):
             incident.held.add(job)
 
+    def order_failed(self, incident_id: str, job: str) -> None:
+        """The order :meth:`ordered` noted for ``job`` in the open incident ``incident_id``
+        was not queued (the store failed): the incident's next finding may order the job
+        (as a next leader would: it counts only the orders carried out; after an
+        escalation's failed order this one also forgets the earlier order, erring towards
+        one checkpoint more)."""
+        for incident in self._with_id(incident_id):
+            if incident.ordered.pop(job, None) is not None:
+                incident.orders = max(0, incident.orders - 1)
+                self._changed[incident.id] = incident
+
     def hold_failed(self, incident_id: str, job: str) -> None:
         """The hold :meth:`held` noted for ``job`` in the open incident ``incident_id`` was
         not queued (the store failed): the incident's next finding may hold the job (as a

@@ -1,8 +1,9 @@
-"""A save hold whose commands could not be queued (the store failed) does not count as the
-incident's one hold of the job: the NaN reported again holds the job then, as the next
-leader would (it counts only the holds carried out, :mod:`.gate_history`); a replacement
-hold that could not be queued leaves the missed hold to the rank's next miss. Real SQLite
-and PostgreSQL; the store's failure is injected at its write."""
+"""A checkpoint order or a save hold whose commands could not be queued (the store failed)
+does not count as the incident's order or hold of the job: a later finding of the incident
+orders the job after the cooldown, and the NaN reported again holds it, as the next leader
+would (it counts only the orders and holds carried out, :mod:`.gate_history`); a
+replacement hold that could not be queued leaves the missed hold to the rank's next miss.
+Real SQLite and PostgreSQL; the store's failure is injected at its write."""
 
 from __future__ import annotations
 
@@ -65,6 +66,28 @@ def test_a_hold_not_queued_leaves_the_incidents_hold_to_the_next_report(
     holds = [(str(d.outcome), d.reason) for d in decided if d.action == "hold"]
     assert [o for o, _ in holds] == ["act", "act"], holds
     assert backend_state.scalar("SELECT count(*) FROM commands WHERE kind = 'hold'") == 1
+
+
+GPU_LOST = Finding(check="gpu_lost", health=Health.UNHEALTHY, action=SuggestedAction.DRAIN,
+                   subject=Subject(kind="gpu", node="n1", gpu=0), time=T0,
+                   reason="GPU 0 lost")
+
+
+def test_an_order_not_queued_leaves_the_incidents_order_to_its_next_finding(
+        backend_state: StateStore) -> None:
+    failing, clock = FailsOnce(backend_state), Clock()
+    decided: list[Any] = []
+    policy = Policy(PolicySettings(), fleet(), clock=clock, record=decided.append)
+    pipeline = ActionPipeline(policy, OrderBook(CommandQueue(cast(StateStore, failing),
+                                                             CollectorMetrics()),
+                                                clock=clock), actions=backend_state)
+    pipeline.handle_findings([GPU_LOST])  # its order fails to be queued
+    assert backend_state.scalar("SELECT count(*) FROM commands WHERE kind = 'checkpoint'") == 0
+    clock.t += 700.0  # past the cooldown: the GPU is still lost, in the same incident
+    pipeline.handle_findings([msgspec.structs.replace(GPU_LOST, time=clock.t)])
+    orders = [(str(d.outcome), d.reason) for d in decided if d.action == "checkpoint"]
+    assert [o for o, _ in orders] == ["act", "act"], orders
+    assert backend_state.scalar("SELECT count(*) FROM commands WHERE kind = 'checkpoint'") > 0
 
 
 def test_a_replacement_hold_not_queued_leaves_the_hold_to_the_ranks_next_miss(
