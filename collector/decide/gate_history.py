@@ -73,19 +73,19 @@ def restore_gates(policy: Policy, ctx: DecideContext) -> None:
     try:
         for incident, job, check in incident_orders(ctx.store, since):
             policy.incidents.ordered_before(incident, job, check)
-        for incident, job, _check in incident_orders(ctx.store, since, _HELD):
-            policy.incidents.held_before(incident, job)
+        for incident, job, onset in incident_orders(ctx.store, since, _HELD, "onset_step"):
+            policy.incidents.held_before(incident, job, int(onset or 0))
     except Exception:
         ctx.metrics.policy_errors.inc()
         log.exception("taking over which jobs the open incidents ordered failed")
 
 
-def incident_orders(store: StateStore, since: float, decisions: str = _ORDERED
-                    ) -> list[tuple[str, str, str]]:
-    """(incident id, job, check) of the checkpoint orders (``decisions``: or the save
-    holds, :data:`_HELD`) carried out since ``since``: "one checkpoint order (save hold)
-    per job and incident" holds on the next leader. A row that cannot be read is
-    skipped."""
+def incident_orders(store: StateStore, since: float, decisions: str = _ORDERED,
+                    field: str = "check") -> list[tuple[str, str, Any]]:
+    """(incident id, job, the input ``field``: the check, or a hold's ``onset_step``) of
+    the checkpoint orders (``decisions``: or the save holds, :data:`_HELD`) carried out
+    since ``since``: "one checkpoint order (save hold) per job and incident" holds on the
+    next leader. A row that cannot be read is skipped."""
     carried = _carried_out(store.query(_CARRIED_OUT, (since,)))
     out = []
     for row in store.query(decisions, (since,)):
@@ -94,8 +94,9 @@ def incident_orders(store: StateStore, since: float, decisions: str = _ORDERED
         except ValueError:
             continue
         if isinstance(inputs, dict) and inputs.get("id") in carried:
+            value = inputs.get(field, "")
             out.append((str(inputs.get("incident", "")), str(row["job"]),
-                        str(inputs.get("check", ""))))
+                        str(value) if field == "check" else value))
     return out
 
 

@@ -122,8 +122,9 @@ class Incident:
     orders: int = 0
     ordered: dict[str, Finding] = dataclasses.field(default_factory=dict)
     """Job -> the finding that last ordered its checkpoint in this incident."""
-    held: set[str] = dataclasses.field(default_factory=set)
-    """Jobs whose saves this incident held (once per job and incident)."""
+    held: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Jobs whose saves this incident held, with the onset step held (once per job and
+    incident, unless a finding shows an earlier onset)."""
     worst: Health = Health.HEALTHY
     """The worst health any of its findings reached."""
     closed: float | None = None
@@ -246,15 +247,15 @@ class IncidentBook:
             tracked = [t.finding for t in incident.findings.values()]
             incident.ordered[job] = next((f for f in tracked if f.check == check), tracked[0])
 
-    def held(self, obs: Observation, job: str) -> None:
-        """The policy held ``job``'s saves because of ``obs``."""
-        obs.incident.held.add(job)
+    def held(self, obs: Observation, job: str, onset: int) -> None:
+        """The policy held ``job``'s saves from ``onset`` because of ``obs``."""
+        obs.incident.held[job] = min(onset, obs.incident.held.get(job, onset))
 
-    def held_before(self, incident_id: str, job: str) -> None:
-        """A previous leader held ``job``'s saves in the open incident ``incident_id``
-        (its stored decision says so)."""
+    def held_before(self, incident_id: str, job: str, onset: int) -> None:
+        """A previous leader held ``job``'s saves from ``onset`` in the open incident
+        ``incident_id`` (its stored decision says so)."""
         for incident in self._with_id(incident_id):
-            incident.held.add(job)
+            incident.held[job] = min(onset, incident.held.get(job, onset))
 
     def order_failed(self, incident_id: str, job: str) -> None:
         """The order :meth:`ordered` noted for ``job`` in the open incident ``incident_id``
@@ -272,7 +273,7 @@ class IncidentBook:
         not queued (the store failed): the incident's next finding may hold the job (as a
         next leader would: it counts only the holds carried out)."""
         for incident in self._with_id(incident_id):
-            incident.held.discard(job)
+            incident.held.pop(job, None)
 
     def _with_id(self, incident_id: str) -> list[Incident]:
         """The open incident ``incident_id`` (none when it has ended)."""

@@ -296,9 +296,10 @@ class Policy:
                 continue
             onset = onset_step(finding, job, now)
             inputs = {"onset_step": onset, "incident": obs.incident.id}
-            if job_id in obs.incident.held:
+            if obs.incident.held.get(job_id, onset + 1) <= onset:
                 # its ranks stopped saving at the first hold: a repeat (a later report of
-                # the same NaN, after a takeover too) would only move the stop later
+                # the same NaN, after a takeover too) would only move the stop later; a
+                # report of an earlier onset (the ranks' reports come in any order) holds
                 self._decide(
                     ActionKind.HOLD, finding, source, now, target=f"job:{job_id}",
                     outcome=Outcome.SUPPRESSED, job=job_id, inputs=inputs,
@@ -311,7 +312,7 @@ class Policy:
                 "stop saving it", inputs, population=0, job=job_id,
             )
             if decision is not None:
-                self.incidents.held(obs, job_id)
+                self.incidents.held(obs, job_id, onset)
                 out.append(PlannedAction(ActionKind.HOLD, decision, finding, job=job))
         return out
 

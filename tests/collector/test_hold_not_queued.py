@@ -68,6 +68,28 @@ def test_a_hold_not_queued_leaves_the_incidents_hold_to_the_next_report(
     assert backend_state.scalar("SELECT count(*) FROM commands WHERE kind = 'hold'") == 1
 
 
+def test_a_later_report_of_an_earlier_onset_moves_the_incidents_hold_back(
+        backend_state: StateStore) -> None:
+    """One hold per job and incident, unless a finding of the incident says the state went
+    bad earlier: the ranks' two NaN reports may reach the collector in either order (rank
+    1's at step 21 first: CI at d8f6e52, tests/e2e/test_numerics_e2e.py), and the job's
+    onset is the earliest."""
+    clock = Clock()
+    decided: list[Any] = []
+    policy = Policy(PolicySettings(), fleet(), clock=clock, record=decided.append)
+    pipeline = ActionPipeline(policy, OrderBook(CommandQueue(backend_state, CollectorMetrics()),
+                                                clock=clock), actions=backend_state)
+    later = msgspec.structs.replace(NAN, evidence={"bad_step": 481})
+    pipeline.handle_findings([later])
+    clock.t += 400.0  # past the dedup
+    pipeline.handle_findings([msgspec.structs.replace(NAN, time=clock.t)])  # step 480
+    clock.t += 400.0
+    pipeline.handle_findings([msgspec.structs.replace(later, time=clock.t)])  # 481 again
+    holds = [(str(d.outcome), d.inputs.get("onset_step")) for d in decided
+             if d.action == "hold"]
+    assert holds == [("act", 481), ("act", 480), ("suppressed", 481)], holds
+
+
 GPU_LOST = Finding(check="gpu_lost", health=Health.UNHEALTHY, action=SuggestedAction.DRAIN,
                    subject=Subject(kind="gpu", node="n1", gpu=0), time=T0,
                    reason="GPU 0 lost")
