@@ -5,6 +5,7 @@ NATS) use it; deduplication by command id is the uplink's."""
 
 from __future__ import annotations
 
+from forewarn.agent.order_ranks import ack_detail
 from forewarn.agent.protocols import OrderSink
 from forewarn.wire import Command
 
@@ -24,8 +25,8 @@ def carry_out(command: Command, orders: OrderSink | None) -> tuple[bool, str]:
         return False, "no ranks component on this agent"
     if order is not None:
         sent = orders.order_job(order.job, order.step, order.reason, order.request_id)
-        return True, (f"ordered step {order.step}" if sent is not None
-                      else f"no live rank of job {order.job!r} on this node")
+        return True, ack_detail(order.job, None if sent is None else sent.step,
+                                () if sent is None else orders.not_live(sent.request_id))
     if hold is not None:
         reached = orders.hold_job(hold)
         return True, f"save hold passed to {reached} rank(s) of {hold.job!r}"

@@ -1,12 +1,21 @@
 """Save holds on this node: the job's training state is suspect, its ranks stop saving.
 
-A hold (:class:`forewarn.wire.SaveHold`) goes to every live local rank of its job: the
+A hold (:class:`forewarn.wire.SaveHold`) goes to every local rank of its job whose process
+runs, live or marked gone (as an order: :mod:`forewarn.agent.order_ranks`): the
 collector's as it comes, the agent's own (a NaN/Inf loss of a job whose every rank runs on
 this node, :class:`forewarn.agent.orders.CheckpointOrders`'s fast path) with its step
 chosen as an order's S. A rank that had already passed that step reports ``missed`` with
 the last step it passed unheld; the agent then sends its own hold again for the step after
 it (:func:`forewarn.ordering.replacement_hold`), ``replaces`` naming the missed one. A
 collector's hold is the collector's to re-issue (the report goes up).
+
+A hold's copy that cannot reach a rank (its socket not there for a moment, its queue full)
+is retried on every poll as an order's is, with the same ending rules
+(:mod:`forewarn.agent.delivery`): it ends when a rank it is for is replaced by a new process
+(the job restarted, from a checkpoint taken before the onset) or after the orders' time to
+live; a hold re-issued with ``replaces`` ends the undelivered copies of the one it replaces
+(a late copy of the old hold would move that rank's stop back to a step its peers save).
+A rank that never got the hold would go on saving the poisoned state and marking it good.
 """
 
 from __future__ import annotations
@@ -15,6 +24,8 @@ import logging
 import uuid
 from collections.abc import Callable, Sequence
 
+from forewarn.agent.delivery import Delivery
+from forewarn.agent.order_ranks import job_ranks
 from forewarn.agent.rank_state import RankView
 from forewarn.agent.ranks import RankTable
 from forewarn.ordering import IssuedHolds, replacement_hold
@@ -27,29 +38,65 @@ log = logging.getLogger("forewarn.agent.orders")
 StepFor = Callable[[Sequence[RankView], float], int]
 """``(views, now) -> S`` (the agent's ordering rule)."""
 
+KEEP_UNDELIVERED = 64
+"""Holds with copies still to deliver, the newest kept (bounds memory; each also ends with
+its time to live)."""
+
 
 class LocalHolds:
     """Sends holds to local ranks and re-issues the agent's own when one is missed.
     Not locked: :class:`~forewarn.agent.orders.CheckpointOrders` calls it under its lock."""
 
     def __init__(self, table: RankTable, send: Callable[[str, bytes], bool],
-                 clock: Callable[[], float], step_for: StepFor, max_reissues: int) -> None:
+                 clock: Callable[[], float], step_for: StepFor, max_reissues: int, *,
+                 monotonic: Callable[[], float], ttl_s: float) -> None:
         self.table = table
         self.send = send
         self.clock = clock
         self.step_for = step_for
         self.max_reissues = max_reissues
+        self.monotonic = monotonic
+        self.ttl_s = ttl_s
         self._own: IssuedHolds[None] = IssuedHolds(keep=64)
         """The agent's own holds."""
+        self._undelivered: dict[str, tuple[SaveHold, Delivery]] = {}
+        """Request id -> a hold with copies that have not reached their rank yet."""
 
     def _views(self, job: str) -> list[RankView]:
-        now = self.clock()
-        return [v for v in self.table.job_views(job) if self.table.alive(v, now)]
+        """The ranks a hold goes to: as an order's (a rank marked gone may only be unheard,
+        :mod:`forewarn.agent.order_ranks`); a datagram to a stopped process waits for it."""
+        return job_ranks(self.table, job, self.clock())[0]
 
     def send_hold(self, hold: SaveHold) -> int:
-        """Send ``hold`` to every live local rank of its job; how many it reached."""
-        data = encode(hold)
-        return sum(1 for v in self._views(hold.job) if self.send(v.reply_to, data))
+        """Send ``hold`` to every running local rank of its job; how many it reached at
+        once (the others get it on a later poll: :meth:`tick`)."""
+        self._undelivered.pop(hold.replaces, None)  # a late old copy would undo the move
+        delivery = Delivery.send(self.send, self._views(hold.job), encode(hold),
+                                 self.monotonic())
+        if delivery.unsent:
+            self._undelivered[hold.request_id] = (hold, delivery)
+            while len(self._undelivered) > KEEP_UNDELIVERED:
+                old = next(iter(self._undelivered))
+                log.warning("save hold %s: more than %d holds wait for a rank: its "
+                            "undelivered copies are given up", old, KEEP_UNDELIVERED)
+                del self._undelivered[old]
+        return delivery.reached
+
+    def tick(self) -> None:
+        """Retry the copies of holds that have not reached their rank (every poll); end
+        those of a restarted job or past the time to live."""
+        mono = self.monotonic()
+        for rid, (hold, delivery) in list(self._undelivered.items()):
+            views = self.table.job_views(hold.job)
+            if delivery.replaced(views) or delivery.expired(mono, self.ttl_s):
+                log.warning("save hold %s: never reached rank(s) %s of job %s (a rank "
+                            "restarted, or it is older than %.0f s): given up", rid,
+                            sorted(delivery.unsent), hold.job, self.ttl_s)
+            else:
+                delivery.retry(self.send, views)
+                if delivery.unsent:
+                    continue
+            del self._undelivered[rid]
 
     def hold(self, job: str, f: Finding) -> SaveHold | None:
         """Hold the local job's saves for the poisoned state ``f`` found."""

@@ -8,7 +8,8 @@ sync. The agent picks S ahead of the fastest rank::
     s_now = max over ranks (last_step + floor((now - t_last_step) / p50))
     S     = s_now + ceil((delivery_latency_s + safety_s) / p50) + 1
 
-(the one rule both agent and collector use: :mod:`forewarn.ordering`).
+(the one rule both agent and collector use: :mod:`forewarn.ordering`;
+:mod:`forewarn.agent.order_step`).
 ``p50`` is the job's median step time on this node, ``t_last_step`` when the agent saw the
 rank's last step, ``delivery_latency_s`` covers the datagram and the hook noticing it
 (defaults 0.05 s) and ``safety_s`` (0.25 s) the jitter of step times. Each reissue after a
@@ -34,10 +35,19 @@ Protocol
 The order (:class:`forewarn.wire.CheckpointOrder`) goes to each local rank's ``reply_to``.
 Ranks whose step is below S save at S and report ``started``/``done``; a rank for which S
 already passed reports ``missed`` with its current step. On ``missed`` (or when the step
-records show a rank went past S without a report for this order: the datagram was lost)
+records show a rank the order reached went past S without a report for it: the datagram
+was lost)
 the agent issues a new S for the whole job under a new request id, when the agent chose S.
 An order from the collector with an explicit step is not reissued here: the reports go up
 and the collector, which chose S for all nodes, reissues.
+
+An order is for every rank of the job this node knows whose process runs, live or marked
+gone (a gone rank may only be unheard: :mod:`forewarn.agent.order_ranks`); one that cannot
+take it yet gets it on a later poll. The collector's ack names the ranks not live then.
+An order is for the processes it was sent to: once one is replaced (the job restarted) the
+order *ends*, undelivered copies too. The new round resumed from an earlier checkpoint and
+would take it: one rank saving alone waits in the collective save for peers that step on
+(the job wedges), a preemption order would stop it. Its own notice orders again.
 
 Local fast path
 ---------------
@@ -86,18 +96,18 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import math
-import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
 
+from forewarn.agent.delivery import Delivery
 from forewarn.agent.holds import LocalHolds
-from forewarn.agent.rank_state import RankView, quantile
+from forewarn.agent.order_ranks import job_ranks
+from forewarn.agent.order_step import choose_step, preempt_step
+from forewarn.agent.rank_state import RankView
 from forewarn.agent.ranks import RankTable
 from forewarn.escalation import escalates
-from forewarn.ordering import RankProgress, estimated_step, order_step
 from forewarn.wire import (
     PREEMPTED,
     CheckpointOrder,
@@ -135,64 +145,6 @@ def reason_label(reason: str, origin: str) -> str:
     return label or origin
 
 
-def _paced_estimate(views: list[RankView], q: float, at: float) -> tuple[float | None, int | None]:
-    """The job's ``q`` quantile step time on this node, and the furthest step a rank has
-    probably reported by ``at`` when every rank goes at that pace."""
-    pace = quantile([s for v in views for s in v.step_seconds], q)
-    return pace, estimated_step(
-        (RankProgress(v.last_step, v.last_progress, pace) for v in views), at)
-
-
-def choose_step(
-    views: Iterable[RankView],
-    now: float,
-    *,
-    delivery_latency_s: float = 0.05,
-    safety_s: float = 0.25,
-    margin_scale: float = 1.0,
-    fallback_steps: int = 10,
-    floor: int | None = None,
-) -> int:
-    """The step S every rank of a job should save at: :func:`forewarn.ordering.order_step`
-    with the job's median step time on this node as every rank's pace (S > ``floor``)."""
-    p50, estimated = _paced_estimate(list(views), 0.5, now)
-    step, _ = order_step(estimated, p50, lead_s=margin_scale * (delivery_latency_s + safety_s),
-                         unknown_margin=math.ceil(margin_scale * fallback_steps), floor=floor)
-    return step
-
-
-def preempt_step(
-    views: Iterable[RankView],
-    now: float,
-    *,
-    reissues: int = 0,
-    fallback_delivery_s: float = 0.05,
-    fallback_steps: int = 10,
-    floor: int | None = None,
-) -> int:
-    """The step S of a local preemption order: the first step no rank can have reported
-    when the order lands, by :func:`forewarn.ordering.order_step` with no extra lead.
-
-    The order goes over this node's datagram socket, and the ranks' step records carry
-    the time of each step on this host's clock, so the agent knows each rank's phase
-    within its current step. It estimates where the fastest rank is when the order
-    arrives (``now + delivery``), advancing each rank at the job's fast pace (the 10th
-    percentile of its recent step times, so a rank running faster than its median is
-    still behind the estimate), and orders the step after that. ``delivery`` is the
-    slowest recent beat from a rank to here (measured) plus the interpreter's switch
-    interval (the hook's thread may wait that long for the GIL before it compares its
-    step with S); ``fallback_delivery_s`` before any beat was measured. Each reissue
-    after a ``missed`` report doubles the margin in steps (1, 2, 4, ...) past the
-    estimate or ``floor`` (the step the rank reported with its ``missed``)."""
-    views = list(views)
-    measured = [v.delivery_s for v in views if v.delivery_s is not None]
-    delivery = (max(measured) if measured else fallback_delivery_s) + sys.getswitchinterval()
-    pace, estimated = _paced_estimate(views, 0.1, now + delivery)
-    step, _ = order_step(estimated, pace, lead_s=0.0, min_margin=2**reissues,
-                         unknown_margin=fallback_steps * 2**reissues, floor=floor)
-    return step
-
-
 @dataclasses.dataclass
 class OrderStatus:
     """One order and what each local rank said about it."""
@@ -204,12 +156,14 @@ class OrderStatus:
     """Request id of the first order of this chain (reissues share it)."""
     agent_chose_step: bool
     expected: frozenset[int]
-    issued_mono: float
+    delivery: Delivery
+    """The processes it is for and the ranks it has not reached yet."""
     phases: dict[int, str] = dataclasses.field(default_factory=dict)
-    unsent: set[int] = dataclasses.field(default_factory=set)
+    not_live: frozenset[int] = frozenset()
+    """Ranks not live when it was issued (it waits for them: :mod:`.order_ranks`)."""
     reissues: int = 0
     closed: str = ""
-    """Why the order ended: done, superseded, failed, expired; empty while open."""
+    """Why the order ended (done, superseded, failed, expired, ended); empty while open."""
     done_seconds: float | None = None
 
 
@@ -249,13 +203,13 @@ class CheckpointOrders:
         self.holds = LocalHolds(
             table, send, clock, lambda views, now: choose_step(
                 views, now, delivery_latency_s=self.delivery_latency_s, safety_s=self.safety_s),
-            max_reissues)
+            max_reissues, monotonic=monotonic, ttl_s=ttl_s)
         self._fired: dict[str, tuple[float, dict[str, Finding]]] = {}
         """Subject -> (when the fast path last ordered for it, check -> finding it saw)."""
         self.orders_total: collections.Counter[tuple[str, str]] = collections.Counter()
         """``(job, reason) -> orders issued`` (reissues included)."""
         self.outcomes_total: collections.Counter[str] = collections.Counter()
-        """``done``, ``superseded``, ``failed``, ``expired``."""
+        """``done``, ``superseded``, ``failed``, ``expired``, ``ended``."""
         self.deferred_total: collections.Counter[str] = collections.Counter()
         """Job -> fast-path orders left to the collector (the job spans nodes)."""
         self.last_duration: dict[str, float] = {}
@@ -274,8 +228,7 @@ class CheckpointOrders:
     ) -> CheckpointOrder | None:
         """Order every local rank of ``job`` to save at ``step`` (chosen here when None).
 
-        Returns the order sent, or None when the job has no live rank on this node.
-        """
+        Returns the order, or None when no rank of the job is known on this node."""
         with self._lock:
             return self._issue(job, step, reason, request_id, origin, root=None, reissues=0)
 
@@ -290,7 +243,7 @@ class CheckpointOrders:
 
     def hold_job(self, hold: SaveHold) -> int:
         """Pass the collector's save hold (the job's state is suspect: stop saving) to every
-        live local rank of its job; returns how many ranks it reached."""
+        running local rank of its job, live or marked gone; returns how many it reached."""
         with self._lock:
             return self.holds.send_hold(hold)
 
@@ -303,6 +256,7 @@ class CheckpointOrders:
         on other nodes is left to its ranks' collective fallback (as the fast path)."""
         job = view.job
         with self._lock:
+            self._end_replaced()
             if any(st.order.job == job and st.order.reason.startswith(PREEMPTED)
                    for st in self._orders.values()):
                 return None
@@ -319,10 +273,11 @@ class CheckpointOrders:
                origin: str, root: str | None, reissues: int, floor: int | None = None
                ) -> CheckpointOrder | None:
         now = self.clock()
-        views = [v for v in self.table.job_views(job) if self.table.alive(v, now)]
-        if not views:
-            log.info("checkpoint order for job %s: no live rank on this node", job)
+        known, live = job_ranks(self.table, job, now)  # why not only the live: order_ranks
+        if not known:
+            log.info("checkpoint order for job %s: no rank of it on this node", job)
             return None
+        views = live or known
         chose = step is None
         if step is None and reason.startswith(PREEMPTED):
             step = preempt_step(views, now, reissues=reissues, floor=floor,
@@ -338,17 +293,17 @@ class CheckpointOrders:
             if old.order.job == job and not old.closed:
                 self._close(old, "superseded")
         st = OrderStatus(order=order, origin=origin, root=root or rid, agent_chose_step=chose,
-                         expected=frozenset(v.rank for v in views),
-                         issued_mono=self.monotonic(), reissues=reissues)
+                         expected=frozenset(v.rank for v in known),
+                         delivery=Delivery.send(self.send, known, encode(order),
+                                                self.monotonic()),
+                         not_live=frozenset(v.rank for v in known) - {v.rank for v in live},
+                         reissues=reissues)
         self._orders[rid] = st
         self.orders_total[(job, reason_label(reason, origin))] += 1
-        data = encode(order)
-        for v in views:
-            if not self.send(v.reply_to, data):
-                st.unsent.add(v.rank)
+        unsent = st.delivery.unsent
         log.warning("checkpoint order %s: job %s saves at step %d (%s; %d local rank(s)%s)",
-                    rid, job, step, reason or origin, len(views),
-                    f", {len(st.unsent)} not delivered yet" if st.unsent else "")
+                    rid, job, step, reason or origin, len(known),
+                    f", {len(unsent)} not delivered yet" if unsent else "")
         return order
 
     def _close(self, st: OrderStatus, why: str) -> None:
@@ -366,7 +321,7 @@ class CheckpointOrders:
             if st is None:
                 return
             st.phases[rep.rank] = rep.phase
-            st.unsent.discard(rep.rank)
+            st.delivery.unsent.discard(rep.rank)
             if rep.phase == "missed":
                 self._missed(st, f"rank {rep.rank} was at step {rep.step} already", rep.step)
             elif rep.phase == "failed":
@@ -374,7 +329,7 @@ class CheckpointOrders:
                 if all(st.phases.get(r) in ("done", "failed") for r in st.expected):
                     self._close(st, "failed")
             elif rep.phase == "done" and all(st.phases.get(r) == "done" for r in st.expected):
-                st.done_seconds = self.monotonic() - st.issued_mono
+                st.done_seconds = self.monotonic() - st.delivery.issued_mono
                 self.last_duration[st.order.job] = st.done_seconds
                 log.info("checkpoint order %s: all %d local rank(s) of job %s saved step %d",
                          rep.request_id, len(st.expected), st.order.job, st.order.step)
@@ -399,20 +354,21 @@ class CheckpointOrders:
 
     # -- every poll ----------------------------------------------------------------------
     def tick(self, now: float) -> None:
-        """Retry undelivered orders, detect lost ones, expire old ones (poll thread)."""
+        """Retry undelivered orders and holds, detect lost orders, end old and replaced ones
+        (poll thread)."""
         with self._lock:
+            self.holds.tick()
+            self._end_replaced()
             for st in list(self._orders.values()):
                 if st.closed:
                     continue
-                if self.monotonic() - st.issued_mono > self.ttl_s:
+                if st.delivery.expired(self.monotonic(), self.ttl_s):
                     self._close(st, "expired")
                     continue
-                views = {v.rank: v for v in self.table.job_views(st.order.job)}
-                for rank in list(st.unsent):
-                    v = views.get(rank)
-                    if v is not None and self.send(v.reply_to, encode(st.order)):
-                        st.unsent.discard(rank)
-                for rank in st.expected:
+                job_views = self.table.job_views(st.order.job)
+                st.delivery.retry(self.send, job_views)
+                views = {v.rank: v for v in job_views}
+                for rank in st.expected - st.delivery.unsent:  # undelivered: no sign of loss
                     v = views.get(rank)
                     if (v is not None and rank not in st.phases and v.last_step is not None
                             and v.last_step > st.order.step):
@@ -420,10 +376,24 @@ class CheckpointOrders:
                                          "without reporting (order lost)")
                         break
 
+    def _end_replaced(self) -> None:
+        """End the open orders a rank of which is no longer the process they were sent to
+        (module docstring: a restarted job's new processes must not take them)."""
+        for st in list(self._orders.values()):
+            if st.delivery.replaced(self.table.job_views(st.order.job)):
+                log.warning("checkpoint order %s: a rank of job %s restarted or left: ended",
+                            st.order.request_id, st.order.job)
+                self._close(st, "ended")
+
     def open_orders(self) -> list[OrderStatus]:
         with self._lock:
             return list(self._orders.values())
 
+    def not_live(self, request_id: str) -> frozenset[int]:
+        """Ranks an open order was issued to while they were not live (none once closed)."""
+        with self._lock:
+            st = self._orders.get(request_id)
+            return st.not_live if st is not None else frozenset()
 
     # -- local fast path -------------------------------------------------------------------
     def jobs_on_gpu(self, gpu: int | None) -> list[str]:

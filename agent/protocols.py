@@ -189,6 +189,10 @@ class OrderSink(Protocol):
         """Order the job's local ranks to save at ``step``; None when it has none here."""
         ...
 
+    def not_live(self, request_id: str) -> frozenset[int]:
+        """Ranks an open order waits for (they were not live when it came)."""
+        ...
+
     def hold_job(self, hold: SaveHold) -> int:
         """Pass a save hold to the job's local ranks; returns how many it reached."""
         ...

@@ -21,7 +21,7 @@ registered into the agent's explicit registry by the rank component.
 ``forewarn_checkpoint_duration_seconds``           how long the rank's last save took
 ``forewarn_checkpoint_bytes``                      size of the rank's last save
 ``forewarn_checkpoint_orders_total``               ``training_job``, ``reason``: orders issued
-``forewarn_checkpoint_order_outcomes_total``       ``outcome``: done/superseded/failed/expired
+``forewarn_checkpoint_order_outcomes_total``       ``outcome``: done/superseded/failed/expired/ended
 ``forewarn_checkpoint_orders_open``                ``training_job``: orders waiting for reports
 ``forewarn_checkpoint_order_seconds``              ``training_job``: order to last rank done
 ``forewarn_checkpoint_orders_deferred_total``      ``training_job``: fast-path orders left to
@@ -170,7 +170,7 @@ class RankCollector:
             outcomes = CounterMetricFamily("forewarn_checkpoint_order_outcomes",
                                            "How checkpoint orders ended.",
                                            labels=["node", "outcome"])
-            for outcome in ("done", "superseded", "failed", "expired"):
+            for outcome in ("done", "superseded", "failed", "expired", "ended"):
                 outcomes.add_metric([self.node, outcome], orders.outcomes_total[outcome])
             open_ = GaugeMetricFamily("forewarn_checkpoint_orders_open",
                                       "Checkpoint orders waiting for rank reports.",

@@ -210,7 +210,8 @@ class CollectorConfig:
     of the model registry ``<data_dir>/models`` (``forewarn models retrain``; none yet: the
     shipped model)."""
     predict_interval_s: float = 10.0
-    """Score every GPU (and refresh goodput advice) this often."""
+    """Score every GPU (and refresh goodput advice) this often; a scoring that fails
+    (counted in ``forewarn_collector_policy_errors_total``) is tried again after as long."""
     predict_sample_s: float = 10.0
     """Feed the predictor one sample per GPU per this many seconds (0 = every sample);
     features are per minute, so thinning 1 s samples changes no rate or mean."""
@@ -267,8 +268,10 @@ class CollectorConfig:
             raise ConfigError('postgres_dsn: required with state = "postgresql"')
         if self.remote_write_url and not self.remote_write_url.startswith(("http://",
                                                                           "https://")):
+            from forewarn.redact import redact_url  # a config imports nothing else to load
+
             raise ConfigError(f"remote_write_url: expected an http(s) URL, got "
-                              f"{self.remote_write_url!r}")
+                              f"{redact_url(self.remote_write_url)!r}")
         check_logging(self.log_level, self.log_format)
         _check_policy_keys(self)
         _check_tokens_distinct(self)

@@ -162,6 +162,10 @@ class CollectorMetrics:
                             " with embedded state).", registry=r)
         self.leader_changes = Counter(P + "leader_changes", "Times this replica became or"
                                       " stopped being the leader.", registry=r)
+        self.fenced_writes = Counter(
+            P + "fenced_writes", "Writes only the leader may make (orders, holds, their"
+            " commands and actions, webhooks, drains, the feed's cursor) refused because"
+            " another replica had taken the lead; nothing of them was stored.", registry=r)
         self.policy_backlog = Gauge(P + "policy_backlog_batches",
                                     "Stored batches waiting for the policy thread.", registry=r)
         self.tokens_errors = Counter(

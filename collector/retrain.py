@@ -111,6 +111,7 @@ def _history(args: argparse.Namespace, start: float = 0.0) -> tuple[Any, Any, An
         samples, xids, labels = load_dir(args.data)
         return samples, xids, labels
     from .metrics import CollectorMetrics
+    from .storage.datadir import telemetry_replica
     from .storage.history import read_history
     from .storage.state import open_state
     from .storage.telemetry import TelemetryWriter
@@ -118,7 +119,8 @@ def _history(args: argparse.Namespace, start: float = 0.0) -> tuple[Any, Any, An
     config = _config(args)
     store = open_state(config)
     try:
-        tel = TelemetryWriter(store, config.telemetry_dir, CollectorMetrics())
+        tel = TelemetryWriter(store, config.telemetry_dir, CollectorMetrics(),
+                              replica=telemetry_replica(config))
         h = read_history(store, tel, start=start)
     finally:
         store.close()

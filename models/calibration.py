@@ -40,10 +40,17 @@ def fit(scores: np.ndarray, fails: np.ndarray,
     ``scores`` and ``fails`` (1: the GPU failed within the horizon after the row), failing
     rows weighted by ``weight_positive`` (:func:`positive_weight`; one per row, or one for
     all)."""
+    x = np.asarray(scores, dtype=np.float64)
     y = np.asarray(fails, dtype=np.float64)
+    w = np.broadcast_to(np.where(y > 0, weight_positive, 1.0), y.shape)
+    # No score makes a failure certain: where every row at the highest score failed (a
+    # model that separated some of its own training rows), the top would read P = 1.0
+    # whatever the base rate; one row that did not fail is assumed there, so it reads
+    # n w / (n w + 1) at a base rate w times the data's. Elsewhere nothing changes.
+    if len(x) and (y[x == x.max()] > 0).all():
+        x, y, w = np.append(x, x.max()), np.append(y, 0.0), np.append(w, 1.0)
     iso = IsotonicRegression(y_min=0.0, y_max=1.0, increasing=True, out_of_bounds="clip")
-    iso.fit(np.asarray(scores, dtype=np.float64), y,
-            sample_weight=np.where(y > 0, weight_positive, 1.0))
+    iso.fit(x, y, sample_weight=w)
     knots: np.ndarray = np.vstack([iso.X_thresholds_, iso.y_thresholds_]).astype(np.float64)
     return knots
 

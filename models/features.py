@@ -35,7 +35,15 @@ import numpy as np
 import pandas as pd
 
 from forewarn.gpu import POWER_BITS, THERMAL_BITS, XID_CATALOG
-from forewarn.models.gauges import gauge_levels, own_levels, peer_deviation, window_mean
+from forewarn.models.gauges import (
+    RECENT_GAUGES,
+    gauge_levels,
+    own_levels,
+    peer_deviation,
+    recent_vs_own,
+    window_mean,
+)
+from forewarn.models.oscillation import HISTORY_COLUMNS, History, oscillation_vs_peers
 from forewarn.models.schema import nvlink_columns, validate_samples, validate_xids
 
 __all__ = [
@@ -122,6 +130,7 @@ def _feature_names() -> tuple[str, ...]:
     names += [f"{g}_vs_own" for g in GAUGES]
     names += [f"{g}_vs_peers" for g in GAUGES] + ["samples_missing15_vs_peers"]
     names += [f"{g}_vs_own_vs_peers" for g in GAUGES]
+    names += [f"{g}_recent_vs_own_vs_peers" for g in RECENT_GAUGES] + ["temp_osc_vs_peers"]
     names += [f"{c}_vs_peers" for c in PEER_COUNTERS]
     names += [f"xid_{c}_60" for c in XID_CLASSES]
     return tuple(names)
@@ -201,13 +210,14 @@ def derive(now: Mapping[str, np.ndarray], lag: Mapping[int, Mapping[str, np.ndar
            first: Mapping[str, np.ndarray] | None = None,
            end: Mapping[str, np.ndarray] | None = None,
            minutes: np.ndarray | None = None,
-           group: np.ndarray | None = None) -> dict[str, np.ndarray]:
+           group: np.ndarray | None = None,
+           history: History | None = None) -> dict[str, np.ndarray]:
     """Features from the current grid row (cumulative and latest columns), the rows
     :data:`LAGS` steps back and, for the GPU's own baseline, its first grid row, the row
     at :func:`baseline_end` and the ``minutes`` between them (without them: no
     baseline), and the peer ``group`` of each row (integer codes: the rows of one node at
-    one time; without it: no peer deviation). Arrays are aligned (one element per GPU or
-    per grid row)."""
+    one time; without it: no peer deviation) and ``history`` (:mod:`.oscillation`; without
+    it: none). Arrays are aligned (one element per GPU or per grid row)."""
     out: dict[str, np.ndarray] = {}
     l5, l15, l60 = lag[5], lag[15], lag[60]
     zero = np.zeros_like(np.asarray(now["n"], dtype=np.float64))
@@ -278,6 +288,9 @@ def derive(now: Mapping[str, np.ndarray], lag: Mapping[int, Mapping[str, np.ndar
     # chronic for the GPU (one that always runs hot or noisy); what changed for this GPU
     # alone stands out (a thermal interface failing, a fan hunting, power hiccups).
     peer_in |= {f"{g}_vs_own_vs_peers": out[f"{g}_vs_own"] for g in GAUGES}
+    # The same over the hours since the baseline's end: what lasts (a drift over days).
+    if own is not None and end is not None:
+        peer_in |= {f"{k}_vs_peers": v for k, v in recent_vs_own(now, end, own, limit).items()}
     peer_in |= {f"{c}_vs_peers": out[f"{c}_d15"] for c in PEER_COUNTERS}
     member = (now["n"] - lag[PEER_MINUTES]["n"]) > 0
     out |= peer_deviation(peer_in, None if group is None else np.where(member, group, -1),
@@ -286,8 +299,11 @@ def derive(now: Mapping[str, np.ndarray], lag: Mapping[int, Mapping[str, np.ndar
     # (an idle node, 15-minute swings under the long-run ones) zero minus their median
     # would read as its own rise, and a GPU swapped in would alarm for hours.
     has_own = zero if own is None else own["_has"] > 0
-    for g in GAUGES:
-        out[f"{g}_vs_own_vs_peers"] = np.where(has_own, out[f"{g}_vs_own_vs_peers"], 0.0)
+    for name in [f"{g}_vs_own_vs_peers" for g in GAUGES] \
+            + [f"{g}_recent_vs_own_vs_peers" for g in RECENT_GAUGES]:
+        out[name] = np.where(has_own, out.get(name, zero), 0.0)
+    out["temp_osc_vs_peers"] = zero if history is None else oscillation_vs_peers(
+        history, None if group is None else np.where(member, group, -1))
     for c in XID_CLASSES:
         out[f"xid_{c}_60"] = np.maximum(now[f"xid_{c}"] - l60[f"xid_{c}"], 0.0)
     out["remap_c_total"] = np.log1p(np.maximum(now["remap_c"], 0.0))
@@ -440,7 +456,12 @@ def gpu_features(samples: pd.DataFrame, xids: pd.DataFrame | None = None) -> pd.
     base = {c: first[c].to_numpy() for c in cols}
     end = {c: g[c].to_numpy(dtype=np.float64)[at] for c in cols}
     group = pd.MultiIndex.from_arrays([g["node"], minute]).factorize()[0]
-    feats = derive(now, lag, base, end, span.astype(np.float64), group)
+    cum = {c: g[c].to_numpy(dtype=np.float64) for c in HISTORY_COLUMNS}
+
+    def history(k: int) -> dict[str, np.ndarray]:  # the grid k minutes back, as lag does
+        return {c: v[np.arange(len(g)) - np.minimum(pos, k)] for c, v in cum.items()}
+
+    feats = derive(now, lag, base, end, span.astype(np.float64), group, history)
     out = pd.DataFrame(feats)
     out.insert(0, "time", (g["minute"].to_numpy() + 1) * GRID_S)
     out.insert(0, "gpu", g["gpu"].to_numpy())

@@ -14,8 +14,8 @@ from typing import Final
 import numpy as np
 import pandas as pd
 
-__all__ = ["MIN_ROBUST_PEERS", "ROUNDING", "gauge_levels", "own_levels", "peer_deviation",
-           "peer_robust_z", "window_mean", "window_std"]
+__all__ = ["MIN_ROBUST_PEERS", "RECENT_GAUGES", "ROUNDING", "gauge_levels", "own_levels",
+           "peer_deviation", "peer_robust_z", "recent_vs_own", "window_mean", "window_std"]
 
 
 def window_mean(sum_a: np.ndarray, sum_b: np.ndarray, n_a: np.ndarray, n_b: np.ndarray,
@@ -94,6 +94,24 @@ def own_levels(first: Mapping[str, np.ndarray], end: Mapping[str, np.ndarray],
         "thr_thermal": mean("thr_thermal"), "thr_power": mean("thr_power"),
         "pending": mean("pending"), "samples": samples,
     }
+
+
+RECENT_GAUGES: Final = ("temp", "temp_std", "margin", "power", "power_std", "thr_thermal",
+                         "thr_power", "pending")
+"""Gauges compared over the GPU's recent hours with its own baseline (every gauge but the
+sample rate, whose window's span the cumulative rows do not hold)."""
+
+
+def recent_vs_own(now: Mapping[str, np.ndarray], end: Mapping[str, np.ndarray],
+                  own: Mapping[str, np.ndarray], limit: np.ndarray) -> dict[str, np.ndarray]:
+    """Each of :data:`RECENT_GAUGES` since the own baseline's end (4 to 8 hours back) less
+    the GPU's own long-run level (:func:`own_levels`); zero without a baseline. A change that
+    lasts (a drift over hours or days, a failing fan) fills the window; a benign hot spell
+    of an hour is a small part of it."""
+    recent = own_levels(end, now, np.ones_like(own["_has"]), limit, 0.0)
+    has = (own["_has"] > 0) & (recent["_has"] > 0)
+    return {f"{g}_recent_vs_own": np.where(has, recent[g] - own[g], 0.0)
+            for g in RECENT_GAUGES}
 
 
 def peer_deviation(values: Mapping[str, np.ndarray], group: np.ndarray | None,

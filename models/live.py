@@ -41,6 +41,7 @@ from forewarn.models.live_fold import COLS as _COLS
 from forewarn.models.live_fold import IX as _IX
 from forewarn.models.live_fold import N_CUM as _N_CUM
 from forewarn.models.live_fold import fold_sample
+from forewarn.models.oscillation import HISTORY_COLUMNS
 from forewarn.models.predictor import FailurePredictor
 from forewarn.wire import Finding, GpuSample, GpuState, XidEvent
 
@@ -317,7 +318,11 @@ class LiveScorer:
             minutes[:] = 0.0
         end = _named(self._block[held[0] if len(held) else 0][:, at], CUM_COLUMNS)
         group = np.unique(np.asarray(self._node_ids, np.int64)[live], return_inverse=True)[1]
-        return derive(now, lag, _named(first, CUM_COLUMNS), end, minutes, group)
+        rows = [_IX[c] for c in HISTORY_COLUMNS]
+        def history(k: int) -> dict[str, np.ndarray]:  # the ring k minutes back, as lag
+            back = self._ring[(m - k) % _RING][rows][:, at]
+            return _named(np.where((m - k) < first_minute, first[rows], back), HISTORY_COLUMNS)
+        return derive(now, lag, _named(first, CUM_COLUMNS), end, minutes, group, history)
 
     def _scored(self, now: float) -> tuple[_MinuteScores, np.ndarray]:
         """The minute's scores and the positions in them of the GPUs fresh at ``now``.

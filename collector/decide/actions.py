@@ -16,6 +16,7 @@ Every action, done or shadowed, is recorded through ``record_action`` (the store
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import logging
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ import msgspec
 
 from forewarn.wire import CheckpointReport, CommandAck, Finding
 
+from ..storage.fence import NotLeaderError
 from .drain import DrainError, DrainRunner
 from .orders import JobOrder, OrderBook, order_key
 from .policy import Decision, PlannedAction, Policy
@@ -51,7 +53,12 @@ class ActionLog(Protocol):
         status: str,
         shadow: bool = False,
         detail: dict[str, Any] | None = None,
+        lead: bool = False,
     ) -> int: ...
+
+    def write(self, *, lead: bool = False) -> contextlib.AbstractContextManager[Any]:
+        """A write transaction; ``lead``: refused once this replica lost the lead."""
+        ...
 
 
 def decision_key(decision: Decision, finding: Finding) -> str:
@@ -132,6 +139,9 @@ class ActionPipeline:
                 out.append(action.decision)
                 try:
                     order = self._carry_out(action, issued)
+                except NotLeaderError:  # another replica leads: it decides (logged once)
+                    self._not_carried_out(action)
+                    return out
                 except Exception as exc:  # one failed action must not stop the others
                     log.exception("action %s failed", action.kind)
                     self._record(action, "error", {"error": f"{type(exc).__name__}: {exc}"})
@@ -184,10 +194,11 @@ class ActionPipeline:
                              {"why": "shadow" if shadow else "no webhook configured"})
                 return None
             event = event_for(d, action.finding, issued)
-            self.send_webhook(event)
             # the event itself: the next leader sends it again if its delivery has not
-            # ended (:mod:`.webhook_history`)
-            self._record(action, "queued", {"event": event})
+            # ended (:mod:`.webhook_history`). Stored first, fenced: a replica that lost
+            # the lead sends nothing (NotLeaderError).
+            self._record(action, "queued", {"event": event}, lead=True)
+            self.send_webhook(event)
             return None
         self._drain(action, shadow)
         return None
@@ -207,6 +218,8 @@ class ActionPipeline:
             return
 
         def run() -> None:
+            if not self._still_leads(action):
+                return
             try:
                 result = drain.run(action.node, action.finding.reason)
             except DrainError as exc:
@@ -223,11 +236,32 @@ class ActionPipeline:
         else:
             self.drain_pool.submit(run)
 
-    def _record(self, action: PlannedAction, status: str, detail: dict[str, Any]) -> None:
+    def _still_leads(self, action: PlannedAction) -> bool:
+        """Whether this replica may run ``action``'s drain now: a fenced empty write (its
+        decision is stored already, so a next leader counts it and drains the node no
+        second time). False, and nothing run, once another replica leads (the fence
+        logs that) or when the lead cannot be checked (logged here)."""
+        if self.actions is None:
+            return True
+        try:
+            with self.actions.write(lead=True):
+                pass
+        except NotLeaderError:
+            return False
+        except Exception:
+            log.exception("drain of %s not run: the lead could not be checked", action.node)
+            return False
+        return True
+
+    def _record(self, action: PlannedAction, status: str, detail: dict[str, Any],
+                lead: bool = False) -> None:
+        """Store the action's row; ``lead``: fenced, :class:`NotLeaderError` raised."""
         if self.actions is None:
             return
         try:
-            self.actions.record_action(**self._row(action, status, detail))
+            self.actions.record_action(**self._row(action, status, detail), lead=lead)
+        except NotLeaderError:
+            raise
         except Exception:
             log.exception("recording action %s failed", action.decision.id)
 
@@ -245,9 +279,14 @@ class ActionPipeline:
         return None if self.actions is None else row
 
     def on_report(self, report: CheckpointReport) -> JobOrder | None:
-        """A rank's checkpoint report: cost measurement, order progress, reissue on miss."""
+        """A rank's checkpoint report: cost measurement, order progress, reissue on miss.
+        A reissue refused by the fence is none (another replica leads: it answers the
+        stored miss, :meth:`reissue_missed`; the fence logged it)."""
         self.policy.tracker.observe(report)
-        return self._answer(report)
+        try:
+            return self._answer(report)
+        except NotLeaderError:
+            return None
 
     def reissue_missed(self) -> int:
         """Once the order book is rebuilt as this replica starts to lead: answer each miss
@@ -257,6 +296,8 @@ class ActionPipeline:
         for report in self.orders.take_unanswered():
             try:
                 self._answer(report)
+            except NotLeaderError:  # another replica leads already: it answers them
+                break
             except Exception:  # the store failed: the rank's next miss asks again
                 log.exception("answering a miss of %s at takeover failed", report.request_id)
                 continue

@@ -16,9 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 from forewarn.wire import AgentBatch, Finding
 
+from ..storage.fence import NotLeaderError
 from .costmodel import CheckpointCostTracker
 from .goodput_service import AdviceSender, GoodputService
 from .predict import PredictorService
+from .scorer_state import ScorerSnapshots
 from .stragglers import StragglerService
 
 if TYPE_CHECKING:
@@ -52,11 +54,33 @@ class Advisors:
         return TICK_WITHOUT_PREDICTOR_S if self.goodput is not None else None
 
     def start(self, ctx: DecideContext) -> None:
-        """Register the predictor's and goodput's metrics."""
+        """Register the predictor's and goodput's metrics; the predictor's learned state
+        kept in the store (:mod:`.scorer_state`)."""
         self._ctx = ctx
         for part in (self.predictor, self.goodput):
             if part is not None:
                 part.register(ctx.metrics.registry)
+        if self.predictor is not None:
+            self.predictor.keep_state(ScorerSnapshots(ctx.store), ctx.clock)
+
+    def take_over(self) -> None:
+        """This replica starts to lead: the predictor's learned state from the store."""
+        if self.predictor is not None:
+            self.predictor.take_over()
+
+    def save_state(self, now: float) -> None:
+        """Save the predictor's learned state when due (leader only)."""
+        if self.predictor is not None:
+            self.predictor.save_state(now)
+
+    def stop(self, leading: bool) -> None:
+        """The predictor's state written a last time (when ``leading``), its writer ended."""
+        predictor = self.predictor
+        if predictor is None or predictor.snapshots is None:
+            return
+        if leading:
+            predictor.save_state(self._ctx.clock() if self._ctx else 0.0, wait=True)
+        predictor.snapshots.close()
 
     def observe(self, batches: Sequence[AgentBatch], now: float) -> list[Finding]:
         """Samples and XIDs to the predictor, rank summaries to goodput and the peer
@@ -93,7 +117,8 @@ class Advisors:
 
     def refresh_goodput(self, now: float) -> None:
         """Recompute goodput advice with the job's cost, risk and the fleet failure rate;
-        tell the job's agents when the advice changed."""
+        tell the job's agents when the advice changed (only while this replica leads; a
+        stale leader's advice refused by the fence stays due)."""
         ctx, goodput, predictor = self._ctx, self.goodput, self.predictor
         if ctx is None or goodput is None:
             return
@@ -103,9 +128,16 @@ class Advisors:
             gpu_mtbf_h=predictor.fleet_gpu_mtbf_h() if predictor is not None else None,
             horizon_s=predictor.horizon_s if predictor is not None else 3600.0,
         )
-        if self.advice is not None:
-            # Hooks that follow the advice save at the advised steps: tell the job's agents.
-            ctx.commands.enqueue_many(self.advice.due(goodput.advice, ctx.jobs, now))
+        if self.advice is not None and ctx.leader.is_leader:
+            # Hooks that follow the advice save at the advised steps: tell the job's agents
+            # (the leader alone: a GET on a follower, or on a replica that lost the lead,
+            # only reports).
+            queued = self.advice.due(goodput.advice, ctx.jobs, now)
+            try:
+                ctx.commands.enqueue_many(queued)
+            except NotLeaderError:
+                return  # counted and said by the fence; the advice stays due
+            self.advice.sent(queued)
 
     def goodput_report(self, job: str | None, now: float) -> list[dict[str, Any]]:
         """``GET /api/v1/goodput``: goodput refreshed now, of ``job`` or of every job."""

@@ -12,31 +12,40 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from .actions import ActionLog, ActionPipeline
 from .drain import DrainRunner
 from .orders import OrderBook
 from .policy import Policy
-from .webhook_history import resend_undelivered
+from .webhook_history import ResendDeadline, resend_undelivered
 from .webhooks import Delivery, WebhookEndpoint, WebhookSender
 
 if TYPE_CHECKING:
     from .seam import DecideContext
 
-__all__ = ["ActionDispatch", "store_delivery"]
+__all__ = ["RESEND_WITHIN_S", "ActionDispatch", "store_delivery"]
 
 log = logging.getLogger(__name__)
+
+RESEND_WITHIN_S: Final = 10.0
+"""How long, in all, a replica that starts to lead waits for its event loop to take the
+webhooks the last leader left unended: the policy thread decides nothing meanwhile, so a
+wedged loop costs this once, not once per event; what it did not take is left unended."""
 
 
 class ActionDispatch:
     """Webhooks to ``endpoints`` (``max_attempts`` tries, ``backoff_s`` apart) and drains
-    through ``drain`` (none: drains are recorded as skipped)."""
+    through ``drain`` (none: drains are recorded as skipped); the resend at a takeover is
+    given ``resend_within_s`` in all (:data:`RESEND_WITHIN_S`)."""
 
     def __init__(self, endpoints: Sequence[WebhookEndpoint] = (), *, max_attempts: int = 5,
-                 backoff_s: float = 1.0, drain: DrainRunner | None = None) -> None:
+                 backoff_s: float = 1.0, drain: DrainRunner | None = None,
+                 resend_within_s: float = RESEND_WITHIN_S) -> None:
         self.endpoints = list(endpoints)
+        self.resend_within_s = resend_within_s
         self.max_attempts = max_attempts
         self.backoff_s = backoff_s
         self.drain = drain
@@ -75,16 +84,26 @@ class ActionDispatch:
 
     def resend_undelivered(self) -> int:
         """Policy thread, as this replica starts to lead: the webhooks the last leader
-        queued and whose delivery has not ended go out again (:mod:`.webhook_history`);
-        returns how many deliveries were queued."""
+        queued and whose delivery has not ended go out again (:mod:`.webhook_history`),
+        handed to the event loop within ``resend_within_s`` in all; returns how many
+        deliveries were queued."""
         ctx, sender = self._ctx, self.sender
         if ctx is None or sender is None or ctx.loop is None:
             return 0
-        loop = ctx.loop
+        loop, within = ctx.loop, self.resend_within_s
+        deadline = time.monotonic() + within
 
         def send(event: dict[str, Any], ended: frozenset[str]) -> int:
-            return asyncio.run_coroutine_threadsafe(_call(sender.send, event, ended),
-                                                    loop).result(10)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ResendDeadline(f"the event loop took none within {within:g} s")
+            handed = _on_loop(loop, sender.send, event, ended)
+            try:
+                return handed.result(left)
+            except TimeoutError:
+                handed.cancel()  # never run once the loop wakes: the next leader resends it
+                raise ResendDeadline(f"the event loop took it not within {within:g} s"
+                                     ) from None
 
         try:
             return resend_undelivered(ctx.store, ctx.clock(), send,
@@ -121,8 +140,23 @@ def store_delivery(store: ActionLog) -> Callable[[Delivery], None]:
     return record
 
 
-async def _call(fn: Callable[..., int], *args: Any) -> int:
-    return fn(*args)
+def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., int], *args: Any
+             ) -> concurrent.futures.Future[int]:
+    """``fn(*args)`` called on ``loop``, unless the returned future was cancelled before
+    the loop came to it (a task from ``run_coroutine_threadsafe`` still takes its first
+    step after such a cancel: a resend given up on was queued anyway)."""
+    done: concurrent.futures.Future[int] = concurrent.futures.Future()
+
+    def call() -> None:
+        if not done.set_running_or_notify_cancel():
+            return
+        try:
+            done.set_result(fn(*args))
+        except Exception as exc:
+            done.set_exception(exc)
+
+    loop.call_soon_threadsafe(call)
+    return done
 
 
 def _threadsafe(send: Callable[[dict[str, Any]], object], loop: asyncio.AbstractEventLoop

@@ -19,7 +19,11 @@ What counts is what was done, read from the ``decisions`` rows within the gates'
 * "one checkpoint order per job and incident" and "one save hold per job and incident"
   (:class:`~.incidents.IncidentBook`): the open incidents are taken over from the
   ``incidents`` table (:mod:`.ledger`), and which jobs each one ordered (held) from the
-  checkpoint (hold) decisions carried out (their ``incident`` input).
+  checkpoint (hold) decisions carried out (their ``incident`` input). An order's incident
+  the table never had (the leader died after it queued the order and before it stored
+  its incidents, or that write failed) is opened again from the decision, which keeps
+  the finding it decided (its ``finding`` input): the fault's next finding joins it
+  instead of opening an incident that orders the job a second time.
 """
 
 from __future__ import annotations
@@ -29,7 +33,12 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
+from forewarn.wire import Finding
+
 from .gates import GateEvent
+from .incidents import IncidentBook, StoredAct
 from .severity import ActionKind
 
 if TYPE_CHECKING:
@@ -37,7 +46,7 @@ if TYPE_CHECKING:
     from .policy import Policy
     from .seam import DecideContext
 
-__all__ = ["incident_orders", "restore_gates", "stored_events"]
+__all__ = ["restore_gates", "restore_incident_actions", "stored_acts", "stored_events"]
 
 log = logging.getLogger(__name__)
 
@@ -48,10 +57,12 @@ _REFUSALS = ("SELECT decision, MAX(time) AS time FROM decisions WHERE time >= ? 
 """The last refusal per kind is all a breaker's trip needs (a storm refuses many)."""
 _CARRIED_OUT = ("SELECT detail FROM actions WHERE time >= ? AND kind IN"
                 " ('checkpoint', 'hold', 'webhook')")
-_ORDERED = ("SELECT job, inputs FROM decisions WHERE time >= ? AND decision IN"
-            " ('checkpoint:act', 'checkpoint:shadow')")
-_HELD = ("SELECT job, inputs FROM decisions WHERE time >= ? AND decision IN"
-         " ('hold:act', 'hold:shadow')")
+_ORDERED = ("SELECT time, job, inputs FROM decisions WHERE time >= ? AND decision IN"
+            " ('checkpoint:act', 'checkpoint:shadow') ORDER BY time, id")
+_HELD = ("SELECT time, job, inputs FROM decisions WHERE time >= ? AND decision IN"
+         " ('hold:act', 'hold:shadow') ORDER BY time, id")
+_INCIDENTS = "SELECT id FROM incidents WHERE updated >= ?"
+"""The incidents stored (any state): an order's incident updated as it was decided."""
 _QUEUED_KINDS = frozenset({ActionKind.CHECKPOINT, ActionKind.HOLD, ActionKind.WEBHOOK})
 
 
@@ -69,35 +80,57 @@ def restore_gates(policy: Policy, ctx: DecideContext) -> None:
         return
     policy.gates.restore(events, now)
     log.warning("policy gates rebuilt from %d stored decision(s)", len(events))
-    since = now - policy.gates.window_s()
     try:
-        for incident, job, check in incident_orders(ctx.store, since):
-            policy.incidents.ordered_before(incident, job, check)
-        for incident, job, onset in incident_orders(ctx.store, since, _HELD, "onset_step"):
-            policy.incidents.held_before(incident, job, int(onset or 0))
+        restore_incident_actions(policy.incidents, ctx.store, now - policy.gates.window_s())
     except Exception:
         ctx.metrics.policy_errors.inc()
         log.exception("taking over which jobs the open incidents ordered failed")
 
 
-def incident_orders(store: StateStore, since: float, decisions: str = _ORDERED,
-                    field: str = "check") -> list[tuple[str, str, Any]]:
-    """(incident id, job, the input ``field``: the check, or a hold's ``onset_step``) of
-    the checkpoint orders (``decisions``: or the save holds, :data:`_HELD`) carried out
-    since ``since``: "one checkpoint order (save hold) per job and incident" holds on the
-    next leader. A row that cannot be read is skipped."""
+def restore_incident_actions(book: IncidentBook, store: StateStore, since: float) -> None:
+    """Which jobs ``book``'s incidents ordered and held, from the checkpoint orders and
+    save holds carried out since ``since`` (an incident the store never had is opened
+    again from them: :meth:`~.incidents.IncidentBook.ordered_before`)."""
+    for act in stored_acts(store, since):
+        book.ordered_before(act)
+    for act in stored_acts(store, since, _HELD):
+        book.held_before(act)
+
+
+def stored_acts(store: StateStore, since: float, decisions: str = _ORDERED
+                ) -> list[StoredAct]:
+    """The checkpoint orders (``decisions``: or the save holds, :data:`_HELD`) carried out
+    since ``since``, oldest first: "one checkpoint order (save hold) per job and incident"
+    holds on the next leader. Each names the finding decided when the ``incidents`` table
+    does not have its incident. A row that cannot be read is skipped."""
     carried = _carried_out(store.query(_CARRIED_OUT, (since,)))
+    stored = {str(row["id"]) for row in store.query(_INCIDENTS, (since,))}
     out = []
     for row in store.query(decisions, (since,)):
         try:
             inputs = json.loads(row["inputs"])
         except ValueError:
             continue
-        if isinstance(inputs, dict) and inputs.get("id") in carried:
-            value = inputs.get(field, "")
-            out.append((str(inputs.get("incident", "")), str(row["job"]),
-                        str(value) if field == "check" else value))
+        if not isinstance(inputs, dict) or inputs.get("id") not in carried:
+            continue
+        incident, onset = str(inputs.get("incident", "")), inputs.get("onset_step")
+        check = inputs.get("check")  # as stored: a null check stays None, not "None"
+        out.append(StoredAct(
+            incident=incident, job=str(row["job"]), time=float(row["time"]),
+            check=check if isinstance(check, str) else None,
+            source=str(inputs.get("source", "agent")),
+            onset=onset if isinstance(onset, int) else None,
+            finding=None if incident in stored else _finding(inputs.get("finding"))))
     return out
+
+
+def _finding(value: Any) -> Finding | None:
+    """The finding a decision stored (:meth:`.policy.Policy` keeps it with an order or a
+    hold), or None (none stored, or not one)."""
+    try:
+        return msgspec.convert(value, Finding) if isinstance(value, dict) else None
+    except msgspec.ValidationError:
+        return None
 
 
 def stored_events(store: StateStore, since: float,

@@ -27,7 +27,11 @@ Metrics (rendered from the last :meth:`GoodputService.refresh`, every predictor 
 (:func:`~..jobs.goodput.advise_interval`) from the job's measured checkpoint cost (the cost
 model's tracker, else what the ranks report, else ``checkpoint_default_s``), its GPU count
 from the job map, the fleet's per-GPU failure rate (prior updated with the failures the
-predictor saw) and the job's current risk (highest failure probability over its GPUs).
+predictor saw) and the job's current risk (the failure probability P of its highest-scoring
+GPU), which can only shorten the interval. A P the predictor does not know (no predictor, a
+model without a calibration, none of the job's GPUs scored) is ``risk: null`` in
+``GET /api/v1/goodput``, never 0: the interval then comes from the fleet's failure rate
+alone, and ``risk_source`` (and the reason the hooks are sent) says P is unknown and why.
 """
 
 from __future__ import annotations
@@ -79,8 +83,12 @@ class JobAdvice:
     checkpoint_s: float
     checkpoint_source: str
     gpus: int
-    risk: float
+    risk: float | None
+    """P(the job's highest-scoring GPU fails within ``horizon_s``); None: unknown."""
     risk_gpu: str
+    risk_source: str
+    """``predictor``, or ``unknown: <why>`` (the interval then weighs the fleet's failure
+    rate alone)."""
     gpu_mtbf_h: float
     horizon_s: float
     restart_s: float
@@ -103,6 +111,22 @@ class _JobRow:
     ratio: float
     lost: dict[str, float]
     advice: JobAdvice | None
+
+
+JobRisk = Callable[["JobInfo"], tuple[float | None, str]]
+"""A job's P (None: unknown) and its GPU (``node/gpu``; "": none scored):
+:meth:`.risk.RiskScores.job_risk`."""
+
+def _job_risk(info: JobInfo, risk: JobRisk | None) -> tuple[float | None, str, str]:
+    """P of ``info``'s highest-scoring GPU, that GPU, and where P came from (or why it
+    is unknown)."""
+    if risk is None:
+        return None, "", "unknown: no failure predictor"
+    p, where = risk(info)
+    if p is not None:
+        return p, where, "predictor"
+    why = "the model has no calibration" if where else "none of the job's GPUs was scored"
+    return None, where, f"unknown: {why}"
 
 
 def _ended(r: RankSummary, created: float) -> float:
@@ -192,7 +216,7 @@ class GoodputService:
         now: float,
         jobs: JobView,
         cost: CheckpointCostTracker | None = None,
-        risk: Callable[[JobInfo], tuple[float, str]] | None = None,
+        risk: JobRisk | None = None,
         gpu_mtbf_h: float | None = None,
         horizon_s: float = 3600.0,
     ) -> None:
@@ -219,7 +243,7 @@ class GoodputService:
         return dict(self._advice)
 
     def _advise(self, info: JobInfo, cost: CheckpointCostTracker | None,
-                risk: Callable[[JobInfo], tuple[float, str]] | None, mtbf: float,
+                risk: JobRisk | None, mtbf: float,
                 horizon_s: float) -> JobAdvice:
         measured = cost.seconds(info.job) if cost is not None else None
         if measured is not None and measured > 0:
@@ -228,20 +252,23 @@ class GoodputService:
             ckpt, source = info.checkpoint_seconds, "ranks"
         else:
             ckpt, source = self.checkpoint_default_s, "default"
-        p, where = risk(info) if risk is not None else (0.0, "")
+        p, where, risk_source = _job_risk(info, risk)
         gpus = info.gpu_count
         g = self.tracker.jobs.get(info.job)
         if g is not None and g.restarts > 0 and g.restart_s > 0:
             restart, restart_source = g.restart_s / g.restarts, f"measured({g.restarts})"
         else:
             restart, restart_source = DEFAULT_RESTART_S, "default"
-        interval = advise_interval(ckpt, gpus, gpu_mtbf_h=mtbf, risk=p, horizon_s=horizon_s)
+        # an unknown P adds no hazard to the fleet rate's; risk_source says so
+        hazard_p = p if p is not None else 0.0
+        interval = advise_interval(ckpt, gpus, gpu_mtbf_h=mtbf, risk=hazard_p,
+                                   horizon_s=horizon_s)
         return JobAdvice(
             interval_s=interval, checkpoint_s=ckpt, checkpoint_source=source, gpus=gpus,
-            risk=p, risk_gpu=where, gpu_mtbf_h=mtbf, horizon_s=horizon_s, restart_s=restart,
-            restart_source=restart_source,
+            risk=p, risk_gpu=where, risk_source=risk_source, gpu_mtbf_h=mtbf,
+            horizon_s=horizon_s, restart_s=restart, restart_source=restart_source,
             expected_goodput=expected_goodput(interval, ckpt, restart,
-                                              job_mtbf_s(gpus, mtbf, p, horizon_s)))
+                                              job_mtbf_s(gpus, mtbf, hazard_p, horizon_s)))
 
     def _forget(self, job: str) -> None:
         self.tracker.jobs.pop(job, None)
@@ -328,6 +355,9 @@ class AdviceSender:
 
     def due(self, advice: Mapping[str, JobAdvice], jobs: JobView, now: float
             ) -> list[NodeCommand]:
+        """The commands of the advice due now: new, or changed enough and not sent for
+        :data:`ADVICE_MIN_GAP_S`. Nothing counts as sent until :meth:`sent` says so (a
+        refused write queues nothing: the advice stays due)."""
         out: list[NodeCommand] = []
         for name, a in advice.items():
             info = jobs.job(name)
@@ -342,12 +372,26 @@ class AdviceSender:
             msg = IntervalAdvice(
                 job=name, every_steps=every, from_step=start, interval_s=a.interval_s,
                 reason=(f"Daly: checkpoint {a.checkpoint_s:.1f} s ({a.checkpoint_source}), "
-                        f"{a.gpus} GPUs, per-GPU MTBF {a.gpu_mtbf_h:.0f} h, risk {a.risk:.2f}, "
+                        f"{a.gpus} GPUs, per-GPU MTBF {a.gpu_mtbf_h:.0f} h, {_risk_text(a)}, "
                         f"expected goodput {a.expected_goodput:.1%}"),
                 issued=now)
             rid = f"adv-{uuid.uuid4().hex[:12]}"
             for node in info.nodes:
                 out.append(NodeCommand(node=node, command=Command(
                     id=f"{rid}@{node}", kind="advice", advice=msg, issued=now)))
-            self._sent[name] = (every, now)
         return out
+
+    def sent(self, queued: Sequence[NodeCommand]) -> None:
+        """The advice of ``queued`` (commands of :meth:`due`) was queued: held back from
+        now on."""
+        for item in queued:
+            msg = item.command.advice
+            if msg is not None:
+                self._sent[msg.job] = (msg.every_steps, msg.issued)
+
+
+def _risk_text(a: JobAdvice) -> str:
+    """The advice's risk as its reason says it: ``risk 0.42``, or ``P unknown: <why>``."""
+    if a.risk is not None:
+        return f"risk {a.risk:.2f}"
+    return f"P {a.risk_source} (fleet failure rate alone)"

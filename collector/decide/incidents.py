@@ -47,8 +47,8 @@ from forewarn.wire import Finding, Health, Subject
 
 from ..storage.state import StateStore
 
-__all__ = ["FindingState", "Incident", "IncidentBook", "Observation", "TrackedFinding",
-           "finding_key", "incident_scope", "save_incidents", "tracked_key"]
+__all__ = ["FindingState", "Incident", "IncidentBook", "Observation", "StoredAct",
+           "TrackedFinding", "finding_key", "incident_scope", "save_incidents", "tracked_key"]
 
 DEFAULT_WINDOW_S = 300.0
 """Findings about one scope within this long of the incident's last one join it."""
@@ -154,6 +154,24 @@ class Incident:
 
 
 @dataclasses.dataclass(frozen=True)
+class StoredAct:
+    """A checkpoint order or a save hold a previous leader carried out, as its stored
+    decision tells it (:mod:`.gate_history`)."""
+
+    incident: str
+    job: str
+    time: float
+    check: str | None = None
+    """The check of the finding that ordered (None: the decision stored none)."""
+    onset: int | None = None
+    """A hold's onset step."""
+    source: str = "agent"
+    finding: Finding | None = None
+    """The finding decided, when the ``incidents`` table never had ``incident`` (else
+    ``None``: the stored incident is taken over as it is)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Observation:
     """What one non-healthy finding did to the book."""
 
@@ -181,6 +199,8 @@ class IncidentBook:
         self._alive: dict[str, float] = {}
         """Liveness key -> when its source was last heard."""
         self._changed: dict[str, Incident] = {}
+        self._rebuilt: set[str] = set()
+        """Incidents opened again from stored orders and holds (:meth:`_taken_over`)."""
         registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self._m_opened = Counter("forewarn_collector_incidents",
                                  "Incidents opened, by scope kind (gpu, node, job).", ["kind"],
@@ -237,25 +257,66 @@ class IncidentBook:
         obs.incident.orders += 1
         self._changed[obs.incident.id] = obs.incident
 
-    def ordered_before(self, incident_id: str, job: str, check: str) -> None:
-        """A previous leader ordered ``job`` in the open incident ``incident_id`` about a
-        finding of ``check`` (its stored decision says so): its tracked finding of that
-        check (else its first) stands for what ordered it."""
-        for incident in self._open.values():
-            if incident.id != incident_id or job in incident.ordered or not incident.findings:
-                continue
+    def ordered_before(self, act: StoredAct) -> None:
+        """A previous leader ordered ``act.job`` in the incident ``act.incident`` (its
+        stored decision says so): the finding that ordered it (else the incident's tracked
+        finding of that check, else its first) stands for what ordered it. An incident
+        the store never had is taken over from ``act`` (:meth:`_taken_over`)."""
+        for incident in self._taken_over(act):
             tracked = [t.finding for t in incident.findings.values()]
-            incident.ordered[job] = next((f for f in tracked if f.check == check), tracked[0])
+            if act.job in incident.ordered or not tracked:
+                continue
+            incident.ordered[act.job] = act.finding or next(
+                (f for f in tracked if f.check == act.check), tracked[0])
+            if incident.id in self._rebuilt:
+                incident.orders += 1
 
     def held(self, obs: Observation, job: str, onset: int) -> None:
         """The policy held ``job``'s saves from ``onset`` because of ``obs``."""
         obs.incident.held[job] = min(onset, obs.incident.held.get(job, onset))
 
-    def held_before(self, incident_id: str, job: str, onset: int) -> None:
-        """A previous leader held ``job``'s saves from ``onset`` in the open incident
-        ``incident_id`` (its stored decision says so)."""
-        for incident in self._with_id(incident_id):
-            incident.held[job] = min(onset, incident.held.get(job, onset))
+    def held_before(self, act: StoredAct) -> None:
+        """A previous leader held ``act.job``'s saves from ``act.onset`` in the incident
+        ``act.incident`` (its stored decision says so); an incident the store never had is
+        taken over from ``act`` (:meth:`_taken_over`)."""
+        onset = act.onset or 0
+        for incident in self._taken_over(act):
+            incident.held[act.job] = min(onset, incident.held.get(act.job, onset))
+
+    def _taken_over(self, act: StoredAct) -> list[Incident]:
+        """The open incident ``act.incident``. One the ``incidents`` table never had (its
+        leader died after it queued the order and before it stored the incident, or the
+        store refused that write) is opened again from ``act.finding`` (a firing finding of
+        ``act.source``; its source gets ``ttl_s`` from now to speak), unless another
+        incident holds its scope: so the fault's next finding joins it, as it would have
+        on the old leader."""
+        found = self._with_id(act.incident)
+        if act.finding is None or (found and act.incident not in self._rebuilt):
+            return found
+        if found:  # another order or hold of an incident rebuilt here
+            self._add(found[0], act)
+            return found
+        scope, kind = incident_scope(act.finding.subject)
+        if scope in self._open:
+            return []
+        incident = Incident(act.incident, scope, kind, act.finding.subject, act.time, act.time)
+        self._open[scope] = incident
+        self._rebuilt.add(incident.id)
+        self._add(incident, act)
+        return [incident]
+
+    def _add(self, incident: Incident, act: StoredAct) -> None:
+        """``act``'s finding among those of the incident it rebuilds."""
+        assert act.finding is not None
+        key = finding_key(act.finding, act.source)
+        if key not in incident.findings:
+            incident.findings[key] = TrackedFinding(
+                self._new_id(), key, act.source, act.finding, FindingState.FIRING, act.time,
+                self.clock())
+        if act.finding.health.severity > incident.worst.severity:
+            incident.worst = act.finding.health
+        self._changed[incident.id] = incident
+        self._count()
 
     def order_failed(self, incident_id: str, job: str) -> None:
         """The order :meth:`ordered` noted for ``job`` in the open incident ``incident_id``
@@ -343,6 +404,7 @@ class IncidentBook:
         self._open.clear()
         self._alive.clear()
         self._changed.clear()
+        self._rebuilt.clear()
         return self.load(rows, now)
 
     def load(self, rows: Iterable[dict[str, Any]], now: float) -> int:

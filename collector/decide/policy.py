@@ -121,6 +121,10 @@ class PolicySettings:
         return self.shadow or kind.value in self.shadow_actions
 
 
+_INCIDENT_KINDS = frozenset({ActionKind.CHECKPOINT, ActionKind.HOLD})
+"""Actions that count once per job and incident: their decisions keep the finding."""
+
+
 def _new_id() -> str:
     return uuid.uuid4().hex[:16]
 
@@ -403,6 +407,8 @@ class Policy:
             )
             return None
         gates.acted(kind, target, now)
+        if kind in _INCIDENT_KINDS:  # a next leader rebuilds from it an incident the store
+            inputs["finding"] = msgspec.to_builtins(finding)  # never had (gate_history)
         if s.is_shadow(kind):
             return self._decide(
                 kind, finding, source, now, outcome=Outcome.SHADOW, inputs=inputs,

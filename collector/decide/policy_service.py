@@ -30,8 +30,9 @@ replica that starts to lead takes the open incidents over from the store first, 
 the policy's gates (cooldowns, rate limits, circuit breakers) from the stored decisions
 (:mod:`.gate_history`) and the order book from the stored commands (:mod:`.order_history`;
 a miss the last leader had not answered is answered then), and sends again the webhooks
-queued and not delivered (:mod:`.webhook_history`); so does a collector started again on
-its state.
+queued and not delivered (:mod:`.webhook_history`), and puts the failure predictor's learned
+state into its scorer (:mod:`.scorer_state`); so does a collector started again on its
+state.
 
 Threads: the hooks run on the service's single policy thread; the webhook sender runs on
 the event loop; drains run on their own one-thread pool (:mod:`.dispatch`).
@@ -150,13 +151,16 @@ class PolicyService:
 
     def stop(self) -> None:
         """Stop the timers and a scoring under way, store the last alerts, stop the
-        actuators."""
+        actuators, write the failure predictor's learned state a last time (leader)."""
         for timer in self._timers:
             timer.cancel()
         if self._scoring is not None:
             self._scoring.cancel()
         self.alerts.stop()
         self.dispatch.stop()
+        # the lock as it stands (a replica that lost it may not have noticed yet): a
+        # follower's last state must not replace the new leader's
+        self.advisors.stop(self._ctx is not None and self._ctx.leader.is_leader)
 
     def on_findings(self, findings: Sequence[Finding], store: StateStore, now: float) -> None:
         """New findings: through the policy, actions carried out; orders go straight to
@@ -235,6 +239,9 @@ class PolicyService:
             # meanwhile drops them: the next leader, or this one again, passes them on)
             self._detected(self.advisors.to_submit(findings, now), now, "predictor")
             self.advisors.refresh_goodput(now)
+            yield  # the scorer's state copied when a save is due, a part of its own
+            if self._leads():
+                self.advisors.save_state(now)
 
     # -- leadership (policy thread) -------------------------------------------------------
 
@@ -255,6 +262,7 @@ class PolicyService:
     def _take_over_memory(self, ctx: DecideContext) -> None:
         """The policy's gates and the order book as the store has them (another replica,
         or this collector before it started, decided until now)."""
+        self.advisors.take_over()
         if self.policy is not None:
             restore_gates(self.policy, ctx)
         if self.pipeline is not None:

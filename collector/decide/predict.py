@@ -60,7 +60,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -81,6 +81,7 @@ if TYPE_CHECKING:
     from ..config import CollectorConfig
     from .drift import LiveDrift
     from .model_watch import RegistryWatch
+    from .scorer_state import ScorerSnapshots
     from .seam import DecideContext, RiskQuery
 
 __all__ = ["SCORE_CHUNK", "PredictorService", "RiskScores", "load_predictor_model"]
@@ -180,6 +181,9 @@ class PredictorService:
         self.scores = empty_scores(0.0)
         self.shadow_stats: ShadowStats | None = None
         self.last_score: float | None = None
+        self._last_pass: float | None = None
+        """When the last scoring began, whether or not it scored: one that fails waits the
+        interval too, not every telemetry batch (the failure is counted by the pass)."""
         self.score_seconds = 0.0
         self.gpu_seconds = 0.0
         """GPU-seconds observed (scored GPUs x time between scorings): the exposure the
@@ -187,6 +191,12 @@ class PredictorService:
         self.samples = {"fed": 0, "thinned": 0, "error": 0, "loading": 0}
         self._fed: dict[tuple[str, int], float] = {}
         self._submitted: dict[tuple[str, str, int], tuple[float, Health]] = {}
+        self.snapshots: ScorerSnapshots | None = None
+        """Where the scorer's learned state is kept (:mod:`.scorer_state`; None: nowhere)."""
+        self._clock: Callable[[], float] = time.time
+        self._restore = False
+        self._own: float | None = None
+        """The end of what the scorer held when this replica started to lead."""
 
     @classmethod
     def from_config(cls, config: CollectorConfig) -> PredictorService | None:
@@ -273,9 +283,40 @@ class PredictorService:
 
     # -- policy thread ---------------------------------------------------------------
 
+    def keep_state(self, snapshots: ScorerSnapshots, clock: Callable[[], float]) -> None:
+        """Save the scorer's learned state through ``snapshots`` (:meth:`save_state`) and
+        restore it from there when this replica starts to lead (:meth:`take_over`)."""
+        self.snapshots, self._clock = snapshots, clock
+
+    def take_over(self) -> None:
+        """This replica starts to lead (at start too): the stored state goes into the
+        scorer before it sees the next batch (once the model is in)."""
+        from forewarn.models.live_state import held_until
+
+        self._restore = self.snapshots is not None
+        self._own = None if self.scorer is None else held_until(self.scorer)
+
+    def _restored(self) -> LiveScorer | None:
+        """The scorer, with the stored state put in first when a takeover asked for it
+        (again at the next batch while the store cannot be read: what the scorer learns
+        meanwhile is replaced, the row is never saved over unread)."""
+        scorer = self.scorer
+        if self._restore and scorer is not None and self.snapshots is not None:
+            self._restore = self.snapshots.load(scorer, self._clock(), self._own) is None
+        return scorer
+
+    def save_state(self, now: float, *, wait: bool = False) -> None:
+        """Save the scorer's state when a save is due (``wait``: now, written before
+        returning). Leader only; never while a takeover's restore is still to come (an
+        empty scorer would replace the state it is to restore)."""
+        snaps, scorer = self.snapshots, self.scorer
+        if snaps is not None and scorer is not None and not self._restore \
+                and (wait or snaps.due(now)):
+            snaps.save(scorer, now, wait=wait)
+
     def observe(self, batches: Sequence[AgentBatch]) -> None:
         """Feed the batches' samples (thinned per GPU) and XIDs to the scorer."""
-        scorer = self.scorer
+        scorer = self._restored()
         if scorer is None:
             if self.loading:
                 self.samples["loading"] += sum(len(b.samples) for b in batches)
@@ -307,10 +348,11 @@ class PredictorService:
                     scorer.assign_job(r.node, r.gpu, r.job, b.created)
 
     def due(self, now: float) -> bool:
-        """Whether a scoring is due at ``now``."""
+        """Whether a scoring is due at ``now``: ``interval_s`` after the last one began
+        (one that failed included)."""
+        last = self._last_pass
         return self.scorer is not None and (
-            self.last_score is None or now - self.last_score >= self.interval_s
-            or now < self.last_score)
+            last is None or now - last >= self.interval_s or now < last)
 
     def score(self, now: float) -> list[Finding]:
         """Score every live GPU; return the findings to pass to the policy now."""
@@ -327,9 +369,10 @@ class PredictorService:
             if got is not None:
                 self.source = got[1]
                 self._install(got[0])
-        scorer, model = self.scorer, self.model
+        scorer, model = self._restored(), self.model
         if scorer is None or model is None:
             return []
+        self._last_pass = now
         before, spent = scorer.computed, 0.0
         started = time.perf_counter()
         parts = scorer.prepare(now, SCORE_CHUNK)

@@ -76,3 +76,16 @@ class PredictorMetrics:
         for k, v in svc.samples.items():
             samples.add_metric([k], v)
         yield samples
+        snaps = svc.snapshots
+        if snaps is not None:
+            done = CounterMetricFamily(q + "state_snapshots", "Snapshots of the scorer's "
+                                       "learned state (saved, restored, refused, failed, "
+                                       "skipped, superseded).", labels=["result"])
+            for k, v in snaps.counts.items():
+                done.add_metric([k], v)
+            yield done
+            yield GaugeMetricFamily(q + "state_snapshot_bytes", "Size of the last snapshot "
+                                    "of the scorer's learned state written.", value=snaps.bytes)
+            yield GaugeMetricFamily(q + "state_capture_seconds", "The policy thread's share "
+                                    "of the last snapshot (copying the scorer's arrays).",
+                                    value=snaps.capture_seconds)

@@ -13,7 +13,8 @@ Exported as ``forewarn_gpu_failure_score{node,gpu}`` and
 ``forewarn_gpu_failure_probability{node,gpu}`` (no probability series without a
 calibration), and answered by ``GET /api/v1/risk``: per GPU ``score`` and ``probability``,
 per job the highest-scoring GPU's (``score``, ``risk``: its probability, ``alarm``: the
-score at or above the threshold, ``health``: that alarm's, as its finding's).
+score at or above the threshold, ``health``: that alarm's, as its finding's). An unknown
+probability is ``null`` in the answer and no series in the metrics, never 0.
 """
 
 from __future__ import annotations
@@ -69,14 +70,15 @@ class RiskScores:
         p = float(self.probs[i])
         return None if math.isnan(p) else p
 
-    def job_risk(self, job: JobInfo) -> tuple[float, str]:
+    def job_risk(self, job: JobInfo) -> tuple[float | None, str]:
         """P of the job's highest-scoring GPU and which GPU (``node/gpu``) it is (what
-        goodput advice weighs); ``(0.0, "")`` when none of them was scored, 0.0 when the
-        model has no probability."""
+        goodput advice weighs); P is None when unknown, never 0: ``(None, "")`` when none
+        of the job's GPUs was scored, ``(None, "node/gpu")`` when the model has no
+        calibration."""
         i = self.job_worst(job)
         if i is None:
-            return 0.0, ""
-        return self.probability(i) or 0.0, self.where(i)
+            return None, ""
+        return self.probability(i), self.where(i)
 
 
 def empty_scores(now: float) -> RiskScores:
@@ -104,15 +106,16 @@ def gpu_risk(sc: RiskScores, query: RiskQuery) -> list[dict[str, Any]]:
 
 def job_risk_entry(sc: RiskScores, job: JobInfo, threshold: float) -> dict[str, Any]:
     """``/api/v1/risk``'s entry for ``job``: its highest-scoring GPU's probability
-    (``risk``, 0 when unscored or without a calibration), score, whether it alarms and the
-    health of that alarm (a finding's: degraded, unhealthy from 0.8; else healthy)."""
+    (``risk``, None when unknown: no GPU of the job scored, or a model without a
+    calibration; never 0 for unknown), score, whether it alarms and the health of that
+    alarm (a finding's: degraded, unhealthy from 0.8; else healthy)."""
     from forewarn.models.predictor import alarm_health
 
     i = sc.job_worst(job)
     score = float(sc.scores[i]) if i is not None else 0.0
-    p = (sc.probability(i) or 0.0) if i is not None else 0.0
+    p = sc.probability(i) if i is not None else None
     alarm = i is not None and score >= threshold
-    return {"job": job.job, "risk": round(p, 6), "score": round(score, 6), "alarm": alarm,
+    return {"job": job.job, "risk": _rounded(p), "score": round(score, 6), "alarm": alarm,
             "health": alarm_health(score).value if alarm else "healthy",
             "gpu": sc.where(i) if i is not None else "", "gpus": job.gpu_count}
 

@@ -62,7 +62,7 @@ class DecideContext(Protocol):
 
     @property
     def commands(self) -> CommandQueue:
-        """The agents' command queues (``order_checkpoint``, ``enqueue``, ``enqueue_many``)."""
+        """The agents' command queues (``order_checkpoint``, ``enqueue_many``)."""
         ...
 
     @property

@@ -28,12 +28,15 @@ objects to :data:`MAX_ITEMS` (an ellipsis marks each cut), so a body stays under
 :data:`MAX_BODY_BYTES`. The Slack form escapes ``&``, ``<`` and ``>`` in every value, as
 Slack requires, so a job named ``<!channel>`` is text, not a mention or a link.
 
-Delivery: :class:`WebhookSender` keeps a bounded queue; each event goes to every endpoint;
-connection errors, 429 and 5xx are retried after ``backoff_s * 2**attempt`` (capped) up to
-``max_attempts``; other 4xx fail at once. Each attempt's result is handed to the
+Delivery: each event goes to every endpoint, and each endpoint is delivered to on its own:
+:class:`WebhookSender` keeps a bounded queue (``queue_size``), a worker and an HTTP client
+per endpoint, so a receiver that hangs until ``timeout_s`` delays only its own deliveries,
+and when its queue fills only its own are dropped. Connection errors, timeouts, 429 and 5xx
+are retried after ``backoff_s * 2**attempt`` (capped) up to ``max_attempts``, each retry
+on its own timer; other 4xx fail at once. Each attempt's result is handed to the
 ``on_delivery`` callback (the store) and counted in
 ``forewarn_collector_webhook_deliveries_total{status}`` with status ``delivered``,
-``retry``, ``failed`` or ``dropped`` (queue full).
+``retry``, ``failed`` or ``dropped`` (that endpoint's queue full).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ import msgspec
 from prometheus_client import CollectorRegistry, Counter
 
 from forewarn.errors import InputError
+from forewarn.redact import redact_httpx_logs, redact_url, scrub
 
 __all__ = [
     "IDEMPOTENCY_HEADER",
@@ -185,7 +189,7 @@ class WebhookEndpoint:
         if self.format not in ("json", "slack"):
             raise ValueError(f"webhook format must be json or slack, got {self.format!r}")
         if not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"webhook url must be http(s), got {self.url[:64]!r}")
+            raise ValueError(f"webhook url must be http(s), got {redact_url(self.url)!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,10 +263,22 @@ class _Job:
     attempt: int = 0
 
 
+@dataclasses.dataclass
+class _Lane:
+    """One endpoint's deliveries: its own bounded queue, worker and HTTP client, so an
+    endpoint that hangs delays and drops only its own deliveries."""
+
+    queue: asyncio.Queue[_Job]
+    client: httpx.AsyncClient
+    worker: asyncio.Task[None] | None = None
+
+
 class WebhookSender:
     """Background delivery of events to endpoints (see the module docstring).
 
-    ``client`` is the HTTP client (inject ``httpx.AsyncClient(transport=...)`` in tests);
+    ``client`` is the HTTP client every endpoint shares (inject
+    ``httpx.AsyncClient(transport=...)`` in tests; its connection pool is then shared too);
+    without one, each endpoint gets its own. ``queue_size`` bounds each endpoint's queue.
     ``clock`` stamps signatures. Start with :meth:`start` inside the event loop and stop
     with :meth:`stop`; :meth:`send` never blocks and never raises.
     """
@@ -283,17 +299,16 @@ class WebhookSender:
     ) -> None:
         self.endpoints = endpoints
         self._client = client
-        self._own_client = client is None
         self.max_attempts = max(1, max_attempts)
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.timeout_s = timeout_s
         self._queue_size = queue_size
-        self._queue: asyncio.Queue[_Job] | None = None
+        self._lanes: dict[WebhookEndpoint, _Lane] | None = None
+        """Per endpoint, from :meth:`start` to :meth:`stop`."""
         self._on_delivery = on_delivery
         self._clock = clock
         self._tasks: set[asyncio.Task[None]] = set()
-        self._worker: asyncio.Task[None] | None = None
         self._pending = 0
         self._under_way: set[tuple[str, WebhookEndpoint]] = set()
         """(event id, endpoint) of the deliveries queued or waiting for a retry."""
@@ -309,34 +324,42 @@ class WebhookSender:
         )
 
     async def start(self) -> None:
-        """Start the worker on the running loop."""
-        if self._worker is not None:
+        """Start a worker per endpoint on the running loop."""
+        if self._lanes is not None:
             return
-        self._queue = asyncio.Queue(self._queue_size)
-        if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self.timeout_s)
-        self._worker = asyncio.create_task(self._run(), name="webhook-sender")
+        self._lanes = {}
+        redact_httpx_logs()  # httpx logs each request's full url
+        for n, ep in enumerate(dict.fromkeys(self.endpoints)):
+            client = (self._client if self._client is not None
+                      else httpx.AsyncClient(timeout=self.timeout_s))
+            lane = self._lanes[ep] = _Lane(asyncio.Queue(self._queue_size), client)
+            # named by position, not url: a url can hold a token (Slack's do)
+            lane.worker = asyncio.create_task(self._run(lane), name=f"webhook-sender-{n}")
 
     async def stop(self) -> None:
-        """Stop the worker and pending retries (undelivered events are dropped)."""
-        tasks = [t for t in (self._worker, *self._tasks) if t is not None]
+        """Stop the workers and pending retries (undelivered events are dropped)."""
+        lanes = list((self._lanes or {}).values())
+        self._lanes = None
+        tasks = [t for t in (*(lane.worker for lane in lanes), *self._tasks) if t is not None]
         for task in tasks:
             task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._worker = None
         self._under_way.clear()
-        if self._own_client and self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        self._pending = 0  # dropped: a drain after a restart waits for new events only
+        self._idle.set()
+        for lane in lanes:
+            if lane.client is not self._client:
+                await lane.client.aclose()
 
     def send(self, event: Mapping[str, Any], skip: Collection[str] = ()) -> int:
         """Queue ``event`` for every endpoint but those whose url is in ``skip``; returns
         how many deliveries were queued. A delivery of the same event to the same endpoint
         that is still under way is not queued again (a replica that leads again resends
-        what the store says has not ended: :mod:`.webhook_history`)."""
-        if self._queue is None:
+        what the store says has not ended: :mod:`.webhook_history`). An endpoint whose
+        queue is full drops its delivery (status ``dropped``); the others still queue."""
+        if self._lanes is None:
             log.warning("webhook sender not started; event %s dropped", event.get("id"))
             return 0
         event_id = str(event.get("id", ""))
@@ -344,12 +367,12 @@ class WebhookSender:
         generic = encode_event(event)
         slack = msgspec.json.encode(slack_payload(event))
         queued = 0
-        for ep in self.endpoints:
+        for ep, lane in self._lanes.items():
             if ep.url in skip or (event_id and (event_id, ep) in self._under_way):
                 continue
             job = _Job(event_id, ep, slack if ep.format == "slack" else generic, key)
             try:
-                self._queue.put_nowait(job)
+                lane.queue.put_nowait(job)
                 self._under_way.add((event_id, ep))
                 queued += 1
                 self._pending += 1
@@ -369,19 +392,18 @@ class WebhookSender:
             return False
         return True
 
-    async def _run(self) -> None:
-        assert self._queue is not None
+    async def _run(self, lane: _Lane) -> None:
         while True:
-            job = await self._queue.get()
+            job = await lane.queue.get()
             try:
-                await self._attempt(job)
-            except Exception:  # the worker must survive anything
-                log.exception("webhook delivery to %s crashed", job.endpoint.url)
+                await self._attempt(job, lane.client)
+            except Exception as exc:  # the worker must survive anything
+                log.error("webhook delivery to %s crashed: %s", self._name(job.endpoint),
+                          _scrubbed(exc, job.endpoint))
             finally:
-                self._queue.task_done()
+                lane.queue.task_done()
 
-    async def _attempt(self, job: _Job) -> None:
-        assert self._client is not None
+    async def _attempt(self, job: _Job, client: httpx.AsyncClient) -> None:
         job.attempt += 1
         headers = {"Content-Type": "application/json", "User-Agent": "forewarn-collector"}
         if job.key:
@@ -390,7 +412,7 @@ class WebhookSender:
             headers.update(signed_headers(job.endpoint.secret, job.body, self._clock()))
         status: int | None = None
         try:
-            resp = await self._client.post(
+            resp = await client.post(
                 job.endpoint.url, content=job.body, headers=headers, timeout=self.timeout_s
             )
             status = resp.status_code
@@ -400,26 +422,33 @@ class WebhookSender:
             retry = status == 429 or status >= 500
             detail = f"HTTP {status}"
         except httpx.HTTPError as exc:
-            retry, detail = True, f"{type(exc).__name__}: {exc}"[:500]
+            retry, detail = True, _scrubbed(exc, job.endpoint)
         except Exception as exc:  # not the network's (a URL httpx refuses): it ends here,
             # stored as failed, or it stays under way and every takeover sends it again
-            log.exception("webhook to %s crashed", job.endpoint.url)
-            retry, detail = False, f"{type(exc).__name__}: {exc}"[:500]
+            detail = _scrubbed(exc, job.endpoint)
+            log.error("webhook to %s crashed: %s", self._name(job.endpoint), detail)
+            retry = False
         if not retry or job.attempt >= self.max_attempts:
             self._result(job, "failed", status, detail)
             return
         self._result(job, "retry", status, detail)
         delay = min(self.max_backoff_s, self.backoff_s * 2 ** (job.attempt - 1))
-        task = asyncio.create_task(self._later(job, delay))
+        task = asyncio.create_task(self._later(job, client, delay))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _later(self, job: _Job, delay: float) -> None:
+    async def _later(self, job: _Job, client: httpx.AsyncClient, delay: float) -> None:
         await asyncio.sleep(delay)
         try:
-            await self._attempt(job)
-        except Exception:
-            log.exception("webhook retry to %s crashed", job.endpoint.url)
+            await self._attempt(job, client)
+        except Exception as exc:
+            log.error("webhook retry to %s crashed: %s", self._name(job.endpoint),
+                      _scrubbed(exc, job.endpoint))
+
+    def _name(self, ep: WebhookEndpoint) -> str:
+        """How logs name ``ep``: its place in the configured list and its redacted url."""
+        place = self.endpoints.index(ep) if ep in self.endpoints else "?"
+        return f"#{place} {redact_url(ep.url)}"
 
     def _result(self, job: _Job, status: str, http_status: int | None, detail: str) -> None:
         d = Delivery(
@@ -439,3 +468,9 @@ class WebhookSender:
                 self._on_delivery(d)
             except Exception:
                 log.exception("storing webhook delivery failed")
+
+
+def _scrubbed(exc: BaseException, ep: WebhookEndpoint) -> str:
+    """``exc`` as ``Type: message`` without ``ep``'s url (httpx messages may quote it),
+    cut to 500 characters: what is logged and stored, never the raw exception."""
+    return scrub(f"{type(exc).__name__}: {exc}", ep.url)[:500]

@@ -88,7 +88,7 @@ from ..ingest.batch import IngestWriter
 from ..jobs.jobmap import StoreJobView
 from ..metrics import CollectorMetrics
 from ..storage.commands import CommandQueue
-from ..storage.datadir import check_data_dir
+from ..storage.datadir import check_data_dir, telemetry_replica
 from ..storage.leader import AdvisoryLockLeader
 from ..storage.remote_write import RemoteWriter
 from ..storage.staging import StagingLog
@@ -152,7 +152,7 @@ def _context(config: CollectorConfig, store: StateStore, outbound: httpx.AsyncCl
                             ttl_s=config.command_ttl_s, clock=clock)
     telemetry = TelemetryWriter(store, config.telemetry_dir, metrics,
                                 retention_days=config.retention_days, clock=clock,
-                                staging=staging)
+                                staging=staging, replica=telemetry_replica(config))
     writer = IngestWriter(store, metrics, group_max=config.group_commit_max, clock=clock,
                           staging=staging, quarantine_dir=config.quarantine_dir)
     return CollectorContext(
@@ -165,7 +165,8 @@ def _context(config: CollectorConfig, store: StateStore, outbound: httpx.AsyncCl
 def _elect(ctx: CollectorContext) -> None:
     """With shared PostgreSQL state replicas elect a leader; embedded state always leads."""
     if ctx.config.state == "postgresql":
-        ctx.leader = AdvisoryLockLeader(ctx.config.postgres_dsn,
+        ctx.store.fence.on_refused = ctx.metrics.fenced_writes.inc
+        ctx.leader = AdvisoryLockLeader(ctx.config.postgres_dsn, fence=ctx.store.fence,
                                         on_change=functools.partial(_leader_changed,
                                                                     ctx.metrics))
     else:

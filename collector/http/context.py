@@ -25,6 +25,7 @@ from ..ingest.batch import POLICY_PART, IngestWriter
 from ..jobs.jobmap import StoreJobView
 from ..metrics import CollectorMetrics
 from ..storage.commands import CommandQueue, NodeCommand
+from ..storage.fence import NotLeaderError
 from ..storage.leader import FindingsFeed, Leadership, SoleLeader, leads_in
 from ..storage.remote_write import RemoteWriter
 from ..storage.state import StateStore
@@ -121,7 +122,10 @@ class CollectorContext:
         self._decide(findings)
 
     def _decide(self, findings: list[Finding]) -> None:
-        """Run findings through the policy and queue the commands it returns."""
+        """Run findings through the policy and queue the commands it returns (in one
+        transaction). A refused write (this replica no longer leads) is left to the fence,
+        which counted and said it; any other error is a counted policy error: nobody
+        waits for this call (:meth:`_policy_batches`), so nothing else would say it."""
         if self.policy is None or not findings or not self.leader.is_leader:
             return
         try:
@@ -130,9 +134,14 @@ class CollectorContext:
             self.metrics.policy_errors.inc()
             log.exception("policy.on_findings failed on %d findings", len(findings))
             return
-        for item in out or ():
-            if isinstance(item, NodeCommand):
-                self.commands.enqueue(item.node, item.command)
+        queued = [item for item in out or () if isinstance(item, NodeCommand)]
+        try:
+            self.commands.enqueue_many(queued)
+        except NotLeaderError:
+            return  # the next leader decides these findings again (its feed's cursor)
+        except Exception:
+            self.metrics.policy_errors.inc()
+            log.exception("queuing the policy's %d command(s) failed", len(queued))
 
     def _decide_fed(self, found: list[tuple[str, Finding]], term: int) -> None:
         """The leader's feed: findings with their origins to a policy that tells them
@@ -270,6 +279,8 @@ class CollectorContext:
                     leading = False
                     continue
                 await asyncio.to_thread(feed.save, held)
+            except NotLeaderError:
+                leading = False  # another replica leads: the fence counted and said it
             except Exception:
                 leading = False  # resume from the saved cursor once the store answers
                 log.exception("leader feed failed; retried in %.1f s", FEED_INTERVAL_S)

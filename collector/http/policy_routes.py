@@ -6,7 +6,7 @@ layer builds them, the policy only hands over plain callables.
   The body (at most :data:`~forewarn.collector.ingest.alerts.MAX_ALERT_BODY` bytes) is
   decoded by :func:`~forewarn.collector.ingest.alerts.parse_alerts`.
 * ``POST /api/v1/orders`` and ``/api/v1/drains`` (``operator``): :mod:`.operator`.
-* ``GET /api/v1/risk`` (``risk``; query ``node``, ``min``, ``limit``) and
+* ``GET /api/v1/risk`` (``risk``; query ``node``, ``min``: a probability, 0..1, ``limit``) and
   ``GET /api/v1/goodput`` (``goodput``; query ``job``): read routes answered on the policy
   thread (:func:`~.read_routes.policy_read_route`).
 """
@@ -51,7 +51,7 @@ def _risk_reader(risk: Callable[[DecideContext, RiskQuery, float], Any]
     def risk_route(ctx: CollectorContext, request: Request, now: float) -> Any:
         """Latest failure probability per GPU and per job."""
         query = RiskQuery(node=request.query_params.get("node"),
-                          floor=float_param(request, "min") or 0.0,
+                          floor=float_param(request, "min", 0.0, 1.0) or 0.0,
                           limit=int_param(request, "limit", 1000, 1, 100_000))
         return risk(ctx, query, now)
 

@@ -10,6 +10,7 @@ without locks; keep it cheap.
 from __future__ import annotations
 
 import hmac
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -44,15 +45,23 @@ def check_reader(ctx: CollectorContext, request: Request) -> None:
         raise IngestError(401, "auth", "read API: missing or wrong bearer token")
 
 
-def float_param(request: Request, name: str) -> float | None:
-    """Query parameter ``name`` as a float (``None`` when absent)."""
+def float_param(request: Request, name: str, lo: float = -math.inf,
+                hi: float = math.inf) -> float | None:
+    """Query parameter ``name`` as a finite float within ``lo..hi`` (``None`` when absent).
+    NaN and infinities are refused: NaN compares false with everything, so a filter on it
+    would answer an empty list instead of saying what is wrong."""
     raw = request.query_params.get(name)
     if raw is None:
         return None
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError:
         raise QueryError(f"query parameter {name}: not a number") from None
+    if not math.isfinite(value):
+        raise QueryError(f"query parameter {name}: not a finite number")
+    if not lo <= value <= hi:
+        raise QueryError(f"query parameter {name}: must be within {lo:g}..{hi:g}")
+    return value
 
 
 def int_param(request: Request, name: str, default: int, lo: int, hi: int) -> int:

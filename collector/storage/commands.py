@@ -74,10 +74,6 @@ class CommandQueue:
 
     # -- producing ------------------------------------------------------------------------
 
-    def enqueue(self, node: str, command: Command) -> bool:
-        """Queue ``command`` for ``node``; False when a command with that id already exists."""
-        return bool(self._insert([NodeCommand(node=node, command=command)]))
-
     def enqueue_many(self, items: Iterable[NodeCommand]) -> int:
         """Queue several commands in one transaction; returns how many were new."""
         return len(self._insert(list(items)))
@@ -93,7 +89,9 @@ class CommandQueue:
             return []
         now = self.clock()
         added = []
-        with self.store.write() as conn:
+        # Only the leader queues commands: a replica that lost the lead and has not noticed
+        # yet is refused here (NotLeaderError), nothing stored (storage/fence.py).
+        with self.store.write(lead=True) as conn:
             for item in items:
                 c = item.command
                 cur = conn.execute(

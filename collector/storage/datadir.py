@@ -4,7 +4,8 @@ Layout of ``data_dir``: ``collector.db`` (SQLite, :mod:`.store`), ``staging/`` (
 bodies waiting for Parquet, :mod:`.staging`), ``telemetry/`` (Parquet history,
 :mod:`.telemetry`) and ``quarantine/`` (files the collector could not account for or found
 damaged, under their original relative path: kept for the operator, never read, never
-deleted by the collector).
+deleted by the collector), and, with shared PostgreSQL state, ``replica-id``
+(:func:`replica_id`: the name this data_dir's telemetry files are recorded under).
 
 The rule: the collector never deletes data on a guess. Before it serves,
 :func:`check_data_dir` refuses a database that cannot be the one these files belong to
@@ -18,15 +19,27 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
+import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from forewarn.files import fsync_dir
+from forewarn.files import fsync_dir, write_atomic
 
 from ..metrics import CollectorMetrics
 from .state import StateStore
 from .store import StoreError
 
-__all__ = ["DataDirError", "Quarantine", "check_data_dir", "data_sizes"]
+if TYPE_CHECKING:
+    from ..config import CollectorConfig
+
+__all__ = ["DataDirError", "Quarantine", "check_data_dir", "data_sizes", "replica_id",
+           "telemetry_replica"]
+
+REPLICA_FILE = "replica-id"
+REPLICA_ID_MAX = 64
+REPLICA_ID = re.compile(rf"[A-Za-z0-9._-]{{1,{REPLICA_ID_MAX}}}")
+"""What a replica id may be (:func:`replica_id` makes 32 hex digits)."""
 
 log = logging.getLogger(__name__)
 
@@ -98,3 +111,42 @@ def data_sizes(data_dir: Path) -> dict[str, int]:
                 with contextlib.suppress(OSError):
                     sizes[part] += os.stat(os.path.join(dirpath, f)).st_size
     return sizes
+
+
+def replica_id(data_dir: Path) -> str:
+    """This data_dir's replica id: a random id kept in ``<data_dir>/replica-id``, made at
+    the first call, the same after every restart on the same data_dir.
+    :class:`DataDirError` when the file holds no id (empty, damaged, unreadable)."""
+    path = Path(data_dir) / REPLICA_FILE
+    with contextlib.suppress(FileNotFoundError):
+        return _read_replica_id(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, uuid.uuid4().hex.encode() + b"\n", 0o600)
+    fsync_dir(path.parent)
+    return _read_replica_id(path)
+
+
+def _read_replica_id(path: Path) -> str:
+    """The id in ``path``. Never ``''``: that is embedded state's name for every file, and
+    a replica taking it would take over files other replicas' data_dirs hold."""
+    try:
+        text = path.read_bytes()[:REPLICA_ID_MAX + 2].decode("ascii").strip()
+    except FileNotFoundError:
+        raise
+    except (OSError, UnicodeDecodeError) as exc:
+        text, why = "", f"{type(exc).__name__}: {exc}"
+    else:
+        why = f"{text[:REPLICA_ID_MAX]!r}"
+    if not REPLICA_ID.fullmatch(text):
+        raise DataDirError(
+            f"{path} holds no replica id ({why}; one is 1-{REPLICA_ID_MAX} of A-Z a-z 0-9 . _"
+            " -). Restore it from a backup of this data_dir; else delete it, and a new id is"
+            " made: the files recorded under the old one stay its (docs/storage.md)")
+    return text
+
+
+def telemetry_replica(config: CollectorConfig) -> str:
+    """The name this collector records its telemetry files under: with shared PostgreSQL
+    state, :func:`replica_id` of its data_dir (each replica keeps the files it wrote in its
+    own data_dir); ``''`` with embedded state, whose one data_dir holds them all."""
+    return replica_id(config.data_dir) if config.state == "postgresql" else ""

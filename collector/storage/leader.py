@@ -10,7 +10,10 @@ API and the agents' long polls, but only one decides (policy, orders, actions):
   restarted, or the connection was cut (TCP keepalives and ``tcp_user_timeout`` bound how
   long a silent network takes). The other replicas try the lock every ``interval_s`` and
   one of them takes over. The holder checks its session every ``interval_s`` too and steps
-  down the moment that fails, before another replica can have the lock.
+  down when that fails, but another replica may hold the lock before that check: so the
+  writes only the leader may make are fenced (:mod:`.fence`): a replica that takes the lock
+  increments the stored lead epoch, and the store refuses a fenced write of any other
+  epoch; the refused replica steps down at once.
 * :class:`FindingsFeed`: the leader reads every finding stored by any replica from the
   ``findings`` table in id order, and records in ``policy_cursor`` how far it got, so a new
   leader goes on where the old one stopped. Identity values become visible out of order
@@ -21,6 +24,8 @@ API and the agents' long polls, but only one decides (policy, orders, actions):
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import threading
 import time
@@ -31,6 +36,7 @@ import msgspec
 
 from forewarn.wire import Finding
 
+from .fence import LEAD_SQL, Fence
 from .state import StateStore
 
 __all__ = ["POLICY_LOCK", "AdvisoryLockLeader", "FindingsFeed", "Leadership", "SoleLeader",
@@ -110,13 +116,16 @@ class SoleLeader:
 class AdvisoryLockLeader:
     """Leader election on a PostgreSQL advisory lock; see the module docstring.
 
-    ``on_change(is_leader)`` is called from the election thread on every change."""
+    ``on_change(is_leader)`` is called on every change (from the election thread, or from
+    a thread whose fenced write was refused). ``fence``: the state store's
+    (:attr:`~.state.StateStore.fence`); the replica takes a new lead epoch each time it
+    takes the lock, and steps down when a fenced write finds another's."""
 
     shared = True
 
     def __init__(self, dsn: str, *, key: int = POLICY_LOCK, interval_s: float = 0.5,
                  on_change: Callable[[bool], None] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, fence: Fence | None = None) -> None:
         self.dsn = dsn
         self.key = key
         self.interval_s = interval_s
@@ -126,6 +135,10 @@ class AdvisoryLockLeader:
         self._term = 0
         self._since = clock()
         self._error = ""
+        self._lock = threading.Lock()  # _set from the election thread and a refused write
+        self.fence = fence
+        if fence is not None:
+            fence.arm(functools.partial(self._set, False))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="forewarn-leader", daemon=True)
 
@@ -150,11 +163,14 @@ class AdvisoryLockLeader:
             self._thread.join(10)
 
     def _set(self, leader: bool) -> None:
-        if leader == self._leader:
-            return
-        if leader:
-            self._term += 1  # before _leader: a reader that sees it leading sees this term
-        self._leader, self._since = leader, self.clock()
+        with self._lock:
+            if leader == self._leader:
+                return
+            if leader:
+                self._term += 1  # before _leader: a reader that sees it leading sees this
+            elif self.fence is not None:
+                self.fence.release()
+            self._leader, self._since = leader, self.clock()
         log.warning("this replica is now the %s", "leader" if leader else "follower")
         if self.on_change is not None:
             self.on_change(leader)
@@ -169,6 +185,14 @@ class AdvisoryLockLeader:
                                keepalives_idle=2, keepalives_interval=1, keepalives_count=3,
                                tcp_user_timeout=5000)
 
+    def _take_epoch(self, conn: Any) -> None:
+        """The lock is ours: a new lead epoch, before this replica leads (the increment
+        waits for a fenced write of the last leader in flight; every later one is refused)."""
+        if self.fence is None:
+            return
+        row = conn.execute(LEAD_SQL).fetchone()
+        self.fence.hold(int(row[0]))
+
     def _run(self) -> None:
         import psycopg
 
@@ -181,14 +205,23 @@ class AdvisoryLockLeader:
                     conn.execute("SELECT 1")  # the session lives, so the lock is still ours
                 else:
                     row = conn.execute("SELECT pg_try_advisory_lock(%s)", (self.key,)).fetchone()
-                    self._set(bool(row and row[0]))
+                    if row and row[0]:
+                        self._take_epoch(conn)
+                        self._set(True)
                 self._error = ""
-            except (psycopg.Error, OSError) as exc:
-                self._set(False)
+            except Exception as exc:  # the election must outlive any round
+                # A round that fails, for whatever reason, steps down and starts again on
+                # a fresh session (closing this one frees the lock if it was taken).
                 self._error = f"{type(exc).__name__}: {exc}"[:500]
-                log.warning("leader election: %s", self._error)
+                if isinstance(exc, (psycopg.Error, OSError)):
+                    log.warning("leader election: %s", self._error)
+                else:
+                    log.exception("leader election: an unforeseen error; trying again")
+                with contextlib.suppress(Exception):
+                    self._set(False)  # before the session ends and frees the lock
                 if conn is not None:
-                    conn.close()
+                    with contextlib.suppress(Exception):
+                        conn.close()
                 conn = None
             self._stop.wait(self.interval_s)
         self._set(False)
@@ -274,7 +307,7 @@ class FindingsFeed:
             return
         if upto is not None:
             mark = min(mark, upto)
-        with self.store.write() as tx:
+        with self.store.write(lead=True) as tx:  # a stale leader's cursor is refused
             tx.execute("INSERT INTO policy_cursor (name, last_id, updated) VALUES (?, ?, ?)"
                        " ON CONFLICT (name) DO UPDATE SET last_id = excluded.last_id,"
                        " updated = excluded.updated", (self.name, mark, time.time()))

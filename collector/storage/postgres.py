@@ -39,6 +39,7 @@ from psycopg.adapt import Loader
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from .fence import FENCE_SQL, Fence
 from .state import RecordsMixin, Transaction
 from .store import _OPEN_FINDINGS, _PRUNE, StoreError
 
@@ -254,6 +255,7 @@ class PostgresStore(RecordsMixin):
         self._close_lock = threading.Lock()
         self._wait_s = connect_timeout_s
         self._down = threading.Event()  # the pool gave up reconnecting; no connection since
+        self.fence = Fence()
         connect = ({} if "connect_timeout" in psycopg.conninfo.conninfo_to_dict(dsn)
                    else {"connect_timeout": CONNECT_TIMEOUT_S})
         self._pool = ConnectionPool(dsn, kwargs=connect, min_size=pool_min,
@@ -340,11 +342,24 @@ class PostgresStore(RecordsMixin):
         return int(self.scalar("SELECT COALESCE(MAX(version), 0) FROM schema_version") or 0)
 
     @contextlib.contextmanager
-    def write(self) -> Iterator[Transaction]:
+    def write(self, *, lead: bool = False) -> Iterator[Transaction]:
         """One transaction on a pooled connection: committed at the end of the block,
-        rolled back when it raises."""
+        rolled back when it raises. ``lead``: fenced (:mod:`.fence`), its first statement
+        checks that this replica still leads in its epoch."""
         with self._connection() as conn:
+            if lead and self.fence.armed:
+                self._check_fence(conn)
             yield _Transaction(conn)
+
+    def _check_fence(self, conn: psycopg.Connection[Any]) -> None:
+        """:class:`~.fence.NotLeaderError` (the transaction then rolls back) unless the
+        stored epoch is the one this replica holds; the row stays share-locked until the
+        transaction ends, so no takeover happens meanwhile."""
+        held = self.fence.epoch
+        row = conn.execute(FENCE_SQL, (str(round(self.fence.idle_s * 1000)),)).fetchone()
+        current = int(row[0]) if row else 0
+        if held == 0 or current != held:
+            raise self.fence.refuse(held, current)
 
     def write_waiters(self) -> int:
         """None: transactions run side by side on the pool's connections."""

@@ -49,6 +49,7 @@ import httpx
 
 from forewarn.agent.exporter import GPU_GAUGES
 from forewarn.config import ConfigError
+from forewarn.redact import redact_httpx_logs, redact_url
 from forewarn.wire import GpuSample, GpuState
 
 from ..metrics import CollectorMetrics
@@ -195,6 +196,7 @@ class RemoteWriter:
                          for i, shard in enumerate(self._shards)]
 
     def start(self) -> None:
+        redact_httpx_logs()  # httpx logs each request's full url, which may hold a token
         for thread in self._threads:
             thread.start()
 
@@ -367,13 +369,13 @@ class RemoteWriter:
             self.last_error = detail
             if isinstance(status, int) and 400 <= status < 500 and status != 429:
                 self.metrics.remote_write_dropped.labels("refused").inc(samples)
-                log.error("remote write %s refused %d samples for good (%s)", self.url,
-                          samples, detail)
+                log.error("remote write %s refused %d samples for good (%s)",
+                          redact_url(self.url), samples, detail)
                 return True
             self.metrics.remote_write_retries.inc()
             if not self._stopping:
-                log.warning("remote write %s failed (%s); retried in %.1f s", self.url,
-                            detail, delay)
+                log.warning("remote write %s failed (%s); retried in %.1f s",
+                            redact_url(self.url), detail, delay)
                 # Not time.sleep: stop() must wake the wait, or it would return (and close
                 # the client) while this thread still sleeps.
                 self._stopped.wait(delay)

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from ..config import CollectorConfig
+    from .fence import Fence
 
 __all__ = ["Cursor", "RecordsMixin", "StateStore", "Transaction", "insert_action", "open_state"]
 
@@ -85,6 +86,9 @@ class StateStore(Protocol):
 
     unavailable: tuple[type[BaseException], ...]
 
+    fence: Fence
+    """This replica's lead epoch, checked by ``write(lead=True)`` (:mod:`.fence`)."""
+
     @property
     def location(self) -> str:
         """Where the state lives, for messages (a path, or a DSN without its password)."""
@@ -95,9 +99,14 @@ class StateStore(Protocol):
         """How many schema migrations have run."""
         ...
 
-    def write(self) -> contextlib.AbstractContextManager[Transaction]:
+    def write(self, *, lead: bool = False) -> contextlib.AbstractContextManager[Transaction]:
         """One write transaction: committed when the block ends, rolled back when it
-        raises. Keep the body short: writers may be serialised."""
+        raises. Keep the body short: writers may be serialised.
+
+        ``lead``: a write only the leader may make (commands with their action row, a
+        queued webhook's row, the check before a drain, the feed's cursor). With shared
+        state it raises :class:`~.fence.NotLeaderError`, storing nothing, once another
+        replica has taken the lead since this one did (:mod:`.fence`)."""
         ...
 
     def write_waiters(self) -> int:
@@ -116,8 +125,9 @@ class StateStore(Protocol):
 
     def record_action(self, *, time: float, kind: str, subject: str = "", job: str = "",
                       node: str = "", status: str, shadow: bool = False,
-                      detail: dict[str, Any] | None = None) -> int:
-        """Store one action (taken, withheld or shadowed); returns its id."""
+                      detail: dict[str, Any] | None = None, lead: bool = False) -> int:
+        """Store one action (taken, withheld or shadowed); returns its id. ``lead``: a
+        fenced write (:meth:`write`)."""
         ...
 
     def record_decision(self, *, time: float, job: str = "", subject: str = "",
@@ -145,14 +155,15 @@ class RecordsMixin:
     """The policy's records written through :meth:`StateStore.write`, shared by both
     implementations (the SQL is in the common dialect)."""
 
-    def write(self) -> contextlib.AbstractContextManager[Transaction]:
+    def write(self, *, lead: bool = False) -> contextlib.AbstractContextManager[Transaction]:
         raise NotImplementedError
 
     def record_action(self, *, time: float, kind: str, subject: str = "", job: str = "",
                       node: str = "", status: str, shadow: bool = False,
-                      detail: dict[str, Any] | None = None) -> int:
-        """Store one action (taken, withheld or shadowed); returns its id."""
-        with self.write() as conn:
+                      detail: dict[str, Any] | None = None, lead: bool = False) -> int:
+        """Store one action (taken, withheld or shadowed); returns its id. ``lead``: a
+        fenced write (:meth:`StateStore.write`)."""
+        with self.write(lead=lead) as conn:
             return insert_action(conn, time=time, kind=kind, subject=subject, job=job,
                                  node=node, status=status, shadow=shadow, detail=detail)
 

@@ -27,6 +27,7 @@ from typing import Any, cast
 
 from forewarn.errors import StorageError
 
+from .fence import Fence
 from .state import RecordsMixin, Transaction
 
 __all__ = ["MIGRATIONS", "Store", "StoreError"]
@@ -137,6 +138,17 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "CREATE INDEX incidents_updated ON incidents (updated)",
         "CREATE INDEX incidents_state ON incidents (state)",
     ),
+    # 6: the live scorer's learned state, one row replaced at every save
+    # (forewarn.collector.decide.scorer_state).
+    ("""CREATE TABLE scorer_state (
+            name TEXT PRIMARY KEY, time REAL NOT NULL, gpus INTEGER NOT NULL,
+            body BLOB NOT NULL)""",),
+    # 7: the replica whose data_dir holds each telemetry file ('' on embedded state, whose
+    # one data_dir holds them all; forewarn.collector.storage.telemetry).
+    (
+        "ALTER TABLE telemetry_files ADD COLUMN replica TEXT NOT NULL DEFAULT ''",
+        "CREATE INDEX telemetry_files_replica ON telemetry_files (replica, day)",
+    ),
 )
 """Schema migrations in order; never edit a released entry, append a new one."""
 
@@ -239,6 +251,7 @@ class Store(RecordsMixin):
         self._lock = _FifoLock()
         self._local = threading.local()
         self._closed = False
+        self.fence = Fence()  # one replica: never checked
         try:
             self._conn = self._connect()
             self._migrate()
@@ -284,10 +297,12 @@ class Store(RecordsMixin):
         return int(self._reader().execute("PRAGMA user_version").fetchone()[0])
 
     @contextlib.contextmanager
-    def write(self) -> Iterator[Transaction]:
+    def write(self, *, lead: bool = False) -> Iterator[Transaction]:
         """One write transaction (``BEGIN IMMEDIATE`` ... ``COMMIT``, rolled back on error).
 
-        Only one writer at a time across threads; keep the body short.
+        Only one writer at a time across threads; keep the body short. ``lead`` (a write
+        only the leader may make) changes nothing: the embedded collector is the only
+        replica, always the leader.
         """
         with self._lock:
             conn = self._conn

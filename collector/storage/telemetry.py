@@ -24,6 +24,12 @@ Damage: files are written with page checksums and verified after writing
 :meth:`TelemetryWriter.scrub` reads every recorded file in full and moves a damaged one to
 the quarantine (:mod:`.datadir`); :meth:`TelemetryWriter.read` skips (logs and counts) a
 damaged or missing file and returns the rest.
+
+Replicas: each recorded file names the ``replica`` whose data_dir holds it. With shared
+PostgreSQL state the replicas share ``telemetry_files`` but each writes Parquet into its
+own data_dir (the one that led at the time), so a writer scrubs, compacts, prunes, reads
+and recovers the files of its own ``replica`` only, and :meth:`TelemetryWriter.read` logs
+what the other replicas hold. Embedded state records every file under ``''``.
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ from .parquet_layout import (
     writable,
 )
 from .staging import StagingError, StagingLog
-from .state import StateStore
+from .state import StateStore, Transaction
 from .telemetry_recovery import Recovered, TelemetryRecovery
 
 if TYPE_CHECKING:
@@ -72,8 +78,10 @@ class TelemetryWriter:
     def __init__(self, store: StateStore, root: Path, metrics: CollectorMetrics, *,
                  retention_days: int = 30, clock: Callable[[], float] = time.time,
                  cache_max_samples: int = 500_000, staging: StagingLog | None = None,
-                 quarantine_dir: Path | None = None) -> None:
+                 quarantine_dir: Path | None = None, replica: str = "") -> None:
         self.store = store
+        # The owner of the files under root (datadir.telemetry_replica).
+        self.replica = replica
         self.root = Path(root)
         self.metrics = metrics
         self.quarantine = Quarantine(quarantine_dir or self.root.parent / "quarantine",
@@ -145,7 +153,7 @@ class TelemetryWriter:
         or newer than a restored database); see :mod:`.telemetry_recovery`."""
         with self._flush_lock:
             return TelemetryRecovery(self.store, self.root, self.staging,
-                                     self.quarantine).run()
+                                     self.quarantine, self.replica).run()
 
     def staged_samples(self) -> int:
         """Samples waiting in SQLite staging."""
@@ -240,12 +248,8 @@ class TelemetryWriter:
                 fd = os.open(self.root, os.O_RDONLY)
                 os.fsync(fd)
                 os.close(fd)
-            now = self.clock()
             with self.store.write() as conn:
-                conn.executemany(
-                    "INSERT OR REPLACE INTO telemetry_files (name, day, first_id, last_id, rows,"
-                    " created) VALUES (?, ?, ?, ?, ?, ?)",
-                    [(rel, day, first, last, n, now) for rel, day, n in written])
+                self._record(conn, [(rel, day, first, last, n) for rel, day, n in written])
                 # The rows read, not the range first..last: on PostgreSQL another
                 # replica's row with an id inside it may have committed since the read.
                 conn.executemany("DELETE FROM staged_samples WHERE id = ?",
@@ -271,10 +275,13 @@ class TelemetryWriter:
             for folder in sorted(self.root.glob("date=*")):
                 day = folder.name.removeprefix("date=")
                 if day < cutoff:
+                    mine = (day, self.replica)
                     rows = self.store.scalar("SELECT COALESCE(SUM(rows), 0) FROM"
-                                             " telemetry_files WHERE day = ?", (day,))
+                                             " telemetry_files WHERE day = ? AND replica = ?",
+                                             mine)
                     with self.store.write() as conn:
-                        conn.execute("DELETE FROM telemetry_files WHERE day = ?", (day,))
+                        conn.execute("DELETE FROM telemetry_files WHERE day = ? AND"
+                                     " replica = ?", mine)
                     shutil.rmtree(folder, ignore_errors=True)
                     self.metrics.pruned.labels("telemetry").inc(int(rows or 0))
                     removed.append(day)
@@ -292,7 +299,8 @@ class TelemetryWriter:
 
         with self._flush_lock:
             rows = self.store.query("SELECT name, first_id, last_id, rows FROM telemetry_files"
-                                    " WHERE day = ? ORDER BY first_id, name", (day,))
+                                    " WHERE day = ? AND replica = ? ORDER BY first_id, name",
+                                    (day, self.replica))
             if len(rows) < 2:
                 return 0
             first = min(int(r["first_id"]) for r in rows)
@@ -307,10 +315,15 @@ class TelemetryWriter:
                     try:
                         table = load_checked(self.root / r["name"], int(r["rows"]), schema)
                     except TelemetryError as exc:
-                        # A damaged source: set it aside, merge the rest next time.
+                        # A damaged source: set it aside, merge the rest next time. A
+                        # missing one keeps its record, as in the scrub (a disk comes back).
                         out.close()
                         tmp.unlink(missing_ok=True)
-                        self._quarantine_damaged(r["name"], exc)
+                        if (self.root / r["name"]).exists():
+                            self._quarantine_damaged(r["name"], exc)
+                        else:
+                            log.error("telemetry file %s is recorded but missing; day %s"
+                                      " is not merged", r["name"], day)
                         return 0
                     out.write_table(table)
             with open(tmp, "rb") as fh:
@@ -320,10 +333,7 @@ class TelemetryWriter:
             with self.store.write() as conn:
                 conn.executemany("DELETE FROM telemetry_files WHERE name = ?",
                                  [(r["name"],) for r in rows])
-                conn.execute(
-                    "INSERT OR REPLACE INTO telemetry_files (name, day, first_id, last_id, rows,"
-                    " created) VALUES (?, ?, ?, ?, ?, ?)",
-                    (name, day, first, last, total, self.clock()))
+                self._record(conn, [(name, day, first, last, total)])
             for r in rows:
                 (self.root / r["name"]).unlink(missing_ok=True)
             return len(rows)
@@ -332,8 +342,8 @@ class TelemetryWriter:
         """:meth:`compact` every day before today that has more than one file."""
         today = day_of_time(self.clock() if now is None else now)
         days = [r["day"] for r in self.store.query(
-            "SELECT day FROM telemetry_files WHERE day < ? GROUP BY day HAVING COUNT(*) > 1"
-            " ORDER BY day", (today,))]
+            "SELECT day FROM telemetry_files WHERE day < ? AND replica = ? GROUP BY day"
+            " HAVING COUNT(*) > 1 ORDER BY day", (today, self.replica))]
         return {day: self.compact(day) for day in days}
 
     def scrub(self) -> list[str]:
@@ -347,7 +357,8 @@ class TelemetryWriter:
         back; recovery then finds nothing to do).
         """
         damaged, missing = [], 0
-        for row in self.store.query("SELECT name, rows FROM telemetry_files ORDER BY name"):
+        for row in self.store.query("SELECT name, rows FROM telemetry_files WHERE replica = ?"
+                                    " ORDER BY name", (self.replica,)):
             path = self.root / row["name"]
             if not path.exists():
                 missing += 1
@@ -369,6 +380,15 @@ class TelemetryWriter:
         self.metrics.missing_files.set(missing)
         return damaged
 
+    def _record(self, conn: Transaction,
+                files: Sequence[tuple[str, str, int, int, int]]) -> None:
+        """Record files (name, day, first_id, last_id, rows) as this replica's."""
+        now = self.clock()
+        conn.executemany(
+            "INSERT OR REPLACE INTO telemetry_files (name, day, first_id, last_id, rows,"
+            " created, replica) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            [(*f, now, self.replica) for f in files])
+
     def _quarantine_damaged(self, name: str, exc: TelemetryError) -> None:
         """Move recorded file ``name`` to the quarantine and forget it (flush lock held)."""
         log.error("telemetry file %s is damaged (%s); its rows are lost to reads", name, exc)
@@ -379,13 +399,16 @@ class TelemetryWriter:
 
     def read(self, *, start: float | None = None, end: float | None = None,
              node: str | None = None, include_staged: bool = True) -> pd.DataFrame:
-        """History as a DataFrame (Parquet files plus, by default, staged samples)."""
+        """History as a DataFrame: this replica's Parquet files plus, by default, staged
+        samples. Files other replicas hold in their data_dirs are left out, and logged."""
         import pandas as pd
         import pyarrow as pa
         import pyarrow.parquet as pq
 
+        self._log_elsewhere()
         names = [r["name"] for r in self.store.query(
-            "SELECT name FROM telemetry_files ORDER BY day, first_id")]
+            "SELECT name FROM telemetry_files WHERE replica = ? ORDER BY day, first_id",
+            (self.replica,))]
         tables = []
         for name in names:
             try:
@@ -418,3 +441,13 @@ class TelemetryWriter:
         if node is not None:
             df = df[df["node"] == node]
         return df.reset_index(drop=True)
+
+    def _log_elsewhere(self) -> None:
+        """Say what a read leaves out: the files recorded by other replicas (scale-out:
+        each keeps the Parquet it wrote in its own data_dir)."""
+        other = self.store.query("SELECT COUNT(*) AS files, COALESCE(SUM(rows), 0) AS rows"
+                                 " FROM telemetry_files WHERE replica != ?", (self.replica,))[0]
+        if other["files"]:
+            log.warning("this read leaves out %d files (%d rows) recorded by other replicas:"
+                        " they are in those replicas' data_dirs (docs/scale.md)",
+                        other["files"], other["rows"])

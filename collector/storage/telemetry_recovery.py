@@ -32,8 +32,9 @@ class TelemetryRecovery:
     """One recovery of the Parquet files under ``root`` and the staging segments."""
 
     def __init__(self, store: StateStore, root: Path, staging: StagingLog | None,
-                 quarantine: Quarantine) -> None:
+                 quarantine: Quarantine, replica: str = "") -> None:
         self.store = store
+        self.replica = replica
         self.root = root
         self.staging = staging
         self.quarantine = quarantine
@@ -51,7 +52,9 @@ class TelemetryRecovery:
           came after its last write (so its bodies were flushed), otherwise quarantined.
         """
         recovered = Recovered()
-        known = {r["name"] for r in self.store.query("SELECT name FROM telemetry_files")}
+        self._claim_unowned()
+        known = {r["name"] for r in self.store.query(
+            "SELECT name FROM telemetry_files WHERE replica = ?", (self.replica,))}
         staged = self._readable_staged()
         for path in sorted(self.root.glob("date=*/*")):
             rel = path.relative_to(self.root).as_posix()
@@ -68,6 +71,21 @@ class TelemetryRecovery:
             log.info("recovery removed %d files whose rows are held elsewhere: %s",
                      len(recovered.removed), ", ".join(p.name for p in recovered.removed))
         return recovered
+
+    def _claim_unowned(self) -> None:
+        """Rows recorded before files named their replica (``''``, PostgreSQL migration
+        0008) become this replica's where its data_dir holds the file."""
+        if not self.replica:
+            return
+        mine = [(self.replica, r["name"]) for r in self.store.query(
+            "SELECT name FROM telemetry_files WHERE replica = ''")
+            if (self.root / r["name"]).exists()]
+        if mine:
+            with self.store.write() as conn:
+                conn.executemany("UPDATE telemetry_files SET replica = ? WHERE name = ?"
+                                 " AND replica = ''", mine)
+            log.info("recovery: %d telemetry files recorded before replicas were named are"
+                     " this replica's (its data_dir holds them)", len(mine))
 
     def _readable_staged(self) -> set[tuple[str, int]]:
         """The staged batches whose bodies can still be read: in SQLite, or in a staging
@@ -105,8 +123,8 @@ class TelemetryRecovery:
         try:
             wanted = self._batches_in(path) - staged
             day = path.parent.name.removeprefix("date=")
-            for row in self.store.query("SELECT name FROM telemetry_files WHERE day = ?",
-                                        (day,)):
+            for row in self.store.query("SELECT name FROM telemetry_files WHERE day = ? AND"
+                                        " replica = ?", (day, self.replica)):
                 if not wanted:
                     break
                 wanted -= self._batches_in(self.root / row["name"])
@@ -119,7 +137,8 @@ class TelemetryRecovery:
             return
         referenced = {r["segment"] for r in self.store.query(
             "SELECT DISTINCT segment FROM staged_samples WHERE segment IS NOT NULL")}
-        flushed = float(self.store.scalar("SELECT MAX(created) FROM telemetry_files") or 0)
+        flushed = float(self.store.scalar("SELECT MAX(created) FROM telemetry_files WHERE"
+                                          " replica = ?", (self.replica,)) or 0)
         for segment in self.staging.segments():
             if segment in referenced:
                 continue

@@ -26,7 +26,7 @@ def test_the_uplink_is_wired_to_the_rank_components_orders_before_anything_start
     order = CheckpointOrder(request_id="r1", job="j", step=7, issued=time.time())
     ok, detail = uplink.handle(Command(id="c1", kind="checkpoint", order=order,
                                        issued=time.time()))
-    assert (ok, detail) == (True, "no live rank of job 'j' on this node")
+    assert (ok, detail) == (True, "no live rank of job 'j' on this node: none known here")
     assert uplink.feed is ranks.table and uplink.orders is ranks.orders
 
 

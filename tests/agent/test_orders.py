@@ -20,6 +20,7 @@ import msgspec
 import pytest
 
 from forewarn.agent.hang import HangTerminator
+from forewarn.agent.ingest import RankIngest
 from forewarn.agent.orders import CheckpointOrders, choose_step
 from forewarn.agent.procview import Credentials, ProcView
 from forewarn.agent.ranks import RankTable
@@ -82,7 +83,7 @@ class Ranks:
         """A rank with a reply socket of this test's (or ``reply_to``: a real Monitor's)."""
         self.world[job] = world
         if not reply_to:
-            path = self.tmp / f"{job}-{rank}.sock"
+            path = self.tmp / f"{job}-{rank}-{pid}.sock"
             s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             s.bind(str(path))
             s.setblocking(False)
@@ -336,6 +337,33 @@ def test_collector_step_is_not_reissued_locally(ranks: Ranks) -> None:
     assert len(ranks.received("j", 0)) == 1  # only the original
 
 
+def test_an_order_to_a_round_that_ended_never_reaches_the_next_round(ranks: Ranks) -> None:
+    """torchrun restarts the whole job when a rank dies: it SIGTERMs the survivor, whose
+    notice orders a preemption save that the exiting ranks never take (their sockets are
+    closed). That order was for those processes: it must not reach the next round's ranks,
+    which resumed from an earlier checkpoint and would take it (one rank saving alone waits
+    in the collective save for a peer that steps on: the job wedges; CI's chaos lab hung at
+    the order's step after a rank kill). It ends, so the new round's own notice orders."""
+    orders = _two_ranks_at_step_10(ranks)
+    ranks.table.on_preempt(orders.preempt_job)
+    for rank in (0, 1):
+        ranks.sockets.pop(("j", rank)).close()  # the old round's processes are exiting
+    _notice(ranks, "j", 0, 100)
+    (old,) = orders.open_orders()
+    assert old.delivery.unsent == {0, 1}
+    ranks.clock.t += 5  # the restart: new processes resume from the checkpoint of step 5
+    for rank in (0, 1):
+        ranks.add("j", rank, 200 + rank)
+        for n in range(6, 9):
+            ranks.step("j", rank, 200 + rank, n)
+    orders.tick(ranks.clock())
+    assert ranks.received("j", 0) == ranks.received("j", 1) == []
+    assert orders.open_orders() == [] and orders.outcomes_total["ended"] == 1
+    _notice(ranks, "j", 1, 201)  # this round's own notice orders this round
+    (o0,), (o1,) = ranks.received("j", 0), ranks.received("j", 1)
+    assert o0 == o1 and o0.reason.startswith("preempted:") and o0.step > 8
+
+
 def test_lost_order_detected_and_undelivered_retried(ranks: Ranks) -> None:
     ranks.add("j", 0, 100)
     ranks.step("j", 0, 100, 5)
@@ -344,10 +372,10 @@ def test_lost_order_detected_and_undelivered_retried(ranks: Ranks) -> None:
     order = orders.order_job("j", reason="t", origin="local")
     assert order is not None
     (st,) = orders.open_orders()
-    assert st.unsent == {0}
+    assert st.delivery.unsent == {0}
     ranks.fail_sends = False
     orders.tick(ranks.clock())
-    assert ranks.received("j", 0) == [order] and not st.unsent
+    assert ranks.received("j", 0) == [order] and not st.delivery.unsent
     # the rank went past S without a word about this order: treated as missed
     ranks.step("j", 0, 100, order.step + 1)
     orders.tick(ranks.clock())
@@ -763,14 +791,11 @@ class _AgentSocket:
         self.sock.close()
 
 
-def test_a_reissued_hold_changes_no_decision_on_a_step_no_rank_has_reached(
-        ranks: Ranks, tmp_path: Path) -> None:
-    """Issue 15: two real Monitors, the agent's own hold. Rank 1 is far ahead when the hold
-    lands: it holds from its next step and reports ``missed``. The re-issued hold reaches
-    rank 0 first. Whether or not it has reached rank 1 yet, both ranks must make the same
-    decision at every step neither has reached (else a rank refuses a collective save its
-    peer makes), and rank 0 saves what rank 1 passed unheld."""
-    agent = _AgentSocket(tmp_path / "agent.sock")  # the Monitors' agent, read throughout
+@contextlib.contextmanager
+def _two_monitors(ranks: Ranks, tmp_path: Path) -> Iterator[tuple[_AgentSocket, list[Monitor]]]:
+    """Ranks 0 and 1 of job ``a``: real Monitors, at step 40 in the table (the Monitors are
+    stepped by the test); their agent socket is read throughout."""
+    agent = _AgentSocket(tmp_path / "agent.sock")
     mons = [Monitor(job="a", rank=r, world_size=2, local_rank=r, handle_sigterm=False,
                     socket_path=str(tmp_path / "agent.sock"), beat_interval_s=0.1)
             for r in (0, 1)]
@@ -778,6 +803,21 @@ def test_a_reissued_hold_changes_no_decision_on_a_step_no_rank_has_reached(
         for r, mon in enumerate(mons):
             ranks.add("a", r, 100 + r, reply_to=mon.reply_path)
             ranks.step("a", r, 100 + r, 40)
+        yield agent, mons
+    finally:
+        for mon in mons:
+            mon.close()
+        agent.close()
+
+
+def test_a_reissued_hold_changes_no_decision_on_a_step_no_rank_has_reached(
+        ranks: Ranks, tmp_path: Path) -> None:
+    """Issue 15: two real Monitors, the agent's own hold. Rank 1 is far ahead when the hold
+    lands: it holds from its next step and reports ``missed``. The re-issued hold reaches
+    rank 0 first. Whether or not it has reached rank 1 yet, both ranks must make the same
+    decision at every step neither has reached (else a rank refuses a collective save its
+    peer makes), and rank 0 saves what rank 1 passed unheld."""
+    with _two_monitors(ranks, tmp_path) as (agent, mons):
         for step in range(41):
             mons[0].step(step, loss=1.0, grad_norm=1.0)
         for step in range(201):  # rank 1 ran on after its last report the agent saw
@@ -822,7 +862,351 @@ def test_a_reissued_hold_changes_no_decision_on_a_step_no_rank_has_reached(
         beats = agent.beats
         wait_for(lambda: agent.beats >= beats + 4, 10, "beats after the re-issue")
         assert len(agent.missed()) == 1, agent.missed()
+
+
+def _beat(ranks: Ranks, job: str, rank: int, pid: int, reply_to: str) -> None:
+    b = Beat(job=job, rank=rank, local_rank=ranks.local[(job, rank)],
+             world_size=ranks.world[job], pid=pid, host="h", time=ranks.clock(),
+             reply_to=reply_to)
+    assert ranks.table.admit(b, Credentials(pid, os.getuid(), 0), ranks.clock()) is None
+
+
+def _mark_gone_and_back(ranks: Ranks, orders: CheckpointOrders, job: str, rank: int,
+                        pid: int, reply_to: str, between: Any) -> None:
+    """The rank falls silent past the gone timeout (the agent was stopped: its beats wait
+    unread), ``between()`` runs while it is marked gone, then the same process beats again
+    and the agent polls."""
+    ranks.clock.t += 5
+    assert not ranks.table.alive(ranks.table.get(job, rank), ranks.clock())  # type: ignore[arg-type]
+    between()
+    _beat(ranks, job, rank, pid, reply_to)  # the same process: back
+    assert ranks.table.alive(ranks.table.get(job, rank), ranks.clock())  # type: ignore[arg-type]
+    orders.tick(ranks.clock())
+
+
+def _saves(mon: Monitor, steps: range) -> list[int]:
+    """Run ``mon`` through ``steps``; the steps it saved at."""
+    out = []
+    for n in steps:
+        mon.step(n, loss=1.0, grad_norm=1.0)
+        if mon.should_checkpoint(n):
+            out.append(n)
+            mon.checkpoint_done(n, 0.1, 1)
+    return out
+
+
+def test_an_order_that_arrives_while_the_rank_is_marked_gone_reaches_it_when_it_is_back(
+        ranks: Ranks, tmp_path: Path) -> None:
+    """Chaos run (scale-out, the agent SIGSTOPped 4 s during a takeover): rank 0 was marked
+    gone and back alive 70 ms later; the collector's order that came in between was acked
+    "no live rank" and never reached it, and the rank never reported ``missed`` either: the
+    collector counted it delivered, and the job did not checkpoint. The order is for the
+    job's ranks this node knows: the same process gets it once it is back, and saves at S
+    exactly once; the ack says which ranks were not live."""
+    from forewarn.agent.commands import carry_out
+    from forewarn.wire import Command
+
+    agent = _AgentSocket(tmp_path / "agent.sock")
+    mon = Monitor(job="g", rank=0, world_size=1, local_rank=0, handle_sigterm=False,
+                  socket_path=str(tmp_path / "agent.sock"), beat_interval_s=0.1)
+    try:
+        ranks.add("g", 0, 100, world=1, reply_to=mon.reply_path)
+        for n in range(1, 11):
+            ranks.step("g", 0, 100, n)
+        assert _saves(mon, range(1, 11)) == []
+        orders = make_orders(ranks)
+        order = CheckpointOrder(request_id="c-1", job="g", step=20, reason="xid: 79",
+                                issued=ranks.clock())
+        acks: list[tuple[bool, str]] = []
+
+        def arrives() -> None:
+            acks.append(carry_out(Command(id="c-1", kind="checkpoint", order=order,
+                                          issued=ranks.clock()), orders))
+
+        _mark_gone_and_back(ranks, orders, "g", 0, 100, mon.reply_path, arrives)
+        ((ok, detail),) = acks
+        assert ok and "ordered step 20" in detail and "not live" in detail, detail
+        wait_for(lambda: mon.stats.orders == 1, 5, "the order at the rank")
+        assert _saves(mon, range(11, 30)) == [20]
+        orders.tick(ranks.clock())  # a retry or a later poll adds no second save
+        assert _saves(mon, range(30, 40)) == [] and agent.missed() == []
     finally:
-        for mon in mons:
-            mon.close()
+        mon.close()
         agent.close()
+
+
+def test_an_order_for_a_rank_marked_gone_before_delivery_reaches_it_when_it_is_back(
+        ranks: Ranks) -> None:
+    """The variant: the order arrives while the rank is alive, its datagram does not go out
+    (the rank's socket queue is full), and the rank is marked gone before the retry; the
+    same process beats again, and takes the order. A peer that stayed live got it at once."""
+    for rank in (0, 1):
+        ranks.add("j", rank, 100 + rank)
+        ranks.step("j", rank, 100 + rank, 10)
+    orders = make_orders(ranks)
+    ranks.fail_sends = True
+    order = orders.order_job("j", step=20, reason="collector", request_id="c-2")
+    assert order is not None
+
+    def silent() -> None:
+        ranks.fail_sends = False
+        _beat(ranks, "j", 1, 101, ranks.sockets[("j", 1)].getsockname())  # rank 1 beats on
+        orders.tick(ranks.clock())
+
+    _mark_gone_and_back(ranks, orders, "j", 0, 100, ranks.sockets[("j", 0)].getsockname(),
+                        silent)
+    assert ranks.received("j", 0) == [order] and ranks.received("j", 1) == [order]
+    (st,) = orders.open_orders()
+    assert st.expected == {0, 1} and not st.delivery.unsent
+
+
+def test_an_order_for_a_job_with_a_gone_rank_still_reaches_it_when_it_is_back(
+        ranks: Ranks) -> None:
+    """Rank 0 is marked gone when the order arrives, rank 1 is live: the order is for both,
+    and rank 0 gets it when it is back (today only rank 1 was ordered: rank 0 never saved,
+    and the order was "done" when rank 1 alone had)."""
+    for rank in (0, 1):
+        ranks.add("j", rank, 100 + rank)
+        ranks.step("j", rank, 100 + rank, 10)
+    orders = make_orders(ranks)
+    sent: list[CheckpointOrder] = []
+
+    def arrives() -> None:
+        _beat(ranks, "j", 1, 101, ranks.sockets[("j", 1)].getsockname())  # rank 1 beats on
+        order = orders.order_job("j", step=20, reason="collector", request_id="c-3")
+        assert order is not None
+        sent.append(order)
+
+    _mark_gone_and_back(ranks, orders, "j", 0, 100, ranks.sockets[("j", 0)].getsockname(),
+                        arrives)
+    (order,) = sent
+    assert ranks.received("j", 0)[-1:] == [order] and ranks.received("j", 1) == [order]
+    ranks.report("j", 1, 101, "c-3", 20, "done")
+    assert orders.open_orders(), "done before rank 0 saved"
+    ranks.report("j", 0, 100, "c-3", 20, "done")
+    assert not orders.open_orders() and orders.outcomes_total["done"] == 1
+
+
+def test_an_order_for_a_gone_rank_ends_when_a_new_process_takes_its_place(
+        ranks: Ranks) -> None:
+    """The rank that was gone does not come back: a new process (the job restarted) takes
+    its slot. The order was for the old process: it ends, the new one never gets it."""
+    ranks.add("j", 0, 100, world=1)
+    ranks.step("j", 0, 100, 10)
+    orders = make_orders(ranks)
+    ranks.sockets.pop(("j", 0)).close()  # the old process is gone
+    ranks.clock.t += 5
+    assert orders.order_job("j", step=20, reason="collector", request_id="c-4") is not None
+    ranks.add("j", 0, 200, world=1)
+    orders.tick(ranks.clock())
+    assert ranks.received("j", 0) == [] and not orders.open_orders()
+    assert orders.outcomes_total["ended"] == 1
+
+
+def test_a_save_hold_that_arrives_while_a_rank_is_marked_gone_reaches_it(
+        ranks: Ranks) -> None:
+    """The same path for a collector's save hold: rank 0 is marked gone when it comes (the
+    agent was stopped) and back a moment later. It must hold too, or it saves the suspect
+    state its peer refuses to save."""
+    for rank in (0, 1):
+        ranks.add("j", rank, 100 + rank)
+        ranks.step("j", rank, 100 + rank, 10)
+    orders = make_orders(ranks)
+    hold = SaveHold(request_id="c-h", job="j", onset_step=8, step=20, reason="nan_loss",
+                    issued=ranks.clock())
+    reached: list[int] = []
+
+    def arrives() -> None:
+        _beat(ranks, "j", 1, 101, ranks.sockets[("j", 1)].getsockname())  # rank 1 beats on
+        reached.append(orders.hold_job(hold))
+
+    _mark_gone_and_back(ranks, orders, "j", 0, 100, ranks.sockets[("j", 0)].getsockname(),
+                        arrives)
+    assert reached == [2]
+    for rank in (0, 1):
+        assert decode_agent_message(ranks.sockets[("j", rank)].recv(4096)) == hold
+
+
+def test_an_undelivered_order_is_not_given_up_when_its_rank_comes_back_past_its_step(
+        ranks: Ranks) -> None:
+    """The collector's order could not reach rank 0 (its socket full), the rank was marked
+    gone, and it comes back past S with its socket still full at the next poll. The rank
+    has not seen the order, so passing S is no sign the order was lost: closing it then
+    ("left to the collector") lost it, as the collector only reissues on ``missed``. It is
+    delivered when the socket drains, and the hook reports ``missed`` itself."""
+    ranks.add("j", 0, 100, world=1)
+    ranks.step("j", 0, 100, 10)
+    orders = make_orders(ranks)
+    ranks.fail_sends = True
+    order = orders.order_job("j", step=20, reason="collector", request_id="c-5")
+    assert order is not None
+    _mark_gone_and_back(ranks, orders, "j", 0, 100, ranks.sockets[("j", 0)].getsockname(),
+                        lambda: None)
+    ranks.step("j", 0, 100, 25)
+    orders.tick(ranks.clock())
+    assert orders.outcomes_total["failed"] == 0 and orders.open_orders()
+    ranks.fail_sends = False
+    orders.tick(ranks.clock())
+    assert ranks.received("j", 0) == [order]
+    ranks.report("j", 0, 100, "c-5", 25, "missed")  # goes up: the collector reissues
+    assert not orders.open_orders()
+
+
+def _holds(ranks: Ranks, job: str, rank: int) -> list[SaveHold]:
+    """Every message waiting in the rank's socket, which must all be holds."""
+    out: list[SaveHold] = []
+    while True:
+        try:
+            msg = decode_agent_message(ranks.sockets[(job, rank)].recv(4096))
+        except BlockingIOError:
+            return out
+        assert isinstance(msg, SaveHold), msg
+        out.append(msg)
+
+
+@contextlib.contextmanager
+def _away(path: str) -> Iterator[None]:
+    """A rank's reply socket is not at its ``path`` for a while (a datagram to it fails
+    with ENOENT), then back: the same socket, so what reaches it afterwards is read."""
+    os.rename(path, path + ".away")
+    try:
+        yield
+    finally:
+        os.rename(path + ".away", path)
+
+
+@pytest.mark.parametrize("issuer", ["agent", "collector"])
+def test_a_save_hold_that_could_not_reach_a_rank_reaches_it_at_a_later_poll(
+        ranks: Ranks, issuer: str) -> None:
+    """A hold's datagram to rank 0 cannot go out (its socket is not there for a moment; a
+    full queue fails the same way). The hold was sent once and forgotten: rank 0 never held
+    and went on saving the NaN-poisoned state, marking it good. Its copy is retried every
+    poll as an order's is: rank 0 gets the hold exactly once when it is reachable again,
+    rank 1 (reached at once) never twice."""
+    for rank in (0, 1):
+        ranks.add("a", rank, 100 + rank, world=2)
+        ranks.step("a", rank, 100 + rank, 40 + rank)
+    orders = make_orders(ranks)
+    with _away(ranks.sockets[("a", 0)].getsockname()):
+        if issuer == "agent":
+            orders.fast_path([nan_finding()])
+        else:
+            assert orders.hold_job(SaveHold(request_id="c-h", job="a", onset_step=38,
+                                            step=60, issued=ranks.clock())) == 1
+        orders.tick(ranks.clock())  # still not there: still waiting
+    (hold,) = _holds(ranks, "a", 1)
+    assert _holds(ranks, "a", 0) == []
+    orders.tick(ranks.clock())
+    assert _holds(ranks, "a", 0) == [hold]
+    orders.tick(ranks.clock())
+    assert _holds(ranks, "a", 0) == [] and _holds(ranks, "a", 1) == []
+
+
+def test_a_save_hold_that_meets_a_full_queue_reaches_the_rank_once_it_drains(
+        ranks: Ranks, tmp_path: Path) -> None:
+    """The agent's own send (the ingest socket's, which never blocks) to a rank whose queue
+    already holds ``net.unix.max_dgram_qlen`` unread datagrams fails (EAGAIN): that rank
+    gets the hold at the first poll after it has read its queue, once."""
+    for rank in (0, 1):
+        ranks.add("a", rank, 100 + rank, world=2)
+        ranks.step("a", rank, 100 + rank, 40 + rank)
+    ingest = RankIngest(ranks.table, tmp_path / "agent.sock")
+    ingest.bind()
+    filler = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    rank0 = ranks.sockets[("a", 0)]
+    try:
+        orders = CheckpointOrders(ranks.table, ingest.send, clock=ranks.clock)
+        queued = 0
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                filler.sendto(b"x", socket.MSG_DONTWAIT, rank0.getsockname())
+                queued += 1
+        orders.fast_path([nan_finding()])
+        assert ingest.send_errors == 1
+        (hold,) = _holds(ranks, "a", 1)
+        assert [rank0.recv(4096) for _ in range(queued)] == [b"x"] * queued
+        assert _holds(ranks, "a", 0) == []  # the rank has read its queue: no hold in it
+        orders.tick(ranks.clock())
+        orders.tick(ranks.clock())
+        assert _holds(ranks, "a", 0) == [hold] and _holds(ranks, "a", 1) == []
+    finally:
+        filler.close()
+        ingest.stop()
+
+
+def test_a_reissued_hold_ends_the_undelivered_copies_of_the_one_it_replaces(
+        ranks: Ranks) -> None:
+    """Rank 0 cannot take the agent's hold yet; rank 1 reports it ``missed`` and the hold
+    goes again, replacing it, before rank 0 is reachable. Rank 0 then gets the replacement
+    only: a late copy of the old hold after it would move rank 0's stop back to the old
+    step (an earlier step only brings a hold nearer), a step its peer saves."""
+    for rank in (0, 1):
+        ranks.add("a", rank, 100 + rank, world=2)
+        ranks.step("a", rank, 100 + rank, 40 + rank)
+    orders = make_orders(ranks)
+    with _away(ranks.sockets[("a", 0)].getsockname()):
+        orders.fast_path([nan_finding()])
+        (first,) = _holds(ranks, "a", 1)
+        ranks.report("a", 1, 101, first.request_id, first.step + 30, "missed")
+    (again,) = _holds(ranks, "a", 1)
+    assert again.replaces == first.request_id
+    orders.tick(ranks.clock())
+    orders.tick(ranks.clock())
+    assert _holds(ranks, "a", 0) == [again] and _holds(ranks, "a", 1) == []
+
+
+def test_an_undelivered_hold_ends_when_a_new_process_takes_the_rank(ranks: Ranks) -> None:
+    """The hold is for the processes it was sent to, as an order is: the job restarted from
+    a checkpoint taken before the onset, and its new process never gets the old hold (it
+    would refuse every save of a sound state)."""
+    ranks.add("j", 0, 100, world=1)
+    ranks.step("j", 0, 100, 10)
+    orders = make_orders(ranks)
+    with _away(ranks.sockets[("j", 0)].getsockname()):
+        assert orders.hold_job(SaveHold(request_id="c-h", job="j", onset_step=8, step=20,
+                                        issued=ranks.clock())) == 0
+    ranks.clock.t += 5
+    ranks.add("j", 0, 200, world=1)  # the new process, with a socket of its own
+    orders.tick(ranks.clock())
+    orders.tick(ranks.clock())
+    assert _holds(ranks, "j", 0) == []
+
+
+def test_an_undelivered_hold_ends_with_the_orders_time_to_live(ranks: Ranks) -> None:
+    """A copy that could not go out for longer than an order lives is dropped, not retried
+    for ever."""
+    ranks.add("j", 0, 100, world=1)
+    ranks.step("j", 0, 100, 10)
+    mono = Clock(50.0)
+    orders = make_orders(ranks, ttl_s=900.0, monotonic=mono)
+    with _away(ranks.sockets[("j", 0)].getsockname()):
+        orders.hold_job(SaveHold(request_id="c-h", job="j", onset_step=8, step=20,
+                                 issued=ranks.clock()))
+        mono.t += 899.0
+        orders.tick(ranks.clock())  # still within its time: still waiting
+        mono.t += 2.0
+        orders.tick(ranks.clock())
+    orders.tick(ranks.clock())
+    assert _holds(ranks, "j", 0) == []
+
+
+def test_a_rank_whose_socket_was_away_holds_from_the_same_step_as_its_peer(
+        ranks: Ranks, tmp_path: Path) -> None:
+    """Two real Monitors, the agent's own hold after a NaN: rank 0's order socket is not at
+    its path when the hold goes out. Once it is back, the next poll brings rank 0 the hold,
+    and both ranks refuse the same saves (none of them missed it: no ``missed`` report)."""
+    with _two_monitors(ranks, tmp_path) as (agent, mons):
+        for mon in mons:
+            for step in range(41):
+                mon.step(step, loss=1.0, grad_norm=1.0)
+        orders = make_orders(ranks)
+        with _away(mons[0].reply_path):
+            orders.fast_path([nan_finding()])
+            stop = wait_for(lambda: next((s for s in range(41, 200) if mons[1].saves_held(s)),
+                                         None), 5, "the hold at rank 1")
+        assert not any(mons[0].saves_held(s) for s in range(41, 200))
+        orders.tick(ranks.clock())
+        wait_for(lambda: mons[0].saves_held(stop), 5, "the hold at rank 0")
+        for step in range(41, 200):
+            assert mons[0].saves_held(step) == mons[1].saves_held(step) == (step >= stop)
+        assert agent.missed() == []

@@ -269,6 +269,9 @@ class FakeOrders:
         return CheckpointOrder(request_id=request_id or "x", job=job, step=step or 0,
                                issued=time.time())
 
+    def not_live(self, request_id: str) -> frozenset[int]:
+        return frozenset()
+
 
 def test_checkpoint_command_reaches_order_job_and_is_acked_once(tmp_path: Path) -> None:
     col = Collector(tmp_path)

@@ -148,9 +148,11 @@ def test_rollback_and_restart_through_the_collector(running: Any) -> None:
     assert row["ratio"] == pytest.approx(USEFUL / WALL, abs=1e-5)
     assert row["restarts"] == 1 and row["high_water_step"] == 120
     advice = row["advice"]
-    # the cost model measured the checkpoint (slowest rank, 4 s); 2 GPUs; no predictor: risk 0
+    # the cost model measured the checkpoint (slowest rank, 4 s); 2 GPUs; no predictor: P
+    # unknown (null, not 0), the interval from the fleet's failure rate alone
     assert advice["checkpoint_s"] == 4.0 and advice["checkpoint_source"].startswith("measured")
-    assert advice["gpus"] == 2 and advice["risk"] == 0.0 and advice["gpu_mtbf_h"] == MTBF_H
+    assert advice["gpus"] == 2 and advice["gpu_mtbf_h"] == MTBF_H
+    assert advice["risk"] is None and advice["risk_source"] == "unknown: no failure predictor"
     want = advise_interval(4.0, 2, gpu_mtbf_h=MTBF_H)
     assert advice["interval_s"] == pytest.approx(want)
     assert math.isclose(want, daly_interval(4.0, MTBF_H * 3600 / 2))  # 2 GPUs

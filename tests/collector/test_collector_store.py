@@ -74,6 +74,24 @@ def test_migrations_set_user_version_and_refuse_a_newer_schema(tmp_path: Path) -
         Store(tmp_path / "c.db")
 
 
+def test_an_upgrade_migrates_an_older_database_and_keeps_its_rows(tmp_path: Path) -> None:
+    """docs/storage.md, "Upgrading and going back": a database of forewarn before the
+    scorer state (schema 5) is migrated at start, a recorded file kept under no replica."""
+    conn = sqlite3.connect(tmp_path / "c.db")
+    for statement in (s for migration in MIGRATIONS[:5] for s in migration):
+        conn.execute(statement)
+    conn.execute("INSERT INTO telemetry_files (name, day, first_id, last_id, rows, created)"
+                 " VALUES ('date=2023-11-14/a.parquet', '2023-11-14', 1, 2, 3, 0)")
+    conn.execute("PRAGMA user_version=5")
+    conn.commit()
+    conn.close()
+    store = Store(tmp_path / "c.db")
+    assert store.schema_version == len(MIGRATIONS)
+    assert store.scalar("SELECT replica || '/' || rows FROM telemetry_files") == "/3"
+    assert store.scalar("SELECT count(*) FROM scorer_state") == 0
+    store.close()
+
+
 def test_flush_writes_daily_parquet_once_with_the_replay_columns(
         parts: tuple[StateStore, TelemetryWriter]) -> None:
     store, tel = parts

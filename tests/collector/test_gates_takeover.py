@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from forewarn.collector.decide.actions import ActionPipeline, store_decisions
-from forewarn.collector.decide.gate_history import stored_events
+from forewarn.collector.decide.gate_history import stored_acts, stored_events
 from forewarn.collector.decide.orders import OrderBook
 from forewarn.collector.decide.policy import Policy, PolicySettings
 from forewarn.collector.decide.severity import ActionKind
@@ -232,6 +232,19 @@ def test_a_decision_row_that_cannot_be_read_is_skipped_and_counted(
     events = stored_events(store, clock.t - 3600, lambda: skipped.append(1))
     assert [(e.kind, e.target) for e in events] == [(ActionKind.DRAIN, "node:n1")]
     assert len(skipped) == 2
+
+
+def test_stored_acts_return_each_stored_check_as_it_is(sqlite_state: StateStore) -> None:
+    store, clock = sqlite_state, Clock()
+    for n, check in enumerate(["xid", None]):
+        store.record_decision(time=clock.t, job="train-1", decision="checkpoint:act",
+                              reason="r", inputs={"id": f"d{n}", "incident": "i1",
+                                                  "check": check})
+        store.record_action(time=clock.t, kind="checkpoint", job="train-1",
+                            status="queued", detail={"decision": f"d{n}"})
+    since = clock.t - 60
+    assert sorted(((a.incident, a.job, a.check) for a in stored_acts(store, since)),
+                  key=str) == [("i1", "train-1", "xid"), ("i1", "train-1", None)]  # not "None"
 
 
 @pytest.mark.system

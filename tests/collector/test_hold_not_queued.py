@@ -38,11 +38,11 @@ class FailsOnce:
         return getattr(self._store, name)
 
     @contextlib.contextmanager
-    def write(self) -> Iterator[Transaction]:
+    def write(self, *, lead: bool = False) -> Iterator[Transaction]:
         if self.armed:
             self.armed = False
             raise StoreError("database is locked")
-        with self._store.write() as conn:
+        with self._store.write(lead=lead) as conn:
             yield conn
 
 

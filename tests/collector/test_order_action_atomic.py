@@ -52,8 +52,8 @@ class CrashingStore:
         return getattr(self._store, name)
 
     @contextlib.contextmanager
-    def write(self) -> Iterator[Transaction]:
-        with self._store.write() as conn:
+    def write(self, *, lead: bool = False) -> Iterator[Transaction]:
+        with self._store.write(lead=lead) as conn:
             yield DiesWritingAnAction(conn)
 
     def record_action(self, **_kw: Any) -> int:

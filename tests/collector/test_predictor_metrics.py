@@ -7,14 +7,17 @@ exports and answers both numbers under their own names."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import copy
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from forewarn.models.persist import default_model_path
+from forewarn.models.persist import default_model_path, load_default_model, save_model
 from forewarn.wire import GpuSample, XidEvent
 
+from support.browser import chromium_page
 from support.collector import NODE, Clock, ClockedService, start_clocked, stop_service
 from support.polling import poll
 from support.precursor import JOB, ranks
@@ -33,6 +36,18 @@ SICK = 1
 def running(tmp_path: Path) -> Iterator[ClockedService]:
     svc = start_clocked(tmp_path, Clock(START), model_path=default_model_path(),
                         predict_interval_s=60.0)
+    yield svc
+    stop_service(svc)
+
+
+@pytest.fixture
+def uncalibrated(tmp_path: Path) -> Iterator[ClockedService]:
+    """A collector on the shipped model with its calibration taken out (a model file saved
+    before models had one): scores, and no probability."""
+    bare = copy.deepcopy(load_default_model())
+    bare.classifier.calibration = np.zeros((2, 0))
+    path = save_model(bare, tmp_path / "bare.skops")
+    svc = start_clocked(tmp_path, Clock(START), model_path=path, predict_interval_s=60.0)
     yield svc
     stop_service(svc)
 
@@ -95,3 +110,36 @@ def test_probability_metric_holds_the_calibrated_p_and_the_score_has_its_own(
     # goodput advice reads the job's P, not its score
     advice = svc.get("/api/v1/goodput", job=JOB)[0]["advice"]
     assert advice["risk"] == pytest.approx(p, abs=1e-6)
+
+
+def test_an_unknown_probability_is_null_and_the_status_page_says_so(
+        uncalibrated: ClockedService, require_binary: Callable[[str], str]) -> None:
+    svc = uncalibrated
+    risk = _send(svc, 70, {66: 92, 67: 63})
+    job = next(j for j in risk["jobs"] if j["job"] == JOB)  # type: ignore[attr-defined]
+    assert job["alarm"] is True and job["score"] >= 0.5, job
+    assert job["risk"] is None, job  # unknown, not 0
+    assert all(g["probability"] is None for g in risk["gpus"])  # type: ignore[attr-defined]
+    labels = {"node": NODE, "gpu": str(SICK)}
+    assert svc.metric("forewarn_gpu_failure_score", **labels) == pytest.approx(
+        job["score"], abs=1e-4)
+    assert svc.metric("forewarn_gpu_failure_probability", **labels) is None  # no series
+
+    with chromium_page(require_binary("chromium"), svc.server.url + "/") as (page, errors):
+        badge = page.locator(f'#jobs tr[data-job="{JOB}"] td.risk .badge')
+        badge.wait_for(timeout=30_000)
+        assert badge.inner_text() == f"score {job['score']:.2f}, P n/a", badge.inner_text()
+        assert not errors, errors
+
+
+def test_a_risk_floor_that_is_no_probability_is_refused_naming_it(
+        running: ClockedService) -> None:
+    svc = running
+    for bad in ("nan", "inf", "-inf", "-1", "1.5", "x"):
+        r = svc.client.get("/api/v1/risk", params={"min": bad})
+        assert r.status_code == 400 and "query parameter min" in r.text, (bad, r.text)
+    for good in ("0", "0.25", "1"):
+        assert svc.client.get("/api/v1/risk", params={"min": good}).status_code == 200
+    # a time that is no number is refused as well (NaN compared with no row)
+    r = svc.client.get("/api/v1/findings", params={"since": "nan"})
+    assert r.status_code == 400 and "query parameter since" in r.text, r.text

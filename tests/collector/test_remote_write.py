@@ -197,3 +197,29 @@ def test_write_request_encoding_is_the_prometheus_protobuf() -> None:
     sample = b"\x09" + bytes.fromhex("000000000000f03f") + b"\x10\xe8\x07"
     series = b"\x0a" + bytes([len(label)]) + label + b"\x12" + bytes([len(sample)]) + sample
     assert body == b"\x0a" + bytes([len(series)]) + series
+
+
+def test_a_failing_stores_url_is_logged_without_its_token(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A remote-write URL may carry a token (in its query, or as user:password@): the
+    retries' warnings and httpx's request lines name the store by scheme, host and port."""
+    class Store(Unavailable):
+        posts = 0
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Store)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    caplog.set_level("DEBUG")
+    metrics = CollectorMetrics()
+    port = server.server_address[1]
+    writer = RemoteWriter(f"http://user:Pw5ecret@127.0.0.1:{port}/api/v1/write?token=T0kenXyz",
+                          metrics, backoff_s=0.01)
+    try:
+        writer.start()
+        writer.offer(gpu_samples("n", time.time()))
+        wait_for(lambda: Store.posts >= 2, what="two requests refused 503")
+    finally:
+        writer.stop(timeout_s=2.0)
+        server.shutdown()
+        server.server_close()
+    assert f"remote write http://127.0.0.1:{port}/… failed" in caplog.text
+    assert "T0kenXyz" not in caplog.text and "Pw5ecret" not in caplog.text

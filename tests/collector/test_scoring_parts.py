@@ -78,3 +78,48 @@ def sources(store: Any) -> list[str]:
     return [json.loads(r["inputs"])["source"]
             for r in store.query("SELECT inputs FROM decisions ORDER BY id")]
 
+
+
+class Broken:
+    """A classifier that cannot score (raises), counting how often it is asked."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def predict_proba(self, x: np.ndarray) -> np.ndarray:
+        self.asked += 1
+        raise ValueError("a model that cannot score")
+
+
+@pytest.mark.system
+def test_a_failing_scoring_waits_the_interval_before_it_runs_again(tmp_path: Path) -> None:
+    """Every telemetry batch asks whether a scoring is due: after a pass that failed, the
+    next one waits ``predict_interval_s`` as after one that scored (each failure counted)."""
+    clock = Clock(T0 + 120.0)
+    broken = Broken()
+    server, store, predictor, ctx = serve_predictor(tmp_path, broken, clock)
+    predictor.interval_s = 60.0
+
+    def batch(seq: int) -> None:
+        post(server.url, AgentBatch(node=NODE, agent_id="agent-0", seq=seq, created=clock(),
+                                    samples=[GpuSample(node=NODE, gpu=g, time=clock() - dt,
+                                                       source="test", power_w=300.0)
+                                             for dt in (65.0, 5.0) for g in range(4)]))
+        # the policy observed the batch (then asked whether a scoring is due), and the
+        # parts of a pass it started ran: bulk work waits for the decision lane
+        assert poll(lambda: sum(predictor.samples.values()) == 8 * (seq + 1), timeout=60)
+        ctx.submit_bulk(lambda: None).result(60)
+
+    try:
+        for seq in range(4):  # four batches within one interval
+            batch(seq)
+            clock.t += 10
+        passes_within_one_interval = broken.asked
+        clock.t += 60
+        batch(4)
+        errors = ctx.metrics.policy_errors._value.get()
+    finally:
+        server.stop()
+        store.close()
+    assert passes_within_one_interval == 1
+    assert broken.asked == 2 and errors == 2  # the next interval's pass, failing again

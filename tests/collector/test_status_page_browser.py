@@ -8,11 +8,10 @@ screenshot is saved and checked for size.
 
 from __future__ import annotations
 
-import contextlib
 import re
 import struct
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,15 +27,12 @@ from forewarn.wire import (
     SuggestedAction,
 )
 
+from support.browser import CHROMIUM_ARGS, chromium_page
 from support.collector import ranks_on, start_service, stop_service
 from support.fleet import Fleet, node_name, start_fleet_collector
 from support.hostile import AWKWARD
 from support.polling import wait_for
 from support.stack import JOB, NODE, running_stack
-
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-                 "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
 
 
 def png_size(data: bytes) -> tuple[int, int]:
@@ -124,22 +120,6 @@ def test_status_page_shows_unhealthy_gpu_and_checkpoint_order(
     width, height = png_size(data)
     assert len(data) > 20_000, len(data)
     assert width == 1400 and height >= 1000, (width, height)
-
-
-@contextlib.contextmanager
-def chromium_page(chromium: str, url: str) -> Iterator[tuple[Any, list[str]]]:
-    """A headless Chromium page (1400 x 1000) on ``url``, and the page errors it collects."""
-    sync_api = pytest.importorskip("playwright.sync_api")
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            errors: list[str] = []
-            page.on("pageerror", lambda exc: errors.append(str(exc)))
-            page.goto(url)
-            yield page, errors
-        finally:
-            browser.close()
 
 
 @pytest.mark.timeout(120)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from forewarn.collector.decide.actions import ActionPipeline, store_decisions
 from forewarn.collector.decide.dispatch import store_delivery
 from forewarn.collector.decide.orders import OrderBook
 from forewarn.collector.decide.policy import Policy, PolicySettings
-from forewarn.collector.decide.webhook_history import resend_undelivered
+from forewarn.collector.decide.webhook_history import resend_undelivered, undelivered
 from forewarn.collector.decide.webhooks import (
     IDEMPOTENCY_HEADER,
     WebhookEndpoint,
@@ -113,3 +114,73 @@ def test_a_collector_started_again_sends_the_webhook_it_had_not_delivered(
     finally:
         stop_service(svc)
         receiver.close()
+
+
+def test_each_undelivered_webhook_is_resent_on_its_own(
+        sqlite_state: StateStore, caplog: pytest.LogCaptureFixture) -> None:
+    """The webhooks the old leader queued, two endpoints: one hangs past the sender's
+    timeout, one answers; the hand-over of the first event to the sender times out (as
+    the policy thread's wait on the event loop does). The hang is each of its deliveries'
+    failure, the timeout is that event's own (logged naming it, counted): every other
+    event still reaches both endpoints."""
+    store, clock = sqlite_state, Clock()
+    queued: list[dict[str, Any]] = []
+    policy = Policy(PolicySettings(), fleet(), clock=clock, record=store_decisions(store))
+    orders = OrderBook(CommandQueue(store, CollectorMetrics()), clock=clock)
+    ActionPipeline(policy, orders, send_webhook=queued.append, actions=store).handle_findings(
+        [gpu_finding(n, check="gpu_lost", action=SuggestedAction.DRAIN) for n in ("n0", "n1")])
+    assert len(queued) >= 2
+    clock.t += 30
+    hanging, answering = Receiver(), Receiver()
+    hanging.hang.set()
+
+    async def next_leader() -> int:
+        sender = WebhookSender([WebhookEndpoint(hanging.url, "json", SECRET),
+                                WebhookEndpoint(answering.url, "json", SECRET)],
+                               on_delivery=store_delivery(store), timeout_s=0.3,
+                               max_attempts=1)
+        await sender.start()
+        try:
+            def send(event: dict[str, Any], ended: frozenset[str]) -> int:
+                if event["id"] == first:
+                    raise TimeoutError("the event loop did not take the event in time")
+                return sender.send(event, ended)
+
+            queued = resend_undelivered(store, clock.t, send, lambda: skipped.append(1))
+            assert await sender.drain(20.0)
+            return queued
+        finally:
+            await sender.stop()
+
+    first, skipped = queued[0]["id"], list[int]()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert asyncio.run(next_leader()) == 2 * (len(queued) - 1)
+    finally:
+        hanging.close()
+        answering.close()
+    assert sorted(json.loads(body)["id"] for _, body in answering.requests) == sorted(
+        e["id"] for e in queued[1:])
+    ended = store.query("SELECT status, detail FROM actions WHERE kind = 'webhook_delivery'")
+    outcome = {(json.loads(r["detail"])["url"], r["status"]) for r in ended}
+    assert outcome == {(hanging.url, "failed"), (answering.url, "delivered")}
+    assert len(ended) == 2 * (len(queued) - 1)
+    assert skipped == [1] and first in caplog.text
+
+
+def test_a_webhook_queued_before_events_were_stored_is_no_policy_error(
+        sqlite_state: StateStore, caplog: pytest.LogCaptureFixture) -> None:
+    """After an upgrade the window holds webhooks an older collector queued without their
+    event: they cannot be sent again, which is said once, and nothing is wrong with the
+    policy; a stored event that is no event still is a bad row."""
+    store, skipped = sqlite_state, list[int]()
+    for n in range(3):  # as the collector before the resend stored them
+        store.record_action(time=1000.0 + n, kind="webhook", status="queued",
+                            detail={"decision": f"old{n}"})
+    store.record_action(time=1010.0, kind="webhook", status="queued",
+                        detail={"decision": "bad", "event": "not an event"})
+    with caplog.at_level(logging.WARNING):
+        assert undelivered(store, 900.0, lambda: skipped.append(1)) == []
+    assert skipped == [1]  # the bad row only
+    older = [r for r in caplog.records if "stored no event" in r.getMessage()]
+    assert len(older) == 1 and "3 webhook" in older[0].getMessage(), caplog.text

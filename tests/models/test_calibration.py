@@ -142,4 +142,17 @@ def test_the_gradient_boosted_models_p_is_at_the_base_rate_given() -> None:
     assert found.reason.startswith("alarm score ") and "calibrated at 0.8125" in found.reason
     own = train_detector("model", [(f, d.labels)], threshold=0.5, max_iter=30)
     s = own.predict_proba(f.loc[keep])
-    assert np.array_equal(own.failure_probability(s), s)
+    own_p = own.failure_probability(s)
+    assert own_p is not None and np.array_equal(own_p, s)
+
+
+def test_a_score_where_every_row_failed_is_no_certainty_at_a_lower_base_rate() -> None:
+    """A model that separates some failing rows of its own training data perfectly (a
+    top score level where all 10 rows failed) does not make a failure certain there: at a
+    base rate 100 times lower, P at that score is about 10 x 0.01 / (10 x 0.01 + 1), not
+    1.0 (one row that did not fail is assumed at the highest score). Before, P was 1.0 and
+    above the score itself."""
+    scores = np.r_[np.full(100, 0.1), np.full(10, 0.9)]
+    fails = np.r_[np.zeros(100), np.ones(10)]
+    p = apply(fit(scores, fails, 0.01), np.array([0.9]))
+    assert p[0] == pytest.approx(0.1 / 1.1)

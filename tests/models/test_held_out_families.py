@@ -150,3 +150,57 @@ def test_held_out_precursor_is_caught_before_the_failure(
     assert len(at) and at.min() <= end - 10 / 60, (family, at)
     others = {g: len(_alarm_minutes(held_out, f, g)) for g in range(_GPUS) if g != 3}
     assert not any(others.values()), others
+
+
+def test_held_out_fan_oscillation_under_the_swing_limit_is_caught(
+        held_out: FailurePredictor) -> None:
+    """GPU 3's fan hunts for the last 60 minutes before it fails: its temperature swings
+    around its usual level with a 7-minute period (between two of the frequencies the
+    feature projects on) and an amplitude growing to 6 C, full for the last 20 minutes. Its
+    15-minute standard deviation stays near 4 C, under the swing rule's 5 C, and its mean
+    does not rise, so
+    before the oscillation feature (``temp_osc_vs_peers``) nothing alarmed. It alarms 10
+    minutes or more before the end; its peers do not."""
+    a, t = _fails_at(11.0)
+    s = t - 60
+    prog = np.minimum(np.linspace(0.0, 1.5, 60, endpoint=False), 1.0)
+    a["temp"][3, s:] += 6.0 * prog * np.sin(2 * np.pi * np.arange(60) / 7 + 1.0)
+    f = gpu_features(_samples(a, np.random.default_rng(6)))
+    assert f.loc[f["gpu"] == 3, "temp_std_vs_own_vs_peers"].max() < 5.0
+    at = _alarm_minutes(held_out, f, 3)
+    assert len(at) and at.min() <= (t - 1) / 60 - 10 / 60, at
+    others = {g: len(_alarm_minutes(held_out, f, g)) for g in range(_GPUS) if g != 3}
+    assert not any(others.values()), others
+
+
+def test_held_out_temperature_drift_over_hours_is_caught(held_out: FailurePredictor) -> None:
+    """GPU 3's temperature drifts up 14 C over its last 16 hours (a thermal interface drying
+    out, a fan wearing: issue 17's drifts over days), while its node's workload goes
+    through its busy and idle phases. It never stands 20 C above its own level, so the
+    level rule stays quiet; that it has stayed up for hours against its own baseline
+    (``temp_recent_vs_own_vs_peers``) alarms, an hour or more before the end. Its peers do
+    not alarm."""
+    a, t = _fails_at(30.0)
+    s = t - 16 * 60
+    a["temp"][3, s:] += 14.0 * np.linspace(0.0, 1.0, t - s)
+    f = gpu_features(_samples(a, np.random.default_rng(7)))
+    assert f.loc[f["gpu"] == 3, "temp_vs_own_vs_peers"].max() < 20.0
+    at = _alarm_minutes(held_out, f, 3)
+    assert len(at) and at.min() <= (t - 1) / 60 - 1.0, at
+    others = {g: len(_alarm_minutes(held_out, f, g)) for g in range(_GPUS) if g != 3}
+    assert not any(others.values()), others
+
+
+def test_hot_spells_and_the_nodes_workload_do_not_alarm(held_out: FailurePredictor) -> None:
+    """Benign heat the thermal rules must not take for a creep or an oscillation: GPU 4
+    runs 15 C hotter for an hour and GPU 6 12 C hotter for 90 minutes (hot spells, each
+    a rise and a fall), twice a day, while the whole node goes between busy and idle every
+    few hours. No GPU alarms."""
+    a, _t = _fails_at(30.0)
+    for g, peak, minutes in ((4, 15.0, 60), (6, 12.0, 90)):
+        for start in (12 * 60, 24 * 60 + 100):
+            a["temp"][g, start:start + minutes] += peak * np.sin(
+                np.linspace(0.0, np.pi, minutes))
+    f = gpu_features(_samples(a, np.random.default_rng(8)))
+    alarms = {g: len(_alarm_minutes(held_out, f, g)) for g in range(_GPUS)}
+    assert not any(alarms.values()), alarms

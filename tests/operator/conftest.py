@@ -4,6 +4,8 @@ the wheel with its dependencies into a fresh virtual environment.
 Dependencies come from the package index the first time and are kept as wheels in a
 wheelhouse (``FOREWARN_WHEELHOUSE``, default ``~/.cache/forewarn/wheelhouse``); later runs
 install from it with ``--no-index`` and fall back to the index when it lacks something.
+The wheelhouse is filled under a lock (``wheelhouse.lock`` beside it): two runs at once
+fill it once, and neither installs from wheels the other is half-way through writing.
 The environment is made ``--without-pip`` and filled by this interpreter's pip
 (``--python``): the packages are installed into it, nothing is borrowed from the dev venv.
 """
@@ -17,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from support.shared_cache import filled_once
 
 REPO = Path(__file__).resolve().parents[2]
 WHEELHOUSE = Path(os.environ.get("FOREWARN_WHEELHOUSE",
@@ -48,12 +52,18 @@ def install_wheel(dist: tuple[Path, str]) -> Callable[[Path], None]:
         pip = [sys.executable, "-m", "pip", "--python", str(env_dir / "bin" / "python"),
                "install", "-q", "--no-compile", "--no-index", "--find-links",
                str(WHEELHOUSE), want]
-        r = run(pip)
-        if r.returncode != 0:  # first run, or the dependencies changed: fill the wheelhouse
+        last: list[subprocess.CompletedProcess[str]] = []
+
+        def use() -> bool:
+            last.append(run(pip))
+            return last[-1].returncode == 0
+
+        def fill() -> None:  # first run, or the dependencies changed
             WHEELHOUSE.mkdir(parents=True, exist_ok=True)
             w = run([sys.executable, "-m", "pip", "wheel", "-q", "-w", str(WHEELHOUSE), want])
             assert w.returncode == 0, w.stdout[-3000:] + w.stderr[-3000:]
-            r = run(pip)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+
+        lock = WHEELHOUSE.with_name(WHEELHOUSE.name + ".lock")
+        assert filled_once(lock, use, fill), last[-1].stdout[-3000:] + last[-1].stderr[-3000:]
 
     return install

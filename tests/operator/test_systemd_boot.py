@@ -29,10 +29,10 @@ import pytest
 from forewarn.agent.socket_queue import PROC_PATH, RECOMMENDED, SYSCTL_FILE
 from forewarn.spawn.procs import wait_until
 
+from support.shared_cache import locked, private_dir
+
 CACHE = Path("/var/cache/forewarn")
 ROOT = CACHE / "bookworm"
-# Not under /tmp, /var/tmp (PrivateTmp=) or /root (ProtectHome=): the services must see it.
-VENV = CACHE / "venv-systemd-test"
 
 pytestmark = [pytest.mark.timeout(900),
               pytest.mark.skipif(os.geteuid() != 0, reason="systemd-nspawn needs root")]
@@ -46,31 +46,39 @@ def _run(argv: list[str], timeout: float = 600) -> subprocess.CompletedProcess[s
 def debian_root(require_binary: Callable[[str], str]) -> Path:
     """A minimal bookworm with systemd and python3, made once and kept."""
     debootstrap = require_binary("debootstrap")
-    if not (ROOT / "usr" / "lib" / "systemd" / "systemd").exists():
-        tmp = ROOT.with_name("bookworm.tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        CACHE.mkdir(parents=True, exist_ok=True)
-        r = _run([debootstrap, "--variant=minbase", "--include=systemd,dbus,python3",
-                  "bookworm", str(tmp)], timeout=900)
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-        tmp.rename(ROOT)
+    # a run building it holds the lock: another run at once waits, then finds it built
+    # (booted with --volatile=overlay, the root is never written, so runs share it)
+    with locked(ROOT.with_name("bookworm.lock")):
+        if not (ROOT / "usr" / "lib" / "systemd" / "systemd").exists():
+            tmp = ROOT.with_name("bookworm.tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            r = _run([debootstrap, "--variant=minbase", "--include=systemd,dbus,python3",
+                      "bookworm", str(tmp)], timeout=900)
+            assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+            tmp.rename(ROOT)
     return ROOT
 
 
 @pytest.fixture(scope="module")
-def venv(install_wheel: Callable[[Path], None]) -> Path:
+def venv(install_wheel: Callable[[Path], None]) -> Iterator[Path]:
     """The wheel installed into a venv of Debian's python3, which the container has at
-    the same path (not the first python3.11 on PATH, which may be a user's build)."""
+    the same path (not the first python3.11 on PATH, which may be a user's build). This
+    run's own folder (another run at once has its own), removed afterwards; under the
+    cache, not /tmp, /var/tmp (PrivateTmp=) or /root (ProtectHome=): the services must
+    see it."""
     python = "/usr/bin/python3.11"
     if not Path(python).exists():
         if os.environ.get("CI"):
             pytest.fail(f"{python} is missing: the host must be Debian bookworm")
         pytest.skip(f"{python} is missing: the host is not Debian bookworm")
-    shutil.rmtree(VENV, ignore_errors=True)
-    r = _run([python, "-m", "venv", "--without-pip", str(VENV)])
-    assert r.returncode == 0, r.stderr
-    install_wheel(VENV)
-    return VENV
+    venv = private_dir(CACHE, "venv-systemd-test-")
+    try:
+        r = _run([python, "-m", "venv", "--without-pip", str(venv)])
+        assert r.returncode == 0, r.stderr
+        install_wheel(venv)
+        yield venv
+    finally:
+        shutil.rmtree(venv, ignore_errors=True)
 
 
 class Container:
@@ -140,8 +148,8 @@ def _active(c: Container, unit: str, timeout: float = 60) -> bool:
     return bool(wait_until(lambda: c.prop(unit, "ActiveState") == "active", timeout, 0.5))
 
 
-def _get(c: Container, url: str) -> object:
-    r = c.run(str(VENV / "bin" / "python"), "-c",
+def _get(c: Container, python: str, url: str) -> object:
+    r = c.run(python, "-c",
               "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1]).read()"
               ".decode())", url)
     assert r.returncode == 0, r.stderr
@@ -177,13 +185,13 @@ def test_sysctl_file_applies_at_boot(debian_root: Path, require_binary: Callable
     assert PROC_PATH.read_text() == host
 
 
-def test_units_run_under_systemd(container: Container) -> None:
+def test_units_run_under_systemd(container: Container, venv: Path) -> None:
     c = container
-    forewarn = str(VENV / "bin" / "forewarn")
+    forewarn, python = str(venv / "bin" / "forewarn"), str(venv / "bin" / "python")
     # systemd (PID 1) raised the limit to 512 at boot; set the kernel's default back (the
     # container has its own network namespace) to see the install apply its file.
     lower = "import sys; open(sys.argv[1], 'w').write('10')"
-    assert c.run(str(VENV / "bin" / "python"), "-c", lower, str(PROC_PATH)).returncode == 0
+    assert c.run(python, "-c", lower, str(PROC_PATH)).returncode == 0
     assert _qlen(c) == "10"
     for role in ("collector", "agent"):
         r = c.run(forewarn, "deploy", "install", "--role", role)
@@ -226,13 +234,13 @@ def test_units_run_under_systemd(container: Container) -> None:
     assert _active(c, "forewarn-agent"), c.run("journalctl", "-u", "forewarn-agent").stdout
 
     def node_seen() -> bool:
-        nodes = _get(c, "http://127.0.0.1:9404/api/v1/nodes")
+        nodes = _get(c, python, "http://127.0.0.1:9404/api/v1/nodes")
         return isinstance(nodes, list) and any(n.get("node") == "node-1" for n in nodes)
 
     journal = "journalctl", "-u", "forewarn-collector", "-u", "forewarn-agent"
     assert wait_until(node_seen, 60, 0.5), c.run(*journal).stdout[-4000:]
     # Its socket got that queue limit (the agent read it before creating the socket).
-    ready = _get(c, "http://127.0.0.1:9403/readyz")
+    ready = _get(c, python, "http://127.0.0.1:9403/readyz")
     assert isinstance(ready, dict)
     assert ready["components"]["rank_socket"]["max_dgram_qlen"] == RECOMMENDED, ready
 

@@ -126,7 +126,10 @@ def run_and_check(lab: Lab, scenario: Scenario, report: dict[str, Outcome]) -> N
         assert f["takeover_s"] is not None and f["takeover_s"] < 5.0
     if scenario.name == "replica_killed_order":
         assert f["orders"] == f["orders_acked"] >= 2
-        assert f["rank0_ordered_saves"] == f["rank0_order_steps"] >= 1  # once per ordered step
+        # once per ordered step, but at a step it reported missed (that order was reissued)
+        saves = f["rank0_order_steps"] - f["rank0_missed_steps"]
+        assert f["rank0_ordered_saves"] == saves >= 1
+        assert f["checkpoint_decisions"] >= 1  # one per incident (the scenario checks that)
     if scenario.name == "postgres_restart":
         assert f["ready_again_s"] is not None
     if scenario.name == "clock_skew":

@@ -46,14 +46,16 @@ parametrized fixture ``state_backend`` (tests/conftest.py) sets them per test.""
 
 
 def serve(tmp_path: Path, tokens: Mapping[str, str], clock: Callable[[], float] = time.time,
-          **overrides: Any) -> tuple[ServerThread, StateStore, httpx.Client]:
-    """The collector (data under ``tmp_path/data``, no periodic flush) with its policy,
-    started on a free loopback port, and a client for it."""
+          *, policy: Any = None, **overrides: Any
+          ) -> tuple[ServerThread, StateStore, httpx.Client]:
+    """The collector (data under ``tmp_path/data``, no periodic flush) with its policy (or
+    ``policy``), started on a free loopback port, and a client for it."""
     cfg = CollectorConfig(listen="127.0.0.1:0", data_dir=tmp_path / "data",
                           tokens_file=tmp_path / "none.toml", flush_interval_s=3600,
                           **{**STATE, **overrides})
     store = open_state(cfg)
-    app = create_app(cfg, store, policy=PolicyService.from_config(cfg),
+    app = create_app(cfg, store,
+                     policy=PolicyService.from_config(cfg) if policy is None else policy,
                      tokens=TokenRegistry(tokens=dict(tokens)), clock=clock)
     server = ServerThread(app, cfg).start()
     return server, store, httpx.Client(base_url=server.url, timeout=30)

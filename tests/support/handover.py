@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from forewarn.collector.decide.policy_service import PolicyService
 from forewarn.collector.http.app import create_app
 from forewarn.collector.http.auth import TokenRegistry
 from forewarn.collector.http.context import CollectorContext
-from forewarn.collector.storage.leader import POLICY_LOCK
+from forewarn.collector.storage.leader import POLICY_LOCK, AdvisoryLockLeader
 from forewarn.collector.storage.state import StateStore, open_state
 from forewarn.wire import AgentBatch, Finding, Health, RankSummary, Subject, SuggestedAction, encode
 
@@ -30,25 +30,31 @@ from support.collector import TOKENS
 from support.polling import wait_for
 
 __all__ = ["ALERT_TOKEN", "LockHolder", "Service", "end_leader_session", "feed_waits",
-           "gpu_lost", "leader_and_follower", "lease_lost", "ranks", "rows", "take_over"]
+           "gpu_lost", "leader_and_follower", "lease_lost", "lock_checks_every", "ranks",
+           "rows", "take_over"]
 
 
 ALERT_TOKEN = "alert-token-handover-test"
 
 
 class Service:
-    """One collector service in this process, on shared PostgreSQL state."""
+    """One collector service in this process, on shared PostgreSQL state; ``clock``: the
+    collector's (a test's :class:`~support.collector.Clock`), ``policy``: another policy
+    than the product's."""
 
-    def __init__(self, root: Path, dsn: str, tokens: Mapping[str, str] = TOKENS,
+    def __init__(self, root: Path, dsn: str, tokens: Mapping[str, str] = TOKENS, *,
+                 clock: Callable[[], float] = time.time, policy: Any = None,
                  **keys: Any) -> None:
-        cfg = CollectorConfig(listen="127.0.0.1:0", data_dir=root / "data",
-                              tokens_file=root / "none.toml", flush_interval_s=3600,
-                              state="postgresql", postgres_dsn=dsn, advise_hooks=False,
-                              predictor_enabled=False, alert_token=ALERT_TOKEN, **keys)
+        cfg = CollectorConfig(**{
+            "listen": "127.0.0.1:0", "data_dir": root / "data", "tokens_file": root / "none.toml",
+            "flush_interval_s": 3600, "state": "postgresql", "postgres_dsn": dsn,
+            "advise_hooks": False, "predictor_enabled": False, "alert_token": ALERT_TOKEN,
+            **keys})
         self.tokens = dict(tokens)
         self.store: StateStore = open_state(cfg)
-        app = create_app(cfg, self.store, policy=PolicyService.from_config(cfg),
-                         tokens=TokenRegistry(tokens=self.tokens))
+        app = create_app(cfg, self.store,
+                         policy=PolicyService.from_config(cfg) if policy is None else policy,
+                         tokens=TokenRegistry(tokens=self.tokens), clock=clock)
         self.ctx: CollectorContext = app.state.ctx
         self.server = ServerThread(app, cfg).start()
         self.seq = 0
@@ -144,6 +150,26 @@ def end_leader_session(dsn: str) -> None:
         conn.execute("SELECT pg_terminate_backend(%s)", (pids[0][0],))
 
 
+def lock_checks_every(dsn: str, service: Service, interval_s: float) -> None:
+    """``service``'s election checks its lock (leading) or tries to take it (following)
+    every ``interval_s`` from now on: an hour, and a leader cannot notice losing the lock
+    (only a refused fenced write tells it, as on a stalled machine); a short one, and a
+    follower takes a lock set free first. Returns once a round of the election ended after
+    the change (its wait is the new one). At most one follower: the session of the
+    election that does not hold the lock."""
+    election = service.ctx.leader
+    assert isinstance(election, AdvisoryLockLeader)
+    election.interval_s = interval_s
+    since = rows(dsn, "SELECT clock_timestamp()")[0][0]
+    holds = "" if election.is_leader else "NOT "
+    ended = ("SELECT a.state = 'idle' AND a.state_change > %s FROM pg_stat_activity a"
+             " WHERE a.application_name = 'forewarn-leader'"
+             " AND a.datname = current_database() AND " + holds + "EXISTS (SELECT 1"
+             " FROM pg_locks l WHERE l.pid = a.pid AND l.locktype = 'advisory' AND l.granted)")
+    wait_for(lambda: rows(dsn, ended, since) == [(True,)], 30,
+             "a round of the election after its interval changed")
+
+
 def feed_waits(dsn: str, for_s: float = 1.5) -> bool:
     """Whether the leader's feed has not saved its cursor for ``for_s`` (it saves every
     0.2 s unless it waits for its policy thread)."""
@@ -165,10 +191,11 @@ def lease_lost(dsn: str, leader: Service) -> Iterator[None]:
         holder.release()
 
 
-def ranks(job: str, node: str, now: float) -> list[RankSummary]:
-    """Two ranks of ``job`` on ``node`` (GPUs 0 and 1), last checkpointed an hour ago."""
+def ranks(job: str, node: str, now: float, step_s: float = 0.2) -> list[RankSummary]:
+    """Two ranks of ``job`` on ``node`` (GPUs 0 and 1, a step in ``step_s``), last
+    checkpointed an hour ago."""
     return [RankSummary(job=job, rank=g, world_size=2, node=node, gpu=g, pid=100 + g,
-                        last_step=500, last_step_time=now, step_seconds_p50=0.2,
+                        last_step=500, last_step_time=now, step_seconds_p50=step_s,
                         last_checkpoint_step=100, last_checkpoint_time=now - 3600,
                         checkpoint_seconds=30.0) for g in range(2)]
 

@@ -176,11 +176,15 @@ function detailText(text) {
 // coloured by its alarm (score against the model's threshold: the collector says the health),
 // unless one of its GPUs is already worse than that (an all-red job is never a green 0.1 %):
 // then the GPU's state.
+// A scored job whose P is unknown (a model without a calibration) shows its score and
+// "P n/a", never a made-up 0 %.
 function riskCell(j, r) {
   if (j.state !== "running") return el("td", { class: "risk" }, "—");
-  const p = r ? r.risk : null;
-  const model = p == null ? null : r.health || "healthy";
-  const pct = p == null ? "" : (p >= 0.01 ? (100 * p).toFixed(1) : (100 * p).toPrecision(2)) + " %";
+  const scored = r != null && !!r.gpu;
+  const p = scored ? r.risk : null;
+  const model = scored ? r.health || "healthy" : null;
+  const pct = !scored ? "" : p == null ? `score ${r.score.toFixed(2)}, P n/a`
+    : (p >= 0.01 ? (100 * p).toFixed(1) : (100 * p).toPrecision(2)) + " %";
   const gpu = j.health === "unhealthy" || j.health === "degraded" ? j.health : null;
   if (gpu && (model === null || SEVERITY[gpu] > SEVERITY[model])) {
     return el("td", { class: "risk", title: pct ? `model: ${pct}` : "" },

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +122,21 @@ class Lab:
         except servers.MissingServer:
             return None
         return BusRig(self, name, nats=nats)
+
+    @contextlib.contextmanager
+    def undo_on_failure(self) -> Iterator[None]:
+        """Around a rig's start: if it raises, the stops it added to :attr:`closers` run
+        now (newest first) and are forgotten, so nothing it started (a server holding its
+        data directory's lock) is left for the next scenario to trip on."""
+        mark = len(self.closers)
+        try:
+            yield
+        except BaseException:
+            for close in reversed(self.closers[mark:]):
+                with contextlib.suppress(Exception):
+                    close()
+            del self.closers[mark:]
+            raise
 
     def close(self) -> None:
         if self._training is not None:

@@ -33,7 +33,8 @@ def scale_rig(lab: Lab) -> ScaleRig:
     """The lab's scale-out rig, built on first use."""
     rig = lab.rigs.get("scale")
     if rig is None:
-        rig = lab.rigs["scale"] = ScaleRig(lab)
+        with lab.undo_on_failure():
+            rig = lab.rigs["scale"] = ScaleRig(lab)
     assert isinstance(rig, ScaleRig)
     return rig
 

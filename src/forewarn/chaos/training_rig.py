@@ -1,5 +1,10 @@
 """The chaos lab's training rig: the shared collector, agent ``chaos-node-1`` and a 2-rank
-gloo job on it under torchrun (see :mod:`forewarn.chaos.lab`)."""
+gloo job on it under torchrun (see :mod:`forewarn.chaos.lab`).
+
+The job's events are kept in ``train-events.jsonl`` in the lab's directory, beside
+torchrun's log; a wait on the job that fails says what the job, torchrun and the agent did
+last (:meth:`TrainingRig.diagnosis`), so a failure on CI, whose temp dirs are gone, can be
+read from its message."""
 
 from __future__ import annotations
 
@@ -54,13 +59,16 @@ class TrainingRig:
         self._pump.start()
 
     def _take(self) -> None:
-        while not self._stop.is_set():
-            try:
-                e = self.launcher.events.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            with self._lock:
-                self.events.append(e)
+        with (self.lab.dir / "train-events.jsonl").open("a") as kept:
+            while not self._stop.is_set():
+                try:
+                    e = self.launcher.events.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                with self._lock:
+                    self.events.append(e)
+                kept.write(json.dumps(e) + "\n")
+                kept.flush()
 
     def close(self) -> None:
         self._stop.set()
@@ -86,8 +94,32 @@ class TrainingRig:
 
         if wait_until(ok, timeout) is None:
             raise RuntimeError(f"the training job did not step {new_steps} times in "
-                               f"{timeout:.0f} s (attempt {a})")
+                               f"{timeout:.0f} s (attempt {a})\n{self.diagnosis()}")
         return a
+
+    def diagnosis(self, lines: int = 12) -> str:
+        """What the job did last: each attempt's last steps, its restarts and rank exits,
+        and the tails of torchrun's log and of the agent's (module docstring)."""
+        with self._lock:
+            events = list(self.events)
+        last: dict[tuple[int, int], int] = {}
+        for e in events:
+            if e.get("event") == "step":
+                last[(int(e["attempt"]), int(e["rank"]))] = int(e["step"])
+        ended = [f"{e['event']} attempt {e.get('attempt')} rank {e.get('rank')} "
+                 f"code {e.get('code')}" for e in events
+                 if e.get("event") in ("restart", "rank_exit")]
+        parts = [f"now attempt {self.launcher.attempt}; last step by (attempt, rank): {last}",
+                 "restarts and exits: " + "; ".join(ended[-lines:])]
+        for log in (self.lab.dir / f"torchrun-{self.NODE}.log", self.agent.dir / "agent.log"):
+            try:
+                text = log.read_text(errors="replace").splitlines()
+            except OSError as exc:
+                text = [f"unreadable: {exc}"]
+            # a worker's traceback: its error line only
+            tail = [t for t in text if not t.startswith("[rank") or "Error" in t][-lines:]
+            parts.append(f"--- {log.name}, last {len(tail)} lines:\n" + "\n".join(tail))
+        return "\n".join(parts)
 
     def inject(self, rank: int, fault: str, **params: Any) -> str:
         """Add a fault to rank ``rank``'s control file (applied at its next step)."""

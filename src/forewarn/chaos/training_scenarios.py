@@ -38,7 +38,8 @@ def _restart_report(lab: Lab, out: Outcome, attempt: int, failure_step: int,
     ``expect_step`` on both ranks; record the loss. Returns the resumed step."""
     tr = lab.training()
     got = tr.resumed(attempt)
-    if not out.expect(got is not None, "the job did not restart on both ranks"):
+    if not out.expect(got is not None,
+                      f"the job did not restart on both ranks\n{tr.diagnosis()}"):
         return None
     assert got is not None
     steps = {r: int(e.get("step", 0)) for r, e in got.items()}

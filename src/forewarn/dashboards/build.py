@@ -364,6 +364,19 @@ def predictions() -> dict[str, Any]:
                    q("sum by (event) (increase(forewarn_collector_checkpoint_orders_total"
                       + c + "[$__rate_interval]))", "{{event}}")),
             ]),
+            ("Collector state", [
+                ts("Leader-only writes refused", "Orders, holds, webhooks, drains and the "
+                   "feed's cursor a replica tried after another had taken the lead (the "
+                   "fence refused them; alert ForewarnCollectorFencedWrites).", "short",
+                   q("sum by (instance) (increase(forewarn_collector_fenced_writes_total"
+                      + c + "[$__rate_interval]))", "{{instance}}")),
+                ts("Predictor state snapshots", "Snapshots of the failure predictor's learned "
+                   "state by result: refused or failed means a fresh scorer after a restart "
+                   "(alert ForewarnPredictorStateNotKept).", "short",
+                   q("sum by (result) (increase("
+                      "forewarn_collector_predictor_state_snapshots_total"
+                      + c + "[$__rate_interval]))", "{{result}}"), stack=True),
+            ]),
         ],
     )
 

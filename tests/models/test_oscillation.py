@@ -1,0 +1,124 @@
+"""Temperature oscillating with a period against the node's peers, and staying up for hours
+against the GPU's own baseline (``temp_osc_vs_peers``, ``temp_recent_vs_own_vs_peers``;
+models/oscillation.py, models/gauges.py): what they read, and that the live scorer computes
+the same numbers as the batch features."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from forewarn.models.features import GRID_S, gpu_features
+from forewarn.models.live import LiveScorer
+from forewarn.models.persist import load_default_model
+from forewarn.wire import GpuSample
+
+_T0 = 1.75e9
+_GPUS = 4
+
+
+def _node(hours: float, seed: int = 0) -> np.ndarray:
+    """Temperatures of one node's GPUs, (GPUs, minutes): a workload shared by the node
+    (busy and idle every few hours) and noise."""
+    rng = np.random.default_rng(seed)
+    t = int(hours * 60)
+    load = np.where((np.arange(t) // 150) % 3 == 2, 0.1, 0.9)[None, :]
+    out: np.ndarray = 35.0 + 40.0 * load + rng.normal(0, 0.8, (_GPUS, t))
+    return out
+
+
+def _samples(temp: np.ndarray, keep: np.ndarray | None = None) -> pd.DataFrame:
+    g, t = temp.shape
+    gpu, minute = np.meshgrid(np.arange(g), np.arange(t), indexing="ij")
+    df = pd.DataFrame({
+        "node": "n1", "gpu": gpu.ravel(), "time": _T0 + 60.0 * minute.ravel() + 7.0,
+        "temperature_c": temp.ravel().round(1), "slowdown_margin_c": 20.0,
+        "power_w": 500.0, "power_limit_w": 700.0,
+    })
+    if keep is not None:
+        df = df[keep.ravel()]
+    return df.sort_values(["time", "gpu"], kind="stable", ignore_index=True)
+
+
+def _sine(minutes: int, period: float, amp: float) -> np.ndarray:
+    out: np.ndarray = amp * np.sin(2 * np.pi * np.arange(minutes) / period)
+    return out
+
+
+def test_a_gpu_swinging_alone_reads_its_amplitude_and_a_node_swinging_together_zero() -> None:
+    """GPU 1 swings +-5 C with a 9-minute period for the last 40 minutes: it reads about 5
+    C of oscillation (more than 4), its peers under 1. When every GPU of the node swings
+    together (the workload's pace), none reads more than 1."""
+    temp = _node(6.0)
+    temp[1, -40:] += _sine(40, 9.0, 5.0)
+    f = gpu_features(_samples(temp))
+    last = f[f["time"] == f["time"].max()].set_index("gpu")["temp_osc_vs_peers"]
+    assert 4.0 < last[1] < 6.0, last
+    assert last.drop(1).max() < 1.0, last
+    temp = _node(6.0)
+    temp[:, -40:] += _sine(40, 9.0, 5.0)
+    f = gpu_features(_samples(temp))
+    assert f.loc[f["time"] == f["time"].max(), "temp_osc_vs_peers"].max() < 1.0
+
+
+def test_a_smooth_rise_is_no_oscillation() -> None:
+    """GPU 2 heats 15 C over 20 minutes and cools again (a hot spell): a straight line over
+    the half hour takes most of it, and what is left is not periodic."""
+    temp = _node(6.0)
+    temp[2, -45:] += 15.0 * np.sin(np.linspace(0.0, np.pi, 45))
+    f = gpu_features(_samples(temp))
+    assert f.loc[f["gpu"] == 2, "temp_osc_vs_peers"].max() < 2.5
+
+
+def test_a_gap_in_the_window_reads_zero() -> None:
+    """A GPU missing 5 of the last 30 minutes (a gap bends the fitted line) reads zero,
+    whatever it swings."""
+    temp = _node(6.0)
+    temp[1, -40:] += _sine(40, 9.0, 5.0)
+    keep = np.ones(temp.shape, bool)
+    keep[1, -20:-15] = False
+    f = gpu_features(_samples(temp, keep))
+    assert f.loc[(f["gpu"] == 1) & (f["time"] == f["time"].max()),
+                 "temp_osc_vs_peers"].item() == 0.0
+
+
+def test_recent_hours_against_the_own_baseline() -> None:
+    """GPU 3 runs 8 C hotter from hour 16 on: 7 hours later, its mean since the baseline's
+    end (hour 16 to 23) stands about 8 C above its own long-run level beyond its peers'."""
+    temp = _node(23.0)
+    temp[3, 16 * 60:] += 8.0
+    f = gpu_features(_samples(temp))
+    last = f[f["time"] == f["time"].max()].set_index("gpu")["temp_recent_vs_own_vs_peers"]
+    assert 6.5 < last[3] < 9.5, last
+    assert last.drop(3).abs().max() < 1.0, last
+
+
+def test_live_oscillation_and_recent_hours_equal_the_batch_features() -> None:
+    """A node with one GPU swinging, one drifting and one with gaps, fed sample by sample to
+    the live scorer: its features equal the batch features to 1e-6 (and are not all zero)."""
+    hours = 9.0
+    temp = _node(hours, seed=3)
+    temp[1, -120:] += _sine(120, 7.0, 5.0)
+    temp[2, 4 * 60:] += np.linspace(0.0, 12.0, temp.shape[1] - 4 * 60)
+    keep = np.random.default_rng(4).random(temp.shape) > 0.03
+    df = _samples(temp, keep)
+    batch = gpu_features(df)
+    scorer = LiveScorer(load_default_model())
+    cols = ("temp_osc_vs_peers", "temp_recent_vs_own_vs_peers")
+    seen = {c: 0.0 for c in cols}
+    next_check = _T0 + (hours - 2) * 3600
+    for row in df.itertuples(index=False):
+        while row.time >= next_check:
+            slots, feats, ft = scorer.features(next_check)
+            b = batch[batch["time"] == ft].set_index("gpu")
+            gpus = [scorer._gpus[i] for i in slots]
+            for c in cols:
+                np.testing.assert_allclose(feats[c], b.loc[gpus, c].to_numpy(), atol=1e-6,
+                                           err_msg=f"{c} at {ft - _T0:.0f} s")
+                seen[c] = max(seen[c], float(np.max(feats[c])))
+            next_check += 3 * GRID_S
+        scorer.observe(GpuSample(node="n1", gpu=int(row.gpu), time=float(row.time),
+                                 source="replay", temperature_c=float(row.temperature_c),
+                                 slowdown_margin_c=20.0, power_w=500.0,
+                                 power_limit_w=700.0))
+    assert seen["temp_osc_vs_peers"] > 3.0 and seen["temp_recent_vs_own_vs_peers"] > 3.0, seen
