@@ -138,6 +138,12 @@ def test_precursor_becomes_a_stored_exported_probability_finding(running: Clocke
     assert svc.metric("forewarn_collector_prediction_failures_total") == 0
     replay_from = dataclasses.replace(c, start=c.fail_time - 60)
     replay(svc, replay_from, c.fail_time)
+    # The shadow counts are published by a scoring. The fixture's real-time timer can score
+    # at the failure's minute after the clock moved but before its batch is fed (CI at
+    # c53a2a1 read 0 here): the next minute's scoring has counted the failure in any case.
+    svc.clock.t += 60
+    svc.push(ranks=ranks(c.gpus[:2], svc.clock.t))
+    assert poll(lambda: svc.get("/api/v1/risk")["time"] == svc.clock.t, interval=0.02)
     assert svc.metric("forewarn_collector_prediction_failures_total") == 1
     assert svc.metric("forewarn_collector_prediction_caught_total") == 1
     assert svc.metric("forewarn_collector_prediction_recall") == 1.0
