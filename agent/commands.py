@@ -5,11 +5,13 @@ NATS) use it; deduplication by command id is the uplink's."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from forewarn.agent.order_ranks import ack_detail
 from forewarn.agent.protocols import OrderSink
 from forewarn.wire import Command
 
-__all__ = ["carry_out"]
+__all__ = ["carry_out", "hold_detail"]
 
 
 def carry_out(command: Command, orders: OrderSink | None) -> tuple[bool, str]:
@@ -29,7 +31,19 @@ def carry_out(command: Command, orders: OrderSink | None) -> tuple[bool, str]:
                                 () if sent is None else orders.not_live(sent.request_id))
     if hold is not None:
         reached = orders.hold_job(hold)
-        return True, f"save hold passed to {reached} rank(s) of {hold.job!r}"
+        return True, hold_detail(hold.job, reached, orders.hold_waiting(hold.request_id))
     assert advice is not None
     reached = orders.advise_job(advice)
     return True, f"advice passed to {reached} rank(s) of {advice.job!r}"
+
+
+def hold_detail(job: str, reached: int, waiting: Collection[int]) -> str:
+    """The acknowledgement's detail for a save hold of ``job``: the ranks it reached at
+    once of those it is for, and those still ``waiting`` for a retry."""
+    out = f"save hold passed to {reached} of {reached + len(waiting)} rank(s) of {job!r}"
+    if not waiting:
+        return out
+    ranks = ", ".join(str(r) for r in sorted(waiting))
+    return (f"{out}; rank(s) {ranks} not reached yet: retried on every poll (until they "
+            "take it, their process is replaced, or the hold is older than the orders' "
+            "time to live)")

@@ -16,10 +16,13 @@ is retried on every poll as an order's is, with the same ending rules
 live; a hold re-issued with ``replaces`` ends the undelivered copies of the one it replaces
 (a late copy of the old hold would move that rank's stop back to a step its peers save).
 A rank that never got the hold would go on saving the poisoned state and marking it good.
+Each hold given up is counted by why (:data:`GIVEN_UP`; exported as
+``forewarn_save_holds_given_up_total``).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import uuid
 from collections.abc import Callable, Sequence
@@ -42,6 +45,11 @@ KEEP_UNDELIVERED = 64
 """Holds with copies still to deliver, the newest kept (bounds memory; each also ends with
 its time to live)."""
 
+GIVEN_UP = ("expired", "restarted", "crowded", "reissues")
+"""Why a hold is given up: a rank it is for not reached within the time to live, a rank's
+process replaced (the job restarted), more than :data:`KEEP_UNDELIVERED` holds waiting
+(the oldest), the agent's own hold missed after its last reissue."""
+
 
 class LocalHolds:
     """Sends holds to local ranks and re-issues the agent's own when one is missed.
@@ -61,6 +69,8 @@ class LocalHolds:
         """The agent's own holds."""
         self._undelivered: dict[str, tuple[SaveHold, Delivery]] = {}
         """Request id -> a hold with copies that have not reached their rank yet."""
+        self.given_up_total: collections.Counter[str] = collections.Counter()
+        """Why (:data:`GIVEN_UP`) -> holds given up."""
 
     def _views(self, job: str) -> list[RankView]:
         """The ranks a hold goes to: as an order's (a rank marked gone may only be unheard,
@@ -80,7 +90,14 @@ class LocalHolds:
                 log.warning("save hold %s: more than %d holds wait for a rank: its "
                             "undelivered copies are given up", old, KEEP_UNDELIVERED)
                 del self._undelivered[old]
+                self.given_up_total["crowded"] += 1
         return delivery.reached
+
+    def waiting(self, request_id: str) -> frozenset[int]:
+        """Ranks a hold has not reached yet (retried on every poll; none once delivered or
+        given up)."""
+        pending = self._undelivered.get(request_id)
+        return frozenset(pending[1].unsent) if pending is not None else frozenset()
 
     def tick(self) -> None:
         """Retry the copies of holds that have not reached their rank (every poll); end
@@ -88,7 +105,10 @@ class LocalHolds:
         mono = self.monotonic()
         for rid, (hold, delivery) in list(self._undelivered.items()):
             views = self.table.job_views(hold.job)
-            if delivery.replaced(views) or delivery.expired(mono, self.ttl_s):
+            why = ("restarted" if delivery.replaced(views) else
+                   "expired" if delivery.expired(mono, self.ttl_s) else "")
+            if why:
+                self.given_up_total[why] += 1
                 log.warning("save hold %s: never reached rank(s) %s of job %s (a rank "
                             "restarted, or it is older than %.0f s): given up", rid,
                             sorted(delivery.unsent), hold.job, self.ttl_s)
@@ -128,6 +148,7 @@ class LocalHolds:
             return True
         hold, reissues, _ = missed
         if reissues >= self.max_reissues:
+            self.given_up_total["reissues"] += 1
             log.error("save hold %s: rank %d missed it; gave up after %d reissues",
                       hold.request_id, rep.rank, reissues)
             return True

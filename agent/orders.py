@@ -247,6 +247,11 @@ class CheckpointOrders:
         with self._lock:
             return self.holds.send_hold(hold)
 
+    def hold_waiting(self, request_id: str) -> frozenset[int]:
+        """Ranks a save hold has not reached yet (they get it on a later poll)."""
+        with self._lock:
+            return self.holds.waiting(request_id)
+
     def preempt_job(self, view: RankView) -> CheckpointOrder | None:
         """A rank of ``view.job`` got a preemption notice (table listener, ingest thread):
         order the whole job to save at the first step its fastest rank cannot have

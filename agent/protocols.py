@@ -197,6 +197,10 @@ class OrderSink(Protocol):
         """Pass a save hold to the job's local ranks; returns how many it reached."""
         ...
 
+    def hold_waiting(self, request_id: str) -> frozenset[int]:
+        """Ranks a save hold has not reached yet (retried on every poll)."""
+        ...
+
     def advise_job(self, advice: IntervalAdvice) -> int:
         """Pass interval advice to the job's local ranks; returns how many it reached."""
         ...

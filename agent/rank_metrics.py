@@ -26,6 +26,7 @@ registered into the agent's explicit registry by the rank component.
 ``forewarn_checkpoint_order_seconds``              ``training_job``: order to last rank done
 ``forewarn_checkpoint_orders_deferred_total``      ``training_job``: fast-path orders left to
                                                    the collector
+``forewarn_save_holds_given_up_total``             ``why``: expired/restarted/crowded/reissues
 ``forewarn_rank_hangs_confirmed_total``            ``training_job``
 ``forewarn_rank_hang_signals_total``               ``training_job``, ``signal``
                                                    SIGTERM/SIGKILL/refused
@@ -52,6 +53,7 @@ from prometheus_client.metrics_core import (
 )
 
 from forewarn.agent.hang import HangTerminator
+from forewarn.agent.holds import GIVEN_UP
 from forewarn.agent.ingest import RankIngest
 from forewarn.agent.orders import CheckpointOrders
 from forewarn.agent.rank_state import quantile
@@ -191,7 +193,15 @@ class RankCollector:
                 labels=["node", "training_job"])
             for job, n in sorted(orders.deferred_total.items()):
                 deferred.add_metric([self.node, job], n)
-            yield from (total, outcomes, open_, secs, deferred)
+            given_up = CounterMetricFamily(
+                "forewarn_save_holds_given_up",
+                "Save holds the agent gave up on (why: expired, a rank not reached within the"
+                " orders' time to live; restarted, a rank's process replaced; crowded, too"
+                " many holds waiting; reissues, its own hold missed after the last reissue).",
+                labels=["node", "why"])
+            for why in GIVEN_UP:
+                given_up.add_metric([self.node, why], orders.holds.given_up_total[why])
+            yield from (total, outcomes, open_, secs, deferred, given_up)
         if term is not None:
             conf = CounterMetricFamily("forewarn_rank_hangs_confirmed",
                                        "Confirmed hangs of a job on this node.",

@@ -107,7 +107,10 @@ class CollectorMetrics:
         )
         self.findings = Counter(P + "findings", "Findings stored.", ["health", "origin"],
                                 registry=r)
-        self.commands = Counter(P + "commands", "Command events.", ["kind", "event"], registry=r)
+        self.commands = Counter(
+            P + "commands", "Command events: queued, delivered, acked, failed (the agent's"
+            " answer), refused (kind invalid: a command the queue could not take; nothing of"
+            " its batch queued).", ["kind", "event"], registry=r)
         self.commands_pending = Gauge(P + "commands_pending", "Commands not yet acknowledged.",
                                       registry=r)
         self.long_polls = Gauge(P + "long_polls", "Command long polls held open.", registry=r)

@@ -20,6 +20,7 @@ from typing import Any
 import msgspec
 
 from forewarn.wire import CheckpointOrder, Command, CommandAck, SaveHold, decode, encode
+from forewarn.wire.base import Name
 
 from ..metrics import CollectorMetrics
 from .state import StateStore, insert_action
@@ -28,9 +29,10 @@ __all__ = ["CommandQueue", "NodeCommand"]
 
 
 class NodeCommand(msgspec.Struct, frozen=True, kw_only=True):
-    """A command addressed to one node's agent (what the policy hands back)."""
+    """A command addressed to one node's agent (what the policy hands back). Not validated
+    when built: :class:`CommandQueue` refuses one whose fields the agent could not take."""
 
-    node: str
+    node: Name
     command: Command
 
 
@@ -87,6 +89,8 @@ class CommandQueue:
         the items that were new."""
         if not items and action is None:
             return []
+        for item in items:
+            self._check(item)
         now = self.clock()
         added = []
         # Only the leader queues commands: a replica that lost the lead and has not noticed
@@ -94,9 +98,11 @@ class CommandQueue:
         with self.store.write(lead=True) as conn:
             for item in items:
                 c = item.command
+                # Only a command queued again (its id) is ignored: any other constraint
+                # raises, on SQLite as on PostgreSQL (OR IGNORE would skip NOT NULL too).
                 cur = conn.execute(
-                    "INSERT OR IGNORE INTO commands (id, node, kind, body, created, expires)"
-                    " VALUES (?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO commands (id, node, kind, body, created, expires)"
+                    " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO NOTHING",
                     (c.id, item.node, c.kind, encode(c), now, now + self.ttl_s))
                 if cur.rowcount == 1:
                     added.append(item)
@@ -111,6 +117,17 @@ class CommandQueue:
                 if self.on_enqueue is not None:
                     self.on_enqueue(node)
         return added
+
+    def _check(self, item: NodeCommand) -> None:
+        """Refuse ``item`` (counted; ValueError naming the command and the field) unless
+        the agent could take it: a node (:data:`~forewarn.wire.base.Name`) and a command
+        that decodes as :class:`~forewarn.wire.Command`. Nothing of the batch is queued."""
+        try:
+            msgspec.convert(msgspec.to_builtins(item), NodeCommand)
+        except (msgspec.ValidationError, TypeError) as e:
+            self.metrics.commands.labels("invalid", "refused").inc()
+            command_id = getattr(item.command, "id", None)
+            raise ValueError(f"command {command_id!r} refused: {e}") from e
 
     def order_checkpoint(self, nodes: Iterable[str], order: CheckpointOrder,
                          action: dict[str, Any] | None = None) -> list[NodeCommand]:

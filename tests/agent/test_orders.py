@@ -1210,3 +1210,87 @@ def test_a_rank_whose_socket_was_away_holds_from_the_same_step_as_its_peer(
         for step in range(41, 200):
             assert mons[0].saves_held(step) == mons[1].saves_held(step) == (step >= stop)
         assert agent.missed() == []
+
+
+def _given_up(ranks: Ranks, orders: CheckpointOrders) -> dict[str, float | None]:
+    """``forewarn_save_holds_given_up_total`` by ``why``, as the agent's scrape shows it."""
+    from prometheus_client import CollectorRegistry
+
+    from forewarn.agent.rank_metrics import RankCollector
+
+    reg = CollectorRegistry()
+    reg.register(RankCollector("n", ranks.table, orders=orders, clock=ranks.clock))
+    return {why: reg.get_sample_value("forewarn_save_holds_given_up_total",
+                                      {"node": "n", "why": why})
+            for why in ("expired", "restarted", "crowded", "reissues")}
+
+
+def _hold_given_up(ranks: Ranks, why: str) -> CheckpointOrders:
+    """Ranks ``a`` 0 and 1; a hold the agent gives up on for ``why``."""
+    for rank in (0, 1):
+        ranks.add("a", rank, 100 + rank, world=2)
+        ranks.step("a", rank, 100 + rank, 40 + rank)
+    mono = Clock(50.0)
+    orders = make_orders(ranks, ttl_s=900.0, monotonic=mono, max_reissues=0)
+
+    def hold(rid: str) -> None:
+        orders.hold_job(SaveHold(request_id=rid, job="a", onset_step=38, step=60,
+                                 issued=ranks.clock()))
+
+    if why == "reissues":  # its own hold missed with no reissue left
+        orders.fast_path([nan_finding()])
+        (first,) = _holds(ranks, "a", 1)
+        ranks.report("a", 1, 101, first.request_id, first.step + 30, "missed")
+        return orders
+    with _away(ranks.sockets[("a", 0)].getsockname()):
+        if why == "crowded":  # more holds wait than it keeps: the oldest is given up
+            ranks.fail_sends = True  # rank 1's queue would fill (a blocking send)
+            for n in range(65):
+                hold(f"c-h{n}")
+        else:
+            hold("c-h")
+        if why == "expired":
+            mono.t += 901.0
+        elif why == "restarted":
+            ranks.clock.t += 5
+            ranks.add("a", 0, 200, world=2)  # the new process, with a socket of its own
+        orders.tick(ranks.clock())
+    return orders
+
+
+@pytest.mark.parametrize("why", ["expired", "restarted", "crowded", "reissues"])
+def test_a_save_hold_given_up_is_counted_by_why(ranks: Ranks, why: str) -> None:
+    """A hold the agent gives up on (a rank never reached within its time to live, the
+    rank's process replaced, more holds waiting than it keeps, its own hold missed after
+    its last reissue) was only in the log: an operator could not see it, and a rank that
+    never held saves the poisoned state and marks it good. Each is counted by ``why``,
+    every ``why`` exported from the start (0), so an alert's ``increase`` sees the first."""
+    assert set(_given_up(ranks, make_orders(ranks)).values()) == {0.0}
+    orders = _hold_given_up(ranks, why)
+    assert _given_up(ranks, orders) == {
+        w: 1.0 if w == why else 0.0 for w in ("expired", "restarted", "crowded", "reissues")}
+
+
+def test_a_save_holds_ack_says_which_ranks_it_has_not_reached_yet(ranks: Ranks) -> None:
+    """Rank 0's socket is away when the collector's hold comes: the ack said "passed to 1
+    rank(s)", as if the job had one rank here that held, while rank 0 is still to get it
+    from a retry. It says how many of the job's ranks it reached and which wait."""
+    from forewarn.agent.commands import carry_out
+    from forewarn.wire import Command
+
+    for rank in (0, 1):
+        ranks.add("a", rank, 100 + rank, world=2)
+        ranks.step("a", rank, 100 + rank, 40 + rank)
+    orders = make_orders(ranks)
+    hold = SaveHold(request_id="c-h", job="a", onset_step=38, step=60, issued=ranks.clock())
+    with _away(ranks.sockets[("a", 0)].getsockname()):
+        ok, detail = carry_out(Command(id="c-h@n", kind="hold", hold=hold,
+                                       issued=ranks.clock()), orders)
+    assert ok and "passed to 1 of 2 rank(s) of 'a'" in detail, detail
+    assert "rank(s) 0 not reached yet" in detail, detail
+    orders.tick(ranks.clock())
+    assert _holds(ranks, "a", 0) == [hold]
+    ok, detail = carry_out(Command(id="c-h2@n", kind="hold", issued=ranks.clock(),
+                                   hold=msgspec.structs.replace(hold, request_id="c-h2")),
+                           orders)
+    assert detail == "save hold passed to 2 of 2 rank(s) of 'a'", detail

@@ -151,3 +151,23 @@ def test_the_gate_weighs_a_declined_prediction_again_while_the_gpu_stays_alarmed
     assert b.alarms > 10 and gate.decisions[0].work_s == 0.0 and not gate.decisions[0].act
     assert b.ordered >= 0.8 * b.alarms
     assert b.alarms == sum(d.work_s == 0.0 for d in gate.decisions)
+
+
+def test_the_gates_default_alarm_p_is_the_shipped_models() -> None:
+    """``forewarn simulate``'s (d) draws a false alarm's P as the shipped model's P at its
+    threshold (the lowest alarming score: bench/alarm_p.py found no false alarm on a
+    healthy GPU), and its true alarms' lowest band is no lower: a model recalibrated since
+    (the shipped model's P at 0.5 went from 0.0016 to 0.0018) leaves the README's (d) and
+    the defaults stale, as they were after s9-thermal's."""
+    import numpy as np
+
+    from forewarn.models.persist import load_default_model
+    from forewarn.simulate_gate import FALSE_ALARM_P, TRUE_ALARM_P
+
+    model = load_default_model()
+    at = model.failure_probability(np.array([model.threshold]))
+    assert at is not None
+    ((false_p, share),) = FALSE_ALARM_P
+    assert share == 1.0 and false_p == pytest.approx(float(at[0]), rel=0.05), (false_p, at)
+    assert min(p for p, _ in TRUE_ALARM_P) >= false_p * 0.95
+    assert sum(s for _, s in TRUE_ALARM_P) == pytest.approx(1.0)

@@ -1,4 +1,5 @@
--- SQLite migration 5: incidents, correlated findings with their lifecycle
+-- PostgreSQL migration 6, mirroring SQLite migration 5 (collector/storage/store.py):
+-- incidents, correlated findings with their lifecycle
 -- (forewarn.collector.decide.incidents); "findings" is a JSON list of tracked findings.
 CREATE TABLE incidents (
     id TEXT PRIMARY KEY, scope TEXT NOT NULL, kind TEXT NOT NULL, node TEXT NOT NULL,
