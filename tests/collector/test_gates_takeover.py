@@ -155,6 +155,30 @@ def test_a_decision_whose_order_was_not_queued_leaves_the_finding_to_the_next_le
     assert outcomes == {ActionKind.CHECKPOINT: "act", ActionKind.WEBHOOK: "act"}
 
 
+def test_an_order_stored_ahead_of_the_next_leaders_clock_gates_from_its_takeover(
+        sqlite_state: StateStore, caplog: pytest.LogCaptureFixture) -> None:
+    """Clock skew between replicas: the old leader's clock ran an hour ahead, so its order
+    is stored an hour in the next leader's future. Its cooldown counts from the takeover
+    at the latest: it held the job's next order back for the skew as well (an hour more
+    than the cooldown: the order of the job's next fault was suppressed, lost)."""
+    store = sqlite_state
+    settings = PolicySettings(shadow_actions=frozenset())
+    ahead = Clock()
+    ahead.t += 3600.0
+    old = Policy(settings, fleet(), clock=ahead, record=store_decisions(store))
+    ActionPipeline(old, OrderBook(CommandQueue(store, CollectorMetrics()), clock=ahead),
+                   actions=store).handle_findings([gpu_finding("n0", gpu=0, check="gpu_lost")])
+    assert store.scalar("SELECT count(*) FROM actions WHERE kind = 'checkpoint'") == 1
+    clock = Clock()
+    clock.t += 1.0
+    policy = next_leader(store, settings, clock)
+    clock.t += 600.0 + 1.0  # the checkpoint cooldown, from the takeover, is over
+    planned = policy.evaluate(gpu_finding("n0", gpu=1, check="gpu_lost"))
+    outcomes = {p.kind: p.decision.outcome for p in planned}
+    assert outcomes.get(ActionKind.CHECKPOINT) == "act", policy.decisions
+    assert any("ahead of this replica's clock" in r.getMessage() for r in caplog.records)
+
+
 def test_a_tripped_breaker_stays_tripped_for_the_next_leader(sqlite_state: StateStore) -> None:
     store = sqlite_state
     clock = Clock()
