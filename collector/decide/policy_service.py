@@ -99,7 +99,9 @@ class PolicyService:
         self._ctx: DecideContext | None = None
         self._timers: list[concurrent.futures.Future[None]] = []
         self._scoring: PartRunner | None = None
-        self._leading = False
+        self._led_term: int | None = None
+        """The leader's term (:attr:`~..storage.leader.Leadership.term`) the memory was
+        taken over in; None while this replica does not lead."""
 
     @classmethod
     def from_config(cls, config: CollectorConfig) -> PolicyService:
@@ -139,8 +141,8 @@ class PolicyService:
         self.alerts.start(ctx)
         self.advisors.start(ctx)
         self._scoring = PartRunner(ctx.submit_next, ctx.metrics.policy_errors.inc)
-        self._leading = ctx.leader.is_leader  # the incidents were just loaded
-        if self._leading:  # and the gates and orders: a restart keeps them
+        if ctx.leader.is_leader:  # the incidents were just loaded; the gates and orders
+            self._led_term = ctx.leader.term  # too: a restart keeps them
             self._take_over_memory(ctx)
         if ctx.loop is not None:
             self._timers.append(_every(EXPIRE_EVERY_S, ctx, self._when_leading(
@@ -248,15 +250,18 @@ class PolicyService:
     def _leads(self) -> bool:
         """Whether this replica decides now; when it starts to, the open incidents, the
         gates' memory and the orders in flight are taken over from the store first (with
-        shared state another replica decided)."""
+        shared state another replica decided). Each term of its lead starts so, also one
+        this thread never saw begin after the last (it lost the lock and took it again
+        while busy: another replica may have decided meanwhile)."""
         ctx = self._ctx
         if ctx is None:
             return False
         leads = ctx.leader.is_leader
-        if leads and not self._leading:
+        term = ctx.leader.term  # read after: a leader's term is set before it leads
+        if leads and self._led_term != term:
             self.ledger.take_over()
             self._take_over_memory(ctx)
-        self._leading = leads
+        self._led_term = term if leads else None
         return leads
 
     def _take_over_memory(self, ctx: DecideContext) -> None:
