@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 from forewarn.wire import AgentBatch, CommandAck, Finding
 
 from ..config import secret
+from ..storage.leader import leads_in
 from . import service_config
 from .actions import ActionPipeline, store_decisions
 from .advisors import Advisors
@@ -306,23 +307,35 @@ class PolicyService:
         """Store ``findings`` and run them through the policy with the cost model bypassed
         (an operator asked), on the decision lane; the decisions taken. (Alerts take the
         alert book and the bulk lane instead: :mod:`.alert_intake`.) A follower stores
-        them for the leader (see the module docstring) and answers ``relayed``."""
+        them for the leader (see the module docstring) and answers ``relayed``; so does a
+        replica that lost the lead before or while it decided them (the fence refused
+        what it queued, and the findings it stored under ``source`` are no feed's): the
+        leader decides them again, to the same order ids."""
         if ctx.leader.shared and not ctx.leader.is_leader:
-            await asyncio.to_thread(self.ledger.record, findings, source + RELAYED,
-                                    ctx.clock())
-            return {"findings": len(findings), "decisions": [], "relayed": "leader"}
+            return await self._relay(ctx, findings, source)
         await asyncio.to_thread(self.ledger.record, findings, source, ctx.clock())
+        term = ctx.leader.term
         taken = await ctx.run_policy(self._forced_findings, findings, source)
+        if ctx.leader.shared and not leads_in(ctx.leader, term):
+            return await self._relay(ctx, findings, source)
         decisions = [{"id": d.id, "action": d.action, "target": d.target,
                       "outcome": d.outcome, "reason": d.reason} for d in taken]
         return {"findings": len(findings), "decisions": decisions}
 
+    async def _relay(self, ctx: DecideContext, findings: list[Finding], source: str
+                     ) -> dict[str, Any]:
+        """Store an operator's ``findings`` for the leader's feed (origin ``source`` +
+        :data:`RELAYED`); the answer says so."""
+        await asyncio.to_thread(self.ledger.record, findings, source + RELAYED, ctx.clock())
+        return {"findings": len(findings), "decisions": [], "relayed": "leader"}
+
     def _forced_findings(self, findings: list[Finding], source: str) -> list[Decision]:
-        """Policy thread: an operator's findings, the cost model bypassed. The memory is
-        taken over first (:meth:`_leads`) when this is a new leader's first decision: an
-        order decided before it would enter an order book the takeover then replaces
-        from the store."""
-        self._leads()
+        """Policy thread: an operator's findings, the cost model bypassed; none decided
+        unless this replica leads. The memory is taken over first (:meth:`_leads`) when
+        this is a new leader's first decision: an order decided before it would enter an
+        order book the takeover then replaces from the store."""
+        if not self._leads():
+            return []
         decisions = self._decide(findings, source, force=True)
         self.ledger.save()
         return decisions
