@@ -12,6 +12,7 @@ the previous leader's gates would have held back.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     from .policy import PolicySettings
 
 __all__ = ["GateEvent", "Gates"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,10 +87,18 @@ class Gates:
         :meth:`window_s` of ``now``) say: cooldowns from the last action per target, the
         breakers' targets and trips, the buckets replayed from full at the window's start
         (a bucket is full again after its fill time, so that is exact unless the
-        window's start fell inside a burst)."""
+        window's start fell inside a burst). An event stored after ``now`` (another
+        replica's clock ran ahead of this one's) counts as at ``now``: its cooldown, token
+        and breaker entry would otherwise hold for the skew on top (logged)."""
         start = now - self.window_s()
         fresh = Gates(self.settings, start)
-        for e in events:
+        events = list(events)
+        ahead = max((e.time - now for e in events), default=0.0)
+        if ahead > 0:
+            log.warning("policy gates: a stored decision's time is %.1f s ahead of this "
+                        "replica's clock (clock skew between replicas?): counted as now",
+                        ahead)
+        for e in (dataclasses.replace(e, time=min(e.time, now)) for e in events):
             breaker = fresh.breakers.get(e.kind)
             if not e.acted:
                 if breaker is not None:

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 from forewarn.wire import AgentBatch, CommandAck, Finding
 
 from ..config import secret
+from ..storage.leader import leads_in
 from . import service_config
 from .actions import ActionPipeline, store_decisions
 from .advisors import Advisors
@@ -99,7 +100,9 @@ class PolicyService:
         self._ctx: DecideContext | None = None
         self._timers: list[concurrent.futures.Future[None]] = []
         self._scoring: PartRunner | None = None
-        self._leading = False
+        self._led_term: int | None = None
+        """The leader's term (:attr:`~..storage.leader.Leadership.term`) the memory was
+        taken over in; None while this replica does not lead."""
 
     @classmethod
     def from_config(cls, config: CollectorConfig) -> PolicyService:
@@ -139,8 +142,8 @@ class PolicyService:
         self.alerts.start(ctx)
         self.advisors.start(ctx)
         self._scoring = PartRunner(ctx.submit_next, ctx.metrics.policy_errors.inc)
-        self._leading = ctx.leader.is_leader  # the incidents were just loaded
-        if self._leading:  # and the gates and orders: a restart keeps them
+        if ctx.leader.is_leader:  # the incidents were just loaded; the gates and orders
+            self._led_term = ctx.leader.term  # too: a restart keeps them
             self._take_over_memory(ctx)
         if ctx.loop is not None:
             self._timers.append(_every(EXPIRE_EVERY_S, ctx, self._when_leading(
@@ -248,15 +251,18 @@ class PolicyService:
     def _leads(self) -> bool:
         """Whether this replica decides now; when it starts to, the open incidents, the
         gates' memory and the orders in flight are taken over from the store first (with
-        shared state another replica decided)."""
+        shared state another replica decided). Each term of its lead starts so, also one
+        this thread never saw begin after the last (it lost the lock and took it again
+        while busy: another replica may have decided meanwhile)."""
         ctx = self._ctx
         if ctx is None:
             return False
         leads = ctx.leader.is_leader
-        if leads and not self._leading:
+        term = ctx.leader.term  # read after: a leader's term is set before it leads
+        if leads and self._led_term != term:
             self.ledger.take_over()
             self._take_over_memory(ctx)
-        self._leading = leads
+        self._led_term = term if leads else None
         return leads
 
     def _take_over_memory(self, ctx: DecideContext) -> None:
@@ -301,23 +307,35 @@ class PolicyService:
         """Store ``findings`` and run them through the policy with the cost model bypassed
         (an operator asked), on the decision lane; the decisions taken. (Alerts take the
         alert book and the bulk lane instead: :mod:`.alert_intake`.) A follower stores
-        them for the leader (see the module docstring) and answers ``relayed``."""
+        them for the leader (see the module docstring) and answers ``relayed``; so does a
+        replica that lost the lead before or while it decided them (the fence refused
+        what it queued, and the findings it stored under ``source`` are no feed's): the
+        leader decides them again, to the same order ids."""
         if ctx.leader.shared and not ctx.leader.is_leader:
-            await asyncio.to_thread(self.ledger.record, findings, source + RELAYED,
-                                    ctx.clock())
-            return {"findings": len(findings), "decisions": [], "relayed": "leader"}
+            return await self._relay(ctx, findings, source)
         await asyncio.to_thread(self.ledger.record, findings, source, ctx.clock())
+        term = ctx.leader.term
         taken = await ctx.run_policy(self._forced_findings, findings, source)
+        if ctx.leader.shared and not leads_in(ctx.leader, term):
+            return await self._relay(ctx, findings, source)
         decisions = [{"id": d.id, "action": d.action, "target": d.target,
                       "outcome": d.outcome, "reason": d.reason} for d in taken]
         return {"findings": len(findings), "decisions": decisions}
 
+    async def _relay(self, ctx: DecideContext, findings: list[Finding], source: str
+                     ) -> dict[str, Any]:
+        """Store an operator's ``findings`` for the leader's feed (origin ``source`` +
+        :data:`RELAYED`); the answer says so."""
+        await asyncio.to_thread(self.ledger.record, findings, source + RELAYED, ctx.clock())
+        return {"findings": len(findings), "decisions": [], "relayed": "leader"}
+
     def _forced_findings(self, findings: list[Finding], source: str) -> list[Decision]:
-        """Policy thread: an operator's findings, the cost model bypassed. The memory is
-        taken over first (:meth:`_leads`) when this is a new leader's first decision: an
-        order decided before it would enter an order book the takeover then replaces
-        from the store."""
-        self._leads()
+        """Policy thread: an operator's findings, the cost model bypassed; none decided
+        unless this replica leads. The memory is taken over first (:meth:`_leads`) when
+        this is a new leader's first decision: an order decided before it would enter an
+        order book the takeover then replaces from the store."""
+        if not self._leads():
+            return []
         decisions = self._decide(findings, source, force=True)
         self.ledger.save()
         return decisions

@@ -8,19 +8,19 @@ that window both would decide, and a job could get two checkpoint orders. Checki
 before writing cannot close it, so the store refuses the stale leader's write instead.
 
 On PostgreSQL the ``leadership`` row (migration 0009) holds an *epoch*. A replica that
-takes the lock increments it in its own transaction and remembers the value
-(:meth:`Fence.hold`) before it calls itself the leader. Every write only the leader may
-make (``store.write(lead=True)``: commands with their ``actions`` row, the queued
-webhook's row, the check before a drain runs, the feed's cursor) first reads that row
-``FOR SHARE`` in its transaction and goes on only while the epoch is still its own; else
-it raises :class:`NotLeaderError` and the transaction is rolled back: nothing of it is
-stored. Row locks make this exact: the next leader's increment waits for a fenced write
-in flight to end, and every fenced write after the increment sees the new epoch. A fenced
-write that sits idle in its transaction longer than :data:`IDLE_S` (its replica stalled)
-has its session ended by the server, so a stall cannot hold a takeover for long; the
-stalled write is then not stored. The
-refused replica steps down at once (:attr:`Fence.on_lost`), says why once in its log, and
-counts every refused write (``forewarn_collector_fenced_writes_total``).
+takes the lock increments it in its own transaction (to at least the server's clock in
+milliseconds: :data:`LEAD_SQL`) and remembers the value (:meth:`Fence.hold`) before it
+calls itself the leader. Every write only the leader may make (``store.write(lead=True)``:
+commands with their ``actions`` row, the queued webhook's row, the check before a drain
+runs, the feed's cursor) first reads that row ``FOR SHARE`` in its transaction and goes on
+only while the epoch is still its own; else it raises :class:`NotLeaderError` and the
+transaction is rolled back: nothing of it is stored. Row locks make this exact: the next
+leader's increment waits for a fenced write in flight to end, and every fenced write after
+the increment sees the new epoch. A fenced write that sits idle in its transaction longer
+than :data:`IDLE_S` (its replica stalled) has its session ended by the server, so a stall
+cannot hold a takeover for long; the stalled write is then not stored. The refused replica
+steps down at once (:attr:`Fence.on_lost`), says why once in its log, and counts every
+refused write (``forewarn_collector_fenced_writes_total``).
 
 With the embedded SQLite state there is one replica: the fence is never checked; nor is it
 on a PostgreSQL store that no leader election uses (:attr:`Fence.armed`: one process alone
@@ -50,13 +50,18 @@ IDLE_S = 10.0
 a swap storm) before PostgreSQL ends the session: the share lock would otherwise hold the
 next leader's takeover for as long as the stall lasts."""
 
+_CLOCK_MS = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint"
 LEAD_SQL = ("INSERT INTO leadership (name, epoch)"
-            " VALUES ('policy', (extract(epoch FROM clock_timestamp()) * 1000)::bigint)"
-            " ON CONFLICT (name) DO UPDATE SET epoch = leadership.epoch + 1 RETURNING epoch")
-"""Run by a replica that took the lock, before it leads: its epoch. An upsert: a row
-deleted by hand is made again (an UPDATE returned nothing, and the election died), from
-the clock in milliseconds, not 1: a stale leader still holding an epoch of the deleted
-row must not find it taken again."""
+            f" VALUES ('policy', {_CLOCK_MS})"
+            " ON CONFLICT (name) DO UPDATE"
+            f" SET epoch = GREATEST(leadership.epoch + 1, {_CLOCK_MS}) RETURNING epoch")
+"""Run by a replica that took the lock, before it leads: its epoch, at least the database
+server's clock in milliseconds. Not merely the row plus one: the row may have lost the
+last increment (a failover to an asynchronous standby, a crash with ``synchronous_commit =
+off``), and the next leader would take the epoch the old leader still holds, both passing
+the fence; nor may a row deleted by hand (made again by this upsert: an UPDATE returned
+nothing, and the election died) start over at an epoch a stale leader holds. Still one more
+than the row when the server's clock is behind it."""
 
 
 class NotLeaderError(StorageError, RuntimeError):

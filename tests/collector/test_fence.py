@@ -287,3 +287,32 @@ def test_the_election_survives_an_error_it_did_not_foresee(postgres_server: Any)
                  "the replica to lead again after the failed round")
     finally:
         leader.stop()
+
+
+def test_a_lead_epoch_the_database_lost_is_not_handed_out_again(postgres_server: Any) -> None:
+    """The last epoch increment lost by the database (a failover to an asynchronous standby,
+    a crash with ``synchronous_commit = off``: the row holds an earlier epoch than the
+    leader took). The next replica to take the lock must not get the epoch the old leader
+    still holds: it got it (the row plus one), and the old leader, not yet aware, wrote as
+    leader beside it, both passing the fence."""
+    dsn = postgres_server.database()
+    a = Replica(dsn, interval_s=3600.0)
+    b: Replica | None = None
+    try:
+        wait_for(lambda: a.leader.is_leader, 30, "a to lead")
+        held = a.store.fence.epoch
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("UPDATE leadership SET epoch = %s WHERE name = 'policy'", (held - 1,))
+        b = Replica(dsn, interval_s=0.05)
+        end_leader_session(dsn)
+        wait_for(lambda: b is not None and b.leader.is_leader, 30, "b to take the lock")
+        assert a.leader.is_leader, "a noticed: the window this test is about is gone"
+        assert b.store.fence.epoch != held
+        with pytest.raises(NotLeaderError, match="another took the lead"):
+            WRITES["order"](a, time.time())
+        assert rows(dsn, "SELECT id FROM commands") == []
+        assert not a.leader.is_leader
+    finally:
+        a.stop()
+        if b is not None:
+            b.stop()

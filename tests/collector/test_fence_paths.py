@@ -10,6 +10,7 @@ notice in time checks its lock next in an hour (:func:`~support.handover.lock_ch
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import time
@@ -236,3 +237,45 @@ def test_a_command_that_cannot_be_queued_is_a_counted_policy_error(
         client.close()
         server.stop()
         store.close()
+
+
+OPERATOR_TOKEN = "operator-token-fence-paths-test"
+
+
+@pytest.mark.system
+def test_an_operators_order_a_stale_leader_could_not_queue_goes_to_the_leader(
+        tmp_path: Path, services: tuple[str, list[Service]]) -> None:
+    """An operator's order reaches a, which has not noticed that b leads: its order is
+    refused by the fence. Before, a answered with its decisions (the checkpoint ``act``,
+    never queued) and had stored the order's finding under its own origin, which no feed
+    hands on: no replica ordered the job. Now a relays it, as a follower does: b orders."""
+    dsn, started = services
+    a = Service(tmp_path / "a", dsn, operator_token=OPERATOR_TOKEN)
+    started.append(a)
+    wait_for(a.leads, 60, "a leads")
+    wait_for(lambda: rows(dsn, "SELECT 1 FROM policy_cursor"), 60, "a's feed to run")
+    b = Service(tmp_path / "b", dsn, operator_token=OPERATOR_TOKEN)
+    started.append(b)
+    lock_checks_every(dsn, b, 0.05)
+    a.push("node1", ranks=ranks("train-1", "node1", time.time()))
+    lock_checks_every(dsn, a, 3600.0)
+    busy, release = a.hold_policy()
+    assert busy.wait(30)
+    a.push("node3", findings=[gpu_lost("node3")])  # no job there: no order, no fenced write
+    wait_for(lambda: feed_waits(dsn, 0.5), 30, "a's feed to wait for its policy thread")
+    end_leader_session(dsn)
+    wait_for(b.leads, 30, "b to take the lock")
+    assert a.leads(), "a noticed: the window this test is about is gone"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(httpx.post, f"{a.server.url}/api/v1/orders",
+                             json={"job": "train-1", "reason": "drill"}, timeout=60,
+                             headers={"authorization": f"Bearer {OPERATOR_TOKEN}"})
+        wait_for(lambda: rows(dsn, "SELECT 1 FROM findings WHERE origin = 'operator'"), 30,
+                 "a to store the operator's order")
+        release.set()
+        r = answer.result(60)
+    assert r.status_code == 200, r.text
+    assert r.json()["decisions"] == [] and r.json()["relayed"] == "leader", r.json()
+    wait_for(lambda: rows(dsn, "SELECT count(*) FROM commands WHERE kind = 'checkpoint'")
+             == [(1,)], 30, "b to order the job")
+    assert not a.leads()

@@ -37,7 +37,15 @@ from forewarn.wire import Finding, Health, Subject, SuggestedAction
 
 from support.collector import Service as CollectorService
 from support.collector import ranks_on, start_service, stop_service
-from support.handover import Service, gpu_lost, leader_and_follower, rows, take_over
+from support.handover import (
+    Service,
+    end_leader_session,
+    gpu_lost,
+    leader_and_follower,
+    lock_checks_every,
+    rows,
+    take_over,
+)
 from support.policy import Clock, fleet, gpu_finding
 from support.polling import wait_for
 from support.webhooks import Receiver
@@ -68,6 +76,35 @@ def test_the_next_leader_keeps_the_old_leaders_checkpoint_cooldown(
     wait_for(lambda: decided_since(dsn, "checkpoint", led), 30, "b to decide it")
     [(decision, reason)] = decided_since(dsn, "checkpoint", led)
     assert decision == "checkpoint:suppressed" and reason.startswith("cooldown"), reason
+    assert rows(dsn, ORDERS) == [(1,)]
+
+
+@pytest.mark.system
+@pytest.mark.timeout(240)
+def test_a_leader_that_leads_again_takes_over_what_the_leader_between_did(
+        tmp_path: Path, services: tuple[str, list[Service]]) -> None:
+    """a loses the lock, b leads and orders the job, b goes and a leads again, all while
+    a's policy thread is busy (it never saw itself follow). a takes over b's memory as at
+    any takeover. Before, it kept its own (it had led, and led again): the same fault's
+    next finding ordered the job a second time."""
+    dsn, started = services
+    a, b = leader_and_follower(tmp_path, dsn, started)
+    lock_checks_every(dsn, b, 0.05)  # b, not a again, takes the lock a loses
+    busy, release = a.hold_policy()
+    assert busy.wait(30)
+    end_leader_session(dsn)
+    wait_for(b.leads, 30, "b to take the lock")
+    b.push("node1", findings=[gpu_lost("node1", gpu=0)])
+    wait_for(lambda: rows(dsn, ORDERS) == [(1,)], 30, "b to order the job")
+    wait_for(lambda: rows(dsn, "SELECT 1 FROM actions WHERE kind = 'checkpoint'"
+                               " AND status = 'ordered'"), 30, "b to record its order")
+    led = take_over(dsn, b, a)
+    release.set()
+
+    a.push("node1", findings=[gpu_lost("node1", gpu=1)])
+    wait_for(lambda: decided_since(dsn, "checkpoint", led), 30, "a to decide it")
+    [(decision, reason)] = decided_since(dsn, "checkpoint", led)
+    assert decision == "checkpoint:suppressed", reason
     assert rows(dsn, ORDERS) == [(1,)]
 
 
@@ -153,6 +190,30 @@ def test_a_decision_whose_order_was_not_queued_leaves_the_finding_to_the_next_le
     # the order and the webhook again (the same order id and idempotency key); the drain
     # counted from its decision: its node is cooling down
     assert outcomes == {ActionKind.CHECKPOINT: "act", ActionKind.WEBHOOK: "act"}
+
+
+def test_an_order_stored_ahead_of_the_next_leaders_clock_gates_from_its_takeover(
+        sqlite_state: StateStore, caplog: pytest.LogCaptureFixture) -> None:
+    """Clock skew between replicas: the old leader's clock ran an hour ahead, so its order
+    is stored an hour in the next leader's future. Its cooldown counts from the takeover
+    at the latest: it held the job's next order back for the skew as well (an hour more
+    than the cooldown: the order of the job's next fault was suppressed, lost)."""
+    store = sqlite_state
+    settings = PolicySettings(shadow_actions=frozenset())
+    ahead = Clock()
+    ahead.t += 3600.0
+    old = Policy(settings, fleet(), clock=ahead, record=store_decisions(store))
+    ActionPipeline(old, OrderBook(CommandQueue(store, CollectorMetrics()), clock=ahead),
+                   actions=store).handle_findings([gpu_finding("n0", gpu=0, check="gpu_lost")])
+    assert store.scalar("SELECT count(*) FROM actions WHERE kind = 'checkpoint'") == 1
+    clock = Clock()
+    clock.t += 1.0
+    policy = next_leader(store, settings, clock)
+    clock.t += 600.0 + 1.0  # the checkpoint cooldown, from the takeover, is over
+    planned = policy.evaluate(gpu_finding("n0", gpu=1, check="gpu_lost"))
+    outcomes = {p.kind: p.decision.outcome for p in planned}
+    assert outcomes.get(ActionKind.CHECKPOINT) == "act", policy.decisions
+    assert any("ahead of this replica's clock" in r.getMessage() for r in caplog.records)
 
 
 def test_a_tripped_breaker_stays_tripped_for_the_next_leader(sqlite_state: StateStore) -> None:
