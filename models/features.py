@@ -376,13 +376,12 @@ def _inline_xids(samples: pd.DataFrame) -> pd.DataFrame | None:
                          "code": code[sel].astype(np.int64)})
 
 
-def grid_state(samples: pd.DataFrame, xids: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Fold samples (and XIDs) onto the per-GPU 60 s grid of cumulative state.
-
-    Returns one row per GPU per minute from its first to its last sample, columns
-    ``node, gpu, minute`` + :data:`CUM_COLUMNS` + :data:`LAST_COLUMNS`, sorted by GPU
-    then minute. Raises :class:`~forewarn.models.schema.DataError` on bad input.
-    """
+def grid_state(samples: pd.DataFrame, xids: pd.DataFrame | None = None,
+               tail: int = 0) -> pd.DataFrame:
+    """Samples (and XIDs) on the per-GPU 60 s grid of cumulative state: a row per GPU per
+    minute from its first sample to ``tail`` minutes after its last (``_tail`` True there),
+    columns ``node, gpu, minute`` + :data:`CUM_COLUMNS` + :data:`LAST_COLUMNS`, sorted by
+    GPU then minute. Raises :class:`~forewarn.models.schema.DataError` on bad input."""
     samples = validate_samples(samples)
     v = _row_values(samples.sort_values(["node", "gpu", "time"], kind="stable"))
     keys = ["node", "gpu", "minute"]
@@ -391,12 +390,12 @@ def grid_state(samples: pd.DataFrame, xids: pd.DataFrame | None = None) -> pd.Da
     g = v.groupby(keys, sort=True).agg(agg)
     # Regular grid per GPU: every minute from first to last.
     span = g.reset_index().groupby(["node", "gpu"])["minute"].agg(["min", "max"])
-    lengths = (span["max"] - span["min"] + 1).to_numpy()
+    lengths = (span["max"] + tail - span["min"] + 1).to_numpy()
     idx = pd.MultiIndex.from_arrays([
         np.repeat(span.index.get_level_values(0).to_numpy(), lengths),
         np.repeat(span.index.get_level_values(1).to_numpy(), lengths),
-        np.concatenate([np.arange(a, b + 1) for a, b in zip(span["min"], span["max"],
-                                                             strict=True)])
+        np.concatenate([np.arange(a, b + tail + 1) for a, b in zip(span["min"], span["max"],
+                                                                    strict=True)])
         if len(span) else np.array([], np.int64),
     ], names=keys)
     g = g.reindex(idx)
@@ -432,13 +431,15 @@ def grid_state(samples: pd.DataFrame, xids: pd.DataFrame | None = None) -> pd.Da
         for c in XID_CLASSES:
             out[f"xid_{c}"] = out[f"xid_{c}"].groupby(gid).cumsum()
     out["_gid"] = gid
+    out["_tail"] = out["minute"].to_numpy() > np.repeat(span["max"].to_numpy(), lengths)
     return out
 
 
 def gpu_features(samples: pd.DataFrame, xids: pd.DataFrame | None = None) -> pd.DataFrame:
     """Feature table: one row per GPU per minute, columns ``node, gpu, time`` (end of the
-    minute, seconds), :data:`FEATURE_NAMES` and :data:`LEGACY_NAMES`."""
-    g = grid_state(samples, xids)
+    minute, seconds), :data:`FEATURE_NAMES` and :data:`LEGACY_NAMES`; a GPU's rows end at its
+    last sample, but it stays a peer :data:`PEER_MINUTES` longer, as live (and after a gap)."""
+    g = grid_state(samples, xids, tail=PEER_MINUTES)
     gid = g["_gid"]
     cols = list(CUM_COLUMNS)
     first = g.groupby(gid)[cols].transform("first")
@@ -466,7 +467,7 @@ def gpu_features(samples: pd.DataFrame, xids: pd.DataFrame | None = None) -> pd.
     out.insert(0, "time", (g["minute"].to_numpy() + 1) * GRID_S)
     out.insert(0, "gpu", g["gpu"].to_numpy())
     out.insert(0, "node", g["node"].to_numpy())
-    return out
+    return out[~g["_tail"].to_numpy()].reset_index(drop=True)
 
 
 def rank_features(steps: pd.DataFrame, bucket_s: float = 10.0) -> pd.DataFrame:

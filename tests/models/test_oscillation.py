@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from forewarn.models.features import GRID_S, gpu_features
+from forewarn.models.features import FEATURE_NAMES, GRID_S, LEGACY_NAMES, gpu_features
 from forewarn.models.live import LiveScorer
 from forewarn.models.persist import load_default_model
 from forewarn.wire import GpuSample
@@ -93,6 +93,33 @@ def test_recent_hours_against_the_own_baseline() -> None:
     assert last.drop(3).abs().max() < 1.0, last
 
 
+def _live_against_batch(df: pd.DataFrame, cols: tuple[str, ...], start_h: float,
+                        step: int) -> dict[str, float]:
+    """Feed ``df`` sample by sample to a live scorer, compare its features ``cols`` at every
+    ``step`` minutes from ``start_h`` hours on with the batch features to 1e-6 (for the GPUs
+    both have a row of), and return each column's largest live value."""
+    batch = gpu_features(df)
+    scorer = LiveScorer(load_default_model())
+    seen = {c: 0.0 for c in cols}
+    next_check = _T0 + start_h * 3600
+    for row in df.itertuples(index=False):
+        while row.time >= next_check:
+            slots, feats, ft = scorer.features(next_check)
+            b = batch[batch["time"] == ft].set_index("gpu")
+            gpus = np.array([scorer._gpus[i] for i in slots])
+            both = np.isin(gpus, b.index)
+            for c in cols:
+                np.testing.assert_allclose(feats[c][both], b.loc[gpus[both], c].to_numpy(),
+                                           atol=1e-6, err_msg=f"{c} at {ft - _T0:.0f} s")
+                seen[c] = max(seen[c], float(np.max(feats[c])))
+            next_check += step * GRID_S
+        scorer.observe(GpuSample(node="n1", gpu=int(row.gpu), time=float(row.time),
+                                 source="replay", temperature_c=float(row.temperature_c),
+                                 slowdown_margin_c=20.0, power_w=500.0,
+                                 power_limit_w=700.0))
+    return seen
+
+
 def test_live_oscillation_and_recent_hours_equal_the_batch_features() -> None:
     """A node with one GPU swinging, one drifting and one with gaps, fed sample by sample to
     the live scorer: its features equal the batch features to 1e-6 (and are not all zero)."""
@@ -101,24 +128,19 @@ def test_live_oscillation_and_recent_hours_equal_the_batch_features() -> None:
     temp[1, -120:] += _sine(120, 7.0, 5.0)
     temp[2, 4 * 60:] += np.linspace(0.0, 12.0, temp.shape[1] - 4 * 60)
     keep = np.random.default_rng(4).random(temp.shape) > 0.03
-    df = _samples(temp, keep)
-    batch = gpu_features(df)
-    scorer = LiveScorer(load_default_model())
     cols = ("temp_osc_vs_peers", "temp_recent_vs_own_vs_peers")
-    seen = {c: 0.0 for c in cols}
-    next_check = _T0 + (hours - 2) * 3600
-    for row in df.itertuples(index=False):
-        while row.time >= next_check:
-            slots, feats, ft = scorer.features(next_check)
-            b = batch[batch["time"] == ft].set_index("gpu")
-            gpus = [scorer._gpus[i] for i in slots]
-            for c in cols:
-                np.testing.assert_allclose(feats[c], b.loc[gpus, c].to_numpy(), atol=1e-6,
-                                           err_msg=f"{c} at {ft - _T0:.0f} s")
-                seen[c] = max(seen[c], float(np.max(feats[c])))
-            next_check += 3 * GRID_S
-        scorer.observe(GpuSample(node="n1", gpu=int(row.gpu), time=float(row.time),
-                                 source="replay", temperature_c=float(row.temperature_c),
-                                 slowdown_margin_c=20.0, power_w=500.0,
-                                 power_limit_w=700.0))
+    seen = _live_against_batch(_samples(temp, keep), cols, hours - 2, 3)
     assert seen["temp_osc_vs_peers"] > 3.0 and seen["temp_recent_vs_own_vs_peers"] > 3.0, seen
+
+
+def test_a_gpu_gone_for_good_is_a_peer_as_long_in_batch_as_live() -> None:
+    """GPU 2 sends its last sample at minute 500 (it fell off the bus): live, it stays its
+    peers' peer while it sent a sample in the last PEER_MINUTES, as after any gap; the
+    batch features, whose grid of a GPU ended at its last sample, dropped it at once and
+    its peers' features differed from the live ones (``temp_vs_peers`` by 0.45 C,
+    ``temp_osc_vs_peers`` by 0.24). Every feature of the GPUs both have equal to 1e-6."""
+    temp = _node(9.0, seed=3)
+    temp[1, -120:] += _sine(120, 7.0, 5.0)
+    keep = np.ones(temp.shape, bool)
+    keep[2, 500:] = False
+    _live_against_batch(_samples(temp, keep), FEATURE_NAMES + LEGACY_NAMES, 8.2, 1)
