@@ -44,7 +44,7 @@ from forewarn.models.gauges import (
     window_mean,
 )
 from forewarn.models.oscillation import HISTORY_COLUMNS, History, oscillation_vs_peers
-from forewarn.models.schema import nvlink_columns, validate_samples, validate_xids
+from forewarn.models.schema import nvlink_sums, validate_samples, validate_xids
 
 __all__ = [
     "BASELINE_BLOCK",
@@ -327,7 +327,6 @@ def _num(df: pd.DataFrame, col: str, default: float = 0.0) -> pd.Series:
 def _row_values(samples: pd.DataFrame) -> pd.DataFrame:
     """Per-sample values that fold onto the grid (one column per grid quantity)."""
     s = samples
-    links = nvlink_columns(s.columns)
     thr = _num(s, "throttle_reasons").fillna(0).astype(np.int64)
     temp = _num(s, "temperature_c")
     power = _num(s, "power_w")
@@ -343,12 +342,7 @@ def _row_values(samples: pd.DataFrame) -> pd.DataFrame:
         "ret_sbe": _num(s, "retired_pages_sbe"),
         "ret_dbe": _num(s, "retired_pages_dbe"),
         "pcie": _num(s, "pcie_replay_total"),
-        "nvl_crc": sum((_num(s, c).fillna(0) for c in links["crc_flit"] + links["crc_data"]),
-                       start=pd.Series(0.0, index=s.index)),
-        "nvl_replay": sum((_num(s, c).fillna(0) for c in links["replay"]),
-                          start=pd.Series(0.0, index=s.index)),
-        "nvl_recovery": sum((_num(s, c).fillna(0) for c in links["recovery"]),
-                            start=pd.Series(0.0, index=s.index)),
+        **nvlink_sums(s),
         "n": (has_t | has_p).astype(np.float64),
         "temp": temp.fillna(0), "temp2": temp.fillna(0) ** 2,
         "margin": _num(s, "slowdown_margin_c").fillna(0),

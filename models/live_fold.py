@@ -34,6 +34,10 @@ _COUNTERS: Final = (
     (IX["pcie"], "pcie_replay_total", False),
 )
 """(column, GpuSample field, whether growth is a failure: an uncorrectable error)."""
+_LINKS: Final = ((IX["nvl_crc"], ("crc_flit", "crc_data")), (IX["nvl_replay"], ("replay",)),
+                 (IX["nvl_recovery"], ("recovery",)))
+"""(column, the NvlinkCounters fields summed into it), as
+:func:`~forewarn.models.schema.nvlink_sums` sums the table's columns."""
 
 
 def _counters(row: np.ndarray, s: GpuSample) -> bool:
@@ -44,10 +48,10 @@ def _counters(row: np.ndarray, s: GpuSample) -> bool:
         if val is not None:
             grew = grew or (fatal and val > row[j])
             row[j] = val
-    if s.nvlink:
-        row[IX["nvl_crc"]] = sum((lk.crc_flit or 0) + (lk.crc_data or 0) for lk in s.nvlink)
-        row[IX["nvl_replay"]] = sum(lk.replay or 0 for lk in s.nvlink)
-        row[IX["nvl_recovery"]] = sum(lk.recovery or 0 for lk in s.nvlink)
+    for j, fields in _LINKS:  # summed over the links; on none of them: not known, held
+        got = [v for lk in s.nvlink for f in fields if (v := getattr(lk, f)) is not None]
+        if got:
+            row[j] = sum(got)
     return grew
 
 

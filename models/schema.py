@@ -33,6 +33,7 @@ __all__ = [
     "XID_COLUMNS",
     "DataError",
     "nvlink_columns",
+    "nvlink_sums",
     "read_table",
     "validate_labels",
     "validate_samples",
@@ -80,6 +81,20 @@ def nvlink_columns(columns: pd.Index | list[str]) -> dict[str, list[str]]:
         m = _NVLINK_RE.match(str(col))
         if m:
             out[m.group(2)].append(str(col))
+    return out
+
+
+def nvlink_sums(samples: pd.DataFrame) -> dict[str, pd.Series]:
+    """Each sample's NVLink counters summed over its links, as the grid's ``nvl_crc``
+    (flit and data CRC errors), ``nvl_replay`` and ``nvl_recovery`` (a link without the
+    counter adds 0); NaN where the sample has the counter on no link: not known, not 0."""
+    links = nvlink_columns(samples.columns)
+    nan = pd.Series(np.nan, index=samples.index)
+    out = {}
+    for name, kinds in (("nvl_crc", ("crc_flit", "crc_data")), ("nvl_replay", ("replay",)),
+                        ("nvl_recovery", ("recovery",))):
+        cols = [pd.to_numeric(samples[c], errors="coerce") for k in kinds for c in links[k]]
+        out[name] = pd.concat([nan, *cols], axis=1).sum(axis=1, min_count=1)
     return out
 
 

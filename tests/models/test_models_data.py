@@ -307,3 +307,43 @@ def test_labels_from_telemetry_find_the_simulated_failures() -> None:
     assert (merged["time_found"] - merged["time"]).abs().max() <= 60.0
     silent = d.labels[d.labels["cause"].isin(["nic", "sdc"])]
     assert not silent.merge(found, on=["node", "gpu"]).shape[0]
+
+
+def test_a_sample_without_nvlink_counters_holds_them_live_and_in_batch() -> None:
+    """GPU 0's samples of minutes 100 to 102 carry no NVLink counters (NaN in the table, no
+    links on the wire), GPU 1's of minutes 120 to 122 a link without its CRC counter: the
+    counter, at about 1,010, is not known to be 0 there, so when it comes back no burst of
+    a thousand errors reads (before: the batch features took the absent counter as 0 and
+    read ``nvl_crc_d5`` = log1p(1010) five minutes later, the 15- and 60-minute windows
+    after them, while the live scorer held the last value, or took 0 for GPU 1), and the
+    live features equal the batch ones."""
+    t0, rng = 1.75e9, np.random.default_rng(0)
+    gaps = {0: (100, 103), 1: (120, 123)}
+    rows = [{"node": "n1", "gpu": g, "time": t0 + 60.0 * m + 5.0,
+             "temperature_c": 60.0 + rng.normal(0, 0.5), "power_w": 500.0,
+             "power_limit_w": 700.0, "nvlink0_replay": np.nan if g == 0 else 0.0,
+             "nvlink0_crc_flit": np.nan if gaps.get(g, (0, 0))[0] <= m < gaps.get(g, (0, 0))[1]
+             else 1000.0 + m // 10}
+            for m in range(180) for g in range(4)]
+    df = pd.DataFrame(rows)
+    batch = gpu_features(df)
+    assert batch["nvl_crc_d60"].max() < np.log1p(10.0)
+    live = LiveScorer(FailurePredictor(classifier=_Zero()))
+    names = [c for c in FEATURE_NAMES if c.startswith("nvl_crc")]
+    checked = 0
+    for r in rows:
+        if r["time"] > t0 + 90 * 60.0 and r["gpu"] == 0:
+            _slots, feats, ft = live.features(r["time"])
+            b = batch[batch.time == ft].sort_values("gpu")
+            for c in names:
+                np.testing.assert_allclose(feats[c], b[c].to_numpy(), atol=1e-6,
+                                           err_msg=f"{c} at {ft - t0:.0f} s")
+            checked += 1
+        crc, replay = (None if np.isnan(r[k]) else int(r[k])
+                       for k in ("nvlink0_crc_flit", "nvlink0_replay"))
+        links = () if crc is None and replay is None else (
+            NvlinkCounters(link=0, crc_flit=crc, replay=replay),)
+        live.observe(GpuSample(node="n1", gpu=r["gpu"], time=r["time"], source="replay",
+                               temperature_c=r["temperature_c"], power_w=500.0,
+                               power_limit_w=700.0, nvlink=links))
+    assert checked == 90
