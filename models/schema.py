@@ -3,7 +3,8 @@
 * **Samples** (the agent's replay format): one row per GPU per sample time, columns named
   as :class:`forewarn.wire.GpuSample` fields; NVLink counters flattened as
   ``nvlink<L>_crc_flit``, ``nvlink<L>_crc_data``, ``nvlink<L>_replay``,
-  ``nvlink<L>_recovery``. Units: seconds since the epoch, degrees Celsius, watts.
+  ``nvlink<L>_recovery`` (or summed over the links, ``nvlink_crc_flit``..., as the
+  collector's telemetry history holds them). Units: seconds since the epoch, degrees Celsius, watts.
 * **XIDs**: one row per event, columns ``node, gpu, time, xid`` (``code`` accepted), as
   the agent's replay events file; an ``xid`` column in the samples file counts too.
 * **Labels** (simulator ground truth, or a fleet's own failure log): one row per failure,
@@ -62,7 +63,7 @@ REQUIRED_SAMPLE_COLUMNS: Final = ("node", "gpu", "time")
 XID_COLUMNS: Final = ("node", "gpu", "time", "code")
 LABEL_COLUMNS: Final = ("node", "gpu", "time", "cause", "had_precursor")
 
-_NVLINK_RE: Final = re.compile(r"^nvlink(\d+)_(crc_flit|crc_data|replay|recovery)$")
+_NVLINK_RE: Final = re.compile(r"^nvlink(\d*)_(crc_flit|crc_data|replay|recovery)$")
 
 # Plausible ranges: a value outside them means the wrong unit, not a hot GPU.
 _UNIT_CHECKS: Final = (
@@ -75,7 +76,9 @@ _UNIT_CHECKS: Final = (
 
 
 def nvlink_columns(columns: pd.Index | list[str]) -> dict[str, list[str]]:
-    """The flattened NVLink columns present, by counter kind."""
+    """The NVLink columns present, by counter kind: per link (``nvlink<L>_<kind>``, replay
+    files) or already summed over the links (``nvlink_<kind>``, the collector's telemetry
+    history)."""
     out: dict[str, list[str]] = {"crc_flit": [], "crc_data": [], "replay": [], "recovery": []}
     for col in columns:
         m = _NVLINK_RE.match(str(col))

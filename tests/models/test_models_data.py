@@ -347,3 +347,23 @@ def test_a_sample_without_nvlink_counters_holds_them_live_and_in_batch() -> None
                                temperature_c=r["temperature_c"], power_w=500.0,
                                power_limit_w=700.0, nvlink=links))
     assert checked == 90
+
+
+def test_the_collectors_summed_nvlink_columns_count_as_the_replay_files_per_link_ones() -> None:
+    """The collector's telemetry history (what ``forewarn collector retrain`` trains on)
+    holds NVLink counters already summed over links, ``nvlink_crc_flit`` and so on; a replay
+    file holds them per link, ``nvlink0_crc_flit``. Both give the same features (before,
+    the summed columns were not read: every NVLink feature of a model retrained from the
+    collector's store was 0 in training, and not live)."""
+    t0 = 1.75e9
+    per_link = pd.DataFrame([{"node": "n1", "gpu": g, "time": t0 + 60.0 * m + 5.0,
+                              "temperature_c": 60.0, "power_w": 500.0,
+                              "nvlink0_crc_flit": 10.0 * m * (g == 1), "nvlink1_crc_flit": 2.0,
+                              "nvlink0_replay": float(m // 3)}
+                             for m in range(60) for g in range(3)])
+    summed = per_link.drop(columns=["nvlink0_crc_flit", "nvlink1_crc_flit", "nvlink0_replay"])
+    summed["nvlink_crc_flit"] = per_link["nvlink0_crc_flit"] + per_link["nvlink1_crc_flit"]
+    summed["nvlink_replay"] = per_link["nvlink0_replay"]
+    a, b = gpu_features(per_link), gpu_features(summed)
+    assert a["nvl_crc_d15"].max() > 3 and a["nvl_replay_d15"].max() > 1
+    pd.testing.assert_frame_equal(a, b)
