@@ -379,7 +379,7 @@ def grid_state(samples: pd.DataFrame, xids: pd.DataFrame | None = None,
     samples = validate_samples(samples)
     v = _row_values(samples.sort_values(["node", "gpu", "time"], kind="stable"))
     keys = ["node", "gpu", "minute"]
-    agg = {c: "max" for c in COUNTERS} | {c: "sum" for c in SUMS} \
+    agg = {c: "last" for c in COUNTERS} | {c: "sum" for c in SUMS} \
         | {c: "last" for c in LAST_COLUMNS}
     g = v.groupby(keys, sort=True).agg(agg)
     # Regular grid per GPU: every minute from first to last.

@@ -325,28 +325,62 @@ def test_a_sample_without_nvlink_counters_holds_them_live_and_in_batch() -> None
              "nvlink0_crc_flit": np.nan if gaps.get(g, (0, 0))[0] <= m < gaps.get(g, (0, 0))[1]
              else 1000.0 + m // 10}
             for m in range(180) for g in range(4)]
-    df = pd.DataFrame(rows)
-    batch = gpu_features(df)
+    batch = gpu_features(pd.DataFrame(rows))
     assert batch["nvl_crc_d60"].max() < np.log1p(10.0)
-    live = LiveScorer(FailurePredictor(classifier=_Zero()))
-    names = [c for c in FEATURE_NAMES if c.startswith("nvl_crc")]
-    checked = 0
-    for r in rows:
-        if r["time"] > t0 + 90 * 60.0 and r["gpu"] == 0:
-            _slots, feats, ft = live.features(r["time"])
-            b = batch[batch.time == ft].sort_values("gpu")
-            for c in names:
-                np.testing.assert_allclose(feats[c], b[c].to_numpy(), atol=1e-6,
-                                           err_msg=f"{c} at {ft - t0:.0f} s")
-            checked += 1
+
+    def sample(r: dict[str, Any]) -> GpuSample:
         crc, replay = (None if np.isnan(r[k]) else int(r[k])
                        for k in ("nvlink0_crc_flit", "nvlink0_replay"))
         links = () if crc is None and replay is None else (
             NvlinkCounters(link=0, crc_flit=crc, replay=replay),)
-        live.observe(GpuSample(node="n1", gpu=r["gpu"], time=r["time"], source="replay",
-                               temperature_c=r["temperature_c"], power_w=500.0,
-                               power_limit_w=700.0, nvlink=links))
-    assert checked == 90
+        return GpuSample(node="n1", gpu=r["gpu"], time=r["time"], source="replay",
+                         temperature_c=r["temperature_c"], power_w=500.0, power_limit_w=700.0,
+                         nvlink=links)
+
+    names = [c for c in FEATURE_NAMES if c.startswith("nvl_crc")]
+    assert _live_equals_batch(rows, batch, sample, names, t0 + 90 * 60.0) == 90
+
+
+def _live_equals_batch(rows: list[dict[str, Any]], batch: pd.DataFrame,
+                       sample: Any, names: list[str], start: float) -> int:
+    """Feed ``rows`` (one dict a sample, in time order) to a live scorer as ``sample(row)``;
+    before each of GPU 0's samples after ``start``, its features ``names`` equal ``batch``'s
+    (the batch features of the rows) to 1e-6. Returns how many times they were compared."""
+    live = LiveScorer(FailurePredictor(classifier=_Zero()))
+    checked = 0
+    for r in rows:
+        if r["time"] > start and r["gpu"] == 0:
+            _slots, feats, ft = live.features(r["time"])
+            b = batch[batch.time == ft].sort_values("gpu")
+            for c in names:
+                np.testing.assert_allclose(feats[c], b[c].to_numpy(), atol=1e-6,
+                                           err_msg=f"{c} at {ft - start:.0f} s")
+            checked += 1
+        live.observe(sample(r))
+    return checked
+
+
+def test_a_counter_reset_within_a_minute_leaves_the_minutes_last_value_live_and_in_batch(
+        ) -> None:
+    """GPU 0 samples every 30 s; its volatile ECC counter, at 1,000, resets to 0 (a driver
+    reload) in the second half of minute 100. The grid holds a minute's last value of a
+    counter, in batch as live (before: batch took the minute's largest, 1,000, live the
+    last, 0, and the ECC features differed at that minute and at every window reaching
+    back to it: ``ecc_d60`` by 6.4)."""
+    t0, rng = 29166666 * 60.0, np.random.default_rng(0)  # on a minute's start
+    rows = [{"node": "n1", "gpu": g, "time": t0 + 30.0 * h + 5.0,
+             "temperature_c": 60.0 + rng.normal(0, 0.5), "power_w": 500.0,
+             "ecc_corrected_volatile": 5.0 * (h if h < 201 else h - 201) * (g == 0)}
+            for h in range(360) for g in range(3)]
+
+    def sample(r: dict[str, Any]) -> GpuSample:
+        return GpuSample(node="n1", gpu=r["gpu"], time=r["time"], source="replay",
+                         temperature_c=r["temperature_c"], power_w=500.0,
+                         ecc_corrected_volatile=int(r["ecc_corrected_volatile"]))
+
+    names = [c for c in FEATURE_NAMES if c.startswith("ecc")]
+    batch = gpu_features(pd.DataFrame(rows))
+    assert _live_equals_batch(rows, batch, sample, names, t0 + 90 * 60.0) == 180
 
 
 def test_the_collectors_summed_nvlink_columns_count_as_the_replay_files_per_link_ones() -> None:
