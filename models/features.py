@@ -328,9 +328,14 @@ def _row_values(samples: pd.DataFrame) -> pd.DataFrame:
     """Per-sample values that fold onto the grid (one column per grid quantity)."""
     s = samples
     thr = _num(s, "throttle_reasons").fillna(0).astype(np.int64)
-    temp = _num(s, "temperature_c")
+    temp, margin = _num(s, "temperature_c"), _num(s, "slowdown_margin_c")
     power = _num(s, "power_w")
-    has_t, has_p = temp.notna(), power.notna()
+    n = (temp.notna() | power.notna()).astype(np.float64)
+    # A counted sample without a temperature (or margin) counts at the GPU's last one: a
+    # read that failed is no 0 C minute (it would read as a swing); margins without one add.
+    gpu = [s["node"], s["gpu"]]
+    held_t = temp.groupby(gpu).ffill().fillna(0) * n
+    held_m = margin.fillna(margin.groupby(gpu).ffill().fillna(0) * n)
     width, width_max = _num(s, "pcie_link_width"), _num(s, "pcie_link_width_max")
     v = pd.DataFrame({
         "node": s["node"], "gpu": s["gpu"],
@@ -343,14 +348,12 @@ def _row_values(samples: pd.DataFrame) -> pd.DataFrame:
         "ret_dbe": _num(s, "retired_pages_dbe"),
         "pcie": _num(s, "pcie_replay_total"),
         **nvlink_sums(s),
-        "n": (has_t | has_p).astype(np.float64),
-        "temp": temp.fillna(0), "temp2": temp.fillna(0) ** 2,
-        "margin": _num(s, "slowdown_margin_c").fillna(0),
+        "n": n, "temp": held_t, "temp2": held_t ** 2, "margin": held_m,
         "power": power.fillna(0), "power2": power.fillna(0) ** 2,
         "thr_thermal": ((thr & THERMAL_BITS) != 0).astype(np.float64),
         "thr_power": ((thr & POWER_BITS) != 0).astype(np.float64),
         "pending": _num(s, "remap_pending").fillna(0).clip(0, 1),
-        "temp_last": temp, "margin_last": _num(s, "slowdown_margin_c"),
+        "temp_last": temp, "margin_last": margin,
         "limit_last": _num(s, "power_limit_w"),
         "width_ratio": (width / width_max.where(width_max > 0)).where(width.notna()),
     })

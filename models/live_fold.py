@@ -56,18 +56,21 @@ def _counters(row: np.ndarray, s: GpuSample) -> bool:
 
 
 def _gauges(row: np.ndarray, s: GpuSample) -> None:
-    """Running sums of the gauges (a sample counts when it has temperature or power) and
-    their latest values."""
-    t, p = s.temperature_c, s.power_w
-    if t is not None or p is not None:
-        row[IX["n"]] += 1
+    """Running sums of the gauges (a sample counts when it has temperature or power; one
+    without a temperature or margin at the GPU's last) and their latest values."""
+    t, p, m = s.temperature_c, s.power_w, s.slowdown_margin_c
+    counted = t is not None or p is not None
     if t is not None:
+        row[IX["temp_last"]] = t
+    if m is not None:
+        row[IX["margin_last"]] = m
+    if counted:
+        row[IX["n"]] += 1
+        t = row[IX["temp_last"]]
         row[IX["temp"]] += t
         row[IX["temp2"]] += t * t
-        row[IX["temp_last"]] = t
-    if s.slowdown_margin_c is not None:
-        row[IX["margin"]] += s.slowdown_margin_c
-        row[IX["margin_last"]] = s.slowdown_margin_c
+    if m is not None or counted:
+        row[IX["margin"]] += row[IX["margin_last"]]
     if p is not None:
         row[IX["power"]] += p
         row[IX["power2"]] += p * p
