@@ -44,7 +44,7 @@ from forewarn.models.gauges import (
     window_mean,
 )
 from forewarn.models.oscillation import HISTORY_COLUMNS, History, oscillation_vs_peers
-from forewarn.models.schema import nvlink_columns, validate_samples, validate_xids
+from forewarn.models.schema import nvlink_sums, validate_samples, validate_xids
 
 __all__ = [
     "BASELINE_BLOCK",
@@ -327,11 +327,15 @@ def _num(df: pd.DataFrame, col: str, default: float = 0.0) -> pd.Series:
 def _row_values(samples: pd.DataFrame) -> pd.DataFrame:
     """Per-sample values that fold onto the grid (one column per grid quantity)."""
     s = samples
-    links = nvlink_columns(s.columns)
     thr = _num(s, "throttle_reasons").fillna(0).astype(np.int64)
-    temp = _num(s, "temperature_c")
+    temp, margin = _num(s, "temperature_c"), _num(s, "slowdown_margin_c")
     power = _num(s, "power_w")
-    has_t, has_p = temp.notna(), power.notna()
+    n = (temp.notna() | power.notna()).astype(np.float64)
+    # A counted sample without a temperature (or margin) counts at the GPU's last one: a
+    # read that failed is no 0 C minute (it would read as a swing); margins without one add.
+    gpu = [s["node"], s["gpu"]]
+    held_t = temp.groupby(gpu).ffill().fillna(0) * n
+    held_m = margin.fillna(margin.groupby(gpu).ffill().fillna(0) * n)
     width, width_max = _num(s, "pcie_link_width"), _num(s, "pcie_link_width_max")
     v = pd.DataFrame({
         "node": s["node"], "gpu": s["gpu"],
@@ -343,20 +347,13 @@ def _row_values(samples: pd.DataFrame) -> pd.DataFrame:
         "ret_sbe": _num(s, "retired_pages_sbe"),
         "ret_dbe": _num(s, "retired_pages_dbe"),
         "pcie": _num(s, "pcie_replay_total"),
-        "nvl_crc": sum((_num(s, c).fillna(0) for c in links["crc_flit"] + links["crc_data"]),
-                       start=pd.Series(0.0, index=s.index)),
-        "nvl_replay": sum((_num(s, c).fillna(0) for c in links["replay"]),
-                          start=pd.Series(0.0, index=s.index)),
-        "nvl_recovery": sum((_num(s, c).fillna(0) for c in links["recovery"]),
-                            start=pd.Series(0.0, index=s.index)),
-        "n": (has_t | has_p).astype(np.float64),
-        "temp": temp.fillna(0), "temp2": temp.fillna(0) ** 2,
-        "margin": _num(s, "slowdown_margin_c").fillna(0),
+        **nvlink_sums(s),
+        "n": n, "temp": held_t, "temp2": held_t ** 2, "margin": held_m,
         "power": power.fillna(0), "power2": power.fillna(0) ** 2,
         "thr_thermal": ((thr & THERMAL_BITS) != 0).astype(np.float64),
         "thr_power": ((thr & POWER_BITS) != 0).astype(np.float64),
         "pending": _num(s, "remap_pending").fillna(0).clip(0, 1),
-        "temp_last": temp, "margin_last": _num(s, "slowdown_margin_c"),
+        "temp_last": temp, "margin_last": margin,
         "limit_last": _num(s, "power_limit_w"),
         "width_ratio": (width / width_max.where(width_max > 0)).where(width.notna()),
     })
@@ -376,27 +373,26 @@ def _inline_xids(samples: pd.DataFrame) -> pd.DataFrame | None:
                          "code": code[sel].astype(np.int64)})
 
 
-def grid_state(samples: pd.DataFrame, xids: pd.DataFrame | None = None) -> pd.DataFrame:
-    """Fold samples (and XIDs) onto the per-GPU 60 s grid of cumulative state.
-
-    Returns one row per GPU per minute from its first to its last sample, columns
-    ``node, gpu, minute`` + :data:`CUM_COLUMNS` + :data:`LAST_COLUMNS`, sorted by GPU
-    then minute. Raises :class:`~forewarn.models.schema.DataError` on bad input.
-    """
+def grid_state(samples: pd.DataFrame, xids: pd.DataFrame | None = None,
+               tail: int = 0) -> pd.DataFrame:
+    """Samples (and XIDs) on the per-GPU 60 s grid of cumulative state: a row per GPU per
+    minute from its first sample to ``tail`` minutes after its last (``_tail`` True there),
+    columns ``node, gpu, minute`` + :data:`CUM_COLUMNS` + :data:`LAST_COLUMNS`, sorted by
+    GPU then minute. Raises :class:`~forewarn.models.schema.DataError` on bad input."""
     samples = validate_samples(samples)
     v = _row_values(samples.sort_values(["node", "gpu", "time"], kind="stable"))
     keys = ["node", "gpu", "minute"]
-    agg = {c: "max" for c in COUNTERS} | {c: "sum" for c in SUMS} \
+    agg = {c: "last" for c in COUNTERS} | {c: "sum" for c in SUMS} \
         | {c: "last" for c in LAST_COLUMNS}
     g = v.groupby(keys, sort=True).agg(agg)
     # Regular grid per GPU: every minute from first to last.
     span = g.reset_index().groupby(["node", "gpu"])["minute"].agg(["min", "max"])
-    lengths = (span["max"] - span["min"] + 1).to_numpy()
+    lengths = (span["max"] + tail - span["min"] + 1).to_numpy()
     idx = pd.MultiIndex.from_arrays([
         np.repeat(span.index.get_level_values(0).to_numpy(), lengths),
         np.repeat(span.index.get_level_values(1).to_numpy(), lengths),
-        np.concatenate([np.arange(a, b + 1) for a, b in zip(span["min"], span["max"],
-                                                             strict=True)])
+        np.concatenate([np.arange(a, b + tail + 1) for a, b in zip(span["min"], span["max"],
+                                                                    strict=True)])
         if len(span) else np.array([], np.int64),
     ], names=keys)
     g = g.reindex(idx)
@@ -432,13 +428,15 @@ def grid_state(samples: pd.DataFrame, xids: pd.DataFrame | None = None) -> pd.Da
         for c in XID_CLASSES:
             out[f"xid_{c}"] = out[f"xid_{c}"].groupby(gid).cumsum()
     out["_gid"] = gid
+    out["_tail"] = out["minute"].to_numpy() > np.repeat(span["max"].to_numpy(), lengths)
     return out
 
 
 def gpu_features(samples: pd.DataFrame, xids: pd.DataFrame | None = None) -> pd.DataFrame:
     """Feature table: one row per GPU per minute, columns ``node, gpu, time`` (end of the
-    minute, seconds), :data:`FEATURE_NAMES` and :data:`LEGACY_NAMES`."""
-    g = grid_state(samples, xids)
+    minute, seconds), :data:`FEATURE_NAMES` and :data:`LEGACY_NAMES`; a GPU's rows end at its
+    last sample, but it stays a peer :data:`PEER_MINUTES` longer, as live (and after a gap)."""
+    g = grid_state(samples, xids, tail=PEER_MINUTES)
     gid = g["_gid"]
     cols = list(CUM_COLUMNS)
     first = g.groupby(gid)[cols].transform("first")
@@ -466,7 +464,7 @@ def gpu_features(samples: pd.DataFrame, xids: pd.DataFrame | None = None) -> pd.
     out.insert(0, "time", (g["minute"].to_numpy() + 1) * GRID_S)
     out.insert(0, "gpu", g["gpu"].to_numpy())
     out.insert(0, "node", g["node"].to_numpy())
-    return out
+    return out[~g["_tail"].to_numpy()].reset_index(drop=True)
 
 
 def rank_features(steps: pd.DataFrame, bucket_s: float = 10.0) -> pd.DataFrame:

@@ -34,6 +34,10 @@ _COUNTERS: Final = (
     (IX["pcie"], "pcie_replay_total", False),
 )
 """(column, GpuSample field, whether growth is a failure: an uncorrectable error)."""
+_LINKS: Final = ((IX["nvl_crc"], ("crc_flit", "crc_data")), (IX["nvl_replay"], ("replay",)),
+                 (IX["nvl_recovery"], ("recovery",)))
+"""(column, the NvlinkCounters fields summed into it), as
+:func:`~forewarn.models.schema.nvlink_sums` sums the table's columns."""
 
 
 def _counters(row: np.ndarray, s: GpuSample) -> bool:
@@ -44,26 +48,29 @@ def _counters(row: np.ndarray, s: GpuSample) -> bool:
         if val is not None:
             grew = grew or (fatal and val > row[j])
             row[j] = val
-    if s.nvlink:
-        row[IX["nvl_crc"]] = sum((lk.crc_flit or 0) + (lk.crc_data or 0) for lk in s.nvlink)
-        row[IX["nvl_replay"]] = sum(lk.replay or 0 for lk in s.nvlink)
-        row[IX["nvl_recovery"]] = sum(lk.recovery or 0 for lk in s.nvlink)
+    for j, fields in _LINKS:  # summed over the links; on none of them: not known, held
+        got = [v for lk in s.nvlink for f in fields if (v := getattr(lk, f)) is not None]
+        if got:
+            row[j] = sum(got)
     return grew
 
 
 def _gauges(row: np.ndarray, s: GpuSample) -> None:
-    """Running sums of the gauges (a sample counts when it has temperature or power) and
-    their latest values."""
-    t, p = s.temperature_c, s.power_w
-    if t is not None or p is not None:
-        row[IX["n"]] += 1
+    """Running sums of the gauges (a sample counts when it has temperature or power; one
+    without a temperature or margin at the GPU's last) and their latest values."""
+    t, p, m = s.temperature_c, s.power_w, s.slowdown_margin_c
+    counted = t is not None or p is not None
     if t is not None:
+        row[IX["temp_last"]] = t
+    if m is not None:
+        row[IX["margin_last"]] = m
+    if counted:
+        row[IX["n"]] += 1
+        t = row[IX["temp_last"]]
         row[IX["temp"]] += t
         row[IX["temp2"]] += t * t
-        row[IX["temp_last"]] = t
-    if s.slowdown_margin_c is not None:
-        row[IX["margin"]] += s.slowdown_margin_c
-        row[IX["margin_last"]] = s.slowdown_margin_c
+    if m is not None or counted:
+        row[IX["margin"]] += row[IX["margin_last"]]
     if p is not None:
         row[IX["power"]] += p
         row[IX["power2"]] += p * p

@@ -19,13 +19,13 @@ collector restart or a scale-out takeover: every GPU's own baseline, its alarm m
 layout (:func:`layout`: another feature grid's columns, lags or baseline blocks are
 refused), the set of arrays (one the scorer has and the snapshot lacks, or the reverse,
 is refused: never a silently missing state), each array's dtype and shape, the GPU keys,
-and the snapshot's age (older than a week, what the scorer's own clock accepts as one
-jump, or more than an hour ahead of this clock). Each archive member's dtype and shape
-are read from its header and checked before it is decompressed: a corrupt or hostile blob
-cannot inflate into the collector's memory. A snapshot that does not fit raises
-:class:`SnapshotError` naming the reason and leaves the scorer as it was; one that is
-readable but of another format, feature grid or set of state arrays (another forewarn
-version wrote it) raises its subclass :class:`ForeignSnapshot`.
+and the snapshot's age (its time or its last minute on the grid older than a week, what
+the scorer's own clock accepts as one jump, or more than an hour ahead of this clock).
+Each archive member's dtype and shape are read from its header and checked before it is
+decompressed: a corrupt or hostile blob cannot inflate into the collector's memory. A
+snapshot that does not fit raises :class:`SnapshotError` naming the reason and leaves the
+scorer as it was; one that is readable but of another format, feature grid or set of state
+arrays (another forewarn version wrote it) raises its subclass :class:`ForeignSnapshot`.
 
 Every attribute of the scorer is either an array (saved), in :data:`SAVED`, or in
 :data:`NOT_SAVED` with the reason; ``tests/models/test_live_state.py`` fails on one that is
@@ -347,6 +347,11 @@ def _restore(scorer: LiveScorer, z: Any, now: float) -> int:
     minute = meta.get("minute")
     if minute is not None and not isinstance(minute, int):
         raise SnapshotError("minute: not an integer")
+    if minute is not None and now - (minute + 1) * GRID_S > MAX_AGE_S:
+        # the scorer would refuse every sample as a clock jump (and walk every minute
+        # since at its first scoring): as good as a snapshot that old
+        raise SnapshotError(f"minute {minute}: {(now - (minute + 1) * GRID_S) / 86400:.1f} "
+                            f"days old (at most {MAX_AGE_S / 86400:.0f})")
     ahead = max(t, 0.0 if minute is None else (minute + 1) * GRID_S) - now
     if ahead > MAX_AHEAD_S:
         raise SnapshotError(f"{ahead:.0f} s ahead of this clock (at most {MAX_AHEAD_S:.0f})")

@@ -3,7 +3,8 @@
 * **Samples** (the agent's replay format): one row per GPU per sample time, columns named
   as :class:`forewarn.wire.GpuSample` fields; NVLink counters flattened as
   ``nvlink<L>_crc_flit``, ``nvlink<L>_crc_data``, ``nvlink<L>_replay``,
-  ``nvlink<L>_recovery``. Units: seconds since the epoch, degrees Celsius, watts.
+  ``nvlink<L>_recovery`` (or summed over the links, ``nvlink_crc_flit``..., as the
+  collector's telemetry history holds them). Units: seconds since the epoch, degrees Celsius, watts.
 * **XIDs**: one row per event, columns ``node, gpu, time, xid`` (``code`` accepted), as
   the agent's replay events file; an ``xid`` column in the samples file counts too.
 * **Labels** (simulator ground truth, or a fleet's own failure log): one row per failure,
@@ -33,6 +34,7 @@ __all__ = [
     "XID_COLUMNS",
     "DataError",
     "nvlink_columns",
+    "nvlink_sums",
     "read_table",
     "validate_labels",
     "validate_samples",
@@ -61,7 +63,7 @@ REQUIRED_SAMPLE_COLUMNS: Final = ("node", "gpu", "time")
 XID_COLUMNS: Final = ("node", "gpu", "time", "code")
 LABEL_COLUMNS: Final = ("node", "gpu", "time", "cause", "had_precursor")
 
-_NVLINK_RE: Final = re.compile(r"^nvlink(\d+)_(crc_flit|crc_data|replay|recovery)$")
+_NVLINK_RE: Final = re.compile(r"^nvlink(\d*)_(crc_flit|crc_data|replay|recovery)$")
 
 # Plausible ranges: a value outside them means the wrong unit, not a hot GPU.
 _UNIT_CHECKS: Final = (
@@ -74,12 +76,28 @@ _UNIT_CHECKS: Final = (
 
 
 def nvlink_columns(columns: pd.Index | list[str]) -> dict[str, list[str]]:
-    """The flattened NVLink columns present, by counter kind."""
+    """The NVLink columns present, by counter kind: per link (``nvlink<L>_<kind>``, replay
+    files) or already summed over the links (``nvlink_<kind>``, the collector's telemetry
+    history)."""
     out: dict[str, list[str]] = {"crc_flit": [], "crc_data": [], "replay": [], "recovery": []}
     for col in columns:
         m = _NVLINK_RE.match(str(col))
         if m:
             out[m.group(2)].append(str(col))
+    return out
+
+
+def nvlink_sums(samples: pd.DataFrame) -> dict[str, pd.Series]:
+    """Each sample's NVLink counters summed over its links, as the grid's ``nvl_crc``
+    (flit and data CRC errors), ``nvl_replay`` and ``nvl_recovery`` (a link without the
+    counter adds 0); NaN where the sample has the counter on no link: not known, not 0."""
+    links = nvlink_columns(samples.columns)
+    nan = pd.Series(np.nan, index=samples.index)
+    out = {}
+    for name, kinds in (("nvl_crc", ("crc_flit", "crc_data")), ("nvl_replay", ("replay",)),
+                        ("nvl_recovery", ("recovery",))):
+        cols = [pd.to_numeric(samples[c], errors="coerce") for k in kinds for c in links[k]]
+        out[name] = pd.concat([nan, *cols], axis=1).sum(axis=1, min_count=1)
     return out
 
 

@@ -153,6 +153,10 @@ def _refusals() -> dict[str, tuple[bytes, str]]:
         "shape": (_rewrite(good, _cur=cur[:, :5]), "array _cur"),
         "keys": (_rewrite(good, gpus=[0] * 20), "a GPU appears twice"),
         "too old": (good, "days old"),
+        # a recent time but a last minute long past: the restored scorer would refuse
+        # every sample as a clock jump and walk every minute since at its first scoring
+        "minute long past": (_rewrite(good, minute=int(_T0 // GRID_S) - 8 * 1440),
+                             "minute .* days old"),
         # a corrupt time: the scorer would hold samples as late until that minute came
         "from the future": (_rewrite(good, time=_T0 + 2 * 86400,
                                      minute=int((_T0 + 2 * 86400) // GRID_S)), "ahead"),

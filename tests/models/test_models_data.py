@@ -307,3 +307,97 @@ def test_labels_from_telemetry_find_the_simulated_failures() -> None:
     assert (merged["time_found"] - merged["time"]).abs().max() <= 60.0
     silent = d.labels[d.labels["cause"].isin(["nic", "sdc"])]
     assert not silent.merge(found, on=["node", "gpu"]).shape[0]
+
+
+def test_a_sample_without_nvlink_counters_holds_them_live_and_in_batch() -> None:
+    """GPU 0's samples of minutes 100 to 102 carry no NVLink counters (NaN in the table, no
+    links on the wire), GPU 1's of minutes 120 to 122 a link without its CRC counter: the
+    counter, at about 1,010, is not known to be 0 there, so when it comes back no burst of
+    a thousand errors reads (before: the batch features took the absent counter as 0 and
+    read ``nvl_crc_d5`` = log1p(1010) five minutes later, the 15- and 60-minute windows
+    after them, while the live scorer held the last value, or took 0 for GPU 1), and the
+    live features equal the batch ones."""
+    t0, rng = 1.75e9, np.random.default_rng(0)
+    gaps = {0: (100, 103), 1: (120, 123)}
+    rows = [{"node": "n1", "gpu": g, "time": t0 + 60.0 * m + 5.0,
+             "temperature_c": 60.0 + rng.normal(0, 0.5), "power_w": 500.0,
+             "power_limit_w": 700.0, "nvlink0_replay": np.nan if g == 0 else 0.0,
+             "nvlink0_crc_flit": np.nan if gaps.get(g, (0, 0))[0] <= m < gaps.get(g, (0, 0))[1]
+             else 1000.0 + m // 10}
+            for m in range(180) for g in range(4)]
+    batch = gpu_features(pd.DataFrame(rows))
+    assert batch["nvl_crc_d60"].max() < np.log1p(10.0)
+
+    def sample(r: dict[str, Any]) -> GpuSample:
+        crc, replay = (None if np.isnan(r[k]) else int(r[k])
+                       for k in ("nvlink0_crc_flit", "nvlink0_replay"))
+        links = () if crc is None and replay is None else (
+            NvlinkCounters(link=0, crc_flit=crc, replay=replay),)
+        return GpuSample(node="n1", gpu=r["gpu"], time=r["time"], source="replay",
+                         temperature_c=r["temperature_c"], power_w=500.0, power_limit_w=700.0,
+                         nvlink=links)
+
+    names = [c for c in FEATURE_NAMES if c.startswith("nvl_crc")]
+    assert _live_equals_batch(rows, batch, sample, names, t0 + 90 * 60.0) == 90
+
+
+def _live_equals_batch(rows: list[dict[str, Any]], batch: pd.DataFrame,
+                       sample: Any, names: list[str], start: float) -> int:
+    """Feed ``rows`` (one dict a sample, in time order) to a live scorer as ``sample(row)``;
+    before each of GPU 0's samples after ``start``, its features ``names`` equal ``batch``'s
+    (the batch features of the rows) to 1e-6. Returns how many times they were compared."""
+    live = LiveScorer(FailurePredictor(classifier=_Zero()))
+    checked = 0
+    for r in rows:
+        if r["time"] > start and r["gpu"] == 0:
+            _slots, feats, ft = live.features(r["time"])
+            b = batch[batch.time == ft].sort_values("gpu")
+            for c in names:
+                np.testing.assert_allclose(feats[c], b[c].to_numpy(), atol=1e-6,
+                                           err_msg=f"{c} at {ft - start:.0f} s")
+            checked += 1
+        live.observe(sample(r))
+    return checked
+
+
+def test_a_counter_reset_within_a_minute_leaves_the_minutes_last_value_live_and_in_batch(
+        ) -> None:
+    """GPU 0 samples every 30 s; its volatile ECC counter, at 1,000, resets to 0 (a driver
+    reload) in the second half of minute 100. The grid holds a minute's last value of a
+    counter, in batch as live (before: batch took the minute's largest, 1,000, live the
+    last, 0, and the ECC features differed at that minute and at every window reaching
+    back to it: ``ecc_d60`` by 6.4)."""
+    t0, rng = 29166666 * 60.0, np.random.default_rng(0)  # on a minute's start
+    rows = [{"node": "n1", "gpu": g, "time": t0 + 30.0 * h + 5.0,
+             "temperature_c": 60.0 + rng.normal(0, 0.5), "power_w": 500.0,
+             "ecc_corrected_volatile": 5.0 * (h if h < 201 else h - 201) * (g == 0)}
+            for h in range(360) for g in range(3)]
+
+    def sample(r: dict[str, Any]) -> GpuSample:
+        return GpuSample(node="n1", gpu=r["gpu"], time=r["time"], source="replay",
+                         temperature_c=r["temperature_c"], power_w=500.0,
+                         ecc_corrected_volatile=int(r["ecc_corrected_volatile"]))
+
+    names = [c for c in FEATURE_NAMES if c.startswith("ecc")]
+    batch = gpu_features(pd.DataFrame(rows))
+    assert _live_equals_batch(rows, batch, sample, names, t0 + 90 * 60.0) == 180
+
+
+def test_the_collectors_summed_nvlink_columns_count_as_the_replay_files_per_link_ones() -> None:
+    """The collector's telemetry history (what ``forewarn collector retrain`` trains on)
+    holds NVLink counters already summed over links, ``nvlink_crc_flit`` and so on; a replay
+    file holds them per link, ``nvlink0_crc_flit``. Both give the same features (before,
+    the summed columns were not read: every NVLink feature of a model retrained from the
+    collector's store was 0 in training, and not live)."""
+    t0 = 1.75e9
+    per_link = pd.DataFrame([{"node": "n1", "gpu": g, "time": t0 + 60.0 * m + 5.0,
+                              "temperature_c": 60.0, "power_w": 500.0,
+                              "nvlink0_crc_flit": 10.0 * m * (g == 1), "nvlink1_crc_flit": 2.0,
+                              "nvlink0_replay": float(m // 3)}
+                             for m in range(60) for g in range(3)])
+    summed = per_link.drop(columns=["nvlink0_crc_flit", "nvlink1_crc_flit", "nvlink0_replay"])
+    summed["nvlink_crc_flit"] = per_link["nvlink0_crc_flit"] + per_link["nvlink1_crc_flit"]
+    summed["nvlink_replay"] = per_link["nvlink0_replay"]
+    a, b = gpu_features(per_link), gpu_features(summed)
+    assert a["nvl_crc_d15"].max() > 3 and a["nvl_replay_d15"].max() > 1
+    pd.testing.assert_frame_equal(a, b)
