@@ -35,7 +35,8 @@ def test_a_scoring_in_parts_equals_one_computed_whole() -> None:
     parts = 0
     for _ in parted.prepare(now, chunk=5):
         parts += 1
-        # a sample of the open minute between two parts: not in this scoring's features
+        # a sample of a new minute between two parts (the data's clock moves on): not in
+        # this scoring's features, nor does it move the minute this scoring began with
         parted.observe(GpuSample(node="n0", gpu=0, time=now - 1, source="test",
                                  power_w=9999.0))
     assert parts == -(-NODES * GPUS // 5)  # one part per chunk of GPUs
