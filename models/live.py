@@ -105,11 +105,11 @@ class LiveScorer:
 
     Contract: samples of one GPU arrive in time order; :meth:`score` is called with a
     time at or after the samples it should see. The per-minute grid follows the samples'
-    clock: a scoring reads the last minute the data completed (a sample of a later minute
-    arrived), so samples that arrive after a scoring but belong before it (a backlog) fill
-    their own minutes; only a sample of a minute already snapshotted is late (counted into
-    the open minute: :attr:`late`). Nothing here raises on bad samples: missing fields
-    count as not supported.
+    clock: a scoring reads the wall clock's last complete minute only as far as the data
+    reached it, so samples that arrive after a scoring but belong before it (a backlog)
+    fill their own minutes; only a sample of a minute already snapshotted is late (counted
+    into the open minute: :attr:`late`). Nothing here raises on bad samples: missing
+    fields count as not supported.
     """
 
     def __init__(self, model: FailurePredictor, *, stale_s: float = 180.0,
@@ -255,17 +255,19 @@ class LiveScorer:
         return live[fresh], {k: v[fresh] for k, v in feats.items()}, (m + 1) * GRID_S
 
     def _complete(self, now: float) -> int:
-        """The minute to score at ``now``: the data's last complete one, the minute before
-        the newest a sample reached. The grid follows the data's clock, not the wall
-        clock: a backlog read after a scoring (a paused or new leader reading the stream,
-        agents replaying their spool after an outage) fills its own minutes instead of
-        arriving late into one. Whether a GPU is scored stays on the wall clock
-        (:meth:`_fresh`): when the data stops, no GPU is scored after ``stale_s``. A
-        silence longer than :data:`_BACKLOG` is rolled on by the wall clock."""
+        """The minute to score at ``now``: the wall clock's last complete minute, but never
+        past the newest minute a sample reached. The grid follows the data's clock: a
+        backlog read after a scoring (a paused or new leader reading the stream, agents
+        replaying their spool after an outage) fills its own minutes instead of arriving
+        late into one. Whether a GPU is scored stays on the wall clock (:meth:`_fresh`):
+        when the data stops, no GPU is scored after ``stale_s``. A silence longer than
+        :data:`_BACKLOG` is rolled on by the wall clock."""
         wall = int(now // GRID_S) - 1
         if self._minute is None:
             return wall
-        self._roll(wall - _BACKLOG)
+        top = float(self._last_seen[:len(self._nodes)].max(initial=-np.inf))
+        newest = int(top // GRID_S) if np.isfinite(top) else self._minute
+        self._roll(max(min(wall, newest), wall - _BACKLOG))
         return self._minute
 
     def _candidates(self, m: int, now: float) -> np.ndarray:

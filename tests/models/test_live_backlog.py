@@ -136,7 +136,7 @@ def test_agents_whose_clock_is_ahead_are_scored_on_their_own_minutes(
 
 def test_no_gpu_is_scored_once_the_data_stops_and_the_data_after_a_long_silence_is_taken(
         case: Case, model: FailurePredictor) -> None:
-    """The bus down: the scorer keeps the data's last minute, but no GPU is scored once
+    """The bus down: the grid stays at the data's newest minute, and no GPU is scored once
     ``stale_s`` passed without a sample; eight days later (longer than the grid waits for a
     backlog, and than the jump it takes in one step) the fleet's samples are taken again."""
     s, x = _sent(case)
@@ -146,7 +146,7 @@ def test_no_gpu_is_scored_once_the_data_stops_and_the_data_after_a_long_silence_
     slots, _feats, ft = scorer.features(t + 5)
     assert len(slots) == len(case.gpus) and ft == t
     slots, _feats, ft = scorer.features(t + scorer.stale_s + 5)
-    assert len(slots) == 0 and ft == t
+    assert len(slots) == 0 and ft == t + GRID_S  # the minute of the last samples, no later
     assert scorer.score(t + scorer.stale_s + 5) == []
     later = t + 8 * 86400
     scorer.score(later - 60)
