@@ -15,14 +15,13 @@ precision, recall and lead times, which the collector exports as metrics.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from typing import Final
 
 import numpy as np
 
 from forewarn.gpu import FATAL_XIDS
-from forewarn.models.alarms import AlarmMemory
+from forewarn.models.alarms import AlarmMemory, ShadowStats
 from forewarn.models.explain import SIGNALS, explain
 from forewarn.models.features import (
     ACTIVE,
@@ -46,7 +45,7 @@ from forewarn.models.oscillation import HISTORY_COLUMNS
 from forewarn.models.predictor import FailurePredictor
 from forewarn.wire import Finding, GpuSample, GpuState, XidEvent
 
-__all__ = ["LiveScorer", "ShadowStats"]
+__all__ = ["LiveScorer"]
 
 _SIGNAL_FEATURES: Final = frozenset(f for own, peer, *_ in SIGNALS.values() for f in (own, peer))
 """The features an alarm's explanation reads."""
@@ -56,37 +55,6 @@ _BACKLOG: Final = 24 * 60
 """Minutes the grid may stay behind the wall clock waiting for data (the bus stream keeps
 a day of batches by default, ``bus_stream_max_age_s``): a longer silence is rolled on by
 the wall clock, so that the samples after it are not taken for a clock far ahead."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ShadowStats:
-    """Live quality of the predictor, from its own predictions and later failures."""
-
-    alarms: int
-    true_alarms: int
-    false_alarms: int
-    open_alarms: int
-    failures: int
-    caught: int
-    precision: float | None
-    recall: float | None
-    lead_time_median_s: float | None
-    lead_times_s: tuple[float, ...]
-
-    def as_metrics(self) -> dict[str, float]:
-        """Gauge values for the collector's exporter (None values left out):
-        ``forewarn_model_shadow_{alarms,true_alarms,false_alarms,open_alarms,failures,
-        caught}_total`` and ``forewarn_model_shadow_{precision,recall,
-        lead_time_median_seconds}``."""
-        out = {f"forewarn_model_shadow_{k}_total": float(getattr(self, k))
-               for k in ("alarms", "true_alarms", "false_alarms", "open_alarms", "failures",
-                         "caught")}
-        for k, name in (("precision", "precision"), ("recall", "recall"),
-                        ("lead_time_median_s", "lead_time_median_seconds")):
-            v = getattr(self, k)
-            if v is not None:
-                out[f"forewarn_model_shadow_{name}"] = float(v)
-        return out
 
 
 def _named(rows: np.ndarray, names: tuple[str, ...]) -> dict[str, np.ndarray]:
@@ -244,6 +212,22 @@ class LiveScorer:
                 self._block_minute[:] = (self._block_minute[1], m)
             self._minute = m
             self._last[:, :n] = self._cur[_N_CUM:, :n]
+            if upto - m > _RING:  # no sample comes in between: the minutes after are m's
+                self._repeat(m, upto - _RING)
+
+    def _repeat(self, m: int, to: int) -> None:
+        """The minutes after ``m`` up to ``to`` as copies of minute ``m``, at once: what
+        rolling them one by one gives when no sample came since (a long silence), the
+        last of them in the ring and the baseline blocks' boundaries among them."""
+        n = len(self._nodes)
+        snap = self._ring[m % _RING, :, :n]
+        first = -(-(m + 1) // BASELINE_BLOCK) * BASELINE_BLOCK
+        for b in range(first, to + 1, BASELINE_BLOCK)[-2:]:
+            self._block[0] = self._block[1]
+            self._block[1, :, :n] = snap
+            self._block_minute[:] = (self._block_minute[1], b)
+        self._ring[to % _RING, :, :n] = snap
+        self._minute = to
 
     # -- scoring ----------------------------------------------------------------------
     def features(self, now: float) -> tuple[np.ndarray, dict[str, np.ndarray], float]:

@@ -15,7 +15,7 @@ from forewarn.models.live import LiveScorer
 from forewarn.models.live_state import restore, snapshot
 from forewarn.models.persist import load_model
 from forewarn.models.predictor import FailurePredictor
-from forewarn.wire import XidEvent
+from forewarn.wire import GpuSample, XidEvent
 
 from support.collector import NODE
 from support.precursor import Case, make_case, samples
@@ -157,3 +157,27 @@ def test_no_gpu_is_scored_once_the_data_stops_and_the_data_after_a_long_silence_
     assert scorer.skipped == 0
     slots, _feats, ft = scorer.features(later + 5)
     assert ft == later and len(slots) == len(case.gpus)
+
+
+@pytest.mark.parametrize("silence", [70, 300, 1000])
+def test_a_silence_rolled_at_once_is_the_silence_rolled_minute_by_minute(
+        case: Case, model: FailurePredictor, silence: int) -> None:
+    """The grid rolls a long silence (no sample comes in between) in one step: every state
+    array as rolling it one minute after another gives, across baseline block boundaries,
+    with a GPU met in the silence's first minute."""
+    s, x = _sent(case)
+    t = case.first_alarm
+    fast, slow = LiveScorer(model), LiveScorer(model)
+    for scorer in (fast, slow):
+        _feed(scorer, s, x, -np.inf, t + 1)
+        scorer.observe(GpuSample(node="node0001", gpu=0, time=t + 30, source="test",
+                                 temperature_c=60.0, power_w=500.0, ecc_corrected_volatile=3))
+    start = slow._minute
+    assert start is not None
+    for m in range(start + 1, start + silence + 1):
+        slow._roll(m)
+    fast._roll(start + silence)
+    assert fast._minute == slow._minute
+    for name, a in vars(slow).items():
+        if isinstance(a, np.ndarray):
+            np.testing.assert_array_equal(vars(fast)[name], a, err_msg=name)
