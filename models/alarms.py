@@ -15,6 +15,7 @@ keeps one :class:`AlarmMemory` over a score in [0, 1] and a threshold:
 
 A failure (:meth:`AlarmMemory.failure`) settles the GPU's episodes: those that began at
 least ``lead_min_s`` before it and ended within ``horizon_s`` of it were true.
+:class:`ShadowStats` are the predictor's live quality figures from those settlements.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Hashable
 
 import numpy as np
 
-__all__ = ["AlarmMemory", "Episode"]
+__all__ = ["AlarmMemory", "Episode", "ShadowStats"]
 
 
 @dataclasses.dataclass
@@ -132,3 +133,34 @@ class AlarmMemory:
     def open(self) -> int:
         """Episodes not settled."""
         return sum(len(e) for e in self.episodes.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class ShadowStats:
+    """Live quality of the predictor, from its own predictions and later failures."""
+
+    alarms: int
+    true_alarms: int
+    false_alarms: int
+    open_alarms: int
+    failures: int
+    caught: int
+    precision: float | None
+    recall: float | None
+    lead_time_median_s: float | None
+    lead_times_s: tuple[float, ...]
+
+    def as_metrics(self) -> dict[str, float]:
+        """Gauge values for the collector's exporter (None values left out):
+        ``forewarn_model_shadow_{alarms,true_alarms,false_alarms,open_alarms,failures,
+        caught}_total`` and ``forewarn_model_shadow_{precision,recall,
+        lead_time_median_seconds}``."""
+        out = {f"forewarn_model_shadow_{k}_total": float(getattr(self, k))
+               for k in ("alarms", "true_alarms", "false_alarms", "open_alarms", "failures",
+                         "caught")}
+        for k, name in (("precision", "precision"), ("recall", "recall"),
+                        ("lead_time_median_s", "lead_time_median_seconds")):
+            v = getattr(self, k)
+            if v is not None:
+                out[f"forewarn_model_shadow_{name}"] = float(v)
+        return out

@@ -15,14 +15,13 @@ precision, recall and lead times, which the collector exports as metrics.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from typing import Final
 
 import numpy as np
 
 from forewarn.gpu import FATAL_XIDS
-from forewarn.models.alarms import AlarmMemory
+from forewarn.models.alarms import AlarmMemory, ShadowStats
 from forewarn.models.explain import SIGNALS, explain
 from forewarn.models.features import (
     ACTIVE,
@@ -41,85 +40,26 @@ from forewarn.models.live_fold import COLS as _COLS
 from forewarn.models.live_fold import IX as _IX
 from forewarn.models.live_fold import N_CUM as _N_CUM
 from forewarn.models.live_fold import fold_sample
+from forewarn.models.live_scores import MinuteScores, feature_matrix
 from forewarn.models.oscillation import HISTORY_COLUMNS
 from forewarn.models.predictor import FailurePredictor
 from forewarn.wire import Finding, GpuSample, GpuState, XidEvent
 
-__all__ = ["LiveScorer", "ShadowStats"]
+__all__ = ["LiveScorer"]
 
 _SIGNAL_FEATURES: Final = frozenset(f for own, peer, *_ in SIGNALS.values() for f in (own, peer))
 """The features an alarm's explanation reads."""
 _RING: Final = max(LAGS) + 1
 _MAX_JUMP: Final = 7 * 24 * 60  # minutes
-
-
-@dataclasses.dataclass(frozen=True)
-class ShadowStats:
-    """Live quality of the predictor, from its own predictions and later failures."""
-
-    alarms: int
-    true_alarms: int
-    false_alarms: int
-    open_alarms: int
-    failures: int
-    caught: int
-    precision: float | None
-    recall: float | None
-    lead_time_median_s: float | None
-    lead_times_s: tuple[float, ...]
-
-    def as_metrics(self) -> dict[str, float]:
-        """Gauge values for the collector's exporter (None values left out):
-        ``forewarn_model_shadow_{alarms,true_alarms,false_alarms,open_alarms,failures,
-        caught}_total`` and ``forewarn_model_shadow_{precision,recall,
-        lead_time_median_seconds}``."""
-        out = {f"forewarn_model_shadow_{k}_total": float(getattr(self, k))
-               for k in ("alarms", "true_alarms", "false_alarms", "open_alarms", "failures",
-                         "caught")}
-        for k, name in (("precision", "precision"), ("recall", "recall"),
-                        ("lead_time_median_s", "lead_time_median_seconds")):
-            v = getattr(self, k)
-            if v is not None:
-                out[f"forewarn_model_shadow_{name}"] = float(v)
-        return out
-
-
-@dataclasses.dataclass(frozen=True)
-class _MinuteScores:
-    """One minute's features and probabilities of the GPU slots ``slots`` (ascending)."""
-
-    minute: int
-    model: FailurePredictor
-    slots: np.ndarray
-    feats: dict[str, np.ndarray]
-    probs: np.ndarray
-    matrix: np.ndarray
-    """The model's feature matrix of :attr:`slots` (for drift)."""
-
-    def positions(self, slots: np.ndarray) -> np.ndarray | None:
-        """Where each of ``slots`` (ascending) is in :attr:`slots`; None when one of them
-        was not scored this minute."""
-        pos = np.searchsorted(self.slots, slots)
-        if len(slots) and (pos[-1] >= len(self.slots)
-                           or not np.array_equal(self.slots[pos], slots)):
-            return None
-        return pos
+_BACKLOG: Final = 24 * 60
+"""Minutes the grid may stay behind the wall clock waiting for data (the bus stream keeps
+a day of batches by default, ``bus_stream_max_age_s``): a longer silence is rolled on by
+the wall clock, so that the samples after it are not taken for a clock far ahead."""
 
 
 def _named(rows: np.ndarray, names: tuple[str, ...]) -> dict[str, np.ndarray]:
     """The rows of a column-wise state block, by column name."""
     return {c: rows[j] for j, c in enumerate(names)}
-
-
-def _matrix(feats: dict[str, np.ndarray], model: FailurePredictor) -> np.ndarray:
-    """The model's feature matrix, one column after another in memory: a tree visits the
-    rows in order and reads a few features of each, so columns laid out whole keep those
-    reads sequential (it predicts about 2.5 times faster than on rows laid out whole)."""
-    names = model.feature_names
-    x = np.empty((len(feats[names[0]]), len(names)), order="F")
-    for j, c in enumerate(names):
-        x[:, j] = feats[c]
-    return x
 
 
 class LiveScorer:
@@ -132,8 +72,12 @@ class LiveScorer:
         lead_min_s: a failure counts as caught only if the alarm came this much earlier.
 
     Contract: samples of one GPU arrive in time order; :meth:`score` is called with a
-    time at or after the samples it should see. Nothing here raises on bad samples:
-    missing fields count as not supported.
+    time at or after the samples it should see. The per-minute grid follows the samples'
+    clock: a scoring reads the wall clock's last complete minute only as far as the data
+    reached it, so samples that arrive after a scoring but belong before it (a backlog)
+    fill their own minutes; only a sample of a minute already snapshotted is late (counted
+    into the open minute: :attr:`late`). Nothing here raises on bad samples: missing
+    fields count as not supported.
     """
 
     def __init__(self, model: FailurePredictor, *, stale_s: float = 180.0,
@@ -154,7 +98,7 @@ class LiveScorer:
         self._jobs: dict[int, tuple[str, float]] = {}
         """GPU slot -> (the job it runs, when a rank said so)."""
         self._jobs_changed = 0
-        self._job_scores: tuple[_MinuteScores, int, np.ndarray, JobScores] | None = None
+        self._job_scores: tuple[MinuteScores, int, np.ndarray, JobScores] | None = None
         self.job_stale_s = 600.0
         self._index: dict[tuple[str, int], int] = {}
         self._nodes: list[str] = []
@@ -174,7 +118,7 @@ class LiveScorer:
         # LAST_COLUMNS as they stood at the end of the last snapshotted minute, as the
         # batch grid has them (not the open minute's newer values).
         self._last = np.zeros((len(LAST_COLUMNS), capacity))
-        self._scores: _MinuteScores | None = None
+        self._scores: MinuteScores | None = None
         self._minute: int | None = None  # last minute snapshotted
         self._true = self._false = 0
         self._failures = self._caught = 0
@@ -268,6 +212,22 @@ class LiveScorer:
                 self._block_minute[:] = (self._block_minute[1], m)
             self._minute = m
             self._last[:, :n] = self._cur[_N_CUM:, :n]
+            if upto - m > _RING:  # no sample comes in between: the minutes after are m's
+                self._repeat(m, upto - _RING)
+
+    def _repeat(self, m: int, to: int) -> None:
+        """The minutes after ``m`` up to ``to`` as copies of minute ``m``, at once: what
+        rolling them one by one gives when no sample came since (a long silence), the
+        last of them in the ring and the baseline blocks' boundaries among them."""
+        n = len(self._nodes)
+        snap = self._ring[m % _RING, :, :n]
+        first = -(-(m + 1) // BASELINE_BLOCK) * BASELINE_BLOCK
+        for b in range(first, to + 1, BASELINE_BLOCK)[-2:]:
+            self._block[0] = self._block[1]
+            self._block[1, :, :n] = snap
+            self._block_minute[:] = (self._block_minute[1], b)
+        self._ring[to % _RING, :, :n] = snap
+        self._minute = to
 
     # -- scoring ----------------------------------------------------------------------
     def features(self, now: float) -> tuple[np.ndarray, dict[str, np.ndarray], float]:
@@ -279,17 +239,28 @@ class LiveScorer:
         return live[fresh], {k: v[fresh] for k, v in feats.items()}, (m + 1) * GRID_S
 
     def _complete(self, now: float) -> int:
-        """The last complete minute at ``now``, snapshotted."""
-        m = int(now // GRID_S) - 1
-        self._roll(m)
-        return m
+        """The minute to score at ``now``: the wall clock's last complete minute, but never
+        past the newest minute a sample reached. The grid follows the data's clock: a
+        backlog read after a scoring (a paused or new leader reading the stream, agents
+        replaying their spool after an outage) fills its own minutes instead of arriving
+        late into one. Whether a GPU is scored stays on the wall clock (:meth:`_fresh`):
+        when the data stops, no GPU is scored after ``stale_s``. A silence longer than
+        :data:`_BACKLOG` is rolled on by the wall clock."""
+        wall = int(now // GRID_S) - 1
+        if self._minute is None:
+            return wall
+        top = float(self._last_seen[:len(self._nodes)].max(initial=-np.inf))
+        newest = int(top // GRID_S) if np.isfinite(top) else self._minute
+        self._roll(max(min(wall, newest), wall - _BACKLOG))
+        return self._minute
 
     def _candidates(self, m: int, now: float) -> np.ndarray:
         """GPU slots that may count as a peer at minute ``m`` (a sample within
-        PEER_MINUTES: derive decides exactly, from the grid, as the batch features do)."""
+        PEER_MINUTES of it, or of ``now`` when that is earlier: derive decides exactly,
+        from the grid, as the batch features do)."""
         n = len(self._nodes)
         started = (self._first_minute[:n] >= 0) & (self._first_minute[:n] <= m)
-        seen = now - self._last_seen[:n]
+        seen = min(now, (m + 1) * GRID_S) - self._last_seen[:n]
         live: np.ndarray = np.nonzero(started & (seen <= PEER_MINUTES * GRID_S + 2 * GRID_S))[0]
         return live
 
@@ -324,30 +295,40 @@ class LiveScorer:
             return _named(np.where((m - k) < first_minute, first[rows], back), HISTORY_COLUMNS)
         return derive(now, lag, _named(first, CUM_COLUMNS), end, minutes, group, history)
 
-    def _scored(self, now: float) -> tuple[_MinuteScores, np.ndarray]:
+    def _scored(self, now: float) -> tuple[MinuteScores, np.ndarray]:
         """The minute's scores and the positions in them of the GPUs fresh at ``now``.
 
         Features change only when the grid moves to the next minute, so one minute's
         features and probabilities are computed once and reused by the scorings after it
         in that minute (the collector scores every few seconds); computed again when the
-        model changed or a fresh GPU is not among them."""
-        m = self._complete(now)
-        live = self._candidates(m, now)
-        slots = live[self._fresh(live, now)]
+        model changed or a fresh GPU is not among them. The scores :meth:`prepare`
+        computed for ``now`` are used even when a sample of a new minute arrived between
+        its parts (the scoring keeps the minute it began with)."""
         c = self._scores
-        pos = None if c is None or c.minute != m or c.model is not self.model \
-            else c.positions(slots)
-        if c is None or pos is None:
-            for _ in self._compute(m, live, len(live)):
-                pass
-            c = self._scores
-            assert c is not None
-            pos = c.positions(slots)
-            assert pos is not None  # the fresh GPUs are among the candidates
-        return c, pos
+        got = self._reusable(c.minute, now) if c is not None and c.at == now else None
+        if got is None:
+            m = self._complete(now)
+            got = self._reusable(m, now)
+            if got is None:
+                live = self._candidates(m, now)
+                for _ in self._compute(m, live, len(live), now):
+                    pass
+                got = self._reusable(m, now)
+                assert got is not None  # the fresh GPUs are among the candidates
+        return got
+
+    def _reusable(self, m: int, now: float) -> tuple[MinuteScores, np.ndarray] | None:
+        """The computed scores and the positions in them of the GPUs fresh at ``now``, when
+        they are minute ``m``'s, of this model, and hold every such GPU."""
+        c = self._scores
+        if c is None or c.minute != m or c.model is not self.model:
+            return None
+        live = self._candidates(m, now)
+        pos = c.positions(live[self._fresh(live, now)])
+        return None if pos is None else (c, pos)
 
     @property
-    def computed(self) -> _MinuteScores | None:
+    def computed(self) -> MinuteScores | None:
         """The last features and probabilities computed (one minute's; see :meth:`_scored`)."""
         return self._scores
 
@@ -357,22 +338,20 @@ class LiveScorer:
         probabilities ``chunk`` GPUs at a time. :meth:`score` at ``now`` uses them (unless
         a GPU turned fresh meanwhile: then it computes them again, whole)."""
         m = self._complete(now)
-        live = self._candidates(m, now)
-        c = self._scores
-        if c is None or c.minute != m or c.model is not self.model \
-                or c.positions(live[self._fresh(live, now)]) is None:
-            yield from self._compute(m, live, chunk)
+        if self._reusable(m, now) is None:
+            yield from self._compute(m, self._candidates(m, now), chunk, now)
 
-    def _compute(self, m: int, live: np.ndarray, chunk: int) -> Iterator[None]:
-        """The features and probabilities of the GPU slots ``live`` at minute ``m``, a
-        ``yield`` before each ``chunk`` of probabilities; kept as :attr:`computed`."""
+    def _compute(self, m: int, live: np.ndarray, chunk: int, now: float) -> Iterator[None]:
+        """The features and probabilities of the GPU slots ``live`` at minute ``m`` for the
+        scoring at ``now``, a ``yield`` before each ``chunk`` of probabilities; kept as
+        :attr:`computed`."""
         model, feats = self.model, self._derive(m, live)
-        x = _matrix(feats, model)  # a copy: later samples do not change this scoring
+        x = feature_matrix(feats, model)  # a copy: later samples do not change this scoring
         probs = np.zeros(len(live))
         for a in range(0, len(live), max(chunk, 1)):
             yield
             probs[a:a + chunk] = model.predict_proba(x[a:a + chunk])
-        self._scores = _MinuteScores(m, model, live, feats, probs, x)
+        self._scores = MinuteScores(m, now, model, live, feats, probs, x)
 
     def score(self, now: float) -> list[Finding]:
         """Findings for the GPUs in an alarm episode (:meth:`alarming`), each with its
@@ -423,7 +402,7 @@ class LiveScorer:
                                    np.asarray(self._nodes, dtype=object)[live],
                                    np.asarray(self._gpus)[live], now)
 
-    def _compared(self, c: _MinuteScores, pos: np.ndarray, now: float) -> JobScores:
+    def _compared(self, c: MinuteScores, pos: np.ndarray, now: float) -> JobScores:
         """The job-peer comparison of the minute's GPUs ``pos``: computed once a minute, as
         the features, and again when the job map changed or another set of GPUs is fresh."""
         got = self._job_scores

@@ -75,7 +75,8 @@ from .risk import RiskScores, empty_scores, gpu_risk, job_risk_entry
 from .scoring_pass import run_whole
 
 if TYPE_CHECKING:
-    from forewarn.models.live import LiveScorer, ShadowStats
+    from forewarn.models.alarms import ShadowStats
+    from forewarn.models.live import LiveScorer
     from forewarn.models.predictor import FailurePredictor
 
     from ..config import CollectorConfig

@@ -6,6 +6,7 @@ the parts do not change it."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from forewarn.models.live import LiveScorer
 from forewarn.models.persist import load_default_model
@@ -28,15 +29,20 @@ def fed(minutes: int) -> LiveScorer:
     return scorer
 
 
-def test_a_scoring_in_parts_equals_one_computed_whole() -> None:
+@pytest.mark.parametrize("minutes, between", [
+    (20, 60 * 20 + 4),  # a sample of the open minute
+    (18, 60 * 18 + 1),  # a backlog being read: a minute the scoring could have read
+])
+def test_a_scoring_in_parts_equals_one_computed_whole(minutes: int, between: float) -> None:
+    """Samples that arrive between the parts are not in this scoring's features, nor do
+    they move the minute it began with."""
     now = T0 + 60 * 20 + 5
-    whole, parted = fed(20), fed(20)
+    whole, parted = fed(minutes), fed(minutes)
     expected = whole.score(now)
     parts = 0
     for _ in parted.prepare(now, chunk=5):
         parts += 1
-        # a sample of the open minute between two parts: not in this scoring's features
-        parted.observe(GpuSample(node="n0", gpu=0, time=now - 1, source="test",
+        parted.observe(GpuSample(node="n0", gpu=0, time=T0 + between, source="test",
                                  power_w=9999.0))
     assert parts == -(-NODES * GPUS // 5)  # one part per chunk of GPUs
     computed = parted.computed
