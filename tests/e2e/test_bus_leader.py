@@ -178,10 +178,9 @@ def test_the_leader_predicts_from_a_precursor_the_follower_stored(
         return [row for row in log if row["kind"] == "checkpoint"]
 
     # The leader scores as soon as it continues, before it has read the backlog the
-    # follower stored: its first scorings roll the features' grid to the wall clock's
-    # minute without the last minutes, and the backlog then counts into the open minute
-    # (LiveScorer: late samples). So the alarm may come only at the next minute, which on
-    # a loaded machine can be more than a minute away: wait while the alarm run lasts.
+    # follower stored; the backlog then fills its own minutes (the grid follows the data's
+    # clock: tests/models/test_live_backlog.py), so the alarm comes once it is read. On a
+    # loaded machine that can take a while: wait while the alarm run lasts.
     window = math.floor(now / 60) * 60 + 180 - time.time()
     orders = wait_for(ordered, max(window, 60), "the leader's checkpoint order on the prediction")
     assert s.a.role() == "leader"
