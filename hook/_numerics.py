@@ -20,6 +20,11 @@ peers, and nothing a rank has not reached changes, so a rank decides every later
 same whether the re-issue has reached it yet or not. A rank that was already holding at
 the re-issued step has not missed it; one that passed it unheld too (a second late rank)
 reports again (the issuer gives up after a few re-issues, as for orders).
+
+**Several holds.** Several ranks' reports may each cause a hold, and copies are retried, so
+holds reach the ranks in different orders, some twice. A rank holds from the earliest step
+of the holds it got that no other hold ``replaces``; a copy of a replaced hold arriving after
+its re-issue is ignored. Every rank that got the same holds stops at the same step.
 """
 
 from __future__ import annotations
@@ -57,8 +62,8 @@ class Numerics:
         """First step of the suspect state; None while the state is sound."""
         self.held_from: int | None = None
         """Saves of this step or later are refused; None while not held."""
-        self.hold_id = ""
-        """Request id of the job-wide hold in force (a re-issue replaces it)."""
+        self._holds: dict[str, int] = {}  # request id -> step of each hold not replaced
+        self._replaced: collections.deque[str] = collections.deque(maxlen=64)
         self._lock = lock
         self._report_missed = report_missed
         self._on_error = on_error
@@ -92,19 +97,24 @@ class Numerics:
 
     def suspect(self, onset: int, hold_from: int | None, hold_id: str = "",
                 replaces: str = "") -> None:
-        """The state is suspect since ``onset``; saves held from ``hold_from`` (if any).
-        A hold that ``replaces`` the one in force moves its step; others only bring it
-        nearer."""
+        """The state is suspect since ``onset``; saves held from ``hold_from`` (if any)
+        under the hold ``hold_id`` ("" for this rank's own hold).
+
+        Saves are held from the earliest step of the holds not replaced: a hold that
+        ``replaces`` another ends it (and a copy of it arriving later), whatever the order
+        the holds arrive in, so every rank that got the same holds stops at the same step
+        (the collector's rule, :func:`forewarn.collector.jobs.jobmap.numerics_state`)."""
         with self._lock:
             new = self.onset is None or onset < self.onset
             if new:
                 self.onset = onset
             if hold_from is not None:
-                if (self.held_from is None or hold_from < self.held_from
-                        or (replaces and replaces == self.hold_id)):
-                    self.held_from = hold_from
-                if hold_id:
-                    self.hold_id = hold_id
+                if replaces:
+                    self._replaced.append(replaces)
+                    self._holds.pop(replaces, None)
+                if hold_id not in self._replaced:
+                    self._holds[hold_id] = min(hold_from, self._holds.get(hold_id, hold_from))
+                self.held_from = min(self._holds.values(), default=None)
         if not new:
             return
         for fn in list(self._listeners):
@@ -122,7 +132,7 @@ class Numerics:
         """Saves are no longer held nor marked suspect (checkpoints marked stay marked)."""
         with self._lock:
             self.onset = self.held_from = None
-            self.hold_id = ""
+            self._holds.clear()
 
     def on_suspect(self, fn: Callable[[int], object]) -> None:
         """Call ``fn(onset_step)`` when the state becomes suspect (or its onset moves
