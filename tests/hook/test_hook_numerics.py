@@ -217,3 +217,48 @@ def test_a_hold_whose_step_has_passed_is_reported_missed_and_its_reissue_replace
         assert not [r for r in agent.reports(timeout=0.3) if r.phase == "missed"]
     finally:
         mon.close()
+
+
+
+def _saves_of(messages: list[wire.CheckpointOrder | wire.SaveHold], orders: int) -> list[int]:
+    """The steps 5..19 at which a rank of a 2-rank job saves, given ``messages`` at step 4
+    (the last one an order: the hook's one receiving thread takes them in turn)."""
+    d = tempfile.mkdtemp(prefix="fw-")
+    agent = AgentSocket(os.path.join(d, "agent.sock"))
+    mon = _monitor(agent.path, world_size=2)
+    try:
+        for step in range(5):
+            mon.step(step, loss=1.0, grad_norm=1.0)
+        _wait(lambda: bool(mon.reply_path) and mon.connected)
+        for msg in messages:
+            AgentSocket.send(mon.reply_path, msg)
+        _wait(lambda: mon.stats.orders == orders)
+        steps = []
+        for step in range(5, 20):
+            mon.step(step, loss=1.0, grad_norm=1.0)
+            if mon.should_checkpoint(step):
+                steps.append(step)
+                mon.checkpoint_done(step, 0.1, 1)
+        return steps
+    finally:
+        mon.close()
+        agent.sock.close()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_ranks_save_at_the_same_steps_whatever_order_orders_and_holds_arrive_in() -> None:
+    """Two ranks get the same checkpoint orders and holds (a hold, its re-issue, a
+    duplicate order) in different orders: both save at the same steps and refuse the same
+    (saves are held from the re-issue's step 14, not the replaced hold's 12)."""
+    def order(rid: str, step: int) -> wire.CheckpointOrder:
+        return wire.CheckpointOrder(request_id=rid, job="j", step=step, issued=time.time())
+
+    def hold(rid: str, step: int, replaces: str = "") -> wire.SaveHold:
+        return wire.SaveHold(request_id=rid, job="j", onset_step=4, step=step,
+                             reason="nan_loss on rank 1", issued=time.time(), replaces=replaces)
+
+    o10, o13, o16 = order("o10", 10), order("o13", 13), order("o16", 16)
+    a, a1 = hold("a", 12), hold("a-r1", 14, "a")
+    saved = [_saves_of(seq, orders=3)
+             for seq in ([o10, a, a1, o10, o16, o13], [a1, o16, o10, a, o10, o13])]
+    assert saved == [[10, 13], [10, 13]]
