@@ -27,8 +27,10 @@ def carry_out(command: Command, orders: OrderSink | None) -> tuple[bool, str]:
         return False, "no ranks component on this agent"
     if order is not None:
         sent = orders.order_job(order.job, order.step, order.reason, order.request_id)
-        return True, ack_detail(order.job, None if sent is None else sent.step,
-                                () if sent is None else orders.not_live(sent.request_id))
+        if sent is None:
+            return True, ack_detail(order.job, None, (), ())
+        return True, ack_detail(order.job, sent.step, orders.not_live(sent.request_id),
+                                orders.order_waiting(sent.request_id))
     if hold is not None:
         reached = orders.hold_job(hold)
         return True, hold_detail(hold.job, reached, orders.hold_waiting(hold.request_id))

@@ -36,12 +36,21 @@ def job_ranks(table: RankTable, job: str, now: float) -> tuple[list[RankView], l
     return known, [v for v in known if table.alive(v, now)]
 
 
-def ack_detail(job: str, step: int | None, not_live: Collection[int]) -> str:
-    """The acknowledgement's detail for an order of ``job`` (``step`` None: none sent)."""
+def ack_detail(job: str, step: int | None, not_live: Collection[int],
+               waiting: Collection[int]) -> str:
+    """The acknowledgement's detail for an order of ``job`` (``step`` None: none sent):
+    the ranks that were ``not_live``, and those the order has not reached yet
+    (``waiting``: its datagram failed, retried on every poll)."""
     if step is None:
         return f"no live rank of job {job!r} on this node: none known here"
-    if not not_live:
-        return f"ordered step {step}"
-    ranks = ", ".join(str(r) for r in sorted(not_live))
-    return (f"ordered step {step}; rank(s) {ranks} not live now: the order waits for them "
-            "(until they beat again, or their process is replaced)")
+    out = f"ordered step {step}"
+    if not_live:
+        ranks = ", ".join(str(r) for r in sorted(not_live))
+        out += (f"; rank(s) {ranks} not live now: the order waits for them "
+                "(until they beat again, or their process is replaced)")
+    if waiting:
+        ranks = ", ".join(str(r) for r in sorted(waiting))
+        out += (f"; rank(s) {ranks} not reached yet: retried on every poll (until they "
+                "take it, their process is replaced, or the order ends: superseded or "
+                "past its time to live)")
+    return out

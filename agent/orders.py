@@ -400,6 +400,13 @@ class CheckpointOrders:
             st = self._orders.get(request_id)
             return st.not_live if st is not None else frozenset()
 
+    def order_waiting(self, request_id: str) -> frozenset[int]:
+        """Ranks an open order has not reached yet (retried on every poll; none once
+        closed)."""
+        with self._lock:
+            st = self._orders.get(request_id)
+            return frozenset(st.delivery.unsent) if st is not None else frozenset()
+
     # -- local fast path -------------------------------------------------------------------
     def jobs_on_gpu(self, gpu: int | None) -> list[str]:
         """Jobs with a rank on local GPU ``gpu`` (every job when None: a node finding)."""

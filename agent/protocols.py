@@ -193,6 +193,10 @@ class OrderSink(Protocol):
         """Ranks an open order waits for (they were not live when it came)."""
         ...
 
+    def order_waiting(self, request_id: str) -> frozenset[int]:
+        """Ranks an open order has not reached yet (retried on every poll)."""
+        ...
+
     def hold_job(self, hold: SaveHold) -> int:
         """Pass a save hold to the job's local ranks; returns how many it reached."""
         ...

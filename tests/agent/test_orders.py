@@ -1294,3 +1294,28 @@ def test_a_save_holds_ack_says_which_ranks_it_has_not_reached_yet(ranks: Ranks) 
                                    hold=msgspec.structs.replace(hold, request_id="c-h2")),
                            orders)
     assert detail == "save hold passed to 2 of 2 rank(s) of 'a'", detail
+
+
+def test_a_checkpoint_orders_ack_says_which_ranks_it_has_not_reached_yet(
+        ranks: Ranks) -> None:
+    """Rank 0's socket is away when the collector's order comes (both ranks live): the ack
+    said "ordered step 60" as if every rank had it, while rank 0 waits for a retry. It says
+    which ranks the order has not reached yet, as a hold's ack does."""
+    from forewarn.agent.commands import carry_out
+    from forewarn.wire import Command
+
+    for rank in (0, 1):
+        ranks.add("a", rank, 100 + rank, world=2)
+        ranks.step("a", rank, 100 + rank, 40 + rank)
+    orders = make_orders(ranks)
+    order = CheckpointOrder(request_id="c-o", job="a", step=60, issued=ranks.clock())
+    with _away(ranks.sockets[("a", 0)].getsockname()):
+        ok, detail = carry_out(Command(id="c-o@n", kind="checkpoint", order=order,
+                                       issued=ranks.clock()), orders)
+    assert ok and "ordered step 60" in detail and "not live" not in detail, detail
+    assert "rank(s) 0 not reached yet" in detail, detail
+    orders.tick(ranks.clock())
+    ok, detail = carry_out(Command(id="c-o2@n", kind="checkpoint", issued=ranks.clock(),
+                                   order=msgspec.structs.replace(order, request_id="c-o2")),
+                           orders)
+    assert ok and detail == "ordered step 60", detail

@@ -272,6 +272,9 @@ class FakeOrders:
     def not_live(self, request_id: str) -> frozenset[int]:
         return frozenset()
 
+    def order_waiting(self, request_id: str) -> frozenset[int]:
+        return frozenset()
+
 
 def test_checkpoint_command_reaches_order_job_and_is_acked_once(tmp_path: Path) -> None:
     col = Collector(tmp_path)
