@@ -51,6 +51,6 @@ def ack_detail(job: str, step: int | None, not_live: Collection[int],
     if waiting:
         ranks = ", ".join(str(r) for r in sorted(waiting))
         out += (f"; rank(s) {ranks} not reached yet: retried on every poll (until they "
-                "take it, their process is replaced, or the order ends: superseded or "
-                "past its time to live)")
+                "take it, their process is replaced, or the order is older than its "
+                "time to live)")
     return out

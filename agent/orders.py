@@ -200,6 +200,9 @@ class CheckpointOrders:
         self.monotonic = monotonic
         self._lock = threading.RLock()
         self._orders: dict[str, OrderStatus] = {}
+        self._trailing: list[tuple[str, Delivery]] = []
+        """``(job, delivery)`` of superseded orders not delivered to every rank yet: a rank
+        that got the old order saves at its step, so every rank must get it."""
         self.holds = LocalHolds(
             table, send, clock, lambda views, now: choose_step(
                 views, now, delivery_latency_s=self.delivery_latency_s, safety_s=self.safety_s),
@@ -297,6 +300,8 @@ class CheckpointOrders:
         for old in list(self._orders.values()):
             if old.order.job == job and not old.closed:
                 self._close(old, "superseded")
+                if old.delivery.unsent:
+                    self._trailing.append((job, old.delivery))
         st = OrderStatus(order=order, origin=origin, root=root or rid, agent_chose_step=chose,
                          expected=frozenset(v.rank for v in known),
                          delivery=Delivery.send(self.send, known, encode(order),
@@ -364,6 +369,7 @@ class CheckpointOrders:
         with self._lock:
             self.holds.tick()
             self._end_replaced()
+            self._retry_trailing()
             for st in list(self._orders.values()):
                 if st.closed:
                     continue
@@ -380,6 +386,19 @@ class CheckpointOrders:
                         self._missed(st, f"rank {rank} went past step {st.order.step} "
                                          "without reporting (order lost)")
                         break
+
+    def _retry_trailing(self) -> None:
+        """Retry superseded orders' undelivered copies until delivered, past the time to
+        live, or a rank's process is replaced (as an open order's)."""
+        keep = []
+        for job, d in self._trailing:
+            views = self.table.job_views(job)
+            if d.replaced(views) or d.expired(self.monotonic(), self.ttl_s):
+                continue
+            d.retry(self.send, views)
+            if d.unsent:
+                keep.append((job, d))
+        self._trailing = keep
 
     def _end_replaced(self) -> None:
         """End the open orders a rank of which is no longer the process they were sent to

@@ -1319,3 +1319,22 @@ def test_a_checkpoint_orders_ack_says_which_ranks_it_has_not_reached_yet(
                                    order=msgspec.structs.replace(order, request_id="c-o2")),
                            orders)
     assert ok and detail == "ordered step 60", detail
+
+
+def test_a_superseded_orders_copies_still_reach_the_ranks_it_missed(ranks: Ranks) -> None:
+    """Rank 0's socket is away when order c-1 (step 60) comes; rank 1 gets it. Order c-2
+    (step 70) supersedes c-1 before rank 0 is back. Superseding ended c-1's undelivered
+    copy: rank 1 saved at 60 and rank 0 never did nor reported it missed. Every rank gets
+    every order (the hook keeps each order's step), so both save at 60 and 70."""
+    for rank in (0, 1):
+        ranks.add("a", rank, 100 + rank, world=2)
+        ranks.step("a", rank, 100 + rank, 40 + rank)
+    orders = make_orders(ranks)
+    with _away(ranks.sockets[("a", 0)].getsockname()):
+        c1 = orders.order_job("a", 60, request_id="c-1")
+        c2 = orders.order_job("a", 70, request_id="c-2")
+    assert ranks.received("a", 1) == [c1, c2]
+    orders.tick(ranks.clock())
+    assert sorted(o.request_id for o in ranks.received("a", 0)) == ["c-1", "c-2"]
+    orders.tick(ranks.clock())
+    assert ranks.received("a", 0) == []  # each copy once
