@@ -257,11 +257,13 @@ class LiveScorer:
     def _candidates(self, m: int, now: float) -> np.ndarray:
         """GPU slots that may count as a peer at minute ``m`` (a sample within
         PEER_MINUTES of it, or of ``now`` when that is earlier: derive decides exactly,
-        from the grid, as the batch features do)."""
+        from the grid, as the batch features do), and every GPU fresh at ``now`` (within
+        :attr:`stale_s`, which may be longer than the peer window)."""
         n = len(self._nodes)
         started = (self._first_minute[:n] >= 0) & (self._first_minute[:n] <= m)
         seen = min(now, (m + 1) * GRID_S) - self._last_seen[:n]
-        live: np.ndarray = np.nonzero(started & (seen <= PEER_MINUTES * GRID_S + 2 * GRID_S))[0]
+        window = max(PEER_MINUTES * GRID_S + 2 * GRID_S, self.stale_s)
+        live: np.ndarray = np.nonzero(started & (seen <= window))[0]
         return live
 
     def _fresh(self, slots: np.ndarray, now: float) -> np.ndarray:
