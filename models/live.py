@@ -15,6 +15,8 @@ precision, recall and lead times, which the collector exports as metrics.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Iterator
 from typing import Final
 
@@ -120,6 +122,10 @@ class LiveScorer:
         self._last = np.zeros((len(LAST_COLUMNS), capacity))
         self._scores: MinuteScores | None = None
         self._minute: int | None = None  # last minute snapshotted
+        self._wall: int | None = None  # the minute of the last scoring's ``now``
+        self._held: list[tuple[int, int, GpuSample]] = []
+        """Samples of minutes ahead of :attr:`_wall`, a heap by (minute, arrival)."""
+        self._arrivals = itertools.count()
         self._true = self._false = 0
         self._failures = self._caught = 0
         self._leads: list[float] = []
@@ -153,8 +159,16 @@ class LiveScorer:
         self._last_seen = np.concatenate([self._last_seen, np.full(cap // 2, -np.inf)])
 
     def observe(self, s: GpuSample) -> None:
-        """Take one sample (in time order per GPU)."""
+        """Take one sample (in time order per GPU). A sample of a minute ahead of the last
+        scoring's wall clock is held until a scoring's clock reaches that minute: one
+        agent's clock ahead must not roll the grid for every GPU."""
         minute = int(s.time // GRID_S)
+        if self._wall is not None and minute > self._wall:
+            if minute - self._wall > _MAX_JUMP:
+                self.skipped += 1
+            else:
+                heapq.heappush(self._held, (minute, next(self._arrivals), s))
+            return
         if not self._advance(minute):
             return
         i = self._slot(s.node, s.gpu)
@@ -243,10 +257,15 @@ class LiveScorer:
         past the newest minute a sample reached. The grid follows the data's clock: a
         backlog read after a scoring (a paused or new leader reading the stream, agents
         replaying their spool after an outage) fills its own minutes instead of arriving
-        late into one. Whether a GPU is scored stays on the wall clock (:meth:`_fresh`):
-        when the data stops, no GPU is scored after ``stale_s``. A silence longer than
-        :data:`_BACKLOG` is rolled on by the wall clock."""
-        wall = int(now // GRID_S) - 1
+        late into one. The grid never runs ahead of the wall clock: samples ahead of it are
+        held (:meth:`observe`) and taken here once ``now`` reaches their minute. Whether a
+        GPU is scored stays on the wall clock (:meth:`_fresh`): when the data stops, no GPU
+        is scored after ``stale_s``. A silence longer than :data:`_BACKLOG` is rolled on by
+        the wall clock."""
+        self._wall = int(now // GRID_S)
+        while self._held and self._held[0][0] <= self._wall:
+            self.observe(heapq.heappop(self._held)[2])
+        wall = self._wall - 1
         if self._minute is None:
             return wall
         top = float(self._last_seen[:len(self._nodes)].max(initial=-np.inf))
