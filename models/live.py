@@ -123,8 +123,7 @@ class LiveScorer:
         self._scores: MinuteScores | None = None
         self._minute: int | None = None  # last minute snapshotted
         self._wall: int | None = None  # the minute of the last scoring's ``now``
-        self._held: list[tuple[int, int, GpuSample]] = []
-        """Samples of minutes ahead of :attr:`_wall`, a heap by (minute, arrival)."""
+        self._held: list[tuple[int, int, GpuSample]] = []  # ahead of _wall: a heap
         self._arrivals = itertools.count()
         self._true = self._false = 0
         self._failures = self._caught = 0
@@ -134,6 +133,8 @@ class LiveScorer:
         """Samples refused (time far ahead of the others)."""
         self.late = 0
         """Samples that arrived after their minute was snapshotted (counted in the next)."""
+        self.repeated = 0
+        """Samples refused as not newer than their GPU's last (read again after a restore)."""
 
     # -- ingest -----------------------------------------------------------------------
     def _slot(self, node: str, gpu: int) -> int:
@@ -159,15 +160,19 @@ class LiveScorer:
         self._last_seen = np.concatenate([self._last_seen, np.full(cap // 2, -np.inf)])
 
     def observe(self, s: GpuSample) -> None:
-        """Take one sample (in time order per GPU). A sample of a minute ahead of the last
-        scoring's wall clock is held until a scoring's clock reaches that minute: one
-        agent's clock ahead must not roll the grid for every GPU."""
+        """Take one sample (in time order per GPU; else refused: :attr:`repeated`). One of a
+        minute past the last scoring's is held until a scoring reaches it: one agent's
+        clock ahead must not roll the grid for every GPU."""
         minute = int(s.time // GRID_S)
         if self._wall is not None and minute > self._wall:
             if minute - self._wall > _MAX_JUMP:
                 self.skipped += 1
             else:
                 heapq.heappush(self._held, (minute, next(self._arrivals), s))
+            return
+        i = self._index.get((s.node, s.gpu))
+        if i is not None and s.time <= self._last_seen[i]:
+            self.repeated += 1
             return
         if not self._advance(minute):
             return
@@ -254,14 +259,11 @@ class LiveScorer:
 
     def _complete(self, now: float) -> int:
         """The minute to score at ``now``: the wall clock's last complete minute, but never
-        past the newest minute a sample reached. The grid follows the data's clock: a
-        backlog read after a scoring (a paused or new leader reading the stream, agents
-        replaying their spool after an outage) fills its own minutes instead of arriving
-        late into one. The grid never runs ahead of the wall clock: samples ahead of it are
-        held (:meth:`observe`) and taken here once ``now`` reaches their minute. Whether a
-        GPU is scored stays on the wall clock (:meth:`_fresh`): when the data stops, no GPU
-        is scored after ``stale_s``. A silence longer than :data:`_BACKLOG` is rolled on by
-        the wall clock."""
+        past the newest minute a sample reached: a backlog read after a scoring (a paused
+        or new leader, agents replaying their spool) fills its own minutes, not one. Held
+        samples (:meth:`observe`) whose minute ``now`` reached are taken first. Whether a
+        GPU is scored stays on the wall clock (:meth:`_fresh`); a silence longer than
+        :data:`_BACKLOG` is rolled on by the wall clock."""
         self._wall = int(now // GRID_S)
         while self._held and self._held[0][0] <= self._wall:
             self.observe(heapq.heappop(self._held)[2])
@@ -276,8 +278,7 @@ class LiveScorer:
     def _candidates(self, m: int, now: float) -> np.ndarray:
         """GPU slots that may count as a peer at minute ``m`` (a sample within
         PEER_MINUTES of it, or of ``now`` when that is earlier: derive decides exactly,
-        from the grid, as the batch features do), and every GPU fresh at ``now`` (within
-        :attr:`stale_s`, which may be longer than the peer window)."""
+        from the grid, as the batch features do), and the GPUs fresh at ``now``."""
         n = len(self._nodes)
         started = (self._first_minute[:n] >= 0) & (self._first_minute[:n] <= m)
         seen = min(now, (m + 1) * GRID_S) - self._last_seen[:n]

@@ -226,3 +226,29 @@ def test_one_node_whose_clock_is_ahead_does_not_move_the_grid_for_the_others(
                 np.testing.assert_allclose(c.feats[name][got], b.loc[gpus, name].to_numpy(),
                                            atol=1e-6, err_msg=f"{node} {name} at {ft}")
     assert scorer.late == 0
+
+
+def test_a_leader_restored_from_a_snapshot_counts_a_sample_it_reads_again_once(
+        case: Case, model: FailurePredictor) -> None:
+    """The snapshot was taken in the middle of a minute, and the new leader reads the
+    stream again from before it (batches the old leader had fed but not acknowledged):
+    the samples the snapshot already holds are not counted twice into the open minute;
+    its features are those of a leader restored alike that read every sample once."""
+    s, x = _sent(case)
+    t = case.first_alarm
+    cut = t - 30  # the middle of the minute before t
+    old = LiveScorer(model)
+    _feed(old, s, x, -np.inf, cut)
+    blob = snapshot(old, cut + 1)
+    restored, once = LiveScorer(model), LiveScorer(model)
+    for scorer in (restored, once):
+        restore(scorer, blob, cut + 2)
+    _feed(restored, s, x[x.time >= cut], t - GRID_S, t + 1)  # samples again from t - 60
+    _feed(once, s, x, cut, t + 1)
+    for scorer in (restored, once):
+        scorer.score(t + 5)
+    a, b = restored.computed, once.computed
+    assert a is not None and b is not None and a.minute == b.minute == t // GRID_S - 1
+    for name in FEATURE_NAMES:
+        np.testing.assert_allclose(a.feats[name], b.feats[name], atol=1e-9, err_msg=name)
+    assert restored.repeated == int(((s.time >= t - GRID_S) & (s.time < cut)).sum())
