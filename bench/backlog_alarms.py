@@ -9,8 +9,12 @@ then the backlog arrives in order, ``--catch-up-min`` minutes of data at each sc
 until the scorer reads the live data again. Every scoring's alarm findings are judged
 against the fleet's failures: an alarm on a GPU that fails within the model's horizon is
 true, any other false. The same fleet is fed once without a backlog as the reference.
+With ``--ahead-s`` there is no backlog: the first node's agent stamps its samples and XIDs
+that much ahead (they arrive at their true time), the other GPUs' scores are compared with
+the reference.
 
-Run: ``python bench/backlog_alarms.py [--nodes 16] [--hours 16] [--at-h 10 13]``.
+Run: ``python bench/backlog_alarms.py [--nodes 16] [--hours 16] [--at-h 10 13]
+[--ahead-s 180]``.
 """
 
 from __future__ import annotations
@@ -34,19 +38,25 @@ _KEYS = ("gpu", "uuid", "time", "temperature_c", "slowdown_margin_c", "power_w",
          "pcie_replay_total", "pcie_link_width", "pcie_link_width_max")
 
 
-def _events(d: FleetData, end: float) -> list[tuple[float, GpuSample | XidEvent]]:
-    """The fleet's samples and XIDs before ``end`` as the agents send them, in time order."""
+def _events(d: FleetData, end: float, fast: str = "", ahead_s: float = 0.0
+            ) -> list[tuple[float, GpuSample | XidEvent]]:
+    """The fleet's samples and XIDs before ``end`` as the agents send them, (arrival, event)
+    in arrival order; node ``fast`` stamps them ``ahead_s`` late."""
     out: list[tuple[float, GpuSample | XidEvent]] = []
     for r in d.samples[d.samples.time < end].to_dict("records"):
+        if r["node"] == fast:
+            r["time"] += ahead_s
         kw = {k: (r[k].item() if hasattr(r[k], "item") else r[k]) for k in _KEYS}
         links = tuple(NvlinkCounters(link=k, crc_flit=int(r[f"nvlink{k}_crc_flit"]),
                                      replay=int(r[f"nvlink{k}_replay"])) for k in range(4))
-        out.append((float(r["time"]), GpuSample(node=str(r["node"]), source="sim",
-                                                simulated=True, state=GpuState(str(r["state"])),
-                                                nvlink=links, **kw)))
+        sample = GpuSample(node=str(r["node"]), source="sim", simulated=True,
+                           state=GpuState(str(r["state"])), nvlink=links, **kw)
+        out.append((float(r["time"]) - (ahead_s if r["node"] == fast else 0.0), sample))
     for x in d.xids[d.xids.time < end].itertuples():
+        shift = ahead_s if x.node == fast else 0.0
         out.append((float(x.time), XidEvent(node=str(x.node), gpu=int(x.gpu), code=int(x.xid),
-                                            time=float(x.time), source="sim", simulated=True)))
+                                            time=float(x.time) + shift, source="sim",
+                                            simulated=True)))
     out.sort(key=lambda e: e[0])
     return out
 
@@ -82,7 +92,8 @@ def run(d: FleetData, events: Sequence[tuple[float, Any]], start: float, end: fl
     judged_from = start + args.judge_from_h * 3600
     false_gpus: set[tuple[str, int]] = set()
     true = false = 0
-    probs: dict[int, dict[int, float]] = {}
+    probs: dict[int, dict[tuple[str, int], float]] = {}
+    fast_scored = 0
     for t, arrived in _arrivals(events, start, end, args.interval_s, args.delay_s, outage,
                                 args.catch_up_min * 60):
         for e in arrived:
@@ -93,8 +104,9 @@ def run(d: FleetData, events: Sequence[tuple[float, Any]], start: float, end: fl
         findings = scorer.score(t)
         c = scorer.computed
         if c is not None:
-            probs.setdefault(c.minute, {}).update(zip(c.slots.tolist(), c.probs.tolist(),
-                                                          strict=True))
+            keys = [(scorer._nodes[i], scorer._gpus[i]) for i in c.slots.tolist()]
+            probs.setdefault(c.minute, {}).update(zip(keys, c.probs.tolist(), strict=True))
+            fast_scored += any(k[0] == args.fast for k in keys)
         for f in findings:
             if t < judged_from:
                 continue
@@ -107,15 +119,17 @@ def run(d: FleetData, events: Sequence[tuple[float, Any]], start: float, end: fl
                 false_gpus.add(key)
     return {"alarm_scorings_true": true, "alarm_scorings_false": false,
             "gpus_falsely_alarmed": len(false_gpus), "late_samples": scorer.late,
-            "probs": probs}
+            "scorings_with_fast_node": fast_scored, "probs": probs}
 
 
-def _differ(ref: dict[int, dict[int, float]], got: dict[int, dict[int, float]], after: float
+def _differ(ref: dict[int, dict[tuple[str, int], float]],
+            got: dict[int, dict[tuple[str, int], float]], after: float, skip: str = ""
             ) -> dict[str, float]:
-    """How the scores of the minutes from ``after`` differ from the reference run's: the
-    GPU-minutes scored in both, those more than 0.01 apart, the largest difference."""
+    """How the scores of the minutes from ``after`` differ from the reference run's (node
+    ``skip`` left out): the GPU-minutes scored in both, those more than 0.01 apart, the
+    largest difference."""
     diffs = [abs(p - ref[m][i]) for m, row in got.items() if m * 60 >= after and m in ref
-             for i, p in row.items() if i in ref[m]]
+             for i, p in row.items() if i in ref[m] and i[0] != skip]
     return {"gpu_minutes_compared": len(diffs),
             "gpu_minutes_off_by_0.01": sum(d > 0.01 for d in diffs),
             "max_score_difference": round(max(diffs, default=0.0), 3)}
@@ -133,9 +147,12 @@ def main() -> None:
                     help="minutes of backlog read between two scorings")
     ap.add_argument("--interval-s", type=float, default=10.0)
     ap.add_argument("--delay-s", type=float, default=2.0)
+    ap.add_argument("--ahead-s", type=float, default=0.0,
+                    help="instead of a backlog: the first node's clock this far ahead")
     ap.add_argument("--judge-from-h", type=float, default=8.0,
                     help="alarms before this (baselines still learned) are not counted")
     args = ap.parse_args()
+    args.fast = ""
     p = load_params().replace(nodes=args.nodes, days=args.hours / 24.0, seed=args.seed)
     d = simulate_fleet(p)
     start = float(d.samples.time.min())
@@ -146,6 +163,14 @@ def main() -> None:
     ref = run(d, events, start, end, args, None)
     ref_probs = ref.pop("probs")
     out["no_backlog"] = ref
+    if args.ahead_s > 0:
+        args.fast = str(d.samples.node.iloc[0])
+        got = run(d, _events(d, end, args.fast, args.ahead_s), start, end, args, None)
+        got |= _differ(ref_probs, got.pop("probs"), start + args.judge_from_h * 3600,
+                       args.fast)
+        out[f"node_ahead_{args.ahead_s:g}s"] = got
+        print(json.dumps(out, indent=1))
+        return
     for at in args.at_h:
         b = start + at * 3600 + 30.0
         got = run(d, events, start, end, args, (b, b + args.backlog_min * 60))

@@ -15,6 +15,8 @@ precision, recall and lead times, which the collector exports as metrics.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Iterator
 from typing import Final
 
@@ -120,6 +122,9 @@ class LiveScorer:
         self._last = np.zeros((len(LAST_COLUMNS), capacity))
         self._scores: MinuteScores | None = None
         self._minute: int | None = None  # last minute snapshotted
+        self._wall: int | None = None  # the minute of the last scoring's ``now``
+        self._held: list[tuple[int, int, GpuSample]] = []  # ahead of _wall: a heap
+        self._arrivals = itertools.count()
         self._true = self._false = 0
         self._failures = self._caught = 0
         self._leads: list[float] = []
@@ -128,6 +133,8 @@ class LiveScorer:
         """Samples refused (time far ahead of the others)."""
         self.late = 0
         """Samples that arrived after their minute was snapshotted (counted in the next)."""
+        self.repeated = 0
+        """Samples refused as not newer than their GPU's last (read again after a restore)."""
 
     # -- ingest -----------------------------------------------------------------------
     def _slot(self, node: str, gpu: int) -> int:
@@ -153,8 +160,20 @@ class LiveScorer:
         self._last_seen = np.concatenate([self._last_seen, np.full(cap // 2, -np.inf)])
 
     def observe(self, s: GpuSample) -> None:
-        """Take one sample (in time order per GPU)."""
+        """Take one sample (in time order per GPU; else refused: :attr:`repeated`). One of a
+        minute past the last scoring's is held until a scoring reaches it: one agent's
+        clock ahead must not roll the grid for every GPU."""
         minute = int(s.time // GRID_S)
+        if self._wall is not None and minute > self._wall:
+            if minute - self._wall > _MAX_JUMP:
+                self.skipped += 1
+            else:
+                heapq.heappush(self._held, (minute, next(self._arrivals), s))
+            return
+        i = self._index.get((s.node, s.gpu))
+        if i is not None and s.time <= self._last_seen[i]:
+            self.repeated += 1
+            return
         if not self._advance(minute):
             return
         i = self._slot(s.node, s.gpu)
@@ -240,13 +259,15 @@ class LiveScorer:
 
     def _complete(self, now: float) -> int:
         """The minute to score at ``now``: the wall clock's last complete minute, but never
-        past the newest minute a sample reached. The grid follows the data's clock: a
-        backlog read after a scoring (a paused or new leader reading the stream, agents
-        replaying their spool after an outage) fills its own minutes instead of arriving
-        late into one. Whether a GPU is scored stays on the wall clock (:meth:`_fresh`):
-        when the data stops, no GPU is scored after ``stale_s``. A silence longer than
+        past the newest minute a sample reached: a backlog read after a scoring (a paused
+        or new leader, agents replaying their spool) fills its own minutes, not one. Held
+        samples (:meth:`observe`) whose minute ``now`` reached are taken first. Whether a
+        GPU is scored stays on the wall clock (:meth:`_fresh`); a silence longer than
         :data:`_BACKLOG` is rolled on by the wall clock."""
-        wall = int(now // GRID_S) - 1
+        self._wall = int(now // GRID_S)
+        while self._held and self._held[0][0] <= self._wall:
+            self.observe(heapq.heappop(self._held)[2])
+        wall = self._wall - 1
         if self._minute is None:
             return wall
         top = float(self._last_seen[:len(self._nodes)].max(initial=-np.inf))
@@ -257,11 +278,12 @@ class LiveScorer:
     def _candidates(self, m: int, now: float) -> np.ndarray:
         """GPU slots that may count as a peer at minute ``m`` (a sample within
         PEER_MINUTES of it, or of ``now`` when that is earlier: derive decides exactly,
-        from the grid, as the batch features do)."""
+        from the grid, as the batch features do), and the GPUs fresh at ``now``."""
         n = len(self._nodes)
         started = (self._first_minute[:n] >= 0) & (self._first_minute[:n] <= m)
         seen = min(now, (m + 1) * GRID_S) - self._last_seen[:n]
-        live: np.ndarray = np.nonzero(started & (seen <= PEER_MINUTES * GRID_S + 2 * GRID_S))[0]
+        window = max(PEER_MINUTES * GRID_S + 2 * GRID_S, self.stale_s)
+        live: np.ndarray = np.nonzero(started & (seen <= window))[0]
         return live
 
     def _fresh(self, slots: np.ndarray, now: float) -> np.ndarray:

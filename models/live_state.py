@@ -75,6 +75,10 @@ NOT_SAVED: Final = {
     "_jobs_changed": "a change counter: bumped at restore",
     "_scores": "a cache of one minute's scoring", "_job_scores": "a cache",
     "skipped": "this process's count", "late": "this process's count",
+    "repeated": "this process's count",
+    "_wall": "this process's last scoring",
+    "_held": "samples ahead of the wall clock (after the saved minute: read again)",
+    "_arrivals": "a counter ordering the held samples",
 }
 """Attributes :func:`snapshot` leaves out, and why."""
 

@@ -6,6 +6,7 @@ the data's clock; whether a GPU is scored stays on the wall clock."""
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pandas as pd
 import pytest
@@ -120,18 +121,20 @@ def test_a_leader_restored_from_a_snapshot_fills_the_backlog_after_it(
 def test_agents_whose_clock_is_ahead_are_scored_on_their_own_minutes(
         case: Case, model: FailurePredictor) -> None:
     """Every agent's clock 90 s ahead of the collector's (ingest takes up to 300 s): the
-    minute scored is the data's last complete one, with that minute's latest values, as
-    in batch."""
+    grid does not run ahead of the collector's clock, the minute scored is the wall
+    clock's last complete one, with that minute's latest values, as in batch."""
     ahead = 90.0
     s, x = _sent(case, ahead)
     batch = gpu_features(s, x)
     t = case.first_alarm
     scorer = LiveScorer(model)
+    scorer.score(float(s.time.min()) - ahead)  # the collector runs before the data comes
     _feed(scorer, s, x, -np.inf, t - 300 + ahead)
     for k in range(5):  # the collector's clock: a sample arrives as it is taken
         now = t - 300 + k * GRID_S
         _feed(scorer, s, x, now + ahead, now + GRID_S + ahead)
-        assert _assert_batch(scorer, batch, now + 5) == now + GRID_S
+        assert _assert_batch(scorer, batch, now + 5) == now
+    assert scorer.late == 0
 
 
 def test_no_gpu_is_scored_once_the_data_stops_and_the_data_after_a_long_silence_is_taken(
@@ -181,3 +184,71 @@ def test_a_silence_rolled_at_once_is_the_silence_rolled_minute_by_minute(
     for name, a in vars(slow).items():
         if isinstance(a, np.ndarray):
             np.testing.assert_array_equal(vars(fast)[name], a, err_msg=name)
+
+
+def test_one_node_whose_clock_is_ahead_does_not_move_the_grid_for_the_others(
+        case: Case, model: FailurePredictor) -> None:
+    """One node's agent stamps its samples 3 minutes ahead (ingest takes up to 300 s); the
+    case's node is on time. Each sample arrives as it is taken, the collector scores a few
+    seconds into every minute. The on-time GPUs' features are the batch features of their
+    own data (none of their samples late). The fast node is scored sanely: every scoring
+    holds it (fresh, never dropped) at the same minute as the others, with the batch
+    features of its own data (its stamped times) at that minute -- its samples wait for
+    the fleet's minute instead of closing minutes for everyone."""
+    ahead = 180.0
+    s, x = _sent(case)
+    fast = s[s.gpu.isin(case.gpus[:2])].copy()
+    fast["time"] += ahead
+    own, fast_own = gpu_features(s, x), gpu_features(fast)
+    t = case.first_alarm
+    sent = [(r.time, r) for r in samples(s[s.time < t + 5 * GRID_S])]
+    sent += [(r.time - ahead, msgspec.structs.replace(r, node="fast"))
+             for r in samples(fast[fast.time < t + 5 * GRID_S + ahead])]
+    sent.sort(key=lambda a: a[0])
+    scorer = LiveScorer(model)
+    scorer.score(sent[0][0])  # the collector runs before the first sample arrives
+    k = 0
+    for now in np.arange(t - 300 + 5, t + 5 * GRID_S, GRID_S):
+        while k < len(sent) and sent[k][0] < now:
+            scorer.observe(sent[k][1])
+            k += 1
+        scorer.score(now)
+        c = scorer.computed
+        assert c is not None
+        ft = (c.minute + 1) * GRID_S
+        assert ft == now - 5, f"minute scored at {now}: {ft}"
+        for node, batch in ((NODE, own), ("fast", fast_own)):
+            got = [j for j, i in enumerate(c.slots) if scorer._nodes[i] == node]
+            gpus = [scorer._gpus[c.slots[j]] for j in got]
+            b = batch[batch.time == ft].set_index("gpu")
+            assert sorted(gpus) == sorted(b.index), f"{node} scored at {now}: {gpus}"
+            for name in FEATURE_NAMES:
+                np.testing.assert_allclose(c.feats[name][got], b.loc[gpus, name].to_numpy(),
+                                           atol=1e-6, err_msg=f"{node} {name} at {ft}")
+    assert scorer.late == 0
+
+
+def test_a_leader_restored_from_a_snapshot_counts_a_sample_it_reads_again_once(
+        case: Case, model: FailurePredictor) -> None:
+    """The snapshot was taken in the middle of a minute, and the new leader reads the
+    stream again from before it (batches the old leader had fed but not acknowledged):
+    the samples the snapshot already holds are not counted twice into the open minute;
+    its features are those of a leader restored alike that read every sample once."""
+    s, x = _sent(case)
+    t = case.first_alarm
+    cut = t - 30  # the middle of the minute before t
+    old = LiveScorer(model)
+    _feed(old, s, x, -np.inf, cut)
+    blob = snapshot(old, cut + 1)
+    restored, once = LiveScorer(model), LiveScorer(model)
+    for scorer in (restored, once):
+        restore(scorer, blob, cut + 2)
+    _feed(restored, s, x[x.time >= cut], t - GRID_S, t + 1)  # samples again from t - 60
+    _feed(once, s, x, cut, t + 1)
+    for scorer in (restored, once):
+        scorer.score(t + 5)
+    a, b = restored.computed, once.computed
+    assert a is not None and b is not None and a.minute == b.minute == t // GRID_S - 1
+    for name in FEATURE_NAMES:
+        np.testing.assert_allclose(a.feats[name], b.feats[name], atol=1e-9, err_msg=name)
+    assert restored.repeated == int(((s.time >= t - GRID_S) & (s.time < cut)).sum())
