@@ -76,6 +76,16 @@ class PredictorMetrics:
         for k, v in svc.samples.items():
             samples.add_metric([k], v)
         yield samples
+        # Fed samples the scorer's per-minute grid took out of time order: exported from
+        # the start (0), so an alert's increase() sees the first.
+        grid = CounterMetricFamily(q + "grid_samples", "Fed samples out of time order: late "
+                                   "(counted into the open minute), too_far_ahead and "
+                                   "repeated (refused).", labels=["result"])
+        scorer = svc.scorer
+        for k, attr in (("late", "late"), ("too_far_ahead", "skipped"),
+                        ("repeated", "repeated")):
+            grid.add_metric([k], getattr(scorer, attr) if scorer is not None else 0)
+        yield grid
         snaps = svc.snapshots
         if snaps is not None:
             done = CounterMetricFamily(q + "state_snapshots", "Snapshots of the scorer's "
